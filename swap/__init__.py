@@ -1,0 +1,21 @@
+"""The swap layer: aligned host buffers, async file I/O backends and swap files.
+
+It knows bytes, not models, and imports nothing from ``infinity``.
+"""
+
+from swap.backends.base import IOBackend, IORequest, Op
+from swap.buffers import ALIGNMENT, BufferPool, HostBuffer, align_up
+from swap.engine import EngineSettings, SwapEngine
+from swap.errors import (IntegrityError, NvmePathError, PoolExhaustedError, SwapConfigError,
+                         SwapError, SwapIOError, SwapSpaceError, TransferTimeoutError)
+from swap.files import Extent, SwapSpace
+from swap.probe import BACKENDS, choose_backend, make_backend, probe_direct_io
+from swap.stats import EngineStats
+
+__all__ = [
+    "ALIGNMENT", "BACKENDS", "BufferPool", "EngineSettings", "EngineStats", "Extent",
+    "HostBuffer", "IOBackend", "IORequest", "IntegrityError", "NvmePathError", "Op",
+    "PoolExhaustedError", "SwapConfigError", "SwapEngine", "SwapError", "SwapIOError",
+    "SwapSpace", "SwapSpaceError", "TransferTimeoutError", "align_up", "choose_backend",
+    "make_backend", "probe_direct_io",
+]

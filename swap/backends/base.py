@@ -1,0 +1,75 @@
+"""The interface every I/O backend implements.
+
+A backend moves one request (a file descriptor, a file offset and a span of host memory given by
+address and length) and returns a ``concurrent.futures.Future`` that resolves to the number of
+bytes moved, or fails with the ``OSError`` the kernel returned. Splitting, queue depth, short
+transfers and error wording live one level up, in the engine, so each backend stays small.
+
+Memory is passed by address rather than as a Python buffer because the io_uring wrapper keeps a
+reference to every buffer it is given forever; an address wrapped in a tiny ctypes proxy is the
+only thing it then retains. The caller guarantees the memory outlives the request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Op(str, Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclass(frozen=True, slots=True)
+class IORequest:
+    op: Op
+    fd: int
+    offset: int
+    address: int
+    length: int
+
+
+def memory_at(address: int, length: int) -> memoryview:
+    """A writable memoryview of ``length`` bytes at ``address`` that owns nothing."""
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+@dataclass
+class BackendCounters:
+    """CPU time spent in threads the backend owns (completion or worker threads)."""
+    thread_cpu_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_cpu(self, seconds: float) -> None:
+        with self.lock:
+            self.thread_cpu_seconds += seconds
+
+
+class IOBackend(ABC):
+    """Moves single requests asynchronously. Subclasses set ``name`` and ``direct``."""
+
+    name: str = "base"
+    #: whether files for this backend are opened with O_DIRECT
+    direct: bool = True
+
+    def __init__(self, queue_depth: int) -> None:
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        self.queue_depth = queue_depth
+        self.counters = BackendCounters()
+
+    @abstractmethod
+    def submit(self, request: IORequest) -> "Future[int]":
+        """Starts ``request``; the future resolves to bytes moved or raises ``OSError``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Waits for requests in flight, then releases the backend's threads and kernel objects."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(queue_depth={self.queue_depth})"

@@ -1,0 +1,206 @@
+"""Aligned, pre-faulted host buffers and the pool that lends them out.
+
+The pool makes one allocation of ``buffer_count * buffer_size`` bytes and carves it into slots.
+Each slot starts on a 4096-byte boundary (O_DIRECT needs the memory, offset and length aligned)
+and every page is touched at creation, because the first submit on untouched pages pays for the
+page faults inside the I/O path. With CUDA the allocation is page-locked, so device copies from
+and to it are asynchronous; without CUDA it is plain anonymous memory and the pool says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from typing import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from swap.errors import PoolExhaustedError, SwapConfigError
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 4096
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class HostBuffer:
+    """One slot of a pool: ``nbytes`` aligned bytes, viewable as numpy or torch without copies."""
+
+    __slots__ = ("index", "nbytes", "array", "tensor", "address", "pool")
+
+    def __init__(self, index: int, array: np.ndarray, tensor: torch.Tensor,
+                 pool: "BufferPool | None") -> None:
+        self.index = index
+        self.array = array
+        self.tensor = tensor
+        self.nbytes = int(array.nbytes)
+        self.address = int(array.ctypes.data)
+        self.pool = pool
+
+    def view(self, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
+        """A torch tensor of ``numel`` elements of ``dtype`` over this buffer's bytes."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        end = byte_offset + numel * itemsize
+        if byte_offset < 0 or end > self.nbytes:
+            raise ValueError(f"view of {numel} x {dtype} at byte {byte_offset} does not fit in a "
+                             f"{self.nbytes}-byte buffer")
+        return self.tensor[byte_offset:end].view(dtype)
+
+    def memoryview(self, start: int = 0, stop: int | None = None) -> memoryview:
+        return memoryview(self.array)[start:stop]
+
+    def release(self) -> None:
+        if self.pool is None:
+            raise RuntimeError("this buffer does not belong to a pool")
+        self.pool.release(self)
+
+    def __repr__(self) -> str:
+        return f"HostBuffer(index={self.index}, nbytes={self.nbytes})"
+
+
+def _allocate(total: int, pin: bool) -> tuple[np.ndarray, torch.Tensor, object]:
+    """Returns (uint8 array, uint8 tensor, owner) over ``total`` page-aligned, faulted-in bytes."""
+    if pin:
+        tensor = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        tensor.zero_()  # cudaHostAlloc already locks the pages; zeroing makes the content defined
+        array = tensor.numpy()
+        return array, tensor, tensor
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    flags |= getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(-1, total, flags=flags)
+    array = np.frombuffer(region, dtype=np.uint8)
+    if not getattr(mmap, "MAP_POPULATE", 0):
+        array.fill(0)
+    tensor = torch.from_numpy(array)
+    return array, tensor, region
+
+
+class BufferPool:
+    """``buffer_count`` aligned buffers of ``buffer_size`` bytes.
+
+    ``acquire`` waits at most ``timeout`` seconds for a free buffer and then raises
+    :class:`PoolExhaustedError` naming who holds the buffers, instead of hanging.
+    """
+
+    def __init__(self, buffer_count: int, buffer_size: int, *, pin_memory: bool | None = None,
+                 name: str = "swap") -> None:
+        if not isinstance(buffer_count, int) or isinstance(buffer_count, bool) or buffer_count < 1:
+            raise SwapConfigError(f"buffer_count must be a positive integer, got {buffer_count!r}")
+        if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
+            raise SwapConfigError(f"buffer_size must be a positive integer, got {buffer_size!r}")
+        self.name = name
+        self.buffer_size = align_up(buffer_size)
+        self.buffer_count = buffer_count
+        cuda = torch.cuda.is_available()
+        if pin_memory is None:
+            pin_memory = cuda
+        self.pinned = bool(pin_memory and cuda)
+        if pin_memory and not cuda:
+            log.info("%s pool: CUDA is not available, buffers are plain aligned memory (not pinned)",
+                     name)
+        total = self.buffer_size * buffer_count
+        self._array, self._tensor, self._owner = _allocate(total, self.pinned)
+        if self._array.ctypes.data % ALIGNMENT:
+            raise RuntimeError("pool allocation is not page aligned")
+        self._buffers = [
+            HostBuffer(i, self._array[i * self.buffer_size:(i + 1) * self.buffer_size],
+                       self._tensor[i * self.buffer_size:(i + 1) * self.buffer_size], self)
+            for i in range(buffer_count)
+        ]
+        self._free: list[int] = list(range(buffer_count - 1, -1, -1))
+        self._holders: dict[int, str] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        log.debug("%s pool: %d x %d bytes (%s)", name, buffer_count, self.buffer_size,
+                  "pinned" if self.pinned else "pageable")
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer_size * self.buffer_count
+
+    @property
+    def free_count(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    @property
+    def buffers(self) -> tuple[HostBuffer, ...]:
+        return tuple(self._buffers)
+
+    def try_acquire(self, holder: str = "") -> HostBuffer | None:
+        with self._cond:
+            self._check_open()
+            return self._take(holder) if self._free else None
+
+    def acquire(self, timeout: float = 0.0, holder: str = "") -> HostBuffer:
+        """A free buffer; waits up to ``timeout`` seconds for one to come back."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._check_open()
+                if self._free:
+                    return self._take(holder)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    held = ", ".join(f"#{i}: {h or '?'}" for i, h in sorted(self._holders.items()))
+                    raise PoolExhaustedError(
+                        f"all {self.buffer_count} buffers of the {self.name} pool "
+                        f"({self.buffer_size} bytes each) are in use and none was released within "
+                        f"{timeout:g} s (held by {held}). Raise buffer_count, or release buffers "
+                        f"before acquiring more.")
+                self._cond.wait(remaining)
+
+    def release(self, buffer: HostBuffer) -> None:
+        with self._cond:
+            if buffer.pool is not self or buffer.index in self._free or \
+                    buffer.index not in self._holders:
+                raise ValueError(f"{buffer!r} is not held from this pool")
+            del self._holders[buffer.index]
+            self._free.append(buffer.index)
+            self._cond.notify()
+
+    @contextmanager
+    def borrow(self, timeout: float = 0.0, holder: str = "") -> Iterator[HostBuffer]:
+        buffer = self.acquire(timeout, holder)
+        try:
+            yield buffer
+        finally:
+            self.release(buffer)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._buffers.clear()
+        self._array = self._tensor = None  # type: ignore[assignment]
+        owner, self._owner = self._owner, None
+        if isinstance(owner, mmap.mmap):
+            try:
+                owner.close()
+            except BufferError:
+                # A caller still holds a view of the memory: it is freed when that view goes.
+                log.debug("%s pool: memory still referenced, freed later", self.name)
+
+    def _take(self, holder: str) -> HostBuffer:
+        index = self._free.pop()
+        self._holders[index] = holder
+        return self._buffers[index]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} pool is closed")
+
+    def __enter__(self) -> "BufferPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

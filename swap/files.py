@@ -1,0 +1,300 @@
+"""Swap directories, preallocated swap files and the extent allocator.
+
+Layout: each directory of ``nvme_path`` gets one private run directory (mode 0700, random name,
+created exclusively). Inside it live swap files (mode 0600, ``O_EXCL | O_NOFOLLOW``), each
+preallocated with ``posix_fallocate`` so that writes land in allocated blocks and never extend the
+file: extending writes go through the kernel's worker threads and lose about half the throughput.
+
+An :class:`Extent` is the home of one shard's bytes. With several directories (one per drive)
+it is striped RAID-0 style in ``stripe_size`` units, so one large transfer keeps every drive busy.
+Each stripe member is one contiguous, 4096-aligned segment of one file. The extent records its
+logical size, so padding up to the alignment and the end of a file never leak into a read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from swap.buffers import ALIGNMENT, align_up
+from swap.errors import NvmePathError, SwapSpaceError
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_PREFIX = "infinity-swap-"
+
+
+def check_directory(path: Path) -> Path:
+    """Resolves ``path`` and checks that a run directory can be made in it; raises NvmePathError."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise NvmePathError(f"nvme_path {path} does not exist: create it (mkdir -p {path}) or "
+                            f"point nvme_path at an existing directory on your NVMe drive")
+    if not path.is_dir():
+        raise NvmePathError(f"nvme_path {path} is not a directory: point nvme_path at a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise NvmePathError(f"nvme_path {path} is not writable by this user: fix its permissions "
+                            f"or choose another directory")
+    return path.resolve()
+
+
+class SwapFile:
+    """One preallocated file; reads and writes go through its descriptor at absolute offsets."""
+
+    def __init__(self, path: Path, capacity: int, direct: bool) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.direct = direct
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        if direct:
+            flags |= os.O_DIRECT
+        self.fd = os.open(path, flags, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, capacity)
+        except OSError as exc:
+            os.close(self.fd)
+            path.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(path.parent).free
+                raise SwapSpaceError(
+                    f"cannot preallocate {capacity} bytes for swap file {path}: only {free} bytes "
+                    f"free on that file system. Free space, lower the offloaded size, or add "
+                    f"another directory to nvme_path", path=path, needed=capacity,
+                    available=free) from exc
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                # No fallocate (some network file systems): size the file so reads past the last
+                # write see zeros; writes may then extend it, which is slower but correct.
+                log.warning("%s: fallocate is not supported, swap writes may be slower", path)
+                self.fd = os.open(path, flags & ~os.O_EXCL & ~os.O_CREAT)
+                os.ftruncate(self.fd, capacity)
+            else:
+                raise
+
+    def close(self, remove: bool) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if remove:
+            self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous, aligned run of bytes in one swap file."""
+    file: SwapFile
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where one object's bytes live: stripe members and the logical byte count."""
+    segments: tuple[Segment, ...]
+    nbytes: int
+    stripe_size: int
+
+    @property
+    def capacity(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def locate(self, offset: int, length: int) -> list[tuple[SwapFile, int, int, int]]:
+        """Maps ``[offset, offset + length)`` of the extent onto (file, file offset, extent
+        offset, length) pieces that each stay inside one stripe unit."""
+        pieces = []
+        count = len(self.segments)
+        end = offset + length
+        while offset < end:
+            if count == 1:
+                seg = self.segments[0]
+                pieces.append((seg.file, seg.offset + offset, offset, end - offset))
+                break
+            unit, within = divmod(offset, self.stripe_size)
+            seg = self.segments[unit % count]
+            take = min(self.stripe_size - within, end - offset)
+            pieces.append((seg.file, seg.offset + (unit // count) * self.stripe_size + within,
+                           offset, take))
+            offset += take
+        return pieces
+
+
+class _FreeList:
+    """Free byte ranges of one file, kept sorted and coalesced; first fit."""
+
+    def __init__(self, capacity: int) -> None:
+        self.starts = [0]
+        self.lengths = [capacity]
+
+    def take(self, length: int) -> int | None:
+        for i, free in enumerate(self.lengths):
+            if free >= length:
+                start = self.starts[i]
+                if free == length:
+                    del self.starts[i], self.lengths[i]
+                else:
+                    self.starts[i] += length
+                    self.lengths[i] -= length
+                return start
+        return None
+
+    def give(self, start: int, length: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        if i > 0 and self.starts[i - 1] + self.lengths[i - 1] > start or \
+                i < len(self.starts) and start + length > self.starts[i]:
+            raise RuntimeError(f"double free of swap range [{start}, {start + length})")
+        if i > 0 and self.starts[i - 1] + self.lengths[i - 1] == start:
+            i -= 1
+            self.lengths[i] += length
+        else:
+            self.starts.insert(i, start)
+            self.lengths.insert(i, length)
+        if i + 1 < len(self.starts) and self.starts[i] + self.lengths[i] == self.starts[i + 1]:
+            self.lengths[i] += self.lengths[i + 1]
+            del self.starts[i + 1], self.lengths[i + 1]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self.lengths)
+
+
+class _DriveSpace:
+    """The run directory on one drive and its swap files."""
+
+    def __init__(self, root: Path, direct: bool, file_size: int, index: int) -> None:
+        self.root = root
+        self.direct = direct
+        self.file_size = file_size
+        self.index = index
+        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=root))  # 0700, exclusive
+        if stat.S_IMODE(self.run_dir.stat().st_mode) != 0o700:
+            os.chmod(self.run_dir, 0o700)
+        self.files: list[SwapFile] = []
+        self.free: list[_FreeList] = []
+
+    def take(self, length: int) -> Segment:
+        for file, free in zip(self.files, self.free):
+            start = free.take(length)
+            if start is not None:
+                return Segment(file, start, length)
+        capacity = max(self.file_size, length)
+        file = SwapFile(self.run_dir / f"swap-{len(self.files):04d}.bin", capacity, self.direct)
+        self.files.append(file)
+        self.free.append(_FreeList(capacity))
+        start = self.free[-1].take(length)
+        assert start == 0
+        return Segment(file, start, length)
+
+    def give(self, segment: Segment) -> None:
+        self.free[self.files.index(segment.file)].give(segment.offset, segment.length)
+
+    def close(self, keep: bool) -> None:
+        for file in self.files:
+            file.close(remove=not keep)
+        if not keep:
+            try:
+                self.run_dir.rmdir()
+            except OSError as exc:
+                log.warning("could not remove swap directory %s: %s", self.run_dir, exc)
+
+
+class SwapSpace:
+    """Allocates extents across the run directories of one or more drives.
+
+    ``file_size`` is the preallocation step: a new file of at least that size is created when no
+    existing file has a free range large enough.
+    """
+
+    def __init__(self, paths: list[Path] | tuple[Path, ...], *, direct: bool,
+                 file_size: int = 1 << 30, stripe_size: int = 1 << 20) -> None:
+        if not paths:
+            raise NvmePathError("nvme_path lists no directory")
+        if stripe_size % ALIGNMENT:
+            raise ValueError(f"stripe_size must be a multiple of {ALIGNMENT}")
+        roots = [check_directory(Path(p)) for p in paths]
+        self.stripe_size = stripe_size
+        self.file_size = align_up(file_size)
+        self._lock = threading.Lock()
+        self._drives: list[_DriveSpace] = []
+        try:
+            for i, root in enumerate(roots):
+                self._drives.append(_DriveSpace(root, direct, self.file_size, i))
+        except OSError as exc:
+            self.close(keep=False)
+            raise NvmePathError(f"cannot create a swap directory in {root}: {exc}. Point nvme_path "
+                                f"at a writable directory") from exc
+        self._closed = False
+        self._next_drive = 0
+
+    @property
+    def run_dirs(self) -> list[Path]:
+        return [d.run_dir for d in self._drives]
+
+    @property
+    def files(self) -> list[SwapFile]:
+        return [f for d in self._drives for f in d.files]
+
+    def allocate(self, nbytes: int) -> Extent:
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        capacity = align_up(max(nbytes, 1))
+        count = len(self._drives)
+        if count > 1 and capacity > self.stripe_size:
+            units = -(-capacity // self.stripe_size)
+            per_drive = [(units // count + (1 if i < units % count else 0)) * self.stripe_size
+                         for i in range(count)]
+        else:
+            per_drive = [capacity]
+        segments = []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("swap space is closed")
+            # Extents that fit in one stripe unit rotate over the drives, so small shards spread.
+            first = self._next_drive if len(per_drive) == 1 else 0
+            self._next_drive = (self._next_drive + 1) % count
+            try:
+                for i, length in enumerate(per_drive):
+                    if length:
+                        segments.append(self._drives[(first + i) % count].take(length))
+            except BaseException:
+                for segment in segments:
+                    self._drive_of(segment).give(segment)
+                raise
+        return Extent(tuple(segments), nbytes, self.stripe_size)
+
+    def free(self, extent: Extent) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for segment in extent.segments:
+                self._drive_of(segment).give(segment)
+
+    def _drive_of(self, segment: Segment) -> _DriveSpace:
+        for drive in self._drives:
+            if segment.file in drive.files:
+                return drive
+        raise RuntimeError("segment belongs to no drive of this swap space")
+
+    @property
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return sum(f.capacity for d in self._drives for f in d.files) - \
+                sum(fl.free_bytes for d in self._drives for fl in d.free)
+
+    @property
+    def file_bytes(self) -> int:
+        with self._lock:
+            return sum(f.capacity for d in self._drives for f in d.files)
+
+    def close(self, keep: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            drives, self._drives = self._drives, []
+        for drive in drives:
+            drive.close(keep)
