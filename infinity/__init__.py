@@ -1,0 +1,20 @@
+"""infinity: an NVMe/CPU offload runtime for PyTorch training.
+
+The public API is this module's names::
+
+    config = infinity.OffloadConfig(...)             # or OffloadConfig.from_deepspeed(...)
+    store = infinity.TieredStore(config)
+    model, optimizer = store.attach(model, optimizer)
+    ...the training loop, unchanged...
+    store.stats(); store.close()
+"""
+
+from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
+from infinity.errors import AttachError, BudgetError, ConfigError, InfinityError
+from infinity.residency import Residency, ResidencyError
+from infinity.store import TieredStore
+
+__all__ = [
+    "AioConfig", "AttachError", "BatchConfig", "BudgetError", "ConfigError", "InfinityError",
+    "OffloadConfig", "PrecisionConfig", "Residency", "ResidencyError", "TieredStore",
+]

@@ -1,0 +1,330 @@
+"""Moves shards between the tiers: the mechanism under the hooks, the scheduler and the step.
+
+Everything here runs on the training thread. NVMe transfers run in the background (the swap
+engine's futures), but their completion is applied to the registry only here, when the training
+thread next looks at the shard ("reaping"), so the residency state machine is never mutated from
+two threads.
+
+Room is made on demand: before a host slot or a device copy is taken, the eviction policy orders
+the candidates and the furthest-needed ones are dropped (clean host copies) or written back first
+(dirty ones). Prefetch may only evict what is needed later than the thing it fetches, so it never
+pushes out what the next module needs and never over-commits the arena.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import torch
+
+from infinity.errors import BudgetError
+from infinity.policies import EvictionPolicy, PrefetchPolicy
+from infinity.residency import Residency as R
+from infinity.shards import ParamEntry, Shard, ShardRegistry
+from infinity.tiers import DeviceTier, HostTier
+from infinity.trace import Event, TraceFollower
+from swap import SwapEngine
+
+log = logging.getLogger(__name__)
+
+_TO_DEVICE = {R.HOST: R.DEVICE_HOST, R.HOST_NVME: R.DEVICE_HOST_NVME}
+_FROM_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE_NVME: R.NVME}
+
+
+class Placement:
+    def __init__(self, registry: ShardRegistry, device: DeviceTier, host: HostTier,
+                 engine: SwapEngine | None, follower: TraceFollower, eviction: EvictionPolicy,
+                 prefetch: PrefetchPolicy) -> None:
+        self.registry = registry
+        self.device = device
+        self.host = host
+        self.engine = engine
+        self.follower = follower
+        self.eviction = eviction
+        self.prefetcher = prefetch
+        self.in_arena: set[Shard] = set()
+        self.on_device: set[ParamEntry] = set()
+        self.last_used: dict[int, int] = {}
+        self.clock = 0
+        self.stall_seconds = 0.0
+        self.prefetched_loads = 0
+        self.demand_loads = 0
+        self.grad_bytes = 0
+        self.grad_peak = 0
+
+    @property
+    def nvme(self) -> bool:
+        return self.engine is not None
+
+    # -- initialisation ---------------------------------------------------------------------
+    def initialise(self, entry: ParamEntry, source: torch.Tensor) -> None:
+        """Takes the parameter's values into the host tier (and NVMe): EMPTY -> HOST(...)."""
+        flat = source.detach().reshape(-1)
+        for shard in entry.shards:
+            piece = flat[shard.start:shard.start + shard.numel]
+            if self.nvme:
+                self._host_slot(shard, protect=(), horizon=0.0)
+                shard.host.copy_(piece)
+                self.registry.set_state(shard, R.HOST)
+                self.store_async(shard)
+            else:
+                shard.host = self.host.allocate(shard.numel, shard.dtype)
+                shard.host.copy_(piece)
+                self.registry.set_state(shard, R.HOST)
+
+    # -- reaping NVMe completions -----------------------------------------------------------
+    def reap(self, shard: Shard, wait: bool = False) -> None:
+        future = shard.pending
+        if future is None:
+            return
+        if not future.done():
+            if not wait:
+                return
+            started = time.perf_counter()
+            try:
+                future.result()
+            except Exception:
+                pass  # handled below
+            self.stall_seconds += time.perf_counter() - started
+        shard.pending = None
+        error = future.exception()
+        if shard.state is R.NVME_LOADING:
+            if error is not None:
+                self._free_slot(shard)
+                self.registry.set_state(shard, R.NVME)
+                raise error
+            self.registry.set_state(shard, R.HOST_NVME)
+        elif shard.state is R.HOST_STORING:
+            if error is not None:
+                self.registry.set_state(shard, R.HOST)  # host copy stays the valid one
+                raise error
+            self.registry.set_state(shard, R.HOST_NVME)
+
+    def drain(self) -> None:
+        """Waits for every transfer in flight (before a checkpoint, at close)."""
+        for shard in list(self.in_arena):
+            self.reap(shard, wait=True)
+
+    # -- host slots ---------------------------------------------------------------------------
+    def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float) -> bool:
+        """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
+        offset = self.host.take_arena(shard.nbytes)
+        if offset is None:
+            offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon)
+            if offset is None:
+                return False
+        shard.arena_offset = offset
+        shard.host = self.host.arena_view(offset, shard.dtype, shard.numel)
+        self.in_arena.add(shard)
+        return True
+
+    def _free_slot(self, shard: Shard) -> None:
+        if shard.copy_event is not None:
+            shard.copy_event.synchronize()
+            shard.copy_event = None
+        self.host.give_arena(shard.arena_offset, shard.nbytes)
+        self.in_arena.discard(shard)
+        shard.arena_offset = None
+        shard.host = None
+
+    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
+        trace = self.follower.trace
+        position = self.follower.position
+        candidates = [s for s in self.in_arena if s not in protect and s.entry.holds == 0
+                      or (s not in protect and s.state is R.DEVICE_HOST_NVME)]
+        order = self.eviction.order([s.entry.index for s in candidates], self.follower,
+                                    self.last_used)
+        rank = {e: i for i, e in enumerate(order)}
+        candidates.sort(key=lambda s: rank[s.entry.index])
+        for shard in candidates:
+            if horizon and trace is not None and \
+                    trace.next_use(shard.entry.index, position) <= horizon:
+                break  # everything after this is needed sooner than what we fetch
+            self.reap(shard)
+            if shard.state in (R.HOST, R.DEVICE_HOST):
+                if shard.state is R.HOST:
+                    self.store_async(shard)
+                continue
+            if shard.state is R.HOST_STORING:
+                if horizon:
+                    continue  # prefetch does not wait for write-back
+                self.reap(shard, wait=True)
+            if shard.state is R.NVME_LOADING:
+                continue
+            self._evict_host(shard)
+            offset = self.host.take_arena(nbytes)
+            if offset is not None:
+                return offset
+        if horizon:
+            return None
+        # Demand: wait for write-backs in flight and try once more.
+        for shard in [s for s in self.in_arena if s.state is R.HOST_STORING and s not in protect]:
+            self.reap(shard, wait=True)
+            if shard.entry.holds == 0 or shard.state.on_device:
+                self._evict_host(shard)
+            offset = self.host.take_arena(nbytes)
+            if offset is not None:
+                return offset
+        return None
+
+    def _evict_host(self, shard: Shard) -> None:
+        if shard.state is R.HOST_NVME:
+            self.registry.set_state(shard, R.NVME)
+        elif shard.state is R.DEVICE_HOST_NVME:
+            self.registry.set_state(shard, R.DEVICE_NVME)
+        else:
+            raise RuntimeError(f"cannot evict the host copy of {shard}")
+        self._free_slot(shard)
+
+    # -- NVMe transfers -----------------------------------------------------------------------
+    def store_async(self, shard: Shard) -> None:
+        assert self.engine is not None and shard.host is not None
+        if shard.extent is None:
+            shard.extent = self.engine.allocate(shard.nbytes)
+        self.registry.set_state(shard, R.HOST_STORING)
+        shard.pending = self.engine.write(shard.extent, self.host.arena, nbytes=shard.nbytes,
+                                          buffer_offset=shard.arena_offset)
+
+    def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
+                   horizon: float = 0.0) -> bool:
+        """Starts NVME -> host; False when no slot could be had within the horizon."""
+        if shard.state is not R.NVME:
+            return True
+        if not self._host_slot(shard, protect, horizon):
+            return False
+        self.registry.set_state(shard, R.NVME_LOADING)
+        shard.pending = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
+                                         buffer_offset=shard.arena_offset)
+        if horizon:
+            self.prefetched_loads += 1
+        else:
+            self.demand_loads += 1
+        return True
+
+    def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
+        self.reap(shard)
+        if shard.state is R.NVME:
+            if not self.load_async(shard, protect):
+                raise BudgetError(
+                    f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
+                    f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} "
+                    f"bytes): raise buffer_count or buffer_size, or host_budget")
+        if shard.state is R.NVME_LOADING:
+            self.reap(shard, wait=True)
+        if not shard.state.on_host:
+            raise RuntimeError(f"{shard} has no host copy")
+
+    # -- device copies ------------------------------------------------------------------------
+    def gather(self, entry: ParamEntry, hold: bool = True) -> None:
+        self.clock += 1
+        self.last_used[entry.index] = self.clock
+        if entry.device_tensor is None:
+            self._make_device_room(entry)
+            if self.nvme:
+                # Start every load the arena allows at once, so the reads overlap.
+                for shard in entry.shards:
+                    self.reap(shard)
+                    if shard.state is R.NVME:
+                        self.load_async(shard, protect=entry.shards, horizon=0.5)
+            tensor = self.device.allocate(entry.shape, entry.dtype)
+            flat = tensor.view(-1)
+            events = []
+            for shard in entry.shards:
+                self.ensure_host(shard, protect=entry.shards)
+                if shard.state is R.HOST_STORING:
+                    self.reap(shard, wait=True)  # the device copy must come from a settled state
+                event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],
+                                            shard.host)
+                shard.copy_event = event
+                events.append(event)
+                self.registry.set_state(shard, _TO_DEVICE[shard.state])
+            for event in events:
+                self.device.wait(event)
+            entry.device_tensor = tensor
+            self.on_device.add(entry)
+        if hold:
+            entry.holds += 1
+        entry.param.data = entry.device_tensor
+
+    def release(self, entry: ParamEntry) -> None:
+        if entry.holds <= 0:
+            raise RuntimeError(f"release of {entry.name} without a matching gather")
+        entry.holds -= 1
+        if entry.holds == 0:
+            entry.param.data = _placeholder(entry)
+
+    def drop_device(self, entry: ParamEntry) -> None:
+        if entry.device_tensor is None:
+            return
+        if entry.holds:
+            raise RuntimeError(f"{entry.name} is in use on the device")
+        self.device.free(entry.device_tensor)
+        entry.device_tensor = None
+        self.on_device.discard(entry)
+        entry.param.data = _placeholder(entry)
+        for shard in entry.shards:
+            self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+
+    def _make_device_room(self, entry: ParamEntry) -> None:
+        if self.device.fits(entry.nbytes):
+            return
+        candidates = [e.index for e in self.on_device if e.holds == 0 and e is not entry]
+        by_index = {e.index: e for e in self.on_device}
+        for index in self.eviction.order(candidates, self.follower, self.last_used):
+            self.drop_device(by_index[index])
+            if self.device.fits(entry.nbytes):
+                return
+        held = sorted((e for e in self.on_device if e.holds), key=lambda e: -e.nbytes)
+        raise BudgetError(
+            f"device budget of {self.device.budget} bytes cannot hold {entry.name} "
+            f"({entry.nbytes} bytes) next to the {len(held)} parameters in use "
+            f"({self.device.usage.current} bytes, largest: "
+            f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget")
+
+    # -- trace-driven prefetch ----------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        self.follower.observe(event)
+        if not self.nvme or self.follower.trace is None:
+            return
+        trace = self.follower.trace
+        position = self.follower.position
+        for index in self.prefetcher.wanted(self.follower):
+            entry = self.registry.entries[index]
+            horizon = trace.next_use(index, position)
+            for shard in entry.shards:
+                self.reap(shard)
+                if shard.state is R.NVME and not self.load_async(shard, horizon=horizon + 0.5):
+                    return  # out of room: prefetch less, never over-commit
+
+    # -- gradients ----------------------------------------------------------------------------
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
+        """Moves a finished device gradient to the host accumulators of the entry's shards."""
+        flat = grad.detach().reshape(-1)
+        for shard in entry.shards:
+            piece = flat[shard.start:shard.start + shard.numel]
+            if shard.grad is None:
+                shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
+                                         pin_memory=self.host.pin)
+                shard.grad.copy_(piece)
+                self.grad_bytes += shard.nbytes
+                self.grad_peak = max(self.grad_peak, self.grad_bytes)
+            else:
+                shard.grad.add_(piece.to(shard.grad.device, shard.grad.dtype))
+
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        for shard in self.registry.shards.values():
+            if shard.grad is None:
+                continue
+            if set_to_none:
+                shard.grad = None
+                self.grad_bytes -= shard.nbytes
+            else:
+                shard.grad.zero_()
+
+
+def _placeholder(entry: ParamEntry) -> torch.Tensor:
+    """The empty tensor a parameter holds between uses (keeps dtype and device)."""
+    data = entry.param.data
+    return torch.empty(0, dtype=entry.dtype, device=data.device)

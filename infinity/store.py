@@ -1,0 +1,344 @@
+"""The tiered store: the public object users create, attach and close.
+
+``attach`` registers every parameter as one or more shards, moves their values into the host tier
+(and onto NVMe when parameters are offloaded there), installs the module hooks and wraps the
+optimizer. From then on the user's loop runs unchanged; see ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from infinity.config import OffloadConfig
+from infinity.errors import AttachError, BudgetError
+from infinity.hooks import HookSet
+from infinity.optimizer import OffloadedOptimizer
+from infinity.placement import Placement
+from infinity.policies import BeladyEviction, LookaheadPrefetch
+from infinity.residency import Residency as R
+from infinity.shards import ParamEntry, Shard, ShardRegistry
+from infinity.state_dict import install_state_dict_hooks
+from infinity.tiers import DeviceTier, HostTier
+from infinity.trace import TraceFollower
+from swap import EngineSettings, SwapEngine, SwapSpaceError, align_up
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise AttachError(f"device {name!r} was asked for but CUDA is not available: use "
+                          f"device='auto' or 'cpu'")
+    return device
+
+
+class TieredStore:
+    """Holds a model's parameters across device, host and NVMe. See the package docstring."""
+
+    def __init__(self, config: OffloadConfig | None = None) -> None:
+        self.config = config or OffloadConfig()
+        self.device = resolve_device(self.config.device)
+        self.registry = ShardRegistry()
+        self.follower = TraceFollower()
+        self.placement: Placement | None = None
+        self.engine: SwapEngine | None = None
+        self.hooks: HookSet | None = None
+        self.optimizer: OffloadedOptimizer | None = None
+        self.model: nn.Module | None = None
+        self.steps = 0
+        self.budgets: dict[str, int] = {}
+        self._temp_dir: Path | None = None
+        self._handles: list[Any] = []
+        self._nvme_peak = 0
+        self._closed = False
+        self._host_tier: HostTier | None = None
+        self._rss_peak = 0
+
+    # -- attach -------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+               ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
+        if self._closed:
+            raise AttachError("this store is closed; create a new TieredStore")
+        if self.model is not None:
+            raise AttachError("this store is already attached to a model; use one store per "
+                              "model")
+        if not isinstance(model, nn.Module):
+            raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}")
+        config = self.config
+        if config.offload_param == "none":
+            log.info("offload_param is 'none': parameters stay on %s and the store only "
+                     "reports", self.device)
+            self.model = model.to(self.device)
+            return model, optimizer
+        try:
+            self._attach(model, optimizer)
+        except BaseException:
+            self._teardown(restore=True)
+            raise
+        return model, self.optimizer
+
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        config = self.config
+        nvme = config.offload_param == "nvme"
+        for name, param in model.named_parameters():
+            self.registry.add_param(name, param, max_shard_bytes=config.buffer_size)
+        if not self.registry.entries:
+            raise AttachError("the model has no parameters to offload")
+        module_entries = []
+        for module_name, module in model.named_modules():
+            entries = []
+            for _, param in module.named_parameters(recurse=False):
+                entry = self.registry.entry_of(param)
+                if entry is not None and entry not in entries:
+                    entries.append(entry)
+            if entries:
+                module_entries.append((module_name or type(module).__name__, module, entries))
+        total = sum(e.nbytes for e in self.registry.entries)
+        self._set_budgets(total, module_entries, nvme)
+        self.model = model
+        device_tier = DeviceTier(self.device, self.budgets["device"])
+        arena = self.budgets["arena"] if nvme else 0
+        self._host_tier = HostTier(self.budgets["host"], arena, config.pin_memory)
+        if nvme:
+            self.engine = self._open_engine()
+        self.placement = Placement(self.registry, device_tier, self._host_tier, self.engine,
+                                   self.follower, BeladyEviction(),
+                                   LookaheadPrefetch(config.prefetch_depth))
+        started = time.perf_counter()
+        for entry in self.registry.entries:
+            self.placement.initialise(entry, entry.param.data)
+            entry.param.data = torch.empty(0, dtype=entry.dtype, device=self.device)
+        log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
+                 "device budget %d, host budget %d", len(self.registry.entries),
+                 len(self.registry.shards), total / 1e6, time.perf_counter() - started,
+                 config.offload_param, self.budgets["device"], self.budgets["host"])
+        self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
+        self.hooks.install()
+        self._handles = install_state_dict_hooks(self, model)
+        if optimizer is not None:
+            self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
+
+    def _set_budgets(self, total: int, module_entries: list, nvme: bool) -> None:
+        config = self.config
+        largest_name, _, largest = max(module_entries,
+                                       key=lambda m: sum(e.nbytes for e in m[2]))
+        largest_bytes = sum(e.nbytes for e in largest)
+        if config.device_budget is not None:
+            device_budget = config.device_budget
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            device_budget = min(total, int(free * 0.5))
+        else:
+            device_budget = total
+        if device_budget < largest_bytes:
+            raise BudgetError(
+                f"device_budget of {device_budget} bytes cannot hold module '{largest_name}', "
+                f"whose parameters take {largest_bytes} bytes and must be on the device together "
+                f"while it runs: set device_budget to at least {largest_bytes}")
+        if nvme:
+            arena = config.buffer_count * align_up(config.buffer_size)
+            host_budget = config.host_budget if config.host_budget is not None else arena
+            arena = min(arena, host_budget)
+            if arena < align_up(config.buffer_size):
+                raise BudgetError(f"host_budget of {host_budget} bytes is smaller than one swap "
+                                  f"buffer ({config.buffer_size} bytes): raise host_budget or "
+                                  f"lower buffer_size")
+        else:
+            arena = 0
+            host_budget = config.host_budget if config.host_budget is not None else total
+            if host_budget < total:
+                raise BudgetError(
+                    f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
+                    f"but host_budget is {host_budget}: raise host_budget or use "
+                    f"offload_param='nvme'")
+        self.budgets = {"device": device_budget, "host": host_budget, "arena": arena,
+                        "params": total}
+        log.info("budgets: device %d bytes%s, host %d bytes (params %d bytes)", device_budget,
+                 "" if config.device_budget is not None else " (derived)", host_budget, total)
+
+    def _open_engine(self) -> SwapEngine:
+        config = self.config
+        paths = list(config.nvme_path)
+        if not paths:
+            self._temp_dir = Path(tempfile.mkdtemp(prefix="infinity-nvme-"))
+            paths = [self._temp_dir]
+            log.info("nvme_path not set: swapping to the temporary directory %s", self._temp_dir)
+        stripe = config.aio.block_size
+        needed = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
+        for path in paths:
+            path = Path(path)
+            if path.is_dir():
+                free = shutil.disk_usage(path).free
+                if free < per_drive:
+                    raise SwapSpaceError(
+                        f"nvme_path {path} has {free} bytes free but the offloaded state needs "
+                        f"{per_drive} bytes there: free space, add directories to nvme_path, or "
+                        f"offload less", path=path, needed=per_drive, available=free)
+        settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
+                                  queue_depth=config.aio.queue_depth,
+                                  thread_count=config.aio.thread_count,
+                                  file_size=align_up(per_drive))
+        return SwapEngine(paths, settings, keep_files=config.keep_swap_files)
+
+    # -- called by hooks and the optimizer ------------------------------------------------------
+    def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
+        self.follower.start_iteration((grad_enabled, training))
+
+    def _run_step(self, optimizer: OffloadedOptimizer) -> None:
+        placement = self.placement
+        assert placement is not None
+        todo = [s for s in optimizer.shards if s.grad is not None]
+        for entry in {s.entry for s in todo}:
+            if entry.holds:
+                raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
+                                   f"or backward pass")
+            placement.drop_device(entry)
+        if self.engine is None:
+            optimizer.update(todo)
+            for shard in todo:
+                self.registry.set_state(shard, R.HOST)
+                shard.version += 1
+        else:
+            self._tiled_step(optimizer, todo)
+        self.steps += 1
+        self._sample_memory()
+
+    def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard]) -> None:
+        """Read ahead, update a tile, write it behind: the pipeline over the staging arena."""
+        placement = self.placement
+        tile_limit = max(self.budgets["arena"] // 4, max((s.nbytes for s in todo), default=0))
+        ahead = 0
+        i = 0
+        while i < len(todo):
+            tile, size = [], 0
+            while i < len(todo) and (not tile or size + todo[i].nbytes <= tile_limit):
+                tile.append(todo[i])
+                size += todo[i].nbytes
+                i += 1
+            protect = set(tile)
+            for shard in tile:
+                placement.ensure_host(shard, protect=protect)
+                if shard.state is R.HOST_STORING:
+                    placement.reap(shard, wait=True)
+            # Read the next shards while this tile is updated; never evict what is protected.
+            ahead = max(ahead, i)
+            upcoming = set()
+            while ahead < len(todo):
+                shard = todo[ahead]
+                placement.reap(shard)
+                if not placement.load_async(shard, protect=protect | upcoming, horizon=0.5):
+                    break
+                upcoming.add(shard)
+                ahead += 1
+            optimizer.update(tile)
+            for shard in tile:
+                self.registry.set_state(shard, R.HOST)
+                shard.version += 1
+                placement.store_async(shard)
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _sample_memory(self) -> None:
+        self._rss_peak = max(self._rss_peak, psutil.Process().memory_info().rss)
+        if self.engine is not None:
+            self._nvme_peak = max(self._nvme_peak, self._nvme_bytes())
+
+    def _nvme_bytes(self) -> int:
+        return self.registry.count(lambda s: s.on_nvme) if self.engine is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes per tier (current and peak), I/O totals and timings, steps."""
+        self._sample_memory()
+        placement = self.placement
+        engine_stats = self.engine.stats() if self.engine is not None else None
+        device = placement.device.usage if placement else None
+        host = placement.host.usage if placement else None
+        return {
+            "current_bytes": {"device": device.current if device else 0,
+                              "host": host.current if host else 0,
+                              "nvme": self._nvme_bytes()},
+            "peak_bytes": {"device": device.peak if device else 0,
+                           "host": host.peak if host else 0,
+                           "nvme": self._nvme_peak},
+            "budgets": dict(self.budgets),
+            "bytes_read": engine_stats.bytes_read if engine_stats else 0,
+            "bytes_written": engine_stats.bytes_written if engine_stats else 0,
+            "io_seconds": (engine_stats.read_seconds + engine_stats.write_seconds)
+            if engine_stats else 0.0,
+            "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
+            "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
+            "stall_seconds": placement.stall_seconds if placement else 0.0,
+            "steps": self.steps,
+            "prefetched_loads": placement.prefetched_loads if placement else 0,
+            "demand_loads": placement.demand_loads if placement else 0,
+            "grad_bytes": placement.grad_bytes if placement else 0,
+            "pinned_bytes": placement.host.pinned_bytes if placement else 0,
+            "rss_peak_bytes": self._rss_peak,
+            "trace_departures": self.follower.diverged_iterations,
+            "backend": self.engine.backend_name if self.engine is not None else None,
+        }
+
+    # -- teardown -------------------------------------------------------------------------------
+    def materialize(self, entry: ParamEntry) -> torch.Tensor:
+        """The parameter's current values as a new host tensor of its shape."""
+        placement = self.placement
+        assert placement is not None
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        flat = out.view(-1)
+        if entry.device_tensor is not None:
+            flat.copy_(entry.device_tensor.reshape(-1))
+            return out
+        for shard in entry.shards:
+            placement.ensure_host(shard)
+            flat[shard.start:shard.start + shard.numel].copy_(shard.host)
+        return out
+
+    def close(self, restore_params: bool = True) -> None:
+        """Waits for transfers, gives the parameters their values back as ordinary tensors on
+        the store's device (``restore_params``), removes hooks, swap files and buffers."""
+        if self._closed:
+            return
+        self._teardown(restore_params)
+        self._closed = True
+
+    def _teardown(self, restore: bool) -> None:
+        placement = self.placement
+        try:
+            if placement is not None:
+                placement.drain()
+                if restore:
+                    for entry in self.registry.entries:
+                        if entry.shards and entry.shards[0].state is not R.EMPTY:
+                            entry.param.data = self.materialize(entry).to(self.device)
+        finally:
+            if self.hooks is not None:
+                self.hooks.remove()
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+            if self._host_tier is not None:
+                self._host_tier.close()
+            if self._temp_dir is not None:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)
+                self._temp_dir = None
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

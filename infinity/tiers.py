@@ -1,0 +1,152 @@
+"""The device and host tiers: memory under exact byte accounting and an enforced budget.
+
+The device tier holds the working copies modules compute with. On CUDA they are device tensors
+moved with asynchronous copies on a side stream; on a machine without CUDA the "device" is
+ordinary memory under its own budget and moving a shard there is a real copy, so every code path
+runs in CI.
+
+The host tier holds master copies. NVMe-backed shards live in the staging arena: one aligned
+(pinned with CUDA) region that the swap engine reads into and writes from directly, carved into
+4096-aligned ranges. Shards offloaded to the CPU only live in standalone host tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from infinity.errors import BudgetError
+from swap import ALIGNMENT, BufferPool, HostBuffer, align_up
+from swap.files import _FreeList as RangeAllocator  # noqa: exported soon
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierUsage:
+    current: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, nbytes: int) -> None:
+        self.current -= nbytes
+        if self.current < 0:
+            raise RuntimeError("tier accounting went negative")
+
+
+class DeviceTier:
+    """Working copies on ``device`` under ``budget`` bytes."""
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        self.device = device
+        self.budget = budget
+        self.usage = TierUsage()
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def fits(self, nbytes: int) -> bool:
+        return self.usage.current + nbytes <= self.budget
+
+    def allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = shape.numel() * dtype.itemsize
+        if not self.fits(nbytes):
+            raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
+                              f"{self.budget} in use)")
+        self.usage.add(nbytes)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        self.usage.sub(tensor.numel() * tensor.element_size())
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
+        """Copies host ``src`` into device ``dst``; on CUDA asynchronously on the copy stream.
+        Returns the event that marks completion (None when the copy is already done)."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event
+
+    def wait(self, event: "torch.cuda.Event | None") -> None:
+        """Makes the compute stream wait for a copy before using its destination."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class HostTier:
+    """Master copies on the host: the staging arena plus standalone tensors, under one budget."""
+
+    def __init__(self, budget: int, arena_bytes: int, pin: bool) -> None:
+        self.budget = budget
+        self.usage = TierUsage()
+        self.pin = pin and torch.cuda.is_available()
+        self.lock = threading.Lock()
+        self.arena_bytes = align_up(arena_bytes) if arena_bytes else 0
+        self._pool: BufferPool | None = None
+        self.arena: HostBuffer | None = None
+        self._ranges: RangeAllocator | None = None
+        if self.arena_bytes:
+            self._pool = BufferPool(1, self.arena_bytes, pin_memory=self.pin, name="staging arena")
+            self.arena = self._pool.acquire(holder="host tier")
+            self._ranges = RangeAllocator(self.arena_bytes)
+
+    # -- arena (NVMe-backed shards) -----------------------------------------------------------
+    def take_arena(self, nbytes: int) -> int | None:
+        """An aligned offset of ``nbytes`` in the arena, or None when no range is free."""
+        size = align_up(max(nbytes, 1))
+        with self.lock:
+            if self._ranges is None or self.usage.current + size > self.budget:
+                return None
+            offset = self._ranges.take(size)
+            if offset is not None:
+                self.usage.add(size)
+            return offset
+
+    def give_arena(self, offset: int, nbytes: int) -> None:
+        size = align_up(max(nbytes, 1))
+        with self.lock:
+            assert self._ranges is not None
+            self._ranges.give(offset, size)
+            self.usage.sub(size)
+
+    def arena_view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        assert self.arena is not None
+        return self.arena.view(dtype, numel, offset)
+
+    # -- standalone host tensors (CPU-offloaded shards) ---------------------------------------
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        with self.lock:
+            if self.usage.current + nbytes > self.budget:
+                raise BudgetError(f"host tier: {nbytes} more bytes exceed the host budget of "
+                                  f"{self.budget} ({self.usage.current} in use)")
+            self.usage.add(nbytes)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        with self.lock:
+            self.usage.sub(tensor.numel() * tensor.element_size())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.arena_bytes if self.pin else 0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            if self.arena is not None:
+                self._pool.release(self.arena)
+            self.arena = None
+            self._pool.close()
+            self._pool = None
+
+
+__all__ = ["ALIGNMENT", "DeviceTier", "HostTier", "TierUsage"]

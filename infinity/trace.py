@@ -1,0 +1,129 @@
+"""The recorded order in which parameters are needed, and where we are in it.
+
+One iteration (from the root module's forward to the next one) is a sequence of events: a module
+about to run forward, or about to run backward. Each event names the parameter entries it needs.
+The first iteration in a given mode (training with grad, or inference) is recorded; later
+iterations follow it. When an iteration departs from the recording (control flow, a new batch
+shape that changes the module order), the follower notices at the first mismatch, stops trusting
+the trace for the rest of that iteration and records a fresh one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+FORWARD = "fwd"
+BACKWARD = "bwd"
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str            # FORWARD or BACKWARD
+    module: int          # index of the module in attach order
+    entries: tuple[int, ...]  # parameter entry indices the module needs
+
+
+@dataclass
+class Trace:
+    events: list[Event] = field(default_factory=list)
+    #: entry index -> sorted positions of the events that use it
+    uses: dict[int, list[int]] = field(default_factory=dict)
+
+    def append(self, event: Event) -> None:
+        position = len(self.events)
+        self.events.append(event)
+        for entry in event.entries:
+            self.uses.setdefault(entry, []).append(position)
+
+    def next_use(self, entry: int, position: int) -> float:
+        """Events from ``position`` until ``entry`` is next needed, wrapping into the next
+        iteration; infinity when the trace never uses it."""
+        uses = self.uses.get(entry)
+        if not uses:
+            return float("inf")
+        i = bisect.bisect_left(uses, position)
+        if i < len(uses):
+            return uses[i] - position
+        return uses[0] + len(self.events) - position
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+class TraceFollower:
+    """Records the first iteration of each mode and follows it afterwards."""
+
+    def __init__(self) -> None:
+        self.traces: dict[object, Trace] = {}
+        self.mode: object = None
+        self.position = 0
+        self.recording: Trace | None = None
+        self.following: Trace | None = None
+        self.diverged_iterations = 0
+        self._warned = False
+
+    def start_iteration(self, mode: object) -> None:
+        self._finish_iteration()
+        self.mode = mode
+        self.position = 0
+        trace = self.traces.get(mode)
+        if trace is None:
+            self.recording, self.following = Trace(), None
+        else:
+            self.recording, self.following = None, trace
+
+    def _finish_iteration(self) -> None:
+        if self.recording is not None and len(self.recording):
+            self.traces[self.mode] = self.recording
+        if self.following is not None and self.position != len(self.following):
+            # Ended early (a shorter iteration): the trace is not what runs now.
+            self._diverged(f"iteration ended after {self.position} of "
+                           f"{len(self.following)} recorded events")
+            if self.recording is not None and len(self.recording):
+                self.traces[self.mode] = self.recording
+        self.recording = None
+
+    def observe(self, event: Event) -> None:
+        """Advances past ``event``; notices a departure from the trace."""
+        if self.following is not None:
+            expected = (self.following.events[self.position]
+                        if self.position < len(self.following) else None)
+            if expected != event:
+                self._diverged(f"event {self.position} was {_name(event)}, the trace expected "
+                               f"{_name(expected) if expected else 'the end of the iteration'}")
+                # Re-record from the start of this iteration: keep what matched so far.
+                self.recording = Trace()
+                for past in self.following.events[:self.position]:
+                    self.recording.append(past)
+                self.following = None
+        if self.recording is not None:
+            self.recording.append(event)
+        self.position += 1
+
+    def _diverged(self, why: str) -> None:
+        self.diverged_iterations += 1
+        if not self._warned:
+            log.warning("this iteration departs from the recorded trace (%s): fetching on demand "
+                        "for the rest of it and re-recording; further departures are logged at "
+                        "debug level", why)
+            self._warned = True
+        else:
+            log.debug("trace departure: %s", why)
+
+    @property
+    def trace(self) -> Trace | None:
+        """The trace being followed, or None while recording or after a departure."""
+        return self.following
+
+    def upcoming(self, depth: int) -> list[Event]:
+        if self.following is None:
+            return []
+        return self.following.events[self.position:self.position + depth]
+
+
+def _name(event: Event) -> str:
+    return f"{event.kind}(module {event.module})"
