@@ -45,8 +45,10 @@ class HookSet:
         for index, (module, entries) in enumerate(self.modules):
             self.handles.append(module.register_forward_pre_hook(
                 self._make_pre_forward(index, entries)))
+            # always_call: activation checkpointing stops a recomputation early by raising out
+            # of a module's forward, and the holds taken by its pre-hook must still be released.
             self.handles.append(module.register_forward_hook(
-                self._make_post_forward(index, entries)))
+                self._make_post_forward(index, entries), always_call=True))
         seen: set[int] = set()
         for _, entries in self.modules:
             for entry in entries:

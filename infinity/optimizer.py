@@ -21,7 +21,6 @@ import torch
 from torch.optim import Optimizer
 
 from infinity.errors import AttachError
-from infinity.residency import Residency as R
 from infinity.shards import Shard
 
 log = logging.getLogger(__name__)
@@ -52,10 +51,6 @@ class OffloadedOptimizer(Optimizer):
 
     @classmethod
     def wrap(cls, store: Any, optimizer: Optimizer) -> "OffloadedOptimizer":
-        if optimizer.state:
-            raise AttachError("the optimizer already has state (it has stepped, or a state dict "
-                              "was loaded): attach before the first step, then load optimizer "
-                              "state into the optimizer that attach returns")
         registry = store.registry
         groups = []
         shards: list[Shard] = []
@@ -72,15 +67,21 @@ class OffloadedOptimizer(Optimizer):
                     continue
                 seen.add(id(param))
                 for shard in entry.shards:
-                    whole = len(entry.shards) == 1
+                    # Some optimizers (Adagrad) create state in their constructor with
+                    # full_like(param): a zero-stride view has the right shape and costs nothing,
+                    # while full_like of it still allocates a real, dense tensor.
+                    shape = _step_shape(shard)
                     shard.step_param = torch.nn.Parameter(
-                        _empty(shard) if not whole else torch.empty(0, dtype=shard.dtype),
+                        torch.zeros((), dtype=shard.dtype).expand(shape),
                         requires_grad=entry.requires_grad)
                     params.append(shard.step_param)
                     shards.append(shard)
             settings = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": params, **settings})
         inner = _construct_like(optimizer, groups)
+        _migrate_state(optimizer, inner, registry)
+        for shard in shards:
+            shard.step_param.data = _empty(shard)
         return cls(store, inner, shards)
 
     # -- the step -----------------------------------------------------------------------------
@@ -96,8 +97,7 @@ class OffloadedOptimizer(Optimizer):
     def update(self, tile: list[Shard]) -> None:
         """Runs the inner optimizer over ``tile``, whose host copies and grads are in place."""
         for shard in tile:
-            entry = shard.entry
-            view = shard.host if len(entry.shards) > 1 else shard.host.view(entry.shape)
+            view = shard.host.view(_step_shape(shard))
             shard.step_param.data = view
             grad = shard.grad
             shard.step_param.grad = grad.view_as(view) if grad is not None else None
@@ -137,5 +137,29 @@ def _construct_like(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optim
         return cls(groups)
 
 
-def needs_update(shard: Shard) -> bool:
-    return shard.grad is not None and shard.state is not R.EMPTY
+def _step_shape(shard: Shard) -> torch.Size:
+    """A whole parameter keeps its shape (optimizers like Adafactor depend on it); a piece of
+    one is a flat range."""
+    entry = shard.entry
+    return entry.shape if len(entry.shards) == 1 else torch.Size([shard.numel])
+
+
+def _migrate_state(optimizer: Optimizer, inner: Optimizer, registry: Any) -> None:
+    """Carries state the user's optimizer already has (it stepped, or its constructor made
+    some) over to the step parameters: per-element tensors are split like the parameter,
+    everything else (``step`` counters, scalars) is copied."""
+    for param, state in optimizer.state.items():
+        entry = registry.entry_of(param)
+        if entry is None or not state:
+            continue
+        for shard in entry.shards:
+            moved = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == entry.shape:
+                    piece = value.detach().reshape(-1)[shard.start:shard.start + shard.numel]
+                    moved[key] = piece.to("cpu").clone().view(_step_shape(shard))
+                elif isinstance(value, torch.Tensor):
+                    moved[key] = value.detach().to("cpu").clone()
+                else:
+                    moved[key] = value
+            inner.state[shard.step_param] = moved

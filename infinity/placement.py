@@ -132,8 +132,8 @@ class Placement:
     def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
         trace = self.follower.trace
         position = self.follower.position
-        candidates = [s for s in self.in_arena if s not in protect and s.entry.holds == 0
-                      or (s not in protect and s.state is R.DEVICE_HOST_NVME)]
+        candidates = [s for s in self.in_arena if s not in protect and
+                      (s.entry.holds == 0 or s.state is R.DEVICE_HOST_NVME)]
         order = self.eviction.order([s.entry.index for s in candidates], self.follower,
                                     self.last_used)
         rank = {e: i for i, e in enumerate(order)}
@@ -159,14 +159,16 @@ class Placement:
                 return offset
         if horizon:
             return None
-        # Demand: wait for write-backs in flight and try once more.
-        for shard in [s for s in self.in_arena if s.state is R.HOST_STORING and s not in protect]:
-            self.reap(shard, wait=True)
-            if shard.entry.holds == 0 or shard.state.on_device:
+        # Demand: wait for transfers in flight (write-backs, and prefetches that would otherwise
+        # pin the arena) and evict what they free, in policy order.
+        for shard in candidates:
+            if shard.in_arena_pending():
+                self.reap(shard, wait=True)
+            if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
                 self._evict_host(shard)
-            offset = self.host.take_arena(nbytes)
-            if offset is not None:
-                return offset
+                offset = self.host.take_arena(nbytes)
+                if offset is not None:
+                    return offset
         return None
 
     def _evict_host(self, shard: Shard) -> None:
@@ -231,8 +233,10 @@ class Placement:
             tensor = self.device.allocate(entry.shape, entry.dtype)
             flat = tensor.view(-1)
             events = []
+            waiting = list(entry.shards)
             for shard in entry.shards:
-                self.ensure_host(shard, protect=entry.shards)
+                self.ensure_host(shard, protect=waiting)
+                waiting.remove(shard)
                 if shard.state is R.HOST_STORING:
                     self.reap(shard, wait=True)  # the device copy must come from a settled state
                 event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],

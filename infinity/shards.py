@@ -51,6 +51,9 @@ class Shard:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    def in_arena_pending(self) -> bool:
+        return self.pending is not None
+
     def __repr__(self) -> str:
         return f"Shard({self.id}, {self.numel} x {self.dtype}, {self.state.name})"
 

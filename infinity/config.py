@@ -1,0 +1,584 @@
+"""The runtime's public configuration: frozen, strictly validated dataclasses.
+
+Three ways in, one result:
+
+* ``OffloadConfig(...)`` / ``.replace(...)`` in Python (values must already have the right type),
+* ``OffloadConfig.from_dict`` / ``from_file`` for the native JSON format (keys are field names,
+  ``aio``/``precision``/``batch`` are nested objects, byte sizes may be strings like ``"2GiB"``),
+* ``OffloadConfig.from_deepspeed`` for an existing DeepSpeed config (see ``deepspeed_config``).
+
+Every invalid value raises :class:`~infinity.errors.ConfigError` naming the field, the value, what
+is allowed and what to do; unknown keys name the closest valid key. Nothing here touches the disk
+or the GPU: whether ``nvme_path`` exists or ``cuda:3`` is present is checked when the store
+attaches, so a config can be built and inspected on any machine.
+
+Size strings: ``B``; ``K``/``KiB``, ``M``/``MiB``, ``G``/``GiB``, ``T``/``TiB`` are powers of 1024;
+``KB``, ``MB``, ``GB``, ``TB`` are powers of 1000 (as in Hugging Face's ``max_shard_size``).
+Fractions are allowed when the result is a whole number of bytes (``"1.5G"``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Mapping
+
+from infinity.errors import ConfigError
+
+log = logging.getLogger("infinity.config")
+
+ALIGNMENT = 4096  # O_DIRECT granularity; matches swap.buffers.ALIGNMENT
+
+BACKENDS = ("auto", "uring", "threads", "buffered")
+DTYPES = ("fp32", "bf16", "fp16")
+OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# --------------------------------------------------------------------------- sizes and keys
+
+_SIZE_RE = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+
+
+def parse_size(value: int | float | str, *, name: str = "size") -> int:
+    """Bytes from an int, an integral float (``5e8``, common in DeepSpeed JSON) or a size string.
+
+    Raises ConfigError naming ``name`` for anything that is not a whole, non-negative byte count.
+    """
+    amount, _ = _parse_size_parts(value, name)
+    return amount
+
+
+def _parse_size_parts(value: object, name: str) -> tuple[int, bool]:
+    """(bytes, whether a unit was written); the DeepSpeed mapping reads unit-less as elements."""
+    if isinstance(value, bool):
+        raise _bad(name, value, "a byte count (integer or string such as '64MiB')",
+                   "true/false is not a size; write a number")
+    if isinstance(value, int):
+        exact, unit = Fraction(value), False
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _bad(name, value, "a finite byte count", "write a number such as 67108864")
+        exact, unit = Fraction(value), False
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise _bad(name, value, "a byte count such as 67108864, '64MiB', '512MB' or '1.5G'",
+                       "units are B, K/KiB, M/MiB, G/GiB, T/TiB (x1024) and KB, MB, GB, TB (x1000)")
+        exact = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
+        unit = bool(match.group(2))
+    else:
+        raise _bad(name, value, "a byte count (integer or string such as '64MiB')",
+                   f"got a {type(value).__name__}")
+    if exact.denominator != 1 or exact < 0:
+        raise _bad(name, value, "a whole, non-negative number of bytes",
+                   "round it to a whole byte count")
+    return int(exact), unit
+
+
+def format_size(n: int | None) -> str:
+    """Human-readable binary size (``'64.0 MiB'``) for logs; ``None`` reads as ``'auto'``."""
+    if n is None:
+        return "auto"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_keys(data: Mapping[str, Any], valid: Iterable[str], where: str) -> None:
+    """Raise ConfigError for keys of ``data`` not in ``valid``, suggesting the closest valid key."""
+    valid = list(valid)
+    problems = []
+    for key in data:
+        if key in valid:
+            continue
+        if not isinstance(key, str):
+            problems.append(f"key {key!r} in {where} is not a string")
+            continue
+        close = difflib.get_close_matches(key, valid, n=1)
+        if close:
+            problems.append(f"unknown key {key!r} in {where}; did you mean {close[0]!r}?")
+        else:
+            problems.append(f"unknown key {key!r} in {where}; valid keys are: "
+                            + ", ".join(sorted(valid)))
+    if problems:
+        first = next(k for k in data if k not in valid)
+        raise ConfigError("\n".join(problems), field=str(first))
+
+
+def load_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON object from ``path``; missing files and bad JSON become ConfigErrors."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}; "
+                          "check the path") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                          f"column {exc.colno}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object ({{...}}), "
+                          f"not a {type(data).__name__}")
+    return data
+
+
+def _bad(name: str, value: object, expected: str, fix: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r} is invalid: expected {expected}; {fix}", field=name)
+
+
+# --------------------------------------------------------------------------- field validation
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str                      # int | float | bool | choice | paths | device | section
+    lo: float | None = None
+    hi: float | None = None
+    optional: bool = False         # None allowed
+    choices: tuple[str, ...] = ()
+    size: bool = False             # byte count: size strings accepted in from_dict
+    fix: str = ""                  # what to do, appended to the message
+
+
+def _rule(**kwargs: Any) -> dict[str, _Rule]:
+    return {"rule": _Rule(**kwargs)}
+
+
+def _describe_range(rule: _Rule) -> str:
+    noun = {"int": "an integer", "float": "a number"}[rule.kind]
+    if rule.lo is not None and rule.hi is not None:
+        text = f"{noun} in {rule.lo:g}..{rule.hi:g}"
+    elif rule.lo is not None:
+        text = f"{noun} >= {rule.lo:g}"
+    else:
+        text = noun
+    return f"None or {text}" if rule.optional else text
+
+
+class _Validated:
+    """Checks every field against its ``_Rule`` after construction, normalising in place."""
+
+    _section: ClassVar[str] = ""
+
+    def _name(self, attr: str) -> str:
+        return f"{self._section}.{attr}" if self._section else attr
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            rule: _Rule | None = f.metadata.get("rule")
+            if rule is not None:
+                value = self._check(self._name(f.name), getattr(self, f.name), rule, f)
+                object.__setattr__(self, f.name, value)
+
+    @staticmethod
+    def _check(name: str, value: Any, rule: _Rule, spec: Any) -> Any:
+        if value is None and rule.optional:
+            return None
+        fix = rule.fix or f"set {name} within that range"
+        if rule.kind in ("int", "float"):
+            expected = _describe_range(rule)
+            numeric = (int,) if rule.kind == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, numeric):
+                hint = ("in Python, pass an int (or use parse_size / from_dict for strings like "
+                        "'64MiB')" if rule.size and isinstance(value, str)
+                        else f"got a {type(value).__name__}, write it as a number")
+                raise _bad(name, value, expected, hint)
+            number = float(value) if rule.kind == "float" else value
+            if rule.kind == "float" and not math.isfinite(number):
+                raise _bad(name, value, f"a finite number ({expected})", fix)
+            if ((rule.lo is not None and number < rule.lo)
+                    or (rule.hi is not None and number > rule.hi)):
+                raise _bad(name, value, expected, fix)
+            return number
+        if rule.kind == "bool":
+            if not isinstance(value, bool):
+                raise _bad(name, value, "true or false", f"got a {type(value).__name__}")
+            return value
+        if rule.kind == "choice":
+            if not isinstance(value, str) or value not in rule.choices:
+                allowed = ", ".join(repr(c) for c in rule.choices)
+                close = [c for c in rule.choices if isinstance(value, str) and c == value.lower()]
+                hint = f"did you mean {close[0]!r}?" if close else f"pick one of {allowed}"
+                raise _bad(name, value, f"one of {allowed}", hint)
+            return value
+        if rule.kind == "device":
+            return _check_device(name, value)
+        if rule.kind == "paths":
+            return _normalise_paths(name, value)
+        if rule.kind == "section":
+            section_cls = spec.default_factory
+            if not isinstance(value, section_cls):
+                raise _bad(name, value, f"a {section_cls.__name__} instance",
+                           "pass the dataclass, or a dict through from_dict/replace")
+            return value
+        raise AssertionError(f"unknown rule kind {rule.kind}")
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+def _check_device(name: str, value: Any) -> str:
+    if type(value).__name__ == "device" and type(value).__module__.startswith("torch"):
+        value = str(value)  # accept torch.device without importing torch here
+    match = _DEVICE_RE.match(value) if isinstance(value, str) else None
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise _bad(name, value, "'auto', 'cpu', 'cuda' or 'cuda:N'",
+                   "'auto' picks cuda when available, else cpu")
+    return value
+
+
+def _normalise_paths(name: str, value: Any) -> tuple[Path, ...]:
+    items = [value] if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(items, (list, tuple)):
+        raise _bad(name, value, "a path or a list of paths",
+                   "use [] for a private temporary directory")
+    out: list[Path] = []
+    for item in items:
+        if isinstance(item, str) and not item.strip():
+            raise _bad(name, value, "non-empty paths", "use [] for a private temporary directory")
+        if not isinstance(item, (str, os.PathLike)):
+            raise _bad(name, value, "a path or a list of paths",
+                       f"entry {item!r} is a {type(item).__name__}")
+        path = Path(item).expanduser()
+        if path in out:
+            raise _bad(name, value, "distinct directories",
+                       f"{path} is listed twice; list each drive once")
+        out.append(path)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- the dataclasses
+
+@dataclass(frozen=True)
+class AioConfig(_Validated):
+    """How swap I/O is issued to the drives (same names as ``swap.engine.EngineSettings``).
+
+    backend: ``auto`` probes each swap directory once and uses ``uring`` (io_uring + O_DIRECT)
+        when the kernel and file system allow it, else ``threads`` (worker threads + O_DIRECT),
+        else ``buffered`` (worker threads through the page cache). Memory: none of its own, but
+        ``buffered`` also fills the kernel page cache with swap data.
+    block_size: bytes per I/O request; transfers are cut into requests of at most this size.
+        Multiple of 4096 (O_DIRECT), >= 4096. Larger blocks mean fewer syscalls; 1 MiB saturates
+        most NVMe drives. Memory: none extra (requests are slices of the swap buffers).
+    queue_depth: requests kept in flight per drive, 1..1024. Deeper queues help NVMe reach full
+        bandwidth. Memory: negligible (one submission slot per request).
+    thread_count: worker threads of the ``threads``/``buffered`` backends; None = queue_depth.
+        Ignored by ``uring``. Memory: one thread stack each (mostly virtual).
+    """
+
+    _section: ClassVar[str] = "aio"
+
+    backend: str = field(default="auto", metadata=_rule(kind="choice", choices=BACKENDS))
+    block_size: int = field(default=1 << 20, metadata=_rule(
+        kind="int", lo=ALIGNMENT, size=True,
+        fix="use a multiple of 4096 such as '1MiB' (note MB means 10**6 bytes)"))
+    queue_depth: int = field(default=8, metadata=_rule(kind="int", lo=1, hi=1024))
+    thread_count: int | None = field(default=None, metadata=_rule(
+        kind="int", lo=1, hi=1024, optional=True, fix="use null to follow queue_depth"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size % ALIGNMENT:
+            raise _bad("aio.block_size", self.block_size, f"a multiple of {ALIGNMENT}",
+                       "use a power of two such as 1048576 ('1MiB'); MB means 10**6 bytes")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig(_Validated):
+    """Numeric format of the working parameters and, for fp16, the loss scaler.
+
+    dtype: compute dtype of the working params: ``fp32``, ``bf16`` or ``fp16``. Memory: 4 bytes
+        per parameter for fp32, 2 for bf16/fp16 wherever the working params live (device,
+        host cache, swap files); mixed precision adds a 4-byte fp32 master copy per parameter
+        held with the optimizer state.
+    loss_scale: fp16 only. 0 = dynamic loss scaling, > 0 = this static scale. No memory cost.
+    initial_scale_power: dynamic scaling starts at 2**initial_scale_power (0..63).
+    loss_scale_window: overflow-free steps before the dynamic scale is doubled (>= 1).
+    hysteresis: overflows tolerated before the dynamic scale is halved (>= 1).
+    min_loss_scale: floor of the dynamic scale (> 0).
+    """
+
+    _section: ClassVar[str] = "precision"
+
+    dtype: str = field(default="fp32", metadata=_rule(kind="choice", choices=DTYPES))
+    loss_scale: float = field(default=0.0, metadata=_rule(
+        kind="float", lo=0, fix="use 0 for dynamic loss scaling or a positive static scale"))
+    initial_scale_power: int = field(default=16, metadata=_rule(kind="int", lo=0, hi=63))
+    loss_scale_window: int = field(default=1000, metadata=_rule(kind="int", lo=1))
+    hysteresis: int = field(default=2, metadata=_rule(kind="int", lo=1))
+    min_loss_scale: float = field(default=1.0, metadata=_rule(
+        kind="float", lo=0, fix="use a positive scale such as 1"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_loss_scale == 0:
+            raise _bad("precision.min_loss_scale", self.min_loss_scale, "a number > 0",
+                       "use a positive scale such as 1")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the working params."""
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BatchConfig(_Validated):
+    """Batch sizes, informational for trainers and tools (DeepSpeed's batch keys).
+
+    train_batch_size: samples per optimizer step over all processes (None = unspecified).
+    micro_batch_size: samples per forward/backward (None = unspecified). Activation memory grows
+        with it, but this config does not manage activations.
+    gradient_accumulation_steps: micro batches per optimizer step (>= 1).
+    When all three are given, train_batch_size must be a multiple of micro_batch_size x
+    gradient_accumulation_steps (the quotient is the number of data-parallel processes).
+    """
+
+    _section: ClassVar[str] = "batch"
+
+    train_batch_size: int | None = field(default=None, metadata=_rule(kind="int", lo=1,
+                                                                      optional=True))
+    micro_batch_size: int | None = field(default=None, metadata=_rule(kind="int", lo=1,
+                                                                      optional=True))
+    gradient_accumulation_steps: int = field(default=1, metadata=_rule(kind="int", lo=1))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.train_batch_size is not None and self.micro_batch_size is not None:
+            step = self.micro_batch_size * self.gradient_accumulation_steps
+            if self.train_batch_size % step:
+                raise _bad("batch.train_batch_size", self.train_batch_size,
+                           f"a multiple of micro_batch_size x gradient_accumulation_steps = {step}",
+                           "fix one of the three batch settings or leave one unset")
+
+
+_SIZE_FIX = "use a byte count such as 1073741824 or, in JSON, '1GiB'"
+
+
+@dataclass(frozen=True)
+class OffloadConfig(_Validated):
+    """Everything the offload runtime needs to know; see the module docstring for the formats.
+
+    device: where compute runs: ``auto`` (cuda if available else cpu), ``cpu``, ``cuda``,
+        ``cuda:N``. Checked against the hardware at attach time.
+    offload_param: where parameters live between uses: ``none`` (device; device memory holds
+        the whole model), ``cpu`` (host RAM holds all params at dtype bytes/param), ``nvme``
+        (swap files hold them; host RAM holds at most max_in_cpu bytes plus the swap buffers).
+    offload_optimizer: where optimizer state lives: ``none`` (device), ``cpu`` or ``nvme``.
+        Memory: Adam keeps about 12 bytes/param (fp32 master, momentum, variance) on that tier.
+    nvme_path: swap directories, one per drive (requests are striped over them); a str, Path
+        or list of them. () = a private temporary directory made by the store. Disk: the
+        offloaded params/state, plus preallocation slack.
+    buffer_count: pinned swap buffers in the pool (>= 1; the store needs >= 2 to overlap I/O
+        with compute, 1 works but serialises it and is logged).
+    buffer_size: bytes per swap buffer (>= 4096; the pool rounds up to 4096).
+        Memory: buffer_count x buffer_size bytes of host RAM, page-locked when pin_memory is set
+        (default 5 x 64 MiB = 320 MiB).
+    pin_memory: page-lock host buffers so device copies are asynchronous and faster. Pinned RAM
+        cannot be swapped by the OS and counts against memlock/container limits.
+    max_in_cpu: with offload_param='nvme', bytes of params kept in host RAM as a cache in
+        front of the drives (0 = none). Memory: up to this much host RAM.
+    device_budget: bytes of device memory the runtime may use for params, prefetch and
+        buffers; None = derived from free memory by the store and reported.
+    host_budget: bytes of host RAM the runtime may use (swap buffers, caches, CPU-offloaded
+        state); None = derived by the store and reported.
+    prefetch_depth: modules fetched ahead of the one computing (0 = no prefetch). Memory: the
+        params of that many modules on the device and in flight.
+    prefetch_bytes: cap on bytes being prefetched at once; None = bounded only by
+        prefetch_depth and the budgets.
+    param_persistence_threshold: params with <= this many elements never leave the device
+        (biases, norms). Memory: their total size on the device, usually small.
+    gradient_clipping: max global gradient norm; 0 = off. No memory cost.
+    keep_swap_files: keep swap files after the store closes (for inspection). Disk: they stay.
+    verify_checksums: CRC32C every swapped extent and check it on read-back. Costs CPU time per
+        transfer and a few bytes per extent; catches silent disk/file corruption.
+    aio, precision, batch: see AioConfig, PrecisionConfig, BatchConfig.
+    """
+
+    device: str = field(default="auto", metadata=_rule(kind="device"))
+    offload_param: str = field(default="nvme", metadata=_rule(kind="choice",
+                                                              choices=OFFLOAD_TARGETS))
+    offload_optimizer: str = field(default="none", metadata=_rule(kind="choice",
+                                                                  choices=OFFLOAD_TARGETS))
+    nvme_path: tuple[Path, ...] = field(default=(), metadata=_rule(kind="paths"))
+    buffer_count: int = field(default=5, metadata=_rule(
+        kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"))
+    buffer_size: int = field(default=64 << 20, metadata=_rule(
+        kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"))
+    pin_memory: bool = field(default=True, metadata=_rule(kind="bool"))
+    max_in_cpu: int = field(default=1_000_000_000, metadata=_rule(
+        kind="int", lo=0, size=True, fix="use 0 to keep no params cached in host RAM"))
+    device_budget: int | None = field(default=None, metadata=_rule(
+        kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"))
+    host_budget: int | None = field(default=None, metadata=_rule(
+        kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"))
+    prefetch_depth: int = field(default=2, metadata=_rule(
+        kind="int", lo=0, fix="use 0 to disable prefetch"))
+    prefetch_bytes: int | None = field(default=None, metadata=_rule(
+        kind="int", lo=0, optional=True, size=True, fix="use null for no byte cap"))
+    param_persistence_threshold: int = field(default=0, metadata=_rule(kind="int", lo=0))
+    gradient_clipping: float = field(default=0.0, metadata=_rule(
+        kind="float", lo=0, fix="use 0 to disable clipping"))
+    keep_swap_files: bool = field(default=False, metadata=_rule(kind="bool"))
+    verify_checksums: bool = field(default=True, metadata=_rule(kind="bool"))
+    aio: AioConfig = field(default_factory=AioConfig, metadata=_rule(kind="section"))
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig,
+                                       metadata=_rule(kind="section"))
+    batch: BatchConfig = field(default_factory=BatchConfig, metadata=_rule(kind="section"))
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OffloadConfig:
+        """The native format: keys are field names, nested objects for aio/precision/batch."""
+        return _build(cls, data, "the infinity config")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> OffloadConfig:
+        """Load a JSON file, native or DeepSpeed (recognised by DeepSpeed-only top-level keys)."""
+        data = load_json(path)
+        from infinity import deepspeed_config as ds  # the mapping imports this module
+
+        # "aio" and "gradient_clipping" exist in both formats, so they decide nothing.
+        if not any(k in ds.TOP_LEVEL_KEYS and k not in _FIELD_NAMES for k in data):
+            return cls.from_dict(data)
+        log.debug("%s holds a DeepSpeed config", path)
+        return ds.from_deepspeed(data)
+
+    @classmethod
+    def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> OffloadConfig:
+        """Map a DeepSpeed config (dict, or path to its JSON); see ``infinity.deepspeed_config``."""
+        from infinity import deepspeed_config as ds
+
+        return ds.from_deepspeed(source)
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        """A validated copy with ``changes``; sections may be given as dicts of changes to merge."""
+        check_keys(changes, _FIELD_NAMES, "replace()")
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key, value in changes.items():
+            current = kwargs[key]
+            if is_dataclass(current) and isinstance(value, Mapping):
+                value = _build(type(current), {**_as_dict(current), **value}, key)
+            elif _FIELDS[key].metadata["rule"].size and isinstance(value, str):
+                value = parse_size(value, name=key)
+            kwargs[key] = value
+        return OffloadConfig(**kwargs)
+
+    # ------------------------------------------------------------------ output
+
+    def to_dict(self) -> dict[str, Any]:
+        """The native format, JSON-serialisable (paths as strings); from_dict inverts it."""
+        return _as_dict(self)
+
+    def swap_buffer_bytes(self) -> int:
+        """Host RAM taken by the swap buffer pool (page-locked when pin_memory)."""
+        return self.buffer_count * self.buffer_size
+
+    def describe(self) -> str:
+        """A short multi-line summary for logs and demos."""
+        p, a = self.precision, self.aio
+        where = ", ".join(str(x) for x in self.nvme_path) or "a private temporary directory"
+        uses_nvme = "nvme" in (self.offload_param, self.offload_optimizer)
+        if p.dtype == "fp16":
+            scale = (f"static loss scale {p.loss_scale:g}" if p.loss_scale
+                     else f"dynamic loss scale from 2**{p.initial_scale_power}, window "
+                          f"{p.loss_scale_window}, hysteresis {p.hysteresis}, "
+                          f"min {p.min_loss_scale:g}")
+            precision = f"fp16 ({scale})"
+        else:
+            precision = p.dtype
+        threads = (f", {a.thread_count or a.queue_depth} threads"
+                   if a.backend in ("threads", "buffered") else "")
+        offloading = (self.offload_param, self.offload_optimizer) != ("none", "none")
+        lines = [
+            "infinity offload config",
+            f"  device            {self.device}",
+            f"  parameters        {self._tier(self.offload_param)}"
+            + (f", host cache up to {format_size(self.max_in_cpu)}"
+               if self.offload_param == "nvme" and self.max_in_cpu else ""),
+            f"  optimizer state   {self._tier(self.offload_optimizer)}",
+        ]
+        if offloading:
+            lines.append(f"  swap buffers      {self.buffer_count} x "
+                         f"{format_size(self.buffer_size)} = "
+                         f"{format_size(self.swap_buffer_bytes())} host RAM"
+                         f"{' (pinned)' if self.pin_memory else ''}")
+        if uses_nvme:
+            lines.append(f"  nvme_path         {where}")
+            lines.append(f"  aio               {a.backend}, {format_size(a.block_size)} requests, "
+                         f"queue depth {a.queue_depth}{threads}")
+        lines += [
+            f"  budgets           device {format_size(self.device_budget)}, "
+            f"host {format_size(self.host_budget)}",
+            f"  prefetch          {self.prefetch_depth} module(s) ahead"
+            + (f", at most {format_size(self.prefetch_bytes)}" if self.prefetch_bytes is not None
+               else ""),
+            f"  precision         {precision}",
+        ]
+        if self.gradient_clipping:
+            lines.append(f"  gradient clipping {self.gradient_clipping:g}")
+        if self.param_persistence_threshold:
+            lines.append(f"  persistent params <= {self.param_persistence_threshold} elements")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _tier(target: str) -> str:
+        return {"none": "on the device", "cpu": "cpu (host RAM)", "nvme": "nvme"}[target]
+
+
+_FIELDS = {f.name: f for f in fields(OffloadConfig)}
+_FIELD_NAMES = tuple(_FIELDS)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """``cls`` from a dict, strict about keys, converting size strings and nested sections."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a JSON object ({{...}}), got {type(data).__name__} "
+                          f"{data!r}", field=None if where.startswith("the ") else where)
+    known = {f.name: f for f in fields(cls)}
+    check_keys(data, known, where)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        f = known[key]
+        rule: _Rule = f.metadata["rule"]
+        if rule.kind == "section":
+            value = _build(f.default_factory, value, key)  # type: ignore[arg-type]
+        elif rule.size and isinstance(value, (str, float)) and not isinstance(value, bool):
+            prefix = f"{cls._section}." if cls._section else ""
+            value = parse_size(value, name=prefix + key)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            value = _as_dict(value)
+        elif isinstance(value, tuple):
+            value = [str(p) for p in value]
+        out[f.name] = value
+    return out
+

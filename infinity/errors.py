@@ -1,0 +1,31 @@
+"""Errors raised by the infinity runtime.
+
+Messages are read by training users in a log, so each one says what is wrong, with which value,
+and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class InfinityError(Exception):
+    """Base class of every error the infinity runtime raises."""
+
+
+class ConfigError(InfinityError, ValueError):
+    """A configuration value or key is invalid.
+
+    ``field`` is the dotted name of the offending setting (``"aio.queue_depth"``) when one is
+    known, so callers such as CLIs can point at it without parsing the message.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class AttachError(InfinityError):
+    """The model or optimizer cannot be attached as given."""
+
+
+class BudgetError(InfinityError):
+    """A device or host budget cannot hold what must be resident at once."""
