@@ -219,14 +219,16 @@ class TieredStore:
     def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard]) -> None:
         """Read ahead, update a tile, write it behind: the pipeline over the staging arena."""
         placement = self.placement
-        tile_limit = max(self.budgets["arena"] // 4, max((s.nbytes for s in todo), default=0))
+        # Tiles take at most half the arena (in slot bytes, which round up to 4096), so the
+        # other half holds read-ahead and write-behind; a tile has at least one shard.
+        tile_limit = self.budgets["arena"] // 2
         ahead = 0
         i = 0
         while i < len(todo):
             tile, size = [], 0
-            while i < len(todo) and (not tile or size + todo[i].nbytes <= tile_limit):
+            while i < len(todo) and (not tile or size + align_up(todo[i].nbytes) <= tile_limit):
                 tile.append(todo[i])
-                size += todo[i].nbytes
+                size += align_up(todo[i].nbytes)
                 i += 1
             protect = set(tile)
             for shard in tile:
@@ -256,7 +258,8 @@ class TieredStore:
             self._nvme_peak = max(self._nvme_peak, self._nvme_bytes())
 
     def _nvme_bytes(self) -> int:
-        return self.registry.count(lambda s: s.on_nvme) if self.engine is not None else 0
+        """Bytes of NVMe extents held (each shard's home, rounded up to 4096)."""
+        return self.engine.space.allocated_bytes if self.engine is not None else 0
 
     def stats(self) -> dict[str, Any]:
         """Bytes per tier (current and peak), I/O totals and timings, steps."""

@@ -61,7 +61,9 @@ class TraceFollower:
         self.traces: dict[object, Trace] = {}
         self.mode: object = None
         self.position = 0
-        self.recording: Trace | None = None
+        # Record from the start even if the root module never runs forward (a loop that calls
+        # submodules directly): such a run is one long iteration.
+        self.recording: Trace | None = Trace()
         self.following: Trace | None = None
         self.diverged_iterations = 0
         self._warned = False

@@ -1,0 +1,112 @@
+"""Budgets are enforced, attach-time errors are clear, and stats report exact bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity import BudgetError, OffloadConfig, TieredStore
+from tests.store_helpers import SMALL, assert_equivalent, compare, make_model, train
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_device_peak_stays_within_a_quarter_budget(tmp_path):
+    model = make_model()
+    budget = param_bytes(model) // 4
+    result = compare(model, 6, {"offload_param": "nvme", "buffer_size": 1 << 16,
+                                "device_budget": budget}, tmp_path=tmp_path)
+    assert_equivalent(*result[:4])
+    stats = result[4]
+    assert stats["budgets"]["device"] == budget
+    assert 0 < stats["peak_bytes"]["device"] <= budget
+
+
+def test_host_peak_stays_within_budget_with_params_on_nvme(tmp_path):
+    model = make_model()
+    host_budget = 6 * 4096 * 4  # far below the model's parameter bytes
+    assert host_budget < param_bytes(model)
+    result = compare(model, 4, {"offload_param": "nvme", "buffer_size": 16384,
+                                "buffer_count": 8, "host_budget": host_budget},
+                     tmp_path=tmp_path)
+    assert_equivalent(*result[:4])
+    stats = result[4]
+    assert 0 < stats["peak_bytes"]["host"] <= host_budget
+    assert stats["current_bytes"]["nvme"] >= param_bytes(model)
+
+
+def test_device_budget_smaller_than_one_module_is_refused_at_attach(tmp_path):
+    model = make_model()
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
+                                      device_budget=1024))
+    with pytest.raises(BudgetError) as info:
+        store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    message = str(info.value)
+    assert "device_budget of 1024" in message and "blocks.0.fc" in message
+    assert "at least 16896" in message
+    # Nothing was taken from the model and nothing is left on disk.
+    assert all(p.numel() > 0 for p in model.parameters())
+    assert os.listdir(tmp_path) == []
+
+
+def test_host_budget_below_model_with_cpu_offload_is_refused():
+    model = make_model()
+    store = TieredStore(OffloadConfig(offload_param="cpu", host_budget=1000))
+    with pytest.raises(BudgetError, match="host_budget"):
+        store.attach(model)
+
+
+def test_stats_account_every_tier_exactly(tmp_path):
+    model = make_model()
+    total = param_bytes(model)
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
+                                      buffer_size=1 << 16))
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    stats = store.stats()
+    assert stats["budgets"]["params"] == total
+    assert stats["current_bytes"]["device"] == 0
+    # Every shard has an aligned NVMe home.
+    assert stats["current_bytes"]["nvme"] >= total
+    train(model, optimizer, 2)
+    stats = store.stats()
+    assert stats["steps"] == 2
+    assert stats["bytes_written"] >= total and stats["bytes_read"] > 0
+    assert stats["io_seconds"] > 0
+    for key in ("device", "host", "nvme"):
+        assert stats["peak_bytes"][key] >= stats["current_bytes"][key] >= 0
+    store.close()
+
+
+def test_offload_none_leaves_the_model_alone():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = TieredStore(OffloadConfig(offload_param="none"))
+    same_model, same_optimizer = store.attach(model, optimizer)
+    assert same_model is model and same_optimizer is optimizer
+    store.close()
+
+
+def test_attach_twice_and_after_close_are_refused(tmp_path):
+    store = TieredStore(OffloadConfig(offload_param="cpu"))
+    store.attach(make_model())
+    with pytest.raises(infinity.AttachError, match="already attached"):
+        store.attach(make_model())
+    store.close()
+    with pytest.raises(infinity.AttachError, match="closed"):
+        store.attach(make_model())
+
+
+def test_context_manager_restores_parameters_and_removes_swap_files(tmp_path):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path))) as store:
+        store.attach(model)
+        assert any(p.numel() == 0 for p in model.parameters())  # placeholders between uses
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,202 @@
+"""Trace recording, departures, Belady eviction, and the residency state machine."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+from infinity import OffloadConfig, TieredStore
+from infinity.policies import BeladyEviction, LRUEviction, LookaheadPrefetch
+from infinity.residency import TRANSITIONS, Residency, ResidencyError, check_transition
+from infinity.state_dict import write_entry
+from infinity.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
+from tests.store_helpers import assert_equivalent, compare, make_model
+
+
+class Branchy(nn.Module):
+    """Takes a different path through its layers when ``skip`` is set: control flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if self.skip and i == 2:
+                continue
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _branchy_run(model, optimizer, pattern):
+    torch.manual_seed(3)
+    losses = []
+    for skip in pattern:
+        model.skip = skip
+        loss = model(torch.randn(8, 16))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_departure_from_the_trace_warns_once_and_still_trains_right(tmp_path, caplog):
+    torch.manual_seed(0)
+    reference = Branchy()
+    pattern = [False, False, True, False, True, True, False]
+    plain = copy.deepcopy(reference)
+    plain_losses = _branchy_run(plain, torch.optim.Adam(plain.parameters(), lr=0.01), pattern)
+    attached = copy.deepcopy(reference)
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
+                                      buffer_size=4096, buffer_count=3, prefetch_depth=2))
+    model, optimizer = store.attach(attached, torch.optim.Adam(attached.parameters(), lr=0.01))
+    with caplog.at_level(logging.WARNING, logger="infinity.trace"):
+        losses = _branchy_run(model, optimizer, pattern)
+    stats = store.stats()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    store.close()
+    assert_equivalent(plain_losses, losses, plain.state_dict(), state)
+    warnings = [r for r in caplog.records if "departs from the recorded trace" in r.message]
+    assert len(warnings) == 1
+    assert stats["trace_departures"] >= 3
+
+
+def test_prefetch_runs_ahead_once_a_trace_exists(tmp_path):
+    result = compare(make_model(), 4, {"offload_param": "nvme", "buffer_size": 1 << 14,
+                                       "buffer_count": 16, "prefetch_depth": 3},
+                     tmp_path=tmp_path)
+    assert_equivalent(*result[:4])
+    assert result[4]["prefetched_loads"] > 0
+
+
+def _trace(sequence: list[list[int]]) -> Trace:
+    trace = Trace()
+    for module, entries in enumerate(sequence):
+        trace.append(Event(FORWARD, module, tuple(entries)))
+    return trace
+
+
+def test_belady_evicts_the_furthest_next_use_first():
+    follower = TraceFollower()
+    follower.traces["mode"] = _trace([[0], [1], [2], [3], [1], [0]])
+    follower.start_iteration("mode")
+    follower.observe(Event(FORWARD, 0, (0,)))
+    follower.observe(Event(FORWARD, 1, (1,)))
+    # At position 2: next uses are 2 -> 0 events away, 3 -> 1, 1 -> 2, 0 -> 3.
+    order = BeladyEviction().order([0, 1, 2, 3], follower, last_used={})
+    assert order == [0, 1, 3, 2]
+
+
+def test_without_a_trace_eviction_is_least_recently_used():
+    follower = TraceFollower()
+    follower.start_iteration("new mode")  # recording: nothing to follow yet
+    order = BeladyEviction().order([0, 1, 2], follower, last_used={0: 5, 1: 2, 2: 9})
+    assert order == [1, 0, 2]
+    assert LRUEviction().order([0, 1, 2], follower, {0: 5, 1: 2, 2: 9}) == [1, 0, 2]
+
+
+def test_lookahead_lists_upcoming_entries_nearest_first():
+    follower = TraceFollower()
+    follower.traces["m"] = _trace([[0], [1, 2], [2, 3], [4]])
+    follower.start_iteration("m")
+    follower.observe(Event(FORWARD, 0, (0,)))
+    assert list(LookaheadPrefetch(2).wanted(follower)) == [1, 2, 3]
+
+
+def test_every_transition_outside_the_table_is_refused():
+    for old in Residency:
+        for new in Residency:
+            if new in TRANSITIONS[old]:
+                check_transition("s", old, new)
+            else:
+                with pytest.raises(ResidencyError, match=f"{old.name} -> {new.name}"):
+                    check_transition("s", old, new)
+
+
+def test_states_describe_their_copies():
+    assert Residency.NVME.on_nvme and not Residency.NVME.on_host
+    assert Residency.HOST.dirty and not Residency.HOST.on_nvme
+    assert Residency.DEVICE_NVME.on_device and not Residency.DEVICE_NVME.on_host
+    assert Residency.NVME_LOADING.in_flight and not Residency.NVME_LOADING.on_host
+
+
+class Stack(nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(count))
+
+
+ENTRIES = 6
+operations = st.lists(
+    st.tuples(st.sampled_from(["gather", "drop", "write", "read", "load", "drain"]),
+              st.integers(0, ENTRIES - 1), st.integers(0, 1000)),
+    min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=operations)
+def test_residency_machine_always_reads_back_the_last_write(tmp_path_factory, ops):
+    """Random gathers, device drops, writes, reads, loads and drains against a dict reference,
+    with an arena of three slots for six shards, so eviction and write-back happen constantly."""
+    path = tmp_path_factory.mktemp("nvme")
+    model = Stack(ENTRIES)
+    reference = {i: layer.weight.detach().clone() for i, layer in enumerate(model.layers)}
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(path),
+                                      buffer_size=4096, buffer_count=3, device_budget=3 * 256))
+    store.attach(model)
+    placement = store.placement
+    entries = store.registry.entries
+    try:
+        for op, index, seed in ops:
+            entry = entries[index]
+            if op == "gather":
+                if not placement.device.fits(entry.nbytes) and entry.device_tensor is None:
+                    placement._make_device_room(entry)
+                placement.gather(entry)
+                assert torch.equal(entry.param.data, reference[index])
+                placement.release(entry)
+            elif op == "drop":
+                placement.drop_device(entry)
+            elif op == "write":
+                value = torch.randn(entry.shape, generator=torch.Generator().manual_seed(seed))
+                write_entry(store, entry, value)
+                reference[index] = value
+            elif op == "read":
+                assert torch.equal(store.materialize(entry), reference[index])
+            elif op == "load":
+                shard = entry.shards[0]
+                placement.reap(shard)
+                placement.load_async(shard)
+            else:
+                placement.drain()
+            peak = placement.device.usage.peak
+            assert peak <= placement.device.budget
+            assert placement.host.usage.current <= placement.host.budget
+        for index, entry in enumerate(entries):
+            assert torch.equal(store.materialize(entry), reference[index])
+    finally:
+        store.close()
+    for index, layer in enumerate(model.layers):
+        assert torch.equal(layer.weight.detach(), reference[index])
+
+
+def test_backward_events_are_recorded_in_order(tmp_path):
+    model = Stack(3)
+    store = TieredStore(OffloadConfig(offload_param="cpu"))
+    store.attach(model)
+    x = torch.randn(2, 8, requires_grad=True)
+    for layer in model.layers:
+        x = layer(x)
+    x.sum().backward()
+    recording = store.follower.recording
+    kinds = [(e.kind, e.module) for e in recording.events]
+    assert kinds == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2),
+                     (BACKWARD, 2), (BACKWARD, 1), (BACKWARD, 0)]
+    store.close()
