@@ -8,22 +8,48 @@ for this backward pass (all uses summed); it moves the gradient to the host and 
 backward holds. Whatever is still held when the backward pass ends (frozen parameters, unused
 outputs) is released by a callback queued on the autograd engine.
 
+A graph kept with ``retain_graph=True`` can be run backward again: the output hooks fire once per
+backward pass (the end-of-backward callback starts a new pass), not once per forward.
+
+Under ``torch.inference_mode()`` the device copies are still made as normal tensors: they are
+cached across iterations, and an inference tensor cached there would fail the next training
+forward ("Inference tensors cannot be saved for backward").
+
+A module's forward may use parameters of a child it does not call: ``nn.MultiheadAttention``
+passes ``out_proj.weight`` to a functional kernel. Modules of such types gather the parameters
+of their whole subtree (``SUBTREE_MODULES``); their children keep their own hooks. (The fused
+inference fast path of ``nn.TransformerEncoderLayer`` would be another, but torch turns it off
+when any submodule has forward hooks, as every attached one does.) Any other module that reads
+a child's parameter without calling the child sees the empty placeholder and fails in its
+first op: register the parameter on that module too (``self.w = self.child.weight``).
+
+A parameter that was frozen at attach and is unfrozen later gets its gradient hook at its next
+forward, so its gradients reach the optimizer as they do in plain torch.
+
+A module may return one of its own parameters (a learned query, a positional table): the
+returned tensor is then a view of the gathered values, since the parameter itself holds an
+empty placeholder again once the module has finished.
+
 Only public hook APIs are used; nothing in torch is patched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from infinity.shards import ParamEntry
 from infinity.trace import BACKWARD, FORWARD, Event
 
 log = logging.getLogger(__name__)
+
+#: modules whose forward uses their descendants' parameters without calling the descendants
+SUBTREE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 class HookSet:
@@ -34,28 +60,36 @@ class HookSet:
         self.store = store
         self.placement = store.placement
         self.root = root
-        self.modules = module_entries
+        self.modules = _with_subtrees(store.registry, root, module_entries)
         self.handles: list[Any] = []
+        #: indices of the entries whose parameter has its post-accumulate-grad hook
+        self._grad_hooked: set[int] = set()
         #: entries gathered for backward and not yet released: entry -> count
         self.backward_holds: dict[ParamEntry, int] = {}
         self._callback_queued = False
+        #: counts finished backward passes; an output hook fires once per pass
+        self._backward_pass = 0
 
     def install(self) -> None:
         self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
         for index, (module, entries) in enumerate(self.modules):
-            self.handles.append(module.register_forward_pre_hook(
-                self._make_pre_forward(index, entries)))
+            pre_forward, post_forward = self._make_hooks(index, entries)
+            self.handles.append(module.register_forward_pre_hook(pre_forward))
             # always_call: activation checkpointing stops a recomputation early by raising out
             # of a module's forward, and the holds taken by its pre-hook must still be released.
-            self.handles.append(module.register_forward_hook(
-                self._make_post_forward(index, entries), always_call=True))
-        seen: set[int] = set()
+            self.handles.append(module.register_forward_hook(post_forward, always_call=True))
         for _, entries in self.modules:
-            for entry in entries:
-                if entry.requires_grad and id(entry.param) not in seen:
-                    seen.add(id(entry.param))
-                    self.handles.append(entry.param.register_post_accumulate_grad_hook(
-                        self._make_grad_hook(entry)))
+            self._hook_grads(entries)
+
+    def _hook_grads(self, entries: list[ParamEntry]) -> None:
+        """Gives each entry whose parameter requires grad its gradient hook, once. Called at
+        install and again before each forward: torch cannot hook a parameter that does not
+        require grad, so one unfrozen after attach is hooked the first time it runs."""
+        for entry in entries:
+            if entry.index not in self._grad_hooked and entry.param.requires_grad:
+                self._grad_hooked.add(entry.index)
+                self.handles.append(entry.param.register_post_accumulate_grad_hook(
+                    self._make_grad_hook(entry)))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -66,40 +100,74 @@ class HookSet:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         # A new iteration starts with the root's forward, unless we are inside a backward pass
         # (activation checkpointing re-runs forwards there).
-        if not self.backward_holds:
-            self.store._start_iteration(torch.is_grad_enabled(), module.training)
+        if self._in_backward():
+            return
+        if self.backward_holds or self._callback_queued:
+            # Outside any backward pass, yet the last one left holds or a callback that never
+            # ran: it raised (a hook, an out-of-memory the loop skipped), and the autograd
+            # engine drops queued callbacks when a pass fails. Finish it now, or frozen
+            # parameters would stay held, no later pass would queue the callback and no later
+            # forward would start an iteration.
+            self._end_of_backward()
+        self.store._start_iteration(torch.is_grad_enabled(), module.training)
 
-    def _make_pre_forward(self, index: int, entries: list[ParamEntry]) -> Callable:
-        event = Event(FORWARD, index, tuple(e.index for e in entries))
+    def _in_backward(self) -> bool:
+        current = getattr(torch._C, "_current_graph_task_id", None)
+        if current is None:  # not in this torch: judge by the holds, as far as they tell
+            return bool(self.backward_holds)
+        # The id of the backward pass running on this thread, -1 outside one. torch's own
+        # register_multi_grad_hook reads it the same way.
+        return current() != -1
+
+    def _make_hooks(self, index: int, entries: list[ParamEntry]) -> tuple[Callable, Callable]:
+        forward_event = Event(FORWARD, index, tuple(e.index for e in entries))
+        backward_event = Event(BACKWARD, index, tuple(e.index for e in entries))
+        # What each call under way gathered, innermost last (a module may run inside its own
+        # forward). The post-hook releases exactly that: when a gather fails (BudgetError) the
+        # always_call post-hook still runs, and must not release what was never gathered, nor
+        # take a hold some other use of a shared parameter holds.
+        calls: list[list[ParamEntry]] = []
 
         def pre_forward(module: nn.Module, args: Any) -> None:
-            self.placement.on_event(event)
-            for entry in entries:
-                self.placement.gather(entry)
-        return pre_forward
+            self._hook_grads(entries)
+            self.placement.on_event(forward_event)
+            gathered: list[ParamEntry] = []
+            calls.append(gathered)
+            with _normal_tensors():
+                for entry in entries:
+                    self.placement.gather(entry)
+                    gathered.append(entry)
 
-    def _make_post_forward(self, index: int, entries: list[ParamEntry]) -> Callable:
-        event = Event(BACKWARD, index, tuple(e.index for e in entries))
-
-        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
-            for entry in entries:
-                self.placement.release(entry)
+        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+            flat, spec = tree_flatten(output)
+            replaced = _alias_returned_params(flat, spec, entries)
+            if replaced is not None:
+                output = replaced
+                flat = tree_flatten(output)[0]
+            gathered = calls.pop() if calls else []
+            with _normal_tensors():
+                for entry in gathered:
+                    self.placement.release(entry)
             if torch.is_grad_enabled():
-                self._hook_outputs(output, event, entries)
-        return post_forward
+                self._hook_outputs(flat, backward_event, entries)
+            return replaced
+        return pre_forward, post_forward
 
     # -- backward -----------------------------------------------------------------------------
-    def _hook_outputs(self, output: Any, event: Event, entries: list[ParamEntry]) -> None:
-        tensors = [t for t in tree_flatten(output)[0]
+    def _hook_outputs(self, flat: list[Any], event: Event, entries: list[ParamEntry]) -> None:
+        tensors = [t for t in flat
                    if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         if not tensors:
             return
-        fired = [False]
+        # The backward pass in which this module's parameters were last gathered: the first of
+        # its outputs to get a gradient gathers them; the others of the same pass do nothing. A
+        # flag set once would leave a second backward over a retained graph with placeholders.
+        fired = [-1]
 
         def pre_backward(grad: torch.Tensor) -> None:
-            if fired[0]:
+            if fired[0] == self._backward_pass:
                 return
-            fired[0] = True
+            fired[0] = self._backward_pass
             self._queue_end_of_backward()
             self.placement.on_event(event)
             for entry in entries:
@@ -131,5 +199,44 @@ class HookSet:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._backward_pass += 1
         for entry in list(self.backward_holds):
             self._release_backward(entry)
+
+
+def _normal_tensors() -> contextlib.AbstractContextManager:
+    """Leaves inference mode while device copies and placeholders are made (see the module
+    docstring); a no-op outside it."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
+
+
+def _with_subtrees(registry: Any, root: nn.Module,
+                   module_entries: list[tuple[nn.Module, list[ParamEntry]]]
+                   ) -> list[tuple[nn.Module, list[ParamEntry]]]:
+    """``module_entries`` (each module's own parameters, in ``root.modules()`` order) with the
+    modules of ``SUBTREE_MODULES`` also needing every parameter below them."""
+    own = {id(module): entries for module, entries in module_entries}
+    out = []
+    for module in root.modules():
+        entries = list(own.get(id(module), ()))
+        if isinstance(module, SUBTREE_MODULES):
+            for param in module.parameters():
+                entry = registry.entry_of(param)
+                if entry is not None and entry not in entries:
+                    entries.append(entry)
+        if entries:
+            out.append((module, entries))
+    return out
+
+
+def _alias_returned_params(flat: list[Any], spec: Any, entries: list[ParamEntry]) -> Any:
+    """The output (flattened as ``flat``, ``spec``) with each of the module's own parameters in
+    it replaced by a view of its gathered values (autograd still reaches the parameter through
+    the view); None when the output holds none of them, which is nearly always."""
+    params = {id(entry.param) for entry in entries}
+    if not any(isinstance(t, torch.Tensor) and id(t) in params for t in flat):
+        return None
+    return tree_unflatten([t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in params
+                           else t for t in flat], spec)

@@ -36,8 +36,10 @@ _FROM_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE
 class Placement:
     def __init__(self, registry: ShardRegistry, device: DeviceTier, host: HostTier,
                  engine: SwapEngine | None, follower: TraceFollower, eviction: EvictionPolicy,
-                 prefetch: PrefetchPolicy) -> None:
+                 prefetch: PrefetchPolicy, *, params_on_nvme: bool, grads_on_nvme: bool) -> None:
         self.registry = registry
+        self.params_on_nvme = params_on_nvme
+        self.grads_on_nvme = grads_on_nvme
         self.device = device
         self.host = host
         self.engine = engine
@@ -45,6 +47,8 @@ class Placement:
         self.eviction = eviction
         self.prefetcher = prefetch
         self.in_arena: set[Shard] = set()
+        #: shards whose host copies are in use right now (the optimizer's current tile)
+        self.pinned: set[Shard] = set()
         self.on_device: set[ParamEntry] = set()
         self.last_used: dict[int, int] = {}
         self.clock = 0
@@ -56,7 +60,7 @@ class Placement:
 
     @property
     def nvme(self) -> bool:
-        return self.engine is not None
+        return self.params_on_nvme
 
     # -- initialisation ---------------------------------------------------------------------
     def initialise(self, entry: ParamEntry, source: torch.Tensor) -> None:
@@ -129,18 +133,35 @@ class Placement:
         shard.arena_offset = None
         shard.host = None
 
-    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
+    def _next_use(self):
+        """Events until a shard is needed again, or None without a trace. Companions (grads,
+        optimizer state) are needed by the step, after the iteration's last event."""
         trace = self.follower.trace
+        if trace is None:
+            return None
         position = self.follower.position
-        candidates = [s for s in self.in_arena if s not in protect and
-                      (s.entry.holds == 0 or s.state is R.DEVICE_HOST_NVME)]
-        order = self.eviction.order([s.entry.index for s in candidates], self.follower,
-                                    self.last_used)
-        rank = {e: i for i, e in enumerate(order)}
-        candidates.sort(key=lambda s: rank[s.entry.index])
+        end = len(trace) - position + 0.5
+
+        def next_use(shard: Shard) -> float:
+            if shard.kind != "param":
+                return end
+            return trace.next_use(shard.entry.index, position)
+        return next_use
+
+    @staticmethod
+    def _evictable(shard: Shard) -> bool:
+        if shard.kind != "param":
+            return True
+        return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
+
+    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
+        next_use = self._next_use()
+        candidates = [s for s in self.in_arena
+                      if s not in protect and s not in self.pinned and self._evictable(s)]
+        candidates = self.eviction.order(candidates, next_use,
+                                         lambda s: self.last_used.get(s.entry.index, -1))
         for shard in candidates:
-            if horizon and trace is not None and \
-                    trace.next_use(shard.entry.index, position) <= horizon:
+            if horizon and next_use is not None and next_use(shard) <= horizon:
                 break  # everything after this is needed sooner than what we fetch
             self.reap(shard)
             if shard.state in (R.HOST, R.DEVICE_HOST):
@@ -230,7 +251,7 @@ class Placement:
                     self.reap(shard)
                     if shard.state is R.NVME:
                         self.load_async(shard, protect=entry.shards, horizon=0.5)
-            tensor = self.device.allocate(entry.shape, entry.dtype)
+            tensor = self.device.allocate(entry.shape, entry.compute_dtype)
             flat = tensor.view(-1)
             events = []
             waiting = list(entry.shards)
@@ -272,18 +293,21 @@ class Placement:
             self.registry.set_state(shard, _FROM_DEVICE[shard.state])
 
     def _make_device_room(self, entry: ParamEntry) -> None:
-        if self.device.fits(entry.nbytes):
+        if self.device.fits(entry.device_bytes):
             return
-        candidates = [e.index for e in self.on_device if e.holds == 0 and e is not entry]
-        by_index = {e.index: e for e in self.on_device}
-        for index in self.eviction.order(candidates, self.follower, self.last_used):
-            self.drop_device(by_index[index])
-            if self.device.fits(entry.nbytes):
+        trace = self.follower.trace
+        position = self.follower.position
+        next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
+        candidates = [e for e in self.on_device if e.holds == 0 and e is not entry]
+        for victim in self.eviction.order(candidates, next_use,
+                                          lambda e: self.last_used.get(e.index, -1)):
+            self.drop_device(victim)
+            if self.device.fits(entry.device_bytes):
                 return
         held = sorted((e for e in self.on_device if e.holds), key=lambda e: -e.nbytes)
         raise BudgetError(
             f"device budget of {self.device.budget} bytes cannot hold {entry.name} "
-            f"({entry.nbytes} bytes) next to the {len(held)} parameters in use "
+            f"({entry.device_bytes} bytes) next to the {len(held)} parameters in use "
             f"({self.device.usage.current} bytes, largest: "
             f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget")
 
@@ -302,23 +326,101 @@ class Placement:
                 if shard.state is R.NVME and not self.load_async(shard, horizon=horizon + 0.5):
                     return  # out of room: prefetch less, never over-commit
 
+    # -- companions (gradients and optimizer state on NVMe) -----------------------------------
+    def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:
+        found = shard.companions.get(kind)
+        if found is None:
+            found = Shard(f"{shard.id}@{kind}", shard.entry, shard.start, numel, dtype, kind=kind)
+            shard.companions[kind] = found
+        return found
+
+    def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
+        HOST (dirty): written back when evicted or after the step."""
+        if not self._host_slot(shard, protect=(), horizon=0.0):
+            raise BudgetError(f"no room in the host staging arena for {shard.id} "
+                              f"({shard.nbytes} bytes): raise host_budget or buffer_count")
+        if source is not None:
+            shard.host.copy_(source)
+        self.registry.set_state(shard, R.HOST)
+        return shard.host
+
+    def discard(self, shard: Shard) -> None:
+        """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""
+        if shard.state is R.EMPTY:
+            return
+        self.reap(shard, wait=True)
+        if shard.arena_offset is not None:
+            self._free_slot(shard)
+        self.registry.set_state(shard, R.EMPTY)
+
     # -- gradients ----------------------------------------------------------------------------
-    def take_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
-        """Moves a finished device gradient to the host accumulators of the entry's shards."""
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Moves a finished device gradient into the entry's shards' host accumulators (fp32
+        master dtype), keeping each shard's squared norm for clipping and overflow checks.
+        ``scale`` divides out a loss scale."""
         flat = grad.detach().reshape(-1)
         for shard in entry.shards:
             piece = flat[shard.start:shard.start + shard.numel]
-            if shard.grad is None:
-                shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
-                                         pin_memory=self.host.pin)
-                shard.grad.copy_(piece)
-                self.grad_bytes += shard.nbytes
-                self.grad_peak = max(self.grad_peak, self.grad_bytes)
+            if scale != 1.0:
+                piece = piece.to(shard.dtype) / scale  # unscale before accumulating
+            if self.grads_on_nvme:
+                target = self._grad_companion_for_write(shard)
+                if target is None:
+                    holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+                    target = self.fill(holder)
+                    target.copy_(piece)
+                else:
+                    target.add_(piece.to(target.dtype))
             else:
-                shard.grad.add_(piece.to(shard.grad.device, shard.grad.dtype))
+                if shard.grad is None:
+                    shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
+                                             pin_memory=self.host.pin)
+                    shard.grad.copy_(piece)
+                    self.grad_bytes += shard.nbytes
+                    self.grad_peak = max(self.grad_peak, self.grad_bytes)
+                else:
+                    shard.grad.add_(piece.to(shard.grad.device, shard.grad.dtype))
+                target = shard.grad
+            shard.grad_sq_norm = float(target.double().square().sum()) \
+                if target.is_floating_point() else 0.0
+
+    def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:
+        """The host view of an existing gradient to accumulate into (read back if needed),
+        marked dirty; None when the shard has no gradient yet."""
+        holder = shard.companions.get("grad")
+        if holder is None or holder.state is R.EMPTY:
+            return None
+        self.ensure_host(holder)
+        if holder.state is R.HOST_STORING:
+            self.reap(holder, wait=True)
+        if holder.state is R.HOST_NVME:
+            self.registry.set_state(holder, R.HOST)
+        return holder.host
+
+    def has_grad(self, shard: Shard) -> bool:
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            return holder is not None and holder.state is not R.EMPTY
+        return shard.grad is not None
+
+    def grad_view(self, shard: Shard) -> torch.Tensor | None:
+        """The shard's host gradient (its companion must already be on the host)."""
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            if holder is None or holder.state is R.EMPTY:
+                return None
+            return holder.host
+        return shard.grad
 
     def clear_grads(self, set_to_none: bool = True) -> None:
         for shard in self.registry.shards.values():
+            shard.grad_sq_norm = 0.0
+            if self.grads_on_nvme:
+                holder = shard.companions.get("grad")
+                if holder is not None:
+                    self.discard(holder)
+                continue
             if shard.grad is None:
                 continue
             if set_to_none:
@@ -329,6 +431,6 @@ class Placement:
 
 
 def _placeholder(entry: ParamEntry) -> torch.Tensor:
-    """The empty tensor a parameter holds between uses (keeps dtype and device)."""
+    """The empty tensor a parameter holds between uses (compute dtype, same device)."""
     data = entry.param.data
-    return torch.empty(0, dtype=entry.dtype, device=data.device)
+    return torch.empty(0, dtype=entry.compute_dtype, device=data.device)

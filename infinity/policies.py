@@ -10,38 +10,36 @@ it can afford without over-committing its buffers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
-from infinity.trace import Trace, TraceFollower
+from infinity.trace import TraceFollower
+
+T = TypeVar("T")
 
 
 class EvictionPolicy(ABC):
     @abstractmethod
-    def order(self, candidates: Sequence[int], follower: TraceFollower,
-              last_used: dict[int, int]) -> list[int]:
-        """``candidates`` (entry indices) in the order they should be evicted."""
+    def order(self, candidates: Sequence[T], next_use: Callable[[T], float] | None,
+              recency: Callable[[T], int]) -> list[T]:
+        """``candidates`` in the order they should be evicted. ``next_use`` (events until the
+        candidate is needed again) is None when no trace is being followed; ``recency`` is a
+        logical clock of the last use."""
 
 
 class LRUEviction(EvictionPolicy):
-    def order(self, candidates: Sequence[int], follower: TraceFollower,
-              last_used: dict[int, int]) -> list[int]:
-        return sorted(candidates, key=lambda e: last_used.get(e, -1))
+    def order(self, candidates: Sequence[T], next_use: Callable[[T], float] | None,
+              recency: Callable[[T], int]) -> list[T]:
+        return sorted(candidates, key=recency)
 
 
 class BeladyEviction(EvictionPolicy):
-    """Furthest next use first; falls back to LRU while no trace is being followed."""
+    """Furthest next use first; least recently used while no trace is being followed."""
 
-    def __init__(self) -> None:
-        self._fallback = LRUEviction()
-
-    def order(self, candidates: Sequence[int], follower: TraceFollower,
-              last_used: dict[int, int]) -> list[int]:
-        trace: Trace | None = follower.trace
-        if trace is None:
-            return self._fallback.order(candidates, follower, last_used)
-        position = follower.position
-        return sorted(candidates, key=lambda e: (-trace.next_use(e, position),
-                                                 last_used.get(e, -1)))
+    def order(self, candidates: Sequence[T], next_use: Callable[[T], float] | None,
+              recency: Callable[[T], int]) -> list[T]:
+        if next_use is None:
+            return sorted(candidates, key=recency)
+        return sorted(candidates, key=lambda c: (-next_use(c), recency(c)))
 
 
 class PrefetchPolicy(ABC):

@@ -19,7 +19,7 @@ from enum import Enum
 
 
 class Residency(Enum):
-    #: nothing valid yet (registered, not initialised)
+    #: nothing valid (registered and not initialised, or discarded: a consumed gradient)
     EMPTY = "empty"
     #: only the NVMe extent is valid
     NVME = "nvme"
@@ -77,6 +77,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
     }),
     R.NVME: frozenset({
         R.NVME_LOADING,         # start reading into a host slot
+        R.EMPTY,                # discard (a gradient after the step, zero_grad)
     }),
     R.NVME_LOADING: frozenset({
         R.HOST_NVME,            # read completed
@@ -86,6 +87,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
         R.HOST_STORING,         # start writing back
         R.DEVICE_HOST,          # gather to device
         R.HOST,                 # updated again (optimizer step, load_state_dict)
+        R.EMPTY,                # discard
     }),
     R.HOST_STORING: frozenset({
         R.HOST_NVME,            # write completed
@@ -95,6 +97,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
         R.NVME,                 # evict the host slot (NVMe copy is valid)
         R.DEVICE_HOST_NVME,     # gather to device
         R.HOST,                 # updated on the host: NVMe copy now stale
+        R.EMPTY,                # discard
     }),
     R.DEVICE_HOST: frozenset({
         R.HOST,                 # release the device copy

@@ -25,11 +25,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Shard:
+    """Bytes with one residency. ``kind`` is "param" (a range of a parameter's master values),
+    or, for a companion of a param shard, "grad" (its accumulated gradient) or "optim" (its
+    optimizer state tensors packed end to end) when those live in the arena and on NVMe."""
     id: str
     entry: "ParamEntry"
     start: int                      # first element within the flattened parameter
     numel: int
     dtype: torch.dtype
+    kind: str = "param"
     state: Residency = Residency.EMPTY
     #: the host copy (a view into the staging arena, or a standalone host tensor)
     host: torch.Tensor | None = None
@@ -39,8 +43,14 @@ class Shard:
     extent: object | None = None
     #: an NVMe transfer in flight
     pending: "Future[int] | None" = None
-    #: accumulated gradient on the host (fp32, same numel), None when no gradient yet
+    #: accumulated gradient in host memory, when gradients are not swapped (else companion)
     grad: torch.Tensor | None = None
+    #: squared L2 norm of the accumulated gradient (kept so clipping needs no extra pass)
+    grad_sq_norm: float = 0.0
+    #: "grad" / "optim" companions of a param shard
+    companions: dict = field(default_factory=dict)
+    #: for an "optim" companion: (key, dtype, shape, byte offset) of each packed state tensor
+    layout: tuple = ()
     #: the host parameter the wrapped optimizer updates
     step_param: torch.nn.Parameter | None = None
     #: CUDA event marking the end of the last copy out of ``host`` (the slot is busy until then)
@@ -67,6 +77,8 @@ class ParamEntry:
     dtype: torch.dtype
     requires_grad: bool
     shards: list[Shard] = field(default_factory=list)
+    #: dtype of the device working copy (the master dtype, or bf16/fp16 under mixed precision)
+    compute_dtype: torch.dtype = torch.float32
     #: the gathered device tensor (``param.data`` points at it while gathered)
     device_tensor: torch.Tensor | None = None
     #: reasons the device copy must stay: active modules and pending backward uses
@@ -81,6 +93,10 @@ class ParamEntry:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @property
+    def device_bytes(self) -> int:
+        return self.numel * self.compute_dtype.itemsize
+
 
 class ShardRegistry:
     """Owns every shard and parameter entry; the one place residency changes happen."""
@@ -91,17 +107,24 @@ class ShardRegistry:
         self.entries: list[ParamEntry] = []
         self._by_param: dict[int, ParamEntry] = {}
 
-    def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int) -> ParamEntry:
-        entry = ParamEntry(name, param, param.shape, param.dtype, param.requires_grad,
-                           index=len(self.entries))
-        itemsize = param.dtype.itemsize
+    def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int,
+                  compute_dtype: torch.dtype | None = None) -> ParamEntry:
+        """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
+        masters are fp32 and the device copy is ``compute_dtype``."""
+        master = param.dtype
+        compute = param.dtype
+        if compute_dtype is not None and param.is_floating_point():
+            master, compute = torch.float32, compute_dtype
+        entry = ParamEntry(name, param, param.shape, master, param.requires_grad,
+                           index=len(self.entries), compute_dtype=compute)
+        itemsize = master.itemsize
         per_shard = max(1, max_shard_bytes // itemsize)
         numel = param.numel()
         count = max(1, -(-numel // per_shard))
         for k in range(count):
             start = k * per_shard
             shard_id = name if count == 1 else f"{name}#{k}"
-            shard = Shard(shard_id, entry, start, min(per_shard, numel - start), param.dtype)
+            shard = Shard(shard_id, entry, start, min(per_shard, numel - start), master)
             entry.shards.append(shard)
             self.shards[shard_id] = shard
         self.entries.append(entry)

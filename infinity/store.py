@@ -8,6 +8,7 @@ optimizer. From then on the user's loop runs unchanged; see ``docs/architecture.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -21,9 +22,10 @@ from torch import nn
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError
 from infinity.hooks import HookSet
-from infinity.optimizer import OffloadedOptimizer
+from infinity.optimizer import OffloadedOptimizer, state_companions
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
+from infinity.precision import COMPUTE_DTYPES, LossScaler, global_norm
 from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.state_dict import install_state_dict_hooks
@@ -65,6 +67,11 @@ class TieredStore:
         self._closed = False
         self._host_tier: HostTier | None = None
         self._rss_peak = 0
+        precision = self.config.precision
+        self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
+        self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
+        self.skipped_steps = 0
+        self.last_grad_norm = 0.0
 
     # -- attach -------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -91,9 +98,10 @@ class TieredStore:
 
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         config = self.config
-        nvme = config.offload_param == "nvme"
+        nvme = config.offload_param == "nvme" or config.offload_optimizer == "nvme"
         for name, param in model.named_parameters():
-            self.registry.add_param(name, param, max_shard_bytes=config.buffer_size)
+            self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
+                                    compute_dtype=self.compute_dtype)
         if not self.registry.entries:
             raise AttachError("the model has no parameters to offload")
         module_entries = []
@@ -106,63 +114,78 @@ class TieredStore:
             if entries:
                 module_entries.append((module_name or type(module).__name__, module, entries))
         total = sum(e.nbytes for e in self.registry.entries)
-        self._set_budgets(total, module_entries, nvme)
+        self._set_budgets(total, module_entries)
         self.model = model
         device_tier = DeviceTier(self.device, self.budgets["device"])
-        arena = self.budgets["arena"] if nvme else 0
-        self._host_tier = HostTier(self.budgets["host"], arena, config.pin_memory)
+        arena = self.budgets["arena"]
+        self._host_tier = HostTier(self.budgets["host"], arena, config.pin_memory,
+                                   slot_size=config.buffer_size)
         if nvme:
             self.engine = self._open_engine()
         self.placement = Placement(self.registry, device_tier, self._host_tier, self.engine,
                                    self.follower, BeladyEviction(),
-                                   LookaheadPrefetch(config.prefetch_depth))
+                                   LookaheadPrefetch(config.prefetch_depth),
+                                   params_on_nvme=config.offload_param == "nvme",
+                                   grads_on_nvme=config.offload_optimizer == "nvme")
         started = time.perf_counter()
         for entry in self.registry.entries:
             self.placement.initialise(entry, entry.param.data)
-            entry.param.data = torch.empty(0, dtype=entry.dtype, device=self.device)
+            entry.param.data = torch.empty(0, dtype=entry.compute_dtype, device=self.device)
         log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
                  "device budget %d, host budget %d", len(self.registry.entries),
                  len(self.registry.shards), total / 1e6, time.perf_counter() - started,
                  config.offload_param, self.budgets["device"], self.budgets["host"])
         self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
         self.hooks.install()
-        self._handles = install_state_dict_hooks(self, model)
+        if self.scaler is not None:
+            self._handles.append(self.scaler.install(model))
+        self._handles += install_state_dict_hooks(self, model)
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
 
-    def _set_budgets(self, total: int, module_entries: list, nvme: bool) -> None:
+    def _set_budgets(self, total: int, module_entries: list) -> None:
         config = self.config
         largest_name, _, largest = max(module_entries,
-                                       key=lambda m: sum(e.nbytes for e in m[2]))
-        largest_bytes = sum(e.nbytes for e in largest)
+                                       key=lambda m: sum(e.device_bytes for e in m[2]))
+        largest_bytes = sum(e.device_bytes for e in largest)
+        device_total = sum(e.device_bytes for e in self.registry.entries)
         if config.device_budget is not None:
             device_budget = config.device_budget
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            device_budget = min(total, int(free * 0.5))
+            device_budget = min(device_total, int(free * 0.5))
         else:
-            device_budget = total
+            device_budget = device_total
         if device_budget < largest_bytes:
             raise BudgetError(
                 f"device_budget of {device_budget} bytes cannot hold module '{largest_name}', "
                 f"whose parameters take {largest_bytes} bytes and must be on the device together "
                 f"while it runs: set device_budget to at least {largest_bytes}")
-        if nvme:
-            arena = config.buffer_count * align_up(config.buffer_size)
-            host_budget = config.host_budget if config.host_budget is not None else arena
-            arena = min(arena, host_budget)
-            if arena < align_up(config.buffer_size):
-                raise BudgetError(f"host_budget of {host_budget} bytes is smaller than one swap "
-                                  f"buffer ({config.buffer_size} bytes): raise host_budget or "
-                                  f"lower buffer_size")
+        params_nvme = config.offload_param == "nvme"
+        optim_nvme = config.offload_optimizer == "nvme"
+        shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        resident = 0 if params_nvme else total   # host tensors outside the arena
+        if params_nvme or optim_nvme:
+            # What the arena would need to cache everything: masters, gradients and (estimated:
+            # two moments, as Adam keeps) optimizer state.
+            needed = (shard_bytes if params_nvme else 0) + (3 * shard_bytes if optim_nvme else 0)
+            pool = config.buffer_count * align_up(config.buffer_size)
+            host_budget = config.host_budget if config.host_budget is not None \
+                else resident + pool
+            arena = min(pool, host_budget - resident, needed)
+            if arena < min(align_up(config.buffer_size), needed):
+                raise BudgetError(
+                    f"host_budget of {host_budget} bytes leaves {max(arena, 0)} bytes for swap "
+                    f"buffers, less than one buffer ({config.buffer_size} bytes): raise "
+                    f"host_budget or lower buffer_size")
         else:
             arena = 0
             host_budget = config.host_budget if config.host_budget is not None else total
-            if host_budget < total:
-                raise BudgetError(
-                    f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
-                    f"but host_budget is {host_budget}: raise host_budget or use "
-                    f"offload_param='nvme'")
+        if resident > host_budget:
+            raise BudgetError(
+                f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
+                f"but host_budget is {host_budget}: raise host_budget or use "
+                f"offload_param='nvme'")
         self.budgets = {"device": device_budget, "host": host_budget, "arena": arena,
                         "params": total}
         log.info("budgets: device %d bytes%s, host %d bytes (params %d bytes)", device_budget,
@@ -176,7 +199,9 @@ class TieredStore:
             paths = [self._temp_dir]
             log.info("nvme_path not set: swapping to the temporary directory %s", self._temp_dir)
         stripe = config.aio.block_size
-        needed = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        needed = (shard_bytes if config.offload_param == "nvme" else 0) + \
+            (3 * shard_bytes if config.offload_optimizer == "nvme" else 0)
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
         for path in paths:
             path = Path(path)
@@ -200,56 +225,116 @@ class TieredStore:
     def _run_step(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
         assert placement is not None
-        todo = [s for s in optimizer.shards if s.grad is not None]
+        todo = [s for s in optimizer.shards if placement.has_grad(s)]
         for entry in {s.entry for s in todo}:
             if entry.holds:
                 raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
                                    f"or backward pass")
-            placement.drop_device(entry)
+        norm = global_norm([s.grad_sq_norm for s in todo])
+        self.last_grad_norm = norm
+        if self.scaler is not None:
+            overflow = not math.isfinite(norm)
+            self.scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                return  # the user's zero_grad() discards the overflowed gradients
+        multiplier = 1.0
+        clip = self.config.gradient_clipping
+        if clip > 0 and norm > clip:
+            multiplier = clip / (norm + 1e-6)
+        for entry in {s.entry for s in todo}:
+            placement.drop_device(entry)  # the working copy is refreshed from the master
         if self.engine is None:
-            optimizer.update(todo)
+            optimizer.update(todo, multiplier)
             for shard in todo:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
         else:
-            self._tiled_step(optimizer, todo)
+            self._tiled_step(optimizer, todo, multiplier)
         self.steps += 1
         self._sample_memory()
 
-    def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard]) -> None:
-        """Read ahead, update a tile, write it behind: the pipeline over the staging arena."""
+    def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
+        out = []
+        if self.placement.grads_on_nvme:
+            out.append(shard.companions["grad"])
+        if optimizer.swap_state:
+            out += state_companions(shard).values()
+        return out
+
+    def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard],
+                    multiplier: float) -> None:
+        """Read ahead, update a tile, write it behind: the pipeline over the staging arena.
+        A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
+        and writes; the step costs about max(read, update, write), not their sum."""
         placement = self.placement
+        params_on_nvme = placement.params_on_nvme
+
+        def parts(shard: Shard) -> list[Shard]:
+            own = [shard] if params_on_nvme else []
+            return own + self._companions(shard, optimizer)
+
+        cost = placement.host.slot_cost
+
+        def size(shard: Shard) -> int:
+            total = sum(cost(p.nbytes) for p in parts(shard))
+            if optimizer.swap_state and not state_companions(shard):
+                total += 2 * cost(shard.nbytes)  # first step: room for new state (Adam: 2)
+            return total
+
         # Tiles take at most half the arena (in slot bytes, which round up to 4096), so the
         # other half holds read-ahead and write-behind; a tile has at least one shard.
-        tile_limit = self.budgets["arena"] // 2
+        tile_limit = placement.host.arena_bytes // 2
         ahead = 0
         i = 0
         while i < len(todo):
-            tile, size = [], 0
-            while i < len(todo) and (not tile or size + align_up(todo[i].nbytes) <= tile_limit):
+            tile, used = [], 0
+            while i < len(todo) and (not tile or used + size(todo[i]) <= tile_limit):
                 tile.append(todo[i])
-                size += align_up(todo[i].nbytes)
+                used += size(todo[i])
                 i += 1
-            protect = set(tile)
-            for shard in tile:
-                placement.ensure_host(shard, protect=protect)
-                if shard.state is R.HOST_STORING:
-                    placement.reap(shard, wait=True)
+            needed = [p for shard in tile for p in parts(shard)]
+            protect = set(needed)
+            for part in needed:
+                placement.reap(part)
+                if part.state is R.NVME:
+                    placement.load_async(part, protect=protect, horizon=0.5)
+            for part in needed:
+                placement.ensure_host(part, protect=protect)
+                if part.state is R.HOST_STORING:
+                    placement.reap(part, wait=True)
             # Read the next shards while this tile is updated; never evict what is protected.
             ahead = max(ahead, i)
-            upcoming = set()
+            upcoming: set[Shard] = set()
             while ahead < len(todo):
-                shard = todo[ahead]
-                placement.reap(shard)
-                if not placement.load_async(shard, protect=protect | upcoming, horizon=0.5):
+                wanted = parts(todo[ahead])
+                started = True
+                for part in wanted:
+                    placement.reap(part)
+                    if not placement.load_async(part, protect=protect | upcoming, horizon=0.5):
+                        started = False
+                        break
+                    upcoming.add(part)
+                if not started:
                     break
-                upcoming.add(shard)
                 ahead += 1
-            optimizer.update(tile)
+            placement.pinned = protect
+            try:
+                changed = optimizer.update(tile, multiplier)
+            finally:
+                placement.pinned = set()
             for shard in tile:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
-                placement.store_async(shard)
+                if params_on_nvme:
+                    placement.store_async(shard)
+                if placement.grads_on_nvme:
+                    placement.discard(shard.companions["grad"])
+                    shard.grad_sq_norm = 0.0
+            for companion in changed:
+                companion.version += 1
+                if companion.state is R.HOST:
+                    placement.store_async(companion)
 
     # -- reporting ------------------------------------------------------------------------------
     def _sample_memory(self) -> None:

@@ -20,10 +20,9 @@ import torch
 
 from infinity.errors import BudgetError
 from swap import ALIGNMENT, BufferPool, HostBuffer, align_up
-from swap.files import _FreeList as RangeAllocator  # noqa: exported soon
+from infinity.arena import SlotArena
 
 log = logging.getLogger(__name__)
-
 
 @dataclass
 class TierUsage:
@@ -85,19 +84,21 @@ class DeviceTier:
 class HostTier:
     """Master copies on the host: the staging arena plus standalone tensors, under one budget."""
 
-    def __init__(self, budget: int, arena_bytes: int, pin: bool) -> None:
+    def __init__(self, budget: int, arena_bytes: int, pin: bool, slot_size: int = 0) -> None:
         self.budget = budget
         self.usage = TierUsage()
         self.pin = pin and torch.cuda.is_available()
         self.lock = threading.Lock()
-        self.arena_bytes = align_up(arena_bytes) if arena_bytes else 0
         self._pool: BufferPool | None = None
         self.arena: HostBuffer | None = None
-        self._ranges: RangeAllocator | None = None
-        if self.arena_bytes:
+        self._ranges: SlotArena | None = None
+        self.arena_bytes = 0
+        if arena_bytes:
+            slot = min(align_up(slot_size or arena_bytes), align_up(arena_bytes))
+            self._ranges = SlotArena(slot, max(1, arena_bytes // slot))
+            self.arena_bytes = self._ranges.nbytes
             self._pool = BufferPool(1, self.arena_bytes, pin_memory=self.pin, name="staging arena")
             self.arena = self._pool.acquire(holder="host tier")
-            self._ranges = RangeAllocator(self.arena_bytes)
 
     # -- arena (NVMe-backed shards) -----------------------------------------------------------
     def take_arena(self, nbytes: int) -> int | None:
@@ -135,6 +136,17 @@ class HostTier:
     def free(self, tensor: torch.Tensor) -> None:
         with self.lock:
             self.usage.sub(tensor.numel() * tensor.element_size())
+
+    def slot_cost(self, nbytes: int) -> int:
+        """Arena bytes a range of ``nbytes`` occupies (a whole slot when over half of one)."""
+        size = align_up(max(nbytes, 1))
+        if self._ranges is not None and self._ranges.whole(size):
+            return self._ranges.slot_size
+        return size
+
+    @property
+    def slot_size(self) -> int:
+        return self._ranges.slot_size if self._ranges is not None else 0
 
     @property
     def pinned_bytes(self) -> int:

@@ -90,16 +90,19 @@ def test_belady_evicts_the_furthest_next_use_first():
     follower.observe(Event(FORWARD, 0, (0,)))
     follower.observe(Event(FORWARD, 1, (1,)))
     # At position 2: next uses are 2 -> 0 events away, 3 -> 1, 1 -> 2, 0 -> 3.
-    order = BeladyEviction().order([0, 1, 2, 3], follower, last_used={})
+    trace, position = follower.trace, follower.position
+    order = BeladyEviction().order([0, 1, 2, 3], lambda e: trace.next_use(e, position),
+                                   recency=lambda e: 0)
     assert order == [0, 1, 3, 2]
 
 
 def test_without_a_trace_eviction_is_least_recently_used():
     follower = TraceFollower()
     follower.start_iteration("new mode")  # recording: nothing to follow yet
-    order = BeladyEviction().order([0, 1, 2], follower, last_used={0: 5, 1: 2, 2: 9})
-    assert order == [1, 0, 2]
-    assert LRUEviction().order([0, 1, 2], follower, {0: 5, 1: 2, 2: 9}) == [1, 0, 2]
+    assert follower.trace is None
+    last_used = {0: 5, 1: 2, 2: 9}
+    assert BeladyEviction().order([0, 1, 2], None, last_used.get) == [1, 0, 2]
+    assert LRUEviction().order([0, 1, 2], None, last_used.get) == [1, 0, 2]
 
 
 def test_lookahead_lists_upcoming_entries_nearest_first():
