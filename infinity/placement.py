@@ -24,6 +24,7 @@ from infinity.policies import EvictionPolicy, PrefetchPolicy
 from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.tiers import DeviceTier, HostTier
+from infinity.timeline import Timeline
 from infinity.trace import Event, TraceFollower
 from swap import SwapEngine
 
@@ -36,8 +37,10 @@ _FROM_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE
 class Placement:
     def __init__(self, registry: ShardRegistry, device: DeviceTier, host: HostTier,
                  engine: SwapEngine | None, follower: TraceFollower, eviction: EvictionPolicy,
-                 prefetch: PrefetchPolicy, *, params_on_nvme: bool, grads_on_nvme: bool) -> None:
+                 prefetch: PrefetchPolicy, *, params_on_nvme: bool, grads_on_nvme: bool,
+                 timeline: Timeline | None = None) -> None:
         self.registry = registry
+        self.timeline = timeline or Timeline()
         self.params_on_nvme = params_on_nvme
         self.grads_on_nvme = grads_on_nvme
         self.device = device
@@ -57,6 +60,10 @@ class Placement:
         self.demand_loads = 0
         self.grad_bytes = 0
         self.grad_peak = 0
+        #: the loss scale gradients arrive multiplied by (fp16 dynamic scaling), divided out here
+        self.loss_scale = 1.0
+        #: module index -> qualified name, for the timeline
+        self.module_names: list[str] = []
 
     @property
     def nvme(self) -> bool:
@@ -91,7 +98,9 @@ class Placement:
                 future.result()
             except Exception:
                 pass  # handled below
-            self.stall_seconds += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.stall_seconds += ended - started
+            self.timeline.stall(shard.io_record, shard.id, started, ended)
         shard.pending = None
         error = future.exception()
         if shard.state is R.NVME_LOADING:
@@ -209,6 +218,7 @@ class Placement:
         self.registry.set_state(shard, R.HOST_STORING)
         shard.pending = self.engine.write(shard.extent, self.host.arena, nbytes=shard.nbytes,
                                           buffer_offset=shard.arena_offset)
+        self._record_io(shard, "write", prefetch=False)
 
     def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
                    horizon: float = 0.0) -> bool:
@@ -220,11 +230,19 @@ class Placement:
         self.registry.set_state(shard, R.NVME_LOADING)
         shard.pending = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
                                          buffer_offset=shard.arena_offset)
+        self._record_io(shard, "read", prefetch=bool(horizon))
         if horizon:
             self.prefetched_loads += 1
         else:
             self.demand_loads += 1
         return True
+
+    def _record_io(self, shard: Shard, op: str, prefetch: bool) -> None:
+        record = self.timeline.io_started(shard.id, op, shard.nbytes, prefetch)
+        shard.io_record = record
+        if record is not None:
+            shard.pending.add_done_callback(
+                lambda f: Timeline.io_finished(record, f.exception()))
 
     def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
         self.reap(shard)
@@ -314,6 +332,10 @@ class Placement:
     # -- trace-driven prefetch ----------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         self.follower.observe(event)
+        if self.timeline.enabled:
+            names = self.module_names
+            self.timeline.event(event.kind, names[event.module] if event.module < len(names)
+                                else str(event.module))
         if not self.nvme or self.follower.trace is None:
             return
         trace = self.follower.trace
@@ -355,10 +377,12 @@ class Placement:
         self.registry.set_state(shard, R.EMPTY)
 
     # -- gradients ----------------------------------------------------------------------------
-    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, scale: float = 1.0) -> None:
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Moves a finished device gradient into the entry's shards' host accumulators (fp32
-        master dtype), keeping each shard's squared norm for clipping and overflow checks.
-        ``scale`` divides out a loss scale."""
+        master dtype), dividing out the loss scale and keeping each shard's squared norm for
+        clipping and overflow checks."""
+        scale = self.loss_scale
+        started = time.perf_counter()
         flat = grad.detach().reshape(-1)
         for shard in entry.shards:
             piece = flat[shard.start:shard.start + shard.numel]
@@ -384,6 +408,7 @@ class Placement:
                 target = shard.grad
             shard.grad_sq_norm = float(target.double().square().sum()) \
                 if target.is_floating_point() else 0.0
+        self.timeline.span(entry.name, "d2h", started, time.perf_counter())
 
     def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:
         """The host view of an existing gradient to accumulate into (read back if needed),

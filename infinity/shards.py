@@ -41,8 +41,9 @@ class Shard:
     arena_offset: int | None = None
     #: the NVMe home
     extent: object | None = None
-    #: an NVMe transfer in flight
+    #: an NVMe transfer in flight, and its timeline record when recording
     pending: "Future[int] | None" = None
+    io_record: object | None = None
     #: accumulated gradient in host memory, when gradients are not swapped (else companion)
     grad: torch.Tensor | None = None
     #: squared L2 norm of the accumulated gradient (kept so clipping needs no extra pass)

@@ -30,6 +30,7 @@ from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.state_dict import install_state_dict_hooks
 from infinity.tiers import DeviceTier, HostTier
+from infinity.timeline import Timeline
 from infinity.trace import TraceFollower
 from swap import EngineSettings, SwapEngine, SwapSpaceError, align_up
 
@@ -72,6 +73,8 @@ class TieredStore:
         self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
         self.skipped_steps = 0
         self.last_grad_norm = 0.0
+        #: transfers, waits and compute spans, recorded while ``timeline.enabled``
+        self.timeline = Timeline()
 
     # -- attach -------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -126,7 +129,11 @@ class TieredStore:
                                    self.follower, BeladyEviction(),
                                    LookaheadPrefetch(config.prefetch_depth),
                                    params_on_nvme=config.offload_param == "nvme",
-                                   grads_on_nvme=config.offload_optimizer == "nvme")
+                                   grads_on_nvme=config.offload_optimizer == "nvme",
+                                   timeline=self.timeline)
+        self.placement.module_names = [name for name, _, _ in module_entries]
+        if self.scaler is not None:
+            self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
         for entry in self.registry.entries:
             self.placement.initialise(entry, entry.param.data)
@@ -223,6 +230,13 @@ class TieredStore:
         self.follower.start_iteration((grad_enabled, training))
 
     def _run_step(self, optimizer: OffloadedOptimizer) -> None:
+        started = time.perf_counter()
+        try:
+            self._step(optimizer)
+        finally:
+            self.timeline.span("optimizer.step", "step", started, time.perf_counter())
+
+    def _step(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
         assert placement is not None
         todo = [s for s in optimizer.shards if placement.has_grad(s)]
@@ -235,6 +249,7 @@ class TieredStore:
         if self.scaler is not None:
             overflow = not math.isfinite(norm)
             self.scaler.update(overflow)
+            placement.loss_scale = self.scaler.scale
             if overflow:
                 self.skipped_steps += 1
                 return  # the user's zero_grad() discards the overflowed gradients

@@ -1,0 +1,115 @@
+"""Shared fixtures for the swap-layer tests: engines per backend, pools, tmpfs mounts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+
+import swap.probe
+from swap import BufferPool, EngineSettings, SwapEngine, SwapConfigError
+
+#: every backend a real engine can run on; "uring" is skipped where io_uring is unavailable
+REAL_BACKENDS = ("uring", "threads", "buffered")
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding ``path`` (longest mount-point prefix)."""
+    target = os.path.realpath(path)
+    best, kind = "", "?"
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1].replace("\\040", " ")
+            if (target == point or target.startswith(point.rstrip("/") + "/")) and \
+                    len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    """``nbytes`` reproducible random bytes as a uint8 tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+def fill(buffer, data: torch.Tensor, offset: int = 0) -> None:
+    buffer.tensor[offset:offset + data.numel()].copy_(data)
+
+
+def contents(buffer, nbytes: int, offset: int = 0) -> torch.Tensor:
+    return buffer.tensor[offset:offset + nbytes].clone()
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    """A directory on a block-device file system (not tmpfs), where O_DIRECT is real."""
+    if fs_type(tmp_path) in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip(f"{tmp_path} is on {fs_type(tmp_path)}, not on a disk file system")
+    return tmp_path
+
+
+@pytest.fixture
+def fresh_probe_cache() -> Iterator[None]:
+    """Backend probe results are cached per device for the process: tests that fake a probe
+    start and end with an empty cache so they neither see nor leave a stale answer."""
+    swap.probe.clear_probe_cache()
+    yield
+    swap.probe.clear_probe_cache()
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., SwapEngine]]:
+    """Builds engines (``make_engine(dirs, backend=..., **settings)``), closed at teardown."""
+    engines: list[SwapEngine] = []
+
+    def build(dirs, backend: str = "auto", *, keep_files: bool = False, io=None,
+              **settings) -> SwapEngine:
+        settings.setdefault("file_size", 1 << 20)
+        settings.setdefault("block_size", 64 << 10)
+        try:
+            engine = SwapEngine(dirs, EngineSettings(backend=backend, **settings),
+                                keep_files=keep_files, backend=io)
+        except SwapConfigError as exc:
+            if backend == "uring" and "uring" in str(exc):
+                pytest.skip(f"io_uring unavailable here: {exc}")
+            raise
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in reversed(engines):
+        engine.close()
+
+
+@pytest.fixture
+def pool() -> Iterator[BufferPool]:
+    with BufferPool(8, 256 << 10, name="test") as p:
+        yield p
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``mount_tmpfs(size="1m", ro=False)`` mounts a fresh tmpfs and returns its directory;
+    unmounted at teardown. Skips the test where mounting is not permitted."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m", ro: bool = False) -> Path:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        options = f"size={size},mode=0755" + (",ro" if ro else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True)

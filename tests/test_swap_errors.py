@@ -1,0 +1,230 @@
+"""Failures: truncated files, short and failed requests, backends that misbehave or hang."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from swap import (ALIGNMENT, BufferPool, IOBackend, IORequest, Op, SwapIOError,
+                  TransferTimeoutError, align_up)
+from swap.backends.base import memory_at
+from swap.backends.threads import ThreadBackend
+from swap.backends.uring import UringBackend, uring_unavailable_reason
+from tests.conftest import REAL_BACKENDS, contents, fill, random_bytes
+
+
+class FakeBackend(IOBackend):
+    """Does each request with ``os.preadv``/``os.pwritev`` (inline, or on a thread of its own
+    when ``threaded``), moving at most ``cap`` bytes and reporting ``report(moved)`` bytes;
+    ``error`` fails requests, ``refuse`` makes ``submit`` itself raise, ``hang`` never answers."""
+
+    name = "fake"
+
+    def __init__(self, queue_depth: int = 4, *, direct: bool = False, cap: int | None = None,
+                 report=None, threaded: bool = False, error: OSError | None = None,
+                 refuse: bool = False, hang: bool = False) -> None:
+        super().__init__(queue_depth)
+        self.direct = direct
+        self.cap, self.report, self.threaded = cap, report, threaded
+        self.error, self.refuse, self.hang = error, refuse, hang
+        self.requests: list[IORequest] = []
+        self.closed = False
+
+    def submit(self, request: IORequest) -> "Future[int]":
+        if self.refuse:
+            raise RuntimeError("submit refused by the fake")
+        self.requests.append(request)
+        future: Future[int] = Future()
+        if self.hang:
+            return future
+        if self.threaded:
+            threading.Thread(target=self._run, args=(request, future)).start()
+        else:
+            self._run(request, future)
+        return future
+
+    def _run(self, request: IORequest, future: "Future[int]") -> None:
+        if self.error is not None:
+            future.set_exception(self.error)
+            return
+        view = memory_at(request.address, min(request.length, self.cap or request.length))
+        try:
+            if request.op is Op.READ:
+                moved = os.preadv(request.fd, [view], request.offset)
+            else:
+                moved = os.pwritev(request.fd, [view], request.offset)
+        except OSError as exc:
+            future.set_exception(exc)
+            return
+        future.set_result(self.report(request, moved) if self.report else moved)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def buffers():
+    with BufferPool(2, 128 << 10) as pool:
+        yield pool.acquire(), pool.acquire()
+
+
+@pytest.mark.parametrize("direct,cap,threaded", [(False, 1000, False), (False, 777, True),
+                                                 (True, ALIGNMENT, False),
+                                                 (True, 2 * ALIGNMENT, True)])
+def test_short_transfers_are_continued(tmp_path, make_engine, buffers, direct, cap, threaded):
+    fake = FakeBackend(direct=direct, cap=cap, threaded=threaded)
+    engine = make_engine(tmp_path, io=fake, block_size=32 << 10)
+    source, sink = buffers
+    size = 50_000
+    data = random_bytes(size, 4)
+    extent = engine.allocate(size)
+    fill(source, data)
+    assert engine.write(extent, source).result(timeout=10) == size
+    sink.array[:] = 0
+    assert engine.read_sync(extent, sink) == size
+    assert torch.equal(contents(sink, size), data)
+    stats = engine.stats()
+    pieces = -(-align_up(size) // (32 << 10))
+    assert stats.retries > 0
+    assert stats.write_requests == stats.read_requests == len(fake.requests) // 2
+    assert stats.write_requests == pieces + stats.retries // 2
+    assert stats.bytes_written == stats.bytes_read == size and stats.errors == 0
+
+
+def test_unaligned_short_count_on_direct_io_fails(tmp_path, make_engine, buffers):
+    fake = FakeBackend(direct=True, report=lambda request, moved: moved - 100)
+    engine = make_engine(tmp_path, io=fake)
+    extent = engine.allocate(3 * ALIGNMENT)
+    with pytest.raises(SwapIOError, match=f"moved {3 * ALIGNMENT - 100} of {3 * ALIGNMENT}"):
+        engine.write_sync(extent, buffers[0])
+
+
+def test_zero_byte_write_fails_naming_file_and_offset(tmp_path, make_engine, buffers):
+    fake = FakeBackend(report=lambda request, moved: 0 if request.op is Op.WRITE else moved)
+    engine = make_engine(tmp_path, io=fake)
+    engine.allocate(ALIGNMENT)
+    extent = engine.allocate(2 * ALIGNMENT)
+    with pytest.raises(SwapIOError) as info:
+        engine.write_sync(extent, buffers[0])
+    error = info.value
+    assert error.path == extent.segments[0].file.path and error.offset == ALIGNMENT
+    assert str(error.path) in str(error) and f"offset {ALIGNMENT}" in str(error)
+    assert engine.stats().errors == 1
+
+
+def test_backend_error_becomes_swap_io_error(tmp_path, make_engine, buffers):
+    fake = FakeBackend(error=OSError(errno.EIO, "Input/output error"))
+    engine = make_engine(tmp_path, io=fake)
+    extent = engine.allocate(100)
+    with pytest.raises(SwapIOError) as info:
+        engine.read_sync(extent, buffers[0])
+    error = info.value
+    assert isinstance(error, OSError) and error.errno == errno.EIO and error.op == "read"
+    assert "EIO" in str(error) and "check the drive" in str(error)
+    assert isinstance(error.__cause__, OSError)
+
+
+def test_failed_submit_fails_the_transfer_and_leaks_nothing(tmp_path, make_engine, buffers):
+    fake = FakeBackend(refuse=True)
+    engine = make_engine(tmp_path, io=fake, block_size=ALIGNMENT)
+    extent = engine.allocate(5 * ALIGNMENT)  # five requests: the first fails, the rest drop
+    future = engine.write(extent, buffers[0])
+    error = future.exception(timeout=10)
+    assert isinstance(error, SwapIOError) and "submit refused by the fake" in str(error)
+    fake.refuse = False
+    assert engine.write_sync(extent, buffers[0]) == 5 * ALIGNMENT
+    assert engine._inflight == 0 and engine._queued == 0
+    assert len(fake.requests) == 5
+
+
+@pytest.mark.parametrize("backend", REAL_BACKENDS)
+def test_read_of_truncated_file_names_file_and_offset(disk_dir, make_engine, buffers, backend):
+    engine = make_engine(disk_dir, backend, block_size=64 << 10)
+    extent = engine.allocate(3 * ALIGNMENT)
+    segment = extent.segments[0]
+    assert segment.offset == 0
+    engine.write_sync(extent, buffers[0])
+    os.truncate(segment.file.path, ALIGNMENT)  # behind the engine's back
+    with pytest.raises(SwapIOError) as info:
+        engine.read_sync(extent, buffers[1])
+    error = info.value
+    # the first page comes back, the short read is continued, and the next read finds no file
+    assert error.path == segment.file.path and error.offset == ALIGNMENT
+    assert str(segment.file.path) in str(error) and f"offset {ALIGNMENT}" in str(error)
+    assert "shorter than the extent" in str(error)
+    assert engine.stats().retries == 1
+    os.truncate(segment.file.path, 0)
+    with pytest.raises(SwapIOError, match="at offset 0 in"):
+        engine.read(extent, buffers[1]).result(timeout=10)
+
+
+def test_engine_close_is_bounded_when_a_request_never_completes(tmp_path, make_engine, buffers,
+                                                                caplog):
+    fake = FakeBackend(hang=True)
+    engine = make_engine(tmp_path, io=fake, close_timeout=0.2)
+    extent = engine.allocate(ALIGNMENT)
+    future = engine.write(extent, buffers[0])
+    waiter_error = []
+    waiter = threading.Thread(
+        target=lambda: waiter_error.append(pytest.raises(TransferTimeoutError, engine.read_sync,
+                                                         extent, buffers[1])))
+    waiter.start()
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="swap.engine"):
+        engine.close()
+    assert time.monotonic() - started < 5
+    assert isinstance(future.exception(timeout=5), TransferTimeoutError)
+    waiter.join(5)
+    assert not waiter.is_alive() and waiter_error
+    assert fake.closed and list(tmp_path.iterdir()) == []
+    assert any("closing with" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
+def test_uring_close_is_bounded_when_a_request_never_completes(buffers, caplog):
+    read_end, write_end = os.pipe()  # nobody writes: the read never completes
+    backend = UringBackend(2, close_timeout=0.2)
+    try:
+        future = backend.submit(IORequest(Op.READ, read_end, 0, buffers[0].address, ALIGNMENT))
+        time.sleep(0.05)
+        assert not future.done()
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="swap.backends.uring"):
+            backend.close()
+        assert time.monotonic() - started < 5
+        assert isinstance(future.exception(timeout=1), TimeoutError)
+        assert any("still in flight" in r.getMessage() for r in caplog.records)
+        with pytest.raises(RuntimeError, match="closed"):
+            backend.submit(IORequest(Op.READ, read_end, 0, buffers[0].address, ALIGNMENT))
+        backend.close()  # idempotent
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_thread_backend_close_is_bounded_when_a_request_never_completes(buffers, caplog):
+    gate = threading.Event()
+
+    class Stuck(ThreadBackend):
+        def _run(self, request: IORequest) -> int:
+            gate.wait(10)
+            return request.length
+
+    backend = Stuck(2, close_timeout=0.2)
+    future = backend.submit(IORequest(Op.READ, -1, 0, buffers[0].address, ALIGNMENT))
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="swap.backends.threads"):
+        backend.close()
+    assert time.monotonic() - started < 5
+    assert isinstance(future.exception(timeout=1), TimeoutError)
+    assert any("still in flight" in r.getMessage() for r in caplog.records)
+    gate.set()  # the late completion is dropped, not raised in the worker
+    time.sleep(0.05)
+    assert isinstance(future.exception(), TimeoutError)
