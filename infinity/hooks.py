@@ -233,10 +233,11 @@ def _with_subtrees(registry: Any, root: nn.Module,
 
 def _alias_returned_params(flat: list[Any], spec: Any, entries: list[ParamEntry]) -> Any:
     """The output (flattened as ``flat``, ``spec``) with each of the module's own parameters in
-    it replaced by a view of its gathered values (autograd still reaches the parameter through
-    the view); None when the output holds none of them, which is nearly always."""
+    it replaced by a copy of its gathered values (autograd still reaches the parameter through
+    the copy, and the copy outlives an eviction of the device bytes); None when the output holds
+    none of them, which is nearly always."""
     params = {id(entry.param) for entry in entries}
     if not any(isinstance(t, torch.Tensor) and id(t) in params for t in flat):
         return None
-    return tree_unflatten([t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in params
+    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) and id(t) in params
                            else t for t in flat], spec)

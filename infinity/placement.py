@@ -94,13 +94,15 @@ class Placement:
             if not wait:
                 return
             started = time.perf_counter()
-            try:
-                future.result()
-            except Exception:
-                pass  # handled below
-            ended = time.perf_counter()
+            # A real-length torch.profiler range while recording (a no-op otherwise).
+            with self.timeline.profile_range("infinity::stall", shard.id):
+                try:
+                    future.result()
+                except Exception:
+                    pass  # handled below
+                ended = time.perf_counter()
+                self.timeline.stall(shard.io_record, shard.id, started, ended)
             self.stall_seconds += ended - started
-            self.timeline.stall(shard.io_record, shard.id, started, ended)
         shard.pending = None
         error = future.exception()
         if shard.state is R.NVME_LOADING:
@@ -259,9 +261,11 @@ class Placement:
 
     # -- device copies ------------------------------------------------------------------------
     def gather(self, entry: ParamEntry, hold: bool = True) -> None:
+        """Makes the parameter's device copy resident (filling its storage from the host
+        masters) and takes a hold on it."""
         self.clock += 1
         self.last_used[entry.index] = self.clock
-        if entry.device_tensor is None:
+        if not entry.resident:
             self._make_device_room(entry)
             if self.nvme:
                 # Start every load the arena allows at once, so the reads overlap.
@@ -269,46 +273,55 @@ class Placement:
                     self.reap(shard)
                     if shard.state is R.NVME:
                         self.load_async(shard, protect=entry.shards, horizon=0.5)
-            tensor = self.device.allocate(entry.shape, entry.compute_dtype)
+            tensor = entry.param.data
+            self.device.fill(tensor)
             flat = tensor.view(-1)
             events = []
             waiting = list(entry.shards)
-            for shard in entry.shards:
-                self.ensure_host(shard, protect=waiting)
-                waiting.remove(shard)
-                if shard.state is R.HOST_STORING:
-                    self.reap(shard, wait=True)  # the device copy must come from a settled state
-                event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],
-                                            shard.host)
-                shard.copy_event = event
-                events.append(event)
-                self.registry.set_state(shard, _TO_DEVICE[shard.state])
+            with torch.no_grad():
+                for shard in entry.shards:
+                    self.ensure_host(shard, protect=waiting)
+                    waiting.remove(shard)
+                    if shard.state is R.HOST_STORING:
+                        self.reap(shard, wait=True)  # copy from a settled state
+                    event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],
+                                                shard.host)
+                    shard.copy_event = event
+                    events.append(event)
+                    self.registry.set_state(shard, _TO_DEVICE[shard.state])
             for event in events:
                 self.device.wait(event)
-            entry.device_tensor = tensor
+            entry.resident = True
             self.on_device.add(entry)
         if hold:
             entry.holds += 1
-        entry.param.data = entry.device_tensor
 
     def release(self, entry: ParamEntry) -> None:
+        """Drops a hold. The device copy stays cached until eviction needs its bytes."""
         if entry.holds <= 0:
             raise RuntimeError(f"release of {entry.name} without a matching gather")
         entry.holds -= 1
-        if entry.holds == 0:
-            entry.param.data = _placeholder(entry)
 
     def drop_device(self, entry: ParamEntry) -> None:
-        if entry.device_tensor is None:
+        """Frees the device copy's bytes. The parameter keeps its tensor and storage object,
+        with the storage shrunk to zero bytes: views of it that autograd saved in forward
+        (``weight.t()`` in a linear layer) see the values again once the next gather refills
+        the same storage, instead of keeping a stale copy alive."""
+        if not entry.resident:
             return
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
-        self.device.free(entry.device_tensor)
-        entry.device_tensor = None
+        self.device.empty(entry.param.data)
+        entry.resident = False
         self.on_device.discard(entry)
-        entry.param.data = _placeholder(entry)
         for shard in entry.shards:
             self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+
+    def adopt(self, entry: ParamEntry, device: torch.device) -> None:
+        """Gives the parameter its device tensor (real shape, compute dtype, empty storage)."""
+        tensor = torch.empty(entry.shape, dtype=entry.compute_dtype, device=device)
+        tensor.untyped_storage().resize_(0)
+        entry.param.data = tensor
 
     def _make_device_room(self, entry: ParamEntry) -> None:
         if self.device.fits(entry.device_bytes):
@@ -406,7 +419,9 @@ class Placement:
                 else:
                     shard.grad.add_(piece.to(shard.grad.device, shard.grad.dtype))
                 target = shard.grad
-            shard.grad_sq_norm = float(target.double().square().sum()) \
+            # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
+            # gradient); its fp32 accumulation is accurate enough for clipping and overflow.
+            shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2 \
                 if target.is_floating_point() else 0.0
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
 
@@ -453,9 +468,3 @@ class Placement:
                 self.grad_bytes -= shard.nbytes
             else:
                 shard.grad.zero_()
-
-
-def _placeholder(entry: ParamEntry) -> torch.Tensor:
-    """The empty tensor a parameter holds between uses (compute dtype, same device)."""
-    data = entry.param.data
-    return torch.empty(0, dtype=entry.compute_dtype, device=data.device)

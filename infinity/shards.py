@@ -80,8 +80,8 @@ class ParamEntry:
     shards: list[Shard] = field(default_factory=list)
     #: dtype of the device working copy (the master dtype, or bf16/fp16 under mixed precision)
     compute_dtype: torch.dtype = torch.float32
-    #: the gathered device tensor (``param.data`` points at it while gathered)
-    device_tensor: torch.Tensor | None = None
+    #: whether ``param.data`` (the device tensor, whose storage is empty otherwise) holds values
+    resident: bool = False
     #: reasons the device copy must stay: active modules and pending backward uses
     holds: int = 0
     index: int = 0
@@ -131,6 +131,12 @@ class ShardRegistry:
         self.entries.append(entry)
         self._by_param[id(param)] = entry
         return entry
+
+    def rebind(self, entry: ParamEntry, param: torch.nn.Parameter) -> None:
+        """Points ``entry`` at a new Parameter object (a meta parameter materialised); the old
+        object still finds the entry, so an optimizer built over it can be wrapped."""
+        entry.param = param
+        self._by_param[id(param)] = entry
 
     def entry_of(self, param: torch.Tensor) -> ParamEntry | None:
         return self._by_param.get(id(param))

@@ -22,13 +22,14 @@ from torch import nn
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError
 from infinity.hooks import HookSet
+from infinity.memory import bound_heap_retention
 from infinity.optimizer import OffloadedOptimizer, state_companions
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
 from infinity.precision import COMPUTE_DTYPES, LossScaler, global_norm
 from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
-from infinity.state_dict import install_state_dict_hooks
+from infinity.state_dict import install_state_dict_hooks, write_entry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
 from infinity.trace import TraceFollower
@@ -75,6 +76,9 @@ class TieredStore:
         self.last_grad_norm = 0.0
         #: transfers, waits and compute spans, recorded while ``timeline.enabled``
         self.timeline = Timeline()
+        #: overlap the step's reads, updates and writes (False: one after another, which only
+        #: benchmarks want, to show what the pipeline saves)
+        self.pipeline_step = True
 
     # -- attach -------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -102,6 +106,7 @@ class TieredStore:
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         config = self.config
         nvme = config.offload_param == "nvme" or config.offload_optimizer == "nvme"
+        bound_heap_retention()
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
                                     compute_dtype=self.compute_dtype)
@@ -135,9 +140,7 @@ class TieredStore:
         if self.scaler is not None:
             self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
-        for entry in self.registry.entries:
-            self.placement.initialise(entry, entry.param.data)
-            entry.param.data = torch.empty(0, dtype=entry.compute_dtype, device=self.device)
+        self._initialise(model)
         log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
                  "device budget %d, host budget %d", len(self.registry.entries),
                  len(self.registry.shards), total / 1e6, time.perf_counter() - started,
@@ -149,6 +152,56 @@ class TieredStore:
         self._handles += install_state_dict_hooks(self, model)
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
+
+    def _initialise(self, model: nn.Module) -> None:
+        """Moves every parameter's values into the store and leaves a placeholder behind.
+
+        Parameters on the meta device (a model built under ``torch.device("meta")``) are
+        materialised one module at a time with the module's ``reset_parameters()``, so a model
+        larger than host memory never exists in memory whole."""
+        placement = self.placement
+        done: set[int] = set()
+
+        def take(entry: ParamEntry) -> None:
+            if entry.index in done:
+                write_entry(self, entry, entry.param.data)  # re-initialised by a later module
+            else:
+                placement.initialise(entry, entry.param.data)
+                done.add(entry.index)
+            placement.adopt(entry, self.device)
+
+        references: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param.is_meta:
+                    references.setdefault(id(param), []).append((module, name))
+        for module_name, module in model.named_modules():
+            own = [(n, p) for n, p in module._parameters.items() if p is not None]
+            if not any(p.is_meta for _, p in own):
+                continue
+            if not callable(getattr(module, "reset_parameters", None)):
+                raise AttachError(
+                    f"module '{module_name}' ({type(module).__name__}) has parameters on the meta "
+                    f"device but no reset_parameters() to initialise them: give it one, or "
+                    f"build the model on the CPU")
+            for name, param in own:
+                entry = self.registry.entry_of(param)
+                if param.is_meta:
+                    real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                        requires_grad=param.requires_grad)
+                    for owner, owner_name in references.pop(id(param), []):
+                        owner._parameters[owner_name] = real
+                    self.registry.rebind(entry, real)
+                elif entry.index in done:
+                    param.data = torch.empty(entry.shape, dtype=entry.dtype)
+            with torch.no_grad():
+                module.reset_parameters()
+            for name, param in module._parameters.items():
+                if param is not None:
+                    take(self.registry.entry_of(param))
+        for entry in self.registry.entries:
+            if entry.index not in done:
+                take(entry)
 
     def _set_budgets(self, total: int, module_entries: list) -> None:
         config = self.config
@@ -230,11 +283,8 @@ class TieredStore:
         self.follower.start_iteration((grad_enabled, training))
 
     def _run_step(self, optimizer: OffloadedOptimizer) -> None:
-        started = time.perf_counter()
-        try:
+        with self.timeline.timed("optimizer.step", "step"):
             self._step(optimizer)
-        finally:
-            self.timeline.span("optimizer.step", "step", started, time.perf_counter())
 
     def _step(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
@@ -294,12 +344,15 @@ class TieredStore:
         def size(shard: Shard) -> int:
             total = sum(cost(p.nbytes) for p in parts(shard))
             if optimizer.swap_state and not state_companions(shard):
-                total += 2 * cost(shard.nbytes)  # first step: room for new state (Adam: 2)
+                # First step: the optimizer creates its state in ordinary memory before it moves
+                # to companions; a tile of one keeps that transient to one shard's worth.
+                total = tile_limit
             return total
 
-        # Tiles take at most half the arena (in slot bytes, which round up to 4096), so the
-        # other half holds read-ahead and write-behind; a tile has at least one shard.
-        tile_limit = placement.host.arena_bytes // 2
+        # Three stages share the arena: the tile being updated, the next one being read and the
+        # previous one being written. Each gets a third (in slot bytes); a tile has at least one
+        # shard, and read-ahead stops at one tile's worth so it never starves the writes.
+        tile_limit = placement.host.arena_bytes // 3
         ahead = 0
         i = 0
         while i < len(todo):
@@ -321,7 +374,10 @@ class TieredStore:
             # Read the next shards while this tile is updated; never evict what is protected.
             ahead = max(ahead, i)
             upcoming: set[Shard] = set()
-            while ahead < len(todo):
+            ahead_bytes = sum(size(todo[k]) for k in range(i, ahead))
+            while self.pipeline_step and ahead < len(todo) and \
+                    (ahead == i or ahead_bytes + size(todo[ahead]) <= tile_limit):
+                ahead_bytes += size(todo[ahead])
                 wanted = parts(todo[ahead])
                 started = True
                 for part in wanted:
@@ -350,6 +406,9 @@ class TieredStore:
                 companion.version += 1
                 if companion.state is R.HOST:
                     placement.store_async(companion)
+            if not self.pipeline_step:
+                for part in [*tile, *changed]:
+                    placement.reap(part, wait=True)
 
     # -- reporting ------------------------------------------------------------------------------
     def _sample_memory(self) -> None:
@@ -400,8 +459,8 @@ class TieredStore:
         assert placement is not None
         out = torch.empty(entry.shape, dtype=entry.dtype)
         flat = out.view(-1)
-        if entry.device_tensor is not None:
-            flat.copy_(entry.device_tensor.reshape(-1))
+        if entry.resident:
+            flat.copy_(entry.param.data.reshape(-1))
             return out
         for shard in entry.shards:
             placement.ensure_host(shard)

@@ -52,15 +52,20 @@ class DeviceTier:
     def fits(self, nbytes: int) -> bool:
         return self.usage.current + nbytes <= self.budget
 
-    def allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = shape.numel() * dtype.itemsize
+    def fill(self, tensor: torch.Tensor) -> None:
+        """Gives ``tensor``'s (empty) storage its bytes, within the budget."""
+        nbytes = tensor.numel() * tensor.element_size()
         if not self.fits(nbytes):
             raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
                               f"{self.budget} in use)")
+        tensor.untyped_storage().resize_(nbytes)
         self.usage.add(nbytes)
-        return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def free(self, tensor: torch.Tensor) -> None:
+    def empty(self, tensor: torch.Tensor) -> None:
+        """Frees ``tensor``'s bytes, keeping the storage object (see Placement.drop_device).
+        On CUDA the caching allocator orders the reuse after the compute stream's pending
+        kernels; copies on the side stream are recorded against it in ``copy_in``."""
+        tensor.untyped_storage().resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
@@ -71,6 +76,7 @@ class DeviceTier:
             return None
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(src, non_blocking=True)
+            dst.record_stream(self.copy_stream)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return event

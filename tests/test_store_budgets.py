@@ -106,7 +106,56 @@ def test_context_manager_restores_parameters_and_removes_swap_files(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path))) as store:
         store.attach(model)
-        assert any(p.numel() == 0 for p in model.parameters())  # placeholders between uses
+        # Between uses a parameter keeps its shape but its storage holds no bytes.
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
+    assert os.listdir(tmp_path) == []
+
+
+def test_meta_device_model_is_materialised_module_by_module(tmp_path):
+    from torch import nn
+
+    def build():
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)], nn.LayerNorm(32))
+
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = build()
+    optimizer = torch.optim.SGD(lazy.parameters(), lr=0.1)  # built over the meta parameters
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path)))
+    lazy, optimizer = store.attach(lazy, optimizer)
+    # reset_parameters() ran module by module in construction order: same values, same RNG.
+    for key, value in eager.state_dict().items():
+        assert torch.equal(lazy.state_dict()[key], value), key
+    x = torch.randn(3, 32)
+    loss = lazy(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    reference = torch.optim.SGD(eager.parameters(), lr=0.1)
+    eager(x).square().mean().backward()
+    reference.step()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(lazy.state_dict()[key], value)
+    store.close()
+
+
+def test_meta_module_without_reset_parameters_is_refused(tmp_path):
+    from torch import nn
+
+    class Raw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return x @ self.weight
+
+    with torch.device("meta"):
+        model = Raw()
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path)))
+    with pytest.raises(infinity.AttachError, match="reset_parameters"):
+        store.attach(model)
     assert os.listdir(tmp_path) == []

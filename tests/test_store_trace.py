@@ -160,7 +160,7 @@ def test_residency_machine_always_reads_back_the_last_write(tmp_path_factory, op
         for op, index, seed in ops:
             entry = entries[index]
             if op == "gather":
-                if not placement.device.fits(entry.nbytes) and entry.device_tensor is None:
+                if not placement.device.fits(entry.nbytes) and not entry.resident:
                     placement._make_device_room(entry)
                 placement.gather(entry)
                 assert torch.equal(entry.param.data, reference[index])

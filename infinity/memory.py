@@ -1,0 +1,42 @@
+"""Keeping the process's resident memory close to what the store accounts for.
+
+glibc serves large allocations with mmap only below a threshold that rises after each large
+free (up to 32 MiB), after which freed shard-sized blocks stay in the heap and count towards RSS
+although nothing uses them. The store allocates and frees buffer-sized temporaries all the time
+(device copies on a CPU device, gradient pieces, first-step optimizer state), so a run that must
+stay within a host budget pins the threshold: blocks of 1 MiB and more are always mapped and
+returned to the system when freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_done = False
+
+
+def bound_heap_retention(threshold: int = 1 << 20) -> bool:
+    """Pins glibc's mmap and trim thresholds (once per process). False where not glibc."""
+    global _done
+    if _done:
+        return True
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD,
+                                                                      threshold))
+    _done = ok
+    log.debug("glibc mmap/trim thresholds pinned at %d bytes: %s", threshold, ok)
+    return ok
