@@ -1,0 +1,1 @@
+"""Command-line tools around the swap layer: ``infinity-bench`` (tools.bench) and helpers."""

@@ -1,0 +1,119 @@
+"""Scale benchmark: a model whose fp32 training state is several times the host budget.
+
+Builds an MLP on the meta device (so the model never exists in host memory whole), attaches it
+with parameters, gradients and Adam state on NVMe under a host budget, trains a few steps, and
+prints the training state's size, the budgets and the process's peak RSS against
+host budget + device budget (the device tier is host memory on a machine without a GPU) + the
+fixed overhead of the Python process with torch loaded, measured before the model is built.
+
+    python -m tools.bench_scale [--params 500M --host-budget 2GiB --steps 3]
+
+Run it in the background: the default moves tens of GB through the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+import infinity
+from infinity.config import parse_size
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=lambda v: int(float(v.rstrip("Mm")) * 1e6),
+                        default=500_000_000, help="parameter count, e.g. 500M")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--host-budget", type=lambda v: parse_size(v, name="--host-budget"),
+                        default=2 << 30)
+    parser.add_argument("--device-budget", type=lambda v: parse_size(v, name="--device-budget"),
+                        default=256 << 20)
+    parser.add_argument("--buffer-size", type=lambda v: parse_size(v, name="--buffer-size"),
+                        default=64 << 20)
+    parser.add_argument("--nvme-path", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-scale-"))
+    # Python + torch with its runtime initialised (thread pools, kernels), before any model
+    # exists: what every training process pays whatever its model.
+    warm = nn.Linear(64, 64)
+    warm(torch.randn(4, 64)).sum().backward()
+    del warm
+    overhead = psutil.Process().memory_info().rss
+    layers = max(1, round(args.params / (args.width * args.width + args.width)))
+    with torch.device("meta"):
+        blocks: list[nn.Module] = []
+        for _ in range(layers):
+            blocks += [nn.Linear(args.width, args.width), nn.ReLU()]
+        model = nn.Sequential(*blocks)
+    params = sum(p.numel() for p in model.parameters())
+    state = params * 16  # fp32 params + grads + two Adam moments
+    print(f"model: {layers} x Linear({args.width}) = {params / 1e6:.0f} M params; fp32 training "
+          f"state {state / 2**30:.2f} GiB = {state / args.host_budget:.1f}x the host budget "
+          f"of {args.host_budget / 2**30:.2f} GiB")
+    config = infinity.OffloadConfig(
+        offload_param="nvme", offload_optimizer="nvme", nvme_path=(root,),
+        buffer_size=args.buffer_size, buffer_count=max(4, args.host_budget // args.buffer_size),
+        host_budget=args.host_budget, device_budget=args.device_budget)
+    store = infinity.TieredStore(config)
+    started = time.perf_counter()
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    attach_s = time.perf_counter() - started
+    print(f"attached in {attach_s:.1f} s; peak RSS so far {peak_rss() / 2**30:.2f} GiB")
+    generator = torch.Generator().manual_seed(0)
+    times, losses = [], []
+    for step in range(args.steps):
+        x = torch.randn(args.batch, args.width, generator=generator)
+        started = time.perf_counter()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+        losses.append(loss.item())
+        stats = store.stats()
+        print(f"step {step + 1}: {times[-1]:.1f} s, loss {losses[-1]:.5f}, read "
+              f"{stats['bytes_read'] / 1e9:.1f} GB, written {stats['bytes_written'] / 1e9:.1f} GB "
+              f"so far, peak RSS {peak_rss() / 2**30:.2f} GiB")
+    stats = store.stats()
+    store.close(restore_params=False)
+    limit = args.host_budget + args.device_budget + overhead
+    result = {
+        "params": params, "training_state_bytes": state, "host_budget": args.host_budget,
+        "device_budget": args.device_budget, "fixed_overhead_rss": overhead,
+        "peak_rss": peak_rss(), "limit": limit, "within_limit": peak_rss() <= limit,
+        "attach_s": attach_s, "step_s": times, "losses": losses,
+        "peak_bytes": stats["peak_bytes"], "bytes_read": stats["bytes_read"],
+        "bytes_written": stats["bytes_written"],
+    }
+    print(f"peak RSS {peak_rss() / 2**30:.2f} GiB vs host budget {args.host_budget / 2**30:.2f} "
+          f"+ device budget {args.device_budget / 2**30:.2f} + fixed overhead "
+          f"{overhead / 2**30:.2f} = {limit / 2**30:.2f} GiB: "
+          f"{'within' if result['within_limit'] else 'OVER'}")
+    print(f"host tier peak {stats['peak_bytes']['host'] / 2**30:.2f} GiB, device tier peak "
+          f"{stats['peak_bytes']['device'] / 2**30:.2f} GiB, NVMe {stats['peak_bytes']['nvme'] / 2**30:.2f} GiB")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.nvme_path is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
