@@ -394,8 +394,9 @@ class OffloadConfig(_Validated):
         (default 5 x 64 MiB = 320 MiB).
     pin_memory: page-lock host buffers so device copies are asynchronous and faster. Pinned RAM
         cannot be swapped by the OS and counts against memlock/container limits.
-    max_in_cpu: with offload_param='nvme', bytes of params kept in host RAM as a cache in
-        front of the drives (0 = none). Memory: up to this much host RAM.
+    max_in_cpu: bytes of host RAM the staging arena may grow to as a cache in front of the
+        drives, when larger than buffer_count x buffer_size (0, the default: the swap buffers
+        are the cache). Memory: up to this much host RAM, never more than the offloaded state.
     device_budget: bytes of device memory the runtime may use for params, prefetch and
         buffers; None = derived from free memory by the store and reported.
     host_budget: bytes of host RAM the runtime may use (swap buffers, caches, CPU-offloaded
@@ -427,7 +428,7 @@ class OffloadConfig(_Validated):
     buffer_size: int = field(default=64 << 20, metadata=_rule(
         kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"))
     pin_memory: bool = field(default=True, metadata=_rule(kind="bool"))
-    max_in_cpu: int = field(default=1_000_000_000, metadata=_rule(
+    max_in_cpu: int = field(default=0, metadata=_rule(
         kind="int", lo=0, size=True, fix="use 0 to keep no params cached in host RAM"))
     device_budget: int | None = field(default=None, metadata=_rule(
         kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"))

@@ -57,6 +57,8 @@ class Placement:
         self.clock = 0
         self.stall_seconds = 0.0
         self.prefetched_loads = 0
+        #: reads the optimizer step started for its next tile
+        self.read_ahead_loads = 0
         self.demand_loads = 0
         self.grad_bytes = 0
         self.grad_peak = 0
@@ -64,6 +66,10 @@ class Placement:
         self.loss_scale = 1.0
         #: module index -> qualified name, for the timeline
         self.module_names: list[str] = []
+        #: entries whose device copy is never evicted (param_persistence_threshold)
+        self.persistent: set[int] = set()
+        #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
+        self.prefetch_bytes: int | None = None
 
     @property
     def nvme(self) -> bool:
@@ -223,7 +229,8 @@ class Placement:
         self._record_io(shard, "write", prefetch=False)
 
     def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
-                   horizon: float = 0.0) -> bool:
+                   horizon: float = 0.0, prefetch: bool = False,
+                   read_ahead: bool = False) -> bool:
         """Starts NVME -> host; False when no slot could be had within the horizon."""
         if shard.state is not R.NVME:
             return True
@@ -232,9 +239,11 @@ class Placement:
         self.registry.set_state(shard, R.NVME_LOADING)
         shard.pending = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
                                          buffer_offset=shard.arena_offset)
-        self._record_io(shard, "read", prefetch=bool(horizon))
-        if horizon:
+        self._record_io(shard, "read", prefetch=prefetch)
+        if prefetch:
             self.prefetched_loads += 1
+        elif read_ahead:
+            self.read_ahead_loads += 1
         else:
             self.demand_loads += 1
         return True
@@ -302,12 +311,12 @@ class Placement:
             raise RuntimeError(f"release of {entry.name} without a matching gather")
         entry.holds -= 1
 
-    def drop_device(self, entry: ParamEntry) -> None:
+    def drop_device(self, entry: ParamEntry, force: bool = False) -> None:
         """Frees the device copy's bytes. The parameter keeps its tensor and storage object,
         with the storage shrunk to zero bytes: views of it that autograd saved in forward
         (``weight.t()`` in a linear layer) see the values again once the next gather refills
         the same storage, instead of keeping a stale copy alive."""
-        if not entry.resident:
+        if not entry.resident or (entry.index in self.persistent and not force):
             return
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
@@ -329,7 +338,8 @@ class Placement:
         trace = self.follower.trace
         position = self.follower.position
         next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
-        candidates = [e for e in self.on_device if e.holds == 0 and e is not entry]
+        candidates = [e for e in self.on_device
+                      if e.holds == 0 and e is not entry and e.index not in self.persistent]
         for victim in self.eviction.order(candidates, next_use,
                                           lambda e: self.last_used.get(e.index, -1)):
             self.drop_device(victim)
@@ -353,13 +363,22 @@ class Placement:
             return
         trace = self.follower.trace
         position = self.follower.position
+        budget = self.prefetch_bytes
+        if budget is not None:
+            budget -= sum(s.nbytes for s in self.in_arena if s.state is R.NVME_LOADING)
         for index in self.prefetcher.wanted(self.follower):
             entry = self.registry.entries[index]
             horizon = trace.next_use(index, position)
             for shard in entry.shards:
                 self.reap(shard)
-                if shard.state is R.NVME and not self.load_async(shard, horizon=horizon + 0.5):
+                if shard.state is not R.NVME:
+                    continue
+                if budget is not None and budget < shard.nbytes:
+                    return  # prefetch_bytes reached
+                if not self.load_async(shard, horizon=horizon + 0.5, prefetch=True):
                     return  # out of room: prefetch less, never over-commit
+                if budget is not None:
+                    budget -= shard.nbytes
 
     # -- companions (gradients and optimizer state on NVMe) -----------------------------------
     def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:

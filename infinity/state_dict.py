@@ -104,7 +104,7 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
 def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
     """Overwrites a parameter's values in every tier it lives in."""
     placement = store.placement
-    placement.drop_device(entry)
+    placement.drop_device(entry, force=True)
     flat = value.detach().reshape(-1).to(entry.dtype)
     for shard in entry.shards:
         placement.ensure_host(shard)
@@ -115,3 +115,5 @@ def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
         shard.version += 1
         if placement.nvme:
             placement.store_async(shard)
+    if entry.index in placement.persistent:
+        placement.gather(entry, hold=False)

@@ -137,6 +137,10 @@ class TieredStore:
                                    grads_on_nvme=config.offload_optimizer == "nvme",
                                    timeline=self.timeline)
         self.placement.module_names = [name for name, _, _ in module_entries]
+        self.placement.prefetch_bytes = config.prefetch_bytes
+        self.placement.persistent = {
+            e.index for e in self.registry.entries
+            if e.numel <= config.param_persistence_threshold}
         if self.scaler is not None:
             self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
@@ -216,11 +220,16 @@ class TieredStore:
             device_budget = min(device_total, int(free * 0.5))
         else:
             device_budget = device_total
-        if device_budget < largest_bytes:
+        persistent = sum(e.device_bytes for e in self.registry.entries
+                         if e.numel <= config.param_persistence_threshold)
+        if device_budget < largest_bytes + persistent:
+            extra = (f" next to {persistent} bytes of persistent parameters "
+                     f"(param_persistence_threshold)" if persistent else "")
             raise BudgetError(
                 f"device_budget of {device_budget} bytes cannot hold module '{largest_name}', "
                 f"whose parameters take {largest_bytes} bytes and must be on the device together "
-                f"while it runs: set device_budget to at least {largest_bytes}")
+                f"while it runs{extra}: set device_budget to at least "
+                f"{largest_bytes + persistent}")
         params_nvme = config.offload_param == "nvme"
         optim_nvme = config.offload_optimizer == "nvme"
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
@@ -229,9 +238,12 @@ class TieredStore:
             # What the arena would need to cache everything: masters, gradients and (estimated:
             # two moments, as Adam keeps) optimizer state.
             needed = (shard_bytes if params_nvme else 0) + (3 * shard_bytes if optim_nvme else 0)
-            pool = config.buffer_count * align_up(config.buffer_size)
+            # The swap buffers, or a larger cache of up to max_in_cpu bytes in front of the
+            # drives, but never more than caching everything needs.
+            pool = max(config.buffer_count * align_up(config.buffer_size),
+                       min(config.max_in_cpu, needed))
             host_budget = config.host_budget if config.host_budget is not None \
-                else resident + pool
+                else resident + min(pool, needed)
             arena = min(pool, host_budget - resident, needed)
             if arena < min(align_up(config.buffer_size), needed):
                 raise BudgetError(
@@ -307,8 +319,9 @@ class TieredStore:
         clip = self.config.gradient_clipping
         if clip > 0 and norm > clip:
             multiplier = clip / (norm + 1e-6)
-        for entry in {s.entry for s in todo}:
-            placement.drop_device(entry)  # the working copy is refreshed from the master
+        updated = {s.entry for s in todo}
+        for entry in updated:
+            placement.drop_device(entry, force=True)  # refreshed from the master below or on use
         if self.engine is None:
             optimizer.update(todo, multiplier)
             for shard in todo:
@@ -316,6 +329,9 @@ class TieredStore:
                 shard.version += 1
         else:
             self._tiled_step(optimizer, todo, multiplier)
+        for entry in updated:
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1
         self._sample_memory()
 
@@ -382,7 +398,8 @@ class TieredStore:
                 started = True
                 for part in wanted:
                     placement.reap(part)
-                    if not placement.load_async(part, protect=protect | upcoming, horizon=0.5):
+                    if not placement.load_async(part, protect=protect | upcoming, horizon=0.5,
+                                                read_ahead=True):
                         started = False
                         break
                     upcoming.add(part)
@@ -445,6 +462,7 @@ class TieredStore:
             "steps": self.steps,
             "prefetched_loads": placement.prefetched_loads if placement else 0,
             "demand_loads": placement.demand_loads if placement else 0,
+            "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,
             "grad_bytes": placement.grad_bytes if placement else 0,
             "pinned_bytes": placement.host.pinned_bytes if placement else 0,
             "rss_peak_bytes": self._rss_peak,

@@ -9,7 +9,8 @@ from swap.engine import EngineSettings, SwapEngine
 from swap.errors import (IntegrityError, NvmePathError, PoolExhaustedError, SwapConfigError,
                          SwapError, SwapIOError, SwapSpaceError, TransferTimeoutError)
 from swap.files import Extent, SwapSpace
-from swap.probe import BACKENDS, choose_backend, make_backend, probe_direct_io
+from swap.probe import (BACKENDS, choose_backend, choose_backend_for, clear_probe_cache,
+                         make_backend, probe_direct_io)
 from swap.stats import EngineStats
 
 __all__ = [
@@ -17,5 +18,5 @@ __all__ = [
     "HostBuffer", "IOBackend", "IORequest", "IntegrityError", "NvmePathError", "Op",
     "PoolExhaustedError", "SwapConfigError", "SwapEngine", "SwapError", "SwapIOError",
     "SwapSpace", "SwapSpaceError", "TransferTimeoutError", "align_up", "choose_backend",
-    "make_backend", "probe_direct_io",
+    "choose_backend_for", "clear_probe_cache", "make_backend", "probe_direct_io",
 ]

@@ -48,7 +48,10 @@ class HostBuffer:
         """A torch tensor of ``numel`` elements of ``dtype`` over this buffer's bytes."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         end = byte_offset + numel * itemsize
-        if byte_offset < 0 or end > self.nbytes:
+        if byte_offset % itemsize:
+            raise ValueError(f"byte_offset {byte_offset} is not a multiple of the {itemsize}-byte "
+                             f"size of {dtype}")
+        if byte_offset < 0 or numel < 0 or end > self.nbytes:
             raise ValueError(f"view of {numel} x {dtype} at byte {byte_offset} does not fit in a "
                              f"{self.nbytes}-byte buffer")
         return self.tensor[byte_offset:end].view(dtype)

@@ -40,6 +40,9 @@ def check_directory(path: Path) -> Path:
                             f"point nvme_path at an existing directory on your NVMe drive")
     if not path.is_dir():
         raise NvmePathError(f"nvme_path {path} is not a directory: point nvme_path at a directory")
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise NvmePathError(f"nvme_path {path} is on a read-only file system: point nvme_path at "
+                            f"a directory on a writable drive")
     if not os.access(path, os.W_OK | os.X_OK):
         raise NvmePathError(f"nvme_path {path} is not writable by this user: fix its permissions "
                             f"or choose another directory")
@@ -49,34 +52,52 @@ def check_directory(path: Path) -> Path:
 class SwapFile:
     """One preallocated file; reads and writes go through its descriptor at absolute offsets."""
 
-    def __init__(self, path: Path, capacity: int, direct: bool) -> None:
+    def __init__(self, path: Path, capacity: int, direct: bool, drive: int = 0) -> None:
         self.path = path
         self.capacity = capacity
         self.direct = direct
+        self.drive = drive  # index of the directory it lives in: the engine queues per drive
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         if direct:
             flags |= os.O_DIRECT
-        self.fd = os.open(path, flags, 0o600)
+        try:
+            self.fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            # Nothing was created, so nothing is removed: a name that already exists (a planted
+            # file or symlink) belongs to someone else and is left alone.
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SwapSpaceError(f"cannot create swap file {path}: {exc}. Free space or "
+                                     f"inodes on that file system", path=path,
+                                     needed=capacity) from exc
+            if exc.errno in (errno.EEXIST, errno.ELOOP):
+                raise NvmePathError(f"refusing to use swap file {path}: something else already "
+                                    f"exists under that name in the private swap directory "
+                                    f"(planted file or symlink?)") from exc
+            raise NvmePathError(f"cannot create swap file {path}: {exc}") from exc
         try:
             os.posix_fallocate(self.fd, 0, capacity)
         except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                # No fallocate (some network file systems; glibc's emulation fails on O_DIRECT
+                # with EINVAL): size the file so reads past the last write see zeros; writes
+                # may then allocate blocks, which is slower but correct.
+                log.warning("%s: fallocate is not supported, swap writes may be slower", path)
+                try:
+                    os.ftruncate(self.fd, capacity)
+                    return
+                except OSError as trunc_exc:
+                    exc = trunc_exc
             os.close(self.fd)
+            self.fd = -1
             path.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 free = shutil.disk_usage(path.parent).free
                 raise SwapSpaceError(
                     f"cannot preallocate {capacity} bytes for swap file {path}: only {free} bytes "
                     f"free on that file system. Free space, lower the offloaded size, or add "
                     f"another directory to nvme_path", path=path, needed=capacity,
                     available=free) from exc
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                # No fallocate (some network file systems): size the file so reads past the last
-                # write see zeros; writes may then extend it, which is slower but correct.
-                log.warning("%s: fallocate is not supported, swap writes may be slower", path)
-                self.fd = os.open(path, flags & ~os.O_EXCL & ~os.O_CREAT)
-                os.ftruncate(self.fd, capacity)
-            else:
-                raise
+            raise NvmePathError(f"cannot preallocate swap file {path}: {exc}") from exc
 
     def close(self, remove: bool) -> None:
         if self.fd >= 0:
@@ -84,6 +105,9 @@ class SwapFile:
             self.fd = -1
         if remove:
             self.path.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return f"SwapFile({str(self.path)!r}, capacity={self.capacity})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +120,15 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Extent:
-    """Where one object's bytes live: stripe members and the logical byte count."""
+    """Where one object's bytes live: stripe members and the logical byte count.
+
+    ``serial`` is unique per allocation, so a stale extent (freed, its space since handed to a
+    new extent with the same layout) never compares equal to the new one: freeing it twice is
+    caught instead of freeing the new owner's bytes."""
     segments: tuple[Segment, ...]
     nbytes: int
     stripe_size: int
+    serial: int = 0
 
     @property
     def capacity(self) -> int:
@@ -148,7 +177,7 @@ class _FreeList:
         i = bisect.bisect_left(self.starts, start)
         if i > 0 and self.starts[i - 1] + self.lengths[i - 1] > start or \
                 i < len(self.starts) and start + length > self.starts[i]:
-            raise RuntimeError(f"double free of swap range [{start}, {start + length})")
+            raise ValueError(f"double free of swap range [{start}, {start + length})")
         if i > 0 and self.starts[i - 1] + self.lengths[i - 1] == start:
             i -= 1
             self.lengths[i] += length
@@ -177,6 +206,7 @@ class _DriveSpace:
             os.chmod(self.run_dir, 0o700)
         self.files: list[SwapFile] = []
         self.free: list[_FreeList] = []
+        self.slot: dict[SwapFile, int] = {}  # file -> its index in files/free (identity hash)
 
     def take(self, length: int) -> Segment:
         for file, free in zip(self.files, self.free):
@@ -184,7 +214,9 @@ class _DriveSpace:
             if start is not None:
                 return Segment(file, start, length)
         capacity = max(self.file_size, length)
-        file = SwapFile(self.run_dir / f"swap-{len(self.files):04d}.bin", capacity, self.direct)
+        file = SwapFile(self.run_dir / f"swap-{len(self.files):04d}.bin", capacity, self.direct,
+                        self.index)
+        self.slot[file] = len(self.files)
         self.files.append(file)
         self.free.append(_FreeList(capacity))
         start = self.free[-1].take(length)
@@ -192,7 +224,7 @@ class _DriveSpace:
         return Segment(file, start, length)
 
     def give(self, segment: Segment) -> None:
-        self.free[self.files.index(segment.file)].give(segment.offset, segment.length)
+        self.free[self.slot[segment.file]].give(segment.offset, segment.length)
 
     def close(self, keep: bool) -> None:
         for file in self.files:
@@ -231,6 +263,8 @@ class SwapSpace:
                                 f"at a writable directory") from exc
         self._closed = False
         self._next_drive = 0
+        self._serial = 0
+        self._live: set[int] = set()  # serials of extents allocated and not yet freed
 
     @property
     def run_dirs(self) -> list[Path]:
@@ -266,20 +300,41 @@ class SwapSpace:
                 for segment in segments:
                     self._drive_of(segment).give(segment)
                 raise
-        return Extent(tuple(segments), nbytes, self.stripe_size)
+            self._serial += 1
+            self._live.add(self._serial)
+            return Extent(tuple(segments), nbytes, self.stripe_size, self._serial)
 
     def free(self, extent: Extent) -> None:
         with self._lock:
             if self._closed:
                 return
+            if extent.serial not in self._live or \
+                    not all(self._holds(s.file) for s in extent.segments):
+                raise ValueError(f"double free (or foreign extent): extent #{extent.serial} of "
+                                 f"{extent.nbytes} bytes is not allocated from this swap space")
             for segment in extent.segments:
                 self._drive_of(segment).give(segment)
+            self._live.discard(extent.serial)
+
+    def check_extent(self, extent: Extent) -> None:
+        """Raises ValueError unless ``extent`` is allocated from this space and not yet freed:
+        I/O on a freed extent would overwrite whoever owns those bytes now."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("swap space is closed")
+            if extent.serial not in self._live or \
+                    not all(self._holds(s.file) for s in extent.segments):
+                raise ValueError(f"extent #{extent.serial} ({extent.nbytes} bytes) is not "
+                                 f"allocated from this swap space (freed already, or another "
+                                 f"engine's)")
+
+    def _holds(self, file: SwapFile) -> bool:
+        return file.drive < len(self._drives) and file in self._drives[file.drive].slot
 
     def _drive_of(self, segment: Segment) -> _DriveSpace:
-        for drive in self._drives:
-            if segment.file in drive.files:
-                return drive
-        raise RuntimeError("segment belongs to no drive of this swap space")
+        if not self._holds(segment.file):
+            raise ValueError("segment belongs to no drive of this swap space")
+        return self._drives[segment.file.drive]
 
     @property
     def allocated_bytes(self) -> int:

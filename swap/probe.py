@@ -52,7 +52,7 @@ def probe_direct_io(directory: Path) -> str | None:
         except OSError as exc:
             if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return f"O_DIRECT transfers fail: {exc}"
-            raise
+            raise NvmePathError(f"a test write in {directory} failed: {exc}") from exc
         return None
     finally:
         region.close()
@@ -66,12 +66,17 @@ def _uring_works(directory: Path) -> str | None:
     if reason:
         return reason
     path = Path(directory) / f".infinity-probe-{uuid.uuid4().hex}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        return f"cannot create a probe file: {exc}"
     region = mmap.mmap(-1, ALIGNMENT)
     array = np.frombuffer(region, dtype=np.uint8)
     backend = None
     try:
-        backend = UringBackend(2)
+        # A short close timeout: if a probe request hangs, the probe must answer, not wait.
+        backend = UringBackend(2, close_timeout=1.0)
         address = int(array.ctypes.data)
         array[:] = 0x5A
         backend.submit(IORequest(Op.WRITE, fd, 0, address, ALIGNMENT)).result(timeout=10)
@@ -101,25 +106,7 @@ def choose_backend(name: str, directory: Path) -> str:
     directory = Path(directory)
     if name == "buffered":
         return name
-    device = os.stat(directory).st_dev
-    with _cache_lock:
-        cached = _cache.get(device)
-    if cached is None:
-        why_not_direct = probe_direct_io(directory)
-        if why_not_direct:
-            cached = "buffered"
-            log.warning("%s: %s; swapping through the page cache (backend 'buffered'), which is "
-                        "slower and uses host memory for cached copies", directory, why_not_direct)
-        else:
-            why_not_uring = _uring_works(directory)
-            if why_not_uring:
-                log.info("%s: io_uring unavailable (%s); using the thread-pool backend",
-                         directory, why_not_uring)
-                cached = "threads"
-            else:
-                cached = "uring"
-        with _cache_lock:
-            _cache[device] = cached
+    cached = _probe(directory)
     if name == "auto":
         return cached
     if cached == "buffered":
@@ -127,21 +114,64 @@ def choose_backend(name: str, directory: Path) -> str:
                             f"{directory} refuses: use backend 'auto' or 'buffered', or a "
                             f"directory on a local NVMe file system (ext4, xfs)")
     if name == "uring" and cached != "uring":
-        raise SwapConfigError(f"aio backend 'uring' does not work here ({_uring_works(directory)}); "
-                              f"use 'auto' or 'threads'")
+        raise SwapConfigError(f"aio backend 'uring' does not work in {directory} "
+                              f"({_uring_works(directory)}); use 'auto' or 'threads'")
     return name
 
 
-def make_backend(name: str, queue_depth: int, thread_count: int | None = None) -> IOBackend:
+def choose_backend_for(name: str, directories: list[Path]) -> str:
+    """One backend for several directories: all files of an engine share one backend, so
+    ``auto`` settles on the most capable backend every directory supports (a single directory
+    without O_DIRECT makes them all buffered), and an explicit one must work in each."""
+    choices = [choose_backend(name, d) for d in directories]
+    chosen = max(choices, key=_RANK.index)
+    if len(set(choices)) > 1:
+        log.warning("swap directories support different backends (%s); using %r for all",
+                    ", ".join(f"{d}: {c}" for d, c in zip(directories, choices)), chosen)
+    return chosen
+
+
+#: most capable first
+_RANK = ["uring", "threads", "buffered"]
+
+
+def _probe(directory: Path) -> str:
+    """The best backend for ``directory``'s device, probed once per device and cached."""
+    device = os.stat(directory).st_dev
+    with _cache_lock:
+        cached = _cache.get(device)
+    if cached is not None:
+        return cached
+    why_not_direct = probe_direct_io(directory)
+    if why_not_direct:
+        cached = "buffered"
+        log.warning("%s: %s; swapping through the page cache (backend 'buffered'), which is "
+                    "slower and uses host memory for cached copies", directory, why_not_direct)
+    else:
+        why_not_uring = _uring_works(directory)
+        if why_not_uring:
+            log.info("%s: io_uring unavailable (%s); using the thread-pool backend",
+                     directory, why_not_uring)
+            cached = "threads"
+        else:
+            cached = "uring"
+    with _cache_lock:
+        _cache[device] = cached
+    return cached
+
+
+def make_backend(name: str, queue_depth: int, thread_count: int | None = None,
+                 close_timeout: float = 30.0) -> IOBackend:
     if name == "uring":
-        return UringBackend(queue_depth)
+        return UringBackend(queue_depth, close_timeout)
     if name == "threads":
-        return ThreadBackend(queue_depth, thread_count)
+        return ThreadBackend(queue_depth, thread_count, close_timeout)
     if name == "buffered":
-        return BufferedBackend(queue_depth, thread_count)
+        return BufferedBackend(queue_depth, thread_count, close_timeout)
     raise SwapConfigError(f"unknown aio backend {name!r}; choose one of {', '.join(BACKENDS[1:])}")
 
 
 def clear_probe_cache() -> None:
+    """Forgets every probe result (tests, or a directory remounted with other options)."""
     with _cache_lock:
         _cache.clear()

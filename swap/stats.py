@@ -62,6 +62,9 @@ class _BusyClock:
 
 
 class StatsRecorder:
+    """The engine's counters; every method takes the recorder's own lock, so snapshots taken from
+    any thread are consistent."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.bytes = {"read": 0, "write": 0}
@@ -92,6 +95,14 @@ class StatsRecorder:
     def request_done(self) -> None:
         with self.lock:
             self.inflight -= 1
+
+    def note_retry(self) -> None:
+        with self.lock:
+            self.retries += 1
+
+    def note_error(self) -> None:
+        with self.lock:
+            self.errors += 1
 
     def snapshot(self, cpu_seconds: float) -> EngineStats:
         with self.lock:

@@ -39,7 +39,7 @@ def test_defaults() -> None:
     assert (c.device, c.offload_param, c.offload_optimizer) == ("auto", "nvme", "none")
     assert c.nvme_path == ()
     assert (c.buffer_count, c.buffer_size, c.pin_memory) == (5, 64 << 20, True)
-    assert c.max_in_cpu == 1_000_000_000
+    assert c.max_in_cpu == 0  # the swap buffers are the whole host footprint by default
     assert c.device_budget is None and c.host_budget is None and c.prefetch_bytes is None
     assert (c.prefetch_depth, c.param_persistence_threshold, c.gradient_clipping) == (2, 0, 0.0)
     assert c.keep_swap_files is False and c.verify_checksums is True

@@ -159,3 +159,41 @@ def test_meta_module_without_reset_parameters_is_refused(tmp_path):
     with pytest.raises(infinity.AttachError, match="reset_parameters"):
         store.attach(model)
     assert os.listdir(tmp_path) == []
+
+
+def test_small_parameters_persist_on_the_device(tmp_path):
+    threshold = 64  # LayerNorm weights/biases and the 32-element biases
+    result = compare(make_model(), 6, {"offload_param": "nvme", "buffer_size": 1 << 16,
+                                       "param_persistence_threshold": threshold},
+                     tmp_path=tmp_path)
+    assert_equivalent(*result[:4])
+    model = make_model()
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
+                                      param_persistence_threshold=threshold,
+                                      device_budget=param_bytes(model) // 4))
+    model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    train(model, optimizer, 2)
+    small = [e for e in store.registry.entries if e.numel <= threshold]
+    assert small and all(e.resident for e in small)  # refreshed after each step, never evicted
+    assert all(not e.resident for e in store.registry.entries
+               if e.numel > threshold and e.holds == 0) or \
+        store.stats()["peak_bytes"]["device"] <= param_bytes(model) // 4
+    store.close()
+
+
+def test_prefetch_bytes_zero_disables_prefetch(tmp_path):
+    result = compare(make_model(), 3, {"offload_param": "nvme", "buffer_size": 1 << 14,
+                                       "buffer_count": 16, "prefetch_depth": 3,
+                                       "prefetch_bytes": 0}, tmp_path=tmp_path)
+    assert_equivalent(*result[:4])
+    assert result[4]["prefetched_loads"] == 0 and result[4]["demand_loads"] > 0
+
+
+def test_max_in_cpu_sizes_the_host_cache(tmp_path):
+    model = make_model()
+    cache = 64 << 10
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
+                                      buffer_size=4096, buffer_count=2, max_in_cpu=cache))
+    store.attach(model)
+    assert store.budgets["arena"] == cache and store.budgets["host"] == cache
+    store.close()

@@ -211,20 +211,26 @@ def test_uring_close_is_bounded_when_a_request_never_completes(buffers, caplog):
 
 def test_thread_backend_close_is_bounded_when_a_request_never_completes(buffers, caplog):
     gate = threading.Event()
+    ran: list[int] = []
 
     class Stuck(ThreadBackend):
         def _run(self, request: IORequest) -> int:
+            ran.append(request.fd)
             gate.wait(10)
             return request.length
 
-    backend = Stuck(2, close_timeout=0.2)
+    backend = Stuck(1, close_timeout=0.2)
     future = backend.submit(IORequest(Op.READ, -1, 0, buffers[0].address, ALIGNMENT))
+    # queued behind the stuck one on the only thread: once close gives up, it must never run
+    queued = backend.submit(IORequest(Op.READ, -2, 0, buffers[0].address, ALIGNMENT))
     started = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="swap.backends.threads"):
         backend.close()
     assert time.monotonic() - started < 5
     assert isinstance(future.exception(timeout=1), TimeoutError)
-    assert any("still in flight" in r.getMessage() for r in caplog.records)
+    assert isinstance(queued.exception(timeout=1), TimeoutError)
+    assert any("2 request(s) still in flight" in r.getMessage() for r in caplog.records)
     gate.set()  # the late completion is dropped, not raised in the worker
-    time.sleep(0.05)
+    time.sleep(0.1)
     assert isinstance(future.exception(), TimeoutError)
+    assert ran == [-1]  # the queued request never ran

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -249,3 +250,24 @@ def test_two_engines_on_one_path_never_collide(tmp_path, make_engine, pool):
     second.read_sync(b, buf_b)
     assert torch.equal(contents(buf_b, 50_000), data_b)
     assert [p.name for p in tmp_path.iterdir()] == [second.space.run_dirs[0].name]
+
+
+def test_file_system_without_fallocate_still_works(tmp_path, make_engine, pool, monkeypatch,
+                                                   caplog):
+    def no_fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+    engine = make_engine(tmp_path, "threads", file_size=64 << 10)
+    with caplog.at_level(logging.WARNING, logger="swap.files"):
+        extent = engine.allocate(10_000)
+    assert any("fallocate is not supported" in r.getMessage() for r in caplog.records)
+    file = extent.segments[0].file
+    assert file.path.stat().st_size == 64 << 10
+    buffer = pool.acquire()
+    data = random_bytes(10_000, 9)
+    fill(buffer, data)
+    engine.write_sync(extent, buffer)
+    buffer.array[:] = 0
+    engine.read_sync(extent, buffer)
+    assert torch.equal(contents(buffer, 10_000), data)

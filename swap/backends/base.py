@@ -51,16 +51,23 @@ class BackendCounters:
 
 
 class IOBackend(ABC):
-    """Moves single requests asynchronously. Subclasses set ``name`` and ``direct``."""
+    """Moves single requests asynchronously. Subclasses set ``name`` and ``direct``.
+
+    ``close_timeout`` bounds how long ``close`` waits for requests in flight: a request that
+    never completes (a hung device, a pipe nobody writes) must not turn shutdown into a hang.
+    """
 
     name: str = "base"
     #: whether files for this backend are opened with O_DIRECT
     direct: bool = True
 
-    def __init__(self, queue_depth: int) -> None:
-        if queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+    def __init__(self, queue_depth: int, close_timeout: float = 30.0) -> None:
+        if not isinstance(queue_depth, int) or isinstance(queue_depth, bool) or queue_depth < 1:
+            raise ValueError(f"queue_depth must be a positive integer, got {queue_depth!r}")
+        if not close_timeout > 0:
+            raise ValueError(f"close_timeout must be > 0, got {close_timeout!r}")
         self.queue_depth = queue_depth
+        self.close_timeout = float(close_timeout)
         self.counters = BackendCounters()
 
     @abstractmethod
@@ -69,7 +76,9 @@ class IOBackend(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Waits for requests in flight, then releases the backend's threads and kernel objects."""
+        """Waits up to ``close_timeout`` for requests in flight, then releases the backend's
+        threads and kernel objects. Requests still in flight then fail (or are abandoned) and the
+        backend logs an error; it never waits forever."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(queue_depth={self.queue_depth})"

@@ -16,11 +16,12 @@ Facts about the wrapper this is built around:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from swap.backends.base import IOBackend, IORequest, Op, memory_at
 
@@ -50,12 +51,17 @@ def uring_unavailable_reason() -> str | None:
     return None
 
 
+# io_uring_enter errors after which the SQEs stay in the ring and go in with the next submit.
+_TRANSIENT = (errno.EAGAIN, errno.EBUSY, errno.EINTR)
+_SUBMIT_TRIES = 50
+
+
 class UringBackend(IOBackend):
     name = "uring"
     direct = True
 
-    def __init__(self, queue_depth: int) -> None:
-        super().__init__(queue_depth)
+    def __init__(self, queue_depth: int, close_timeout: float = 30.0) -> None:
+        super().__init__(queue_depth, close_timeout)
         reason = uring_unavailable_reason()
         if reason:
             raise OSError(reason)
@@ -69,10 +75,13 @@ class UringBackend(IOBackend):
         self._cqe = _uring.Cqe()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._pending: dict[int, tuple["Future[int]", IORequest]] = {}
+        # request id -> (future, request, iovec); the iovec is held until the completion so its
+        # C array outlives the request even if the cache below is cleared meanwhile.
+        self._pending: dict[int, tuple["Future[int]", IORequest, object]] = {}
         self._iovecs: dict[tuple[int, int], object] = {}
         self._next_id = 1
         self._closing = False
+        self._ring_open = True
         self._thread = threading.Thread(target=self._complete_loop, name="swap-uring-completion",
                                         daemon=True)
         self._thread.start()
@@ -96,13 +105,31 @@ class UringBackend(IOBackend):
             request_id = self._next_id
             self._next_id += 1
             sqe.user_data = request_id
-            self._pending[request_id] = (future, request)
+            self._pending[request_id] = (future, request, iovec)
+            self._submit_locked(request_id)
+        return future
+
+    def _submit_locked(self, request_id: int) -> None:
+        """Hands the prepared SQEs to the kernel.
+
+        liburing publishes the SQE (advances the SQ tail) before io_uring_enter, so when enter
+        fails the request is still in the ring and runs with the next successful submit: it must
+        then stay pending, or its completion would land in memory the caller believes is free.
+        Transient failures are retried; after a non-transient one the ring is unusable and
+        nothing in it will run, so the request is dropped and the error raised."""
+        for attempt in range(_SUBMIT_TRIES):
             try:
                 _uring.io_uring_submit(self._ring)
-            except OSError:
-                del self._pending[request_id]
-                raise
-        return future
+                return
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT:
+                    del self._pending[request_id]
+                    raise
+                if attempt + 1 == _SUBMIT_TRIES:
+                    log.warning("io_uring_submit keeps failing (%s); the request stays queued in "
+                                "the ring and goes in with the next submit", exc)
+                    return
+            time.sleep(0.001 * (attempt + 1))
 
     def _iovec(self, address: int, length: int) -> object:
         key = (address, length)
@@ -115,11 +142,25 @@ class UringBackend(IOBackend):
         return iovec
 
     def _complete_loop(self) -> None:
+        try:
+            self._drain_forever()
+        except BaseException as exc:  # pragma: no cover - a bug or a torn-down ring
+            # Without this thread nothing would ever complete: fail what is pending, loudly.
+            log.exception("uring completion thread died")
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                self._idle.notify_all()
+            for future, _, _ in pending.values():
+                _resolve(future, 0, OSError(errno.EIO, f"uring completion thread died: {exc}"))
+
+    def _drain_forever(self) -> None:
         cpu_start = time.thread_time()
         while True:
             os.eventfd_read(self._eventfd)
             done: list[tuple["Future[int]", int, int]] = []
             with self._lock:
+                if not self._ring_open:
+                    return
                 while True:
                     try:
                         _uring.io_uring_peek_cqe(self._ring, self._cqe)
@@ -130,19 +171,17 @@ class UringBackend(IOBackend):
                     try:
                         result, err = entry.res, 0
                     except OSError as exc:
-                        result, err = -1, exc.errno or 5
+                        result, err = -1, exc.errno or errno.EIO
                     _uring.io_uring_cqe_seen(self._ring, entry)
                     pending = self._pending.pop(request_id, None)
                     if pending is not None:
                         done.append((pending[0], result, err))
                 if not self._pending:
                     self._idle.notify_all()
-                stop = self._closing and not self._pending
+                stop = self._closing
+            # Outside the lock: the futures' callbacks may submit new requests.
             for future, result, err in done:
-                if err:
-                    future.set_exception(OSError(err, os.strerror(err)))
-                else:
-                    future.set_result(result)
+                _resolve(future, result, OSError(err, os.strerror(err)) if err else None)
             now = time.thread_time()
             self.counters.add_cpu(now - cpu_start)
             cpu_start = now
@@ -150,15 +189,52 @@ class UringBackend(IOBackend):
                 return
 
     def close(self) -> None:
+        deadline = time.monotonic() + self.close_timeout
         with self._lock:
             if self._closing:
                 return
-            while self._pending:
-                self._idle.wait()
+            # On the completion thread (a callback closing the backend) nothing can complete
+            # while we wait, so there is nothing to wait for.
+            on_completion_thread = self._thread is threading.current_thread()
+            while self._pending and not on_completion_thread:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._idle.wait(remaining)
             self._closing = True
+            stuck, self._pending = self._pending, {}
+        if stuck:
+            # Tearing the ring down makes the kernel cancel what it can; a request it cannot
+            # cancel may still finish into its buffer later, which is why this is an error.
+            log.error("uring backend: %d request(s) still in flight after %.3g s; closing the "
+                      "ring without them (their buffers may still be written to)", len(stuck),
+                      self.close_timeout)
+            for future, request, _ in stuck.values():
+                _resolve(future, 0, TimeoutError(
+                    f"the uring backend was closed while a {request.op.value} of "
+                    f"{request.length} bytes at offset {request.offset} was in flight"))
         os.eventfd_write(self._eventfd, 1)
-        self._thread.join()
-        _uring.io_uring_unregister_eventfd(self._ring)
-        _uring.io_uring_queue_exit(self._ring)
-        os.close(self._eventfd)
-        self._iovecs.clear()
+        if not on_completion_thread:
+            self._thread.join(max(1.0, deadline - time.monotonic()))
+        with self._lock:
+            # The completion thread checks _ring_open under this lock, so it never touches a
+            # ring that is gone even if it is still busy in a callback.
+            self._ring_open = False
+            _uring.io_uring_unregister_eventfd(self._ring)
+            _uring.io_uring_queue_exit(self._ring)
+            self._iovecs.clear()
+        if not self._thread.is_alive():
+            os.close(self._eventfd)
+        else:  # it still reads the eventfd; leave the descriptor to the process exit
+            os.eventfd_write(self._eventfd, 1)
+
+
+def _resolve(future: "Future[int]", result: int, error: BaseException | None) -> None:
+    """Sets the outcome unless close already failed the future: the first outcome wins."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
