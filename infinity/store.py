@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -33,7 +33,9 @@ from infinity.state_dict import install_state_dict_hooks, write_entry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
 from infinity.trace import TraceFollower
-from swap import EngineSettings, SwapEngine, SwapSpaceError, align_up
+from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
+from swap.files import check_directory
+from swap.probe import choose_backend_for, make_backend
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,12 @@ def resolve_device(name: str) -> torch.device:
 class TieredStore:
     """Holds a model's parameters across device, host and NVMe. See the package docstring."""
 
-    def __init__(self, config: OffloadConfig | None = None) -> None:
+    def __init__(self, config: OffloadConfig | None = None, *,
+                 backend_wrapper: Callable[[IOBackend], IOBackend] | None = None) -> None:
+        """``backend_wrapper`` (tests and tools only) wraps the swap engine's I/O backend, e.g.
+        in a fault-injecting backend; None costs nothing."""
         self.config = config or OffloadConfig()
+        self._backend_wrapper = backend_wrapper
         self.device = resolve_device(self.config.device)
         self.registry = ShardRegistry()
         self.follower = TraceFollower()
@@ -288,7 +294,14 @@ class TieredStore:
                                   queue_depth=config.aio.queue_depth,
                                   thread_count=config.aio.thread_count,
                                   file_size=align_up(per_drive))
-        return SwapEngine(paths, settings, keep_files=config.keep_swap_files)
+        backend = None
+        if self._backend_wrapper is not None:
+            roots = [check_directory(Path(p)) for p in paths]
+            name = choose_backend_for(settings.backend, roots)
+            backend = self._backend_wrapper(make_backend(
+                name, settings.queue_depth * len(roots), settings.thread_count,
+                settings.close_timeout))
+        return SwapEngine(paths, settings, keep_files=config.keep_swap_files, backend=backend)
 
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
