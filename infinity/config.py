@@ -196,6 +196,8 @@ class _Validated:
         fix = rule.fix or f"set {name} within that range"
         if rule.kind in ("int", "float"):
             expected = _describe_range(rule)
+            if rule.size and isinstance(value, str):
+                value = parse_size(value, name=name)  # "64MiB" reads the same everywhere
             numeric = (int,) if rule.kind == "int" else (int, float)
             if isinstance(value, bool) or not isinstance(value, numeric):
                 hint = ("in Python, pass an int (or use parse_size / from_dict for strings like "
