@@ -70,6 +70,8 @@ class Placement:
         self.persistent: set[int] = set()
         #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
         self.prefetch_bytes: int | None = None
+        #: write updated shards back right after the step (else only when evicted)
+        self.write_behind = True
 
     @property
     def nvme(self) -> bool:
@@ -127,6 +129,15 @@ class Placement:
         """Waits for every transfer in flight (before a checkpoint, at close)."""
         for shard in list(self.in_arena):
             self.reap(shard, wait=True)
+
+    def flush(self) -> None:
+        """Writes every dirty host copy in the arena to NVMe and waits: afterwards every
+        NVMe-backed shard's swap extent holds its current value."""
+        for shard in list(self.in_arena):
+            self.reap(shard, wait=True)
+            if shard.state is R.HOST:
+                self.store_async(shard)
+        self.drain()
 
     # -- host slots ---------------------------------------------------------------------------
     def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float) -> bool:

@@ -19,6 +19,7 @@ import psutil
 import torch
 from torch import nn
 
+from infinity import lifecycle
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError
 from infinity.hooks import HookSet
@@ -95,19 +96,47 @@ class TieredStore:
             raise AttachError("this store is already attached to a model; use one store per "
                               "model")
         if not isinstance(model, nn.Module):
-            raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}")
+            raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
+                              f"the model (a torch.nn.Module) and then its optimizer")
+        self._check_optimizer(model, optimizer)
         config = self.config
         if config.offload_param == "none":
             log.info("offload_param is 'none': parameters stay on %s and the store only "
                      "reports", self.device)
             self.model = model.to(self.device)
             return model, optimizer
+        if config.buffer_count == 1 and "nvme" in (config.offload_param,
+                                                   config.offload_optimizer):
+            log.warning("buffer_count=1: every swap transfer waits for the one buffer, so NVMe "
+                        "I/O is serialised with compute; use buffer_count >= 2 to overlap them")
+        # Claims the model (refused if another store holds it) and arms the SIGTERM/exit
+        # cleanup before the first swap file can exist; _teardown disarms it.
+        lifecycle.register(self, model)
         try:
             self._attach(model, optimizer)
         except BaseException:
             self._teardown(restore=True)
             raise
         return model, self.optimizer
+
+    @staticmethod
+    def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+        """Refuses an optimizer the store could not wrap, before anything is moved: a wrong
+        type, or parameters the model does not have (they would never get gradients)."""
+        if optimizer is None:
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise AttachError(f"attach expects a torch.optim.Optimizer (or None) as optimizer, "
+                              f"got {type(optimizer).__name__}: build it with "
+                              f"torch.optim.AdamW(model.parameters(), ...)")
+        own = {id(p) for p in model.parameters()}
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if id(param) not in own:
+                    raise AttachError(
+                        f"the optimizer's param_groups[{index}] holds a parameter of shape "
+                        f"{tuple(param.shape)} that is not part of the attached model: build "
+                        f"the optimizer from model.parameters()")
 
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         config = self.config
@@ -143,6 +172,10 @@ class TieredStore:
                                    grads_on_nvme=config.offload_optimizer == "nvme",
                                    timeline=self.timeline)
         self.placement.module_names = [name for name, _, _ in module_entries]
+        # Write-behind after each step keeps NVMe copies current so eviction is free; when the
+        # arena caches everything nothing is evicted, and dirty shards are written only if
+        # that changes (eviction writes dirty shards first) or at close with keep_swap_files.
+        self.placement.write_behind = not self._cached_all
         self.placement.prefetch_bytes = config.prefetch_bytes
         self.placement.persistent = {
             e.index for e in self.registry.entries
@@ -238,12 +271,21 @@ class TieredStore:
                 f"{largest_bytes + persistent}")
         params_nvme = config.offload_param == "nvme"
         optim_nvme = config.offload_optimizer == "nvme"
-        shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        needed = 0
+        slot = align_up(config.buffer_size)
+
+        def slot_cost(nbytes: int) -> int:  # as the slot arena will place it
+            size = align_up(max(nbytes, 1))
+            return slot if 2 * size > slot else size
+
+        shard_bytes = sum(slot_cost(s.nbytes) for s in self.registry.shards.values())
         resident = 0 if params_nvme else total   # host tensors outside the arena
         if params_nvme or optim_nvme:
             # What the arena would need to cache everything: masters, gradients and (estimated:
-            # two moments, as Adam keeps) optimizer state.
-            needed = (shard_bytes if params_nvme else 0) + (3 * shard_bytes if optim_nvme else 0)
+            # two moments, as Adam keeps) optimizer state, in slot bytes, plus one slot for the
+            # gaps that packing small shards into shared slots leaves.
+            needed = (shard_bytes if params_nvme else 0) + \
+                (3 * shard_bytes if optim_nvme else 0) + slot
             # The swap buffers, or a larger cache of up to max_in_cpu bytes in front of the
             # drives, but never more than caching everything needs.
             pool = max(config.buffer_count * align_up(config.buffer_size),
@@ -266,6 +308,8 @@ class TieredStore:
                 f"offload_param='nvme'")
         self.budgets = {"device": device_budget, "host": host_budget, "arena": arena,
                         "params": total}
+        #: the arena holds every offloaded byte: updated shards may stay dirty until evicted
+        self._cached_all = bool(arena) and arena >= needed
         log.info("budgets: device %d bytes%s, host %d bytes (params %d bytes)", device_budget,
                  "" if config.device_budget is not None else " (derived)", host_budget, total)
 
@@ -276,6 +320,9 @@ class TieredStore:
             self._temp_dir = Path(tempfile.mkdtemp(prefix="infinity-nvme-"))
             paths = [self._temp_dir]
             log.info("nvme_path not set: swapping to the temporary directory %s", self._temp_dir)
+        # Unusable directories (missing, a file, read-only) are named as such before the
+        # free-space preflight, which would otherwise misreport them as full.
+        paths = [check_directory(Path(p)) for p in paths]
         stripe = config.aio.block_size
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
         needed = (shard_bytes if config.offload_param == "nvme" else 0) + \
@@ -427,14 +474,14 @@ class TieredStore:
             for shard in tile:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
-                if params_on_nvme:
+                if params_on_nvme and placement.write_behind:
                     placement.store_async(shard)
                 if placement.grads_on_nvme:
                     placement.discard(shard.companions["grad"])
                     shard.grad_sq_norm = 0.0
             for companion in changed:
                 companion.version += 1
-                if companion.state is R.HOST:
+                if companion.state is R.HOST and placement.write_behind:
                     placement.store_async(companion)
             if not self.pipeline_step:
                 for part in [*tile, *changed]:
@@ -510,6 +557,8 @@ class TieredStore:
         placement = self.placement
         try:
             if placement is not None:
+                if self.config.keep_swap_files:
+                    placement.flush()  # the kept files must hold the current values
                 placement.drain()
                 if restore:
                     for entry in self.registry.entries:
@@ -529,6 +578,7 @@ class TieredStore:
             if self._temp_dir is not None:
                 shutil.rmtree(self._temp_dir, ignore_errors=True)
                 self._temp_dir = None
+            lifecycle.unregister(self)  # its files are gone; releases the model
 
     def __enter__(self) -> "TieredStore":
         return self

@@ -197,3 +197,37 @@ def test_max_in_cpu_sizes_the_host_cache(tmp_path):
     store.attach(model)
     assert store.budgets["arena"] == cache and store.budgets["host"] == cache
     store.close()
+
+
+def test_when_the_arena_caches_everything_steady_steps_touch_no_disk(tmp_path):
+    model = make_model()
+    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
+                                      nvme_path=str(tmp_path), buffer_size=1 << 16,
+                                      buffer_count=64))
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train(model, optimizer, 2)  # the first steps create the optimizer state
+    before = store.stats()
+    train(model, optimizer, 3)
+    after = store.stats()
+    assert store.placement.write_behind is False
+    assert after["bytes_read"] == before["bytes_read"]
+    assert after["bytes_written"] == before["bytes_written"]
+    store.close()
+
+
+def test_kept_swap_files_hold_the_final_values_after_lazy_write_back(tmp_path):
+    from swap.files import RUN_DIR_PREFIX
+    model = make_model()
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
+                                      buffer_size=1 << 16, buffer_count=64,
+                                      keep_swap_files=True))
+    model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    train(model, optimizer, 2)
+    shard = store.registry.shards["blocks.0.fc.weight"]
+    extent = shard.extent
+    expected = store.materialize(shard.entry).reshape(-1)[:shard.numel].clone()
+    store.close()
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith(RUN_DIR_PREFIX)]
+    segment = extent.segments[0]
+    raw = segment.file.path.read_bytes()[segment.offset:segment.offset + shard.nbytes]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32), expected)
