@@ -59,7 +59,6 @@ _owners: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredStore]]" = \
 _owner_pid = os.getpid()
 #: SIGTERM's disposition before ours was installed (None: ours is not installed)
 _previous: Any = None
-_installed = False
 
 
 def register(store: "TieredStore", model: nn.Module) -> None:
@@ -107,37 +106,40 @@ def _on_main_thread() -> bool:
 
 
 def _install_locked() -> None:
-    global _previous, _installed
-    if _installed:
-        return
+    global _previous
     if not _on_main_thread():
         # signal.signal only works on the main thread; close() and atexit still clean up.
         log.debug("attached from a thread other than the main thread: swap files are not "
                   "removed if the process is killed by SIGTERM")
         return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN or previous is None:
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        return
+    if current is signal.SIG_IGN or current is None:
         # Ignored: SIGTERM cannot kill the process, nothing to clean up after. None: a handler
         # installed outside Python, which could not be chained to; leave it in charge.
         log.debug("SIGTERM is %s: not installing the swap cleanup handler",
-                  "ignored" if previous is signal.SIG_IGN else "handled outside Python")
+                  "ignored" if current is signal.SIG_IGN else "handled outside Python")
         return
+    # Also when ours was replaced while stores were open: the replacement is chained to now.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    _previous, _installed = previous, True
+    _previous = current
 
 
 def _uninstall_locked() -> None:
-    global _previous, _installed
-    if not _installed or not _on_main_thread():
-        return  # off the main thread it stays; with no store open it only chains
+    global _previous
+    if not _on_main_thread():
+        return  # off the main thread it stays; with no store open it only chains or dies
     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        signal.signal(signal.SIGTERM, _previous)
+        signal.signal(signal.SIGTERM, _previous if _previous is not None else signal.SIG_DFL)
+        _previous = None
     # else: someone replaced ours after attach; theirs stays, and so does whatever it chains to
-    _previous, _installed = None, False
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     previous = _previous
+    if previous is _on_sigterm:  # cannot happen (install checks); never recurse forever
+        previous = None
     if callable(previous):
         # The user's policy decides; see the module docstring. If it raises (SystemExit), the
         # unwinding closes the stores; if it returns, training goes on and needs its files.

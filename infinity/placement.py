@@ -440,7 +440,14 @@ class Placement:
                 else:
                     target.add_(piece.to(target.dtype))
             else:
-                if shard.grad is None:
+                if shard.grad is None and piece.device.type == "cpu" and \
+                        piece.dtype == shard.dtype and piece.is_contiguous():
+                    # A gradient computed in host memory (no GPU) already is a host tensor:
+                    # keep it instead of copying it (the hook drops param.grad right after).
+                    shard.grad = piece
+                    self.grad_bytes += shard.nbytes
+                    self.grad_peak = max(self.grad_peak, self.grad_bytes)
+                elif shard.grad is None:
                     shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
                                              pin_memory=self.host.pin)
                     shard.grad.copy_(piece)

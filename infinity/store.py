@@ -141,7 +141,10 @@ class TieredStore:
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         config = self.config
         nvme = config.offload_param == "nvme" or config.offload_optimizer == "nvme"
-        bound_heap_retention()
+        if config.host_budget is not None:
+            # An explicit host budget asks for bounded memory: freed temporaries must go back to
+            # the system (costs page faults on large allocations, 10-20% of step time here).
+            bound_heap_retention()
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
                                     compute_dtype=self.compute_dtype)
