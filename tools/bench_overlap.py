@@ -1,15 +1,17 @@
 """Overlap benchmark: how well the tiered store hides NVMe time behind compute.
 
-In one run, on one model (default: the peer-comparison MLP, 24 x Linear(2048) + ReLU, fp32,
-batch 16), it measures
-  * the plain step: the model and optimizer in memory, no store;
-  * the attached step: parameters on NVMe (optionally optimizer state too);
-  * the pure I/O time of the attached step's bytes at the swap engine's bandwidth, measured on
-    the same nvme_path in the same run;
-and prints overlap efficiency = max(compute, io) / attached step (1.0 = I/O perfectly hidden).
-It also runs the store with everything fitting in memory, to show the hooks' own overhead.
+On one model (default: the peer-comparison MLP, 24 x Linear(2048) + ReLU, fp32, batch 16,
+100.7 M parameters) it measures, each configuration in a process of its own so that each peak
+RSS is its own, repeats interleaved:
+  * plain: model and AdamW in memory, no store (torch's fused AdamW, the kernel the store runs,
+    so the comparison is about data movement, not about the update kernel);
+  * fits: attached, everything in memory (offload_param="cpu"): the hooks' own overhead;
+  * nvme: attached, parameters and (by default) optimizer state on NVMe under the budgets;
+and the swap engine's read and write bandwidth on the same path. It prints the pure I/O time of
+the attached step's bytes at that bandwidth and the overlap efficiency
+max(compute, io) / attached step (1.0 = the I/O is fully hidden).
 
-    python -m tools.bench_overlap [--layers 24 --width 2048 --batch 16 --steps 4]
+    python -m tools.bench_overlap [--host-budget 2.14 --device-budget 0.1 --repeats 2]
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import argparse
 import gc
 import json
 import logging
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import resource
-
-import psutil
 import torch
 from torch import nn
 
@@ -33,6 +36,11 @@ import infinity
 from swap import BufferPool, EngineSettings, SwapEngine
 
 log = logging.getLogger("tools.bench_overlap")
+
+#: DeepSpeed 0.19.8 ZeRO-3 on this machine type with params and optimizer state on NVMe, for the
+#: default model (quoted from the project's measurements, not re-run here)
+DEEPSPEED_STEP_S = 2.73
+DEEPSPEED_PEAK_RSS_GIB = 6.43
 
 
 def mlp(layers: int, width: int, seed: int = 0) -> nn.Module:
@@ -59,7 +67,7 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
 
 
 def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) -> dict:
-    """Seconds to write then read ``nbytes`` through the swap engine on ``path``."""
+    """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``."""
     chunk = 64 << 20
     pool = BufferPool(4, chunk)
     settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
@@ -84,109 +92,114 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) ->
     return result
 
 
+def run_one(args: argparse.Namespace) -> dict:
+    """One configuration in this process: step times, I/O bytes, stalls, peak RSS."""
+    model = mlp(args.layers, args.width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                  fused=True if args.run == "plain" else None)
+    store = None
+    started = time.perf_counter()
+    if args.run == "fits":
+        store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
+    elif args.run == "nvme":
+        host_budget = int(args.host_budget * 2**30)
+        store = infinity.TieredStore(infinity.OffloadConfig(
+            offload_param="nvme", offload_optimizer=args.offload_optimizer,
+            nvme_path=(args.nvme_path,), buffer_size=args.buffer_size,
+            buffer_count=max(2, host_budget // args.buffer_size), host_budget=host_budget,
+            device_budget=int(args.device_budget * 2**30)))
+    if store is not None:
+        model, optimizer = store.attach(model, optimizer)
+    attach_s = time.perf_counter() - started
+    timed_steps(model, optimizer, 1, args.batch, args.width)  # warm-up; creates optimizer state
+    before = store.stats() if store else None
+    times = timed_steps(model, optimizer, args.steps, args.batch, args.width)
+    out = {"step_s": statistics.median(times), "steps_s": times, "attach_s": attach_s,
+           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if store is not None:
+        after = store.stats()
+        steps = args.steps
+        out.update({
+            "read_bytes": (after["bytes_read"] - before["bytes_read"]) / steps,
+            "write_bytes": (after["bytes_written"] - before["bytes_written"]) / steps,
+            "stall_s": (after["stall_seconds"] - before["stall_seconds"]) / steps,
+            "peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
+            "backend": after["backend"]})
+        store.close(restore_params=False)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per config")
     parser.add_argument("--nvme-path", type=Path, default=None)
-    parser.add_argument("--host-budget", type=float, default=6.43 / 3,
+    parser.add_argument("--host-budget", type=float, default=DEEPSPEED_PEAK_RSS_GIB / 3,
                         help="GiB for the host tier (default: a third of DeepSpeed's 6.43 GiB)")
-    parser.add_argument("--buffer-size", type=int, default=64 << 20)
-    parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="nvme")
     parser.add_argument("--device-budget", type=float, default=0.1,
                         help="GiB for the device tier (host memory on a machine without a GPU)")
+    parser.add_argument("--buffer-size", type=int, default=64 << 20)
+    parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="nvme")
+    parser.add_argument("--run", choices=("plain", "fits", "nvme"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.run:
+        print(json.dumps(run_one(args)))
+        return 0
+
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-"))
-
-    def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    results: dict = {"model": f"{args.layers} x Linear({args.width}) + ReLU, batch {args.batch}"}
-    model = mlp(args.layers, args.width)
-    params = sum(p.numel() for p in model.parameters())
-    results["params"] = params
-    print(f"model: {results['model']}, {params / 1e6:.1f} M params, "
-          f"{params * 4 / 2**30:.2f} GiB fp32")
-
-    plain = timed_steps(model, optimizer_for(model), args.steps + 1, args.batch, args.width)[1:]
-    results["plain_step_s"] = statistics.median(plain)
-    del model
+    params = sum(p.numel() for p in mlp(args.layers, args.width).parameters())
+    print(f"model: {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
+          f"{params / 1e6:.1f} M params; nvme run: params + optimizer state "
+          f"'{args.offload_optimizer}' under host {args.host_budget:.2f} GiB, device "
+          f"{args.device_budget:.2f} GiB")
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
+                 if not a.startswith("--json") and not a.startswith("--repeats")]
+    runs: dict[str, list[dict]] = {"plain": [], "fits": [], "nvme": []}
+    for _ in range(args.repeats):
+        for name in runs:  # interleaved: the disk and the machine drift alike for each
+            command = [sys.executable, "-m", "tools.bench_overlap", *forwarded, "--run", name,
+                       "--nvme-path", str(root)]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     gc.collect()
-
-    fit_model = mlp(args.layers, args.width)
-    store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
-    fit_model, fit_opt = store.attach(fit_model, optimizer_for(fit_model))
-    fitted = timed_steps(fit_model, fit_opt, args.steps + 1, args.batch, args.width)[1:]
-    store.close(restore_params=False)
-    results["fits_in_memory_step_s"] = statistics.median(fitted)
-    del fit_model, fit_opt, store
-    gc.collect()
-
-    host_budget = int(args.host_budget * 2**30)
-    config = infinity.OffloadConfig(offload_param="nvme", nvme_path=(root,),
-                                    offload_optimizer=args.offload_optimizer,
-                                    buffer_size=args.buffer_size,
-                                    buffer_count=max(2, host_budget // args.buffer_size),
-                                    host_budget=host_budget,
-                                    device_budget=int(args.device_budget * 2**30))
-    nvme_model = mlp(args.layers, args.width)
-    store = infinity.TieredStore(config)
-    started = time.perf_counter()
-    nvme_model, nvme_opt = store.attach(nvme_model, optimizer_for(nvme_model))
-    results["attach_s"] = time.perf_counter() - started
-    timed_steps(nvme_model, nvme_opt, 1, args.batch, args.width)
-    before = store.stats()
-    attached = timed_steps(nvme_model, nvme_opt, args.steps, args.batch, args.width)
-    after = store.stats()
-    store.close(restore_params=False)
-    del nvme_model, nvme_opt, store
-    gc.collect()
-    read = (after["bytes_read"] - before["bytes_read"]) / args.steps
-    written = (after["bytes_written"] - before["bytes_written"]) / args.steps
-    bandwidth = engine_bandwidth(root, int(max(read, written, 64 << 20)), config)
-    io_s = read / bandwidth["read"] + written / bandwidth["write"]
-    attached_s = statistics.median(attached)
-    compute_s = results["plain_step_s"]
-    results.update({
-        "attached_step_s": attached_s,
-        "attached_steps_s": attached,
-        "bytes_read_per_step": read, "bytes_written_per_step": written,
-        "engine_read_gbps": bandwidth["read"] / 1e9, "engine_write_gbps": bandwidth["write"] / 1e9,
-        "io_s": io_s,
-        "overlap_efficiency": max(compute_s, io_s) / attached_s,
-        "stall_s_per_step": (after["stall_seconds"] - before["stall_seconds"]) / args.steps,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "peak_host_tier_bytes": after["peak_bytes"]["host"],
-        "host_budget_bytes": host_budget,
-        "backend": after["backend"],
-    })
-    print(f"plain in-memory step      {compute_s:8.3f} s")
-    print(f"attached, fits in memory  {results['fits_in_memory_step_s']:8.3f} s   "
-          f"({results['fits_in_memory_step_s'] / compute_s:.2f}x plain)")
-    print(f"attached, params on NVMe  {attached_s:8.3f} s   ({attached_s / compute_s:.2f}x plain)"
-          f"   attach {results['attach_s']:.1f} s")
-    print(f"I/O per step              read {read / 1e9:.2f} GB, write {written / 1e9:.2f} GB at "
-          f"{bandwidth['read'] / 1e9:.2f} / {bandwidth['write'] / 1e9:.2f} GB/s -> "
-          f"{io_s:.3f} s pure I/O")
-    print(f"stall per step            {results['stall_s_per_step']:8.3f} s")
-    print(f"overlap efficiency        {results['overlap_efficiency']:8.2f}   "
-          f"(max(compute, io) / attached step; target >= 0.85)")
-    print(f"host tier peak            {after['peak_bytes']['host'] / 2**30:.2f} GiB of "
-          f"{host_budget / 2**30:.2f} GiB budget; process peak RSS "
-          f"{results['peak_rss_gib']:.2f} GiB (includes the plain run's in-memory model)")
+    best = {name: min(results, key=lambda r: r["step_s"]) for name, results in runs.items()}
+    nvme = best["nvme"]
+    bandwidth = engine_bandwidth(root, int(max(nvme["read_bytes"], nvme["write_bytes"],
+                                               256 << 20)), infinity.OffloadConfig())
+    io_s = nvme["read_bytes"] / bandwidth["read"] + nvme["write_bytes"] / bandwidth["write"]
+    compute_s = best["plain"]["step_s"]
+    efficiency = max(compute_s, io_s) / nvme["step_s"]
+    gib = 2**30
+    print(f"{'config':26s} {'step s (best of medians)':>26s} {'vs plain':>9s} {'peak RSS GiB':>13s}")
+    for name, label in (("plain", "plain in memory"), ("fits", "attached, fits in memory"),
+                        ("nvme", "attached, state on NVMe")):
+        r = best[name]
+        medians = ", ".join(f"{x['step_s']:.3f}" for x in runs[name])
+        print(f"{label:26s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
+              f"{r['peak_rss'] / gib:13.2f}")
+    print(f"I/O per step: read {nvme['read_bytes'] / 1e9:.2f} GB, write "
+          f"{nvme['write_bytes'] / 1e9:.2f} GB; engine {bandwidth['read'] / 1e9:.2f} / "
+          f"{bandwidth['write'] / 1e9:.2f} GB/s -> {io_s:.3f} s of pure I/O; stalls "
+          f"{nvme['stall_s']:.3f} s/step")
+    print(f"overlap efficiency  {efficiency:.2f}  (max(compute {compute_s:.3f}, io {io_s:.3f}) / "
+          f"attached {nvme['step_s']:.3f}; target >= 0.85)")
+    print(f"host tier peak {nvme['peak_bytes']['host'] / gib:.2f} GiB of "
+          f"{nvme['budgets']['host'] / gib:.2f}; device tier peak "
+          f"{nvme['peak_bytes']['device'] / gib:.2f} GiB of {nvme['budgets']['device'] / gib:.2f}")
     if (args.layers, args.width, args.batch) == (24, 2048, 16):
-        # DeepSpeed 0.19.8 ZeRO-3, params and optimizer state on NVMe, same model, measured on
-        # this machine type when the project started (quoted, not re-run here).
-        print(f"vs DeepSpeed (2.73 s/step, 6.43 GiB peak RSS, quoted): step "
-              f"{attached_s / 2.73:.2f}x")
+        print(f"vs DeepSpeed ZeRO-3 with state on NVMe ({DEEPSPEED_STEP_S} s/step, "
+              f"{DEEPSPEED_PEAK_RSS_GIB} GiB peak RSS, quoted): step "
+              f"{nvme['step_s'] / DEEPSPEED_STEP_S:.2f}x, peak RSS "
+              f"{nvme['peak_rss'] / gib / DEEPSPEED_PEAK_RSS_GIB:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({"runs": runs, "bandwidth": bandwidth, "io_s": io_s,
+                                         "efficiency": efficiency}, indent=2))
     if args.nvme_path is None:
-        import shutil
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
