@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _done = False
 
 

@@ -157,14 +157,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{params / 1e6:.1f} M params; nvme run: params + optimizer state "
           f"'{args.offload_optimizer}' under host {args.host_budget:.2f} GiB, device "
           f"{args.device_budget:.2f} GiB")
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
-                 if not a.startswith("--json") and not a.startswith("--repeats")]
+    forwarded = ["--layers", str(args.layers), "--width", str(args.width), "--batch",
+                 str(args.batch), "--steps", str(args.steps), "--host-budget",
+                 str(args.host_budget), "--device-budget", str(args.device_budget),
+                 "--buffer-size", str(args.buffer_size), "--offload-optimizer",
+                 args.offload_optimizer]
     runs: dict[str, list[dict]] = {"plain": [], "fits": [], "nvme": []}
     for _ in range(args.repeats):
         for name in runs:  # interleaved: the disk and the machine drift alike for each
             command = [sys.executable, "-m", "tools.bench_overlap", *forwarded, "--run", name,
                        "--nvme-path", str(root)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"the {name} run failed:\n{done.stderr}")
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     gc.collect()
     best = {name: min(results, key=lambda r: r["step_s"]) for name, results in runs.items()}
