@@ -146,7 +146,10 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         previous(signum, frame)
         return
     if os.getpid() == _owner_pid:
-        remove_swap_files()
+        try:
+            remove_swap_files()
+        except Exception:  # noqa: BLE001 - whatever happens, the process must still die
+            log.exception("removing swap files on SIGTERM failed")
     # Die the way SIGTERM kills when nobody handles it: exit status -SIGTERM (143 in a shell),
     # which schedulers and torchrun read as "terminated", not "failed".
     signal.signal(signum, signal.SIG_DFL)
@@ -220,6 +223,15 @@ def _forget_in_child() -> None:
     _lock = threading.Lock()  # another parent thread may have held it at the fork
     _stores.clear()
     _owners.clear()
+    # The swap layer's exit hook would close the parent's engines from here on a normal exit
+    # of the child (sys.exit in a forked helper): it unlinks the parent's swap files and tears
+    # down the io_uring ring the child shares with the parent. Until the swap layer forgets
+    # them at fork itself, forget them for it.
+    try:
+        from swap import engine as engine_module
+        getattr(engine_module, "_open_engines", set()).clear()
+    except Exception:  # noqa: BLE001 - must never break a fork
+        pass
     # The handler stays installed (it is the parent's disposition), but with no stores it only
     # chains or dies; _owner_pid still names the parent, so nothing of it is removed.
 

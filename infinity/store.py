@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import psutil
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from infinity import lifecycle
 from infinity.config import OffloadConfig
-from infinity.errors import AttachError, BudgetError
+from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.hooks import HookSet
 from infinity.memory import bound_heap_retention
 from infinity.optimizer import OffloadedOptimizer, state_companions
@@ -58,6 +58,11 @@ class TieredStore:
                  backend_wrapper: Callable[[IOBackend], IOBackend] | None = None) -> None:
         """``backend_wrapper`` (tests and tools only) wraps the swap engine's I/O backend, e.g.
         in a fault-injecting backend; None costs nothing."""
+        if isinstance(config, Mapping):
+            config = OffloadConfig.from_dict(config)  # the native JSON format, strictly
+        elif config is not None and not isinstance(config, OffloadConfig):
+            raise ConfigError(f"TieredStore expects an OffloadConfig or a dict of its fields, "
+                              f"got {type(config).__name__}")
         self.config = config or OffloadConfig()
         self._backend_wrapper = backend_wrapper
         self.device = resolve_device(self.config.device)
@@ -579,7 +584,10 @@ class TieredStore:
             if self._host_tier is not None:
                 self._host_tier.close()
             if self._temp_dir is not None:
-                shutil.rmtree(self._temp_dir, ignore_errors=True)
+                if self.config.keep_swap_files:
+                    log.info("swap files kept in %s (keep_swap_files)", self._temp_dir)
+                else:
+                    shutil.rmtree(self._temp_dir, ignore_errors=True)
                 self._temp_dir = None
             lifecycle.unregister(self)  # its files are gone; releases the model
 
