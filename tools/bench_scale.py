@@ -3,8 +3,11 @@
 Builds an MLP on the meta device (so the model never exists in host memory whole), attaches it
 with parameters, gradients and Adam state on NVMe under a host budget, trains a few steps, and
 prints the training state's size, the budgets and the process's peak RSS against
-host budget + device budget (the device tier is host memory on a machine without a GPU) + the
-fixed overhead of the Python process with torch loaded, measured before the model is built.
+host budget + device budget (the device tier is host memory on a machine without a GPU) + a
+fixed overhead: the Python process with torch loaded and initialised, measured before the model
+is built, plus two of the largest parameter's size for the transient buffers autograd makes in
+backward (a weight's gradient and the input gradient being computed next to it) before the store
+moves them away. Neither term grows with the number of layers.
 
     python -m tools.bench_scale [--params 500M --host-budget 2GiB --steps 3]
 
@@ -93,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
               f"so far, peak RSS {peak_rss() / 2**30:.2f} GiB")
     stats = store.stats()
     store.close(restore_params=False)
-    limit = args.host_budget + args.device_budget + overhead
+    transient = 2 * args.width * args.width * 4
+    limit = args.host_budget + args.device_budget + overhead + transient
     result = {
         "params": params, "training_state_bytes": state, "host_budget": args.host_budget,
         "device_budget": args.device_budget, "fixed_overhead_rss": overhead,
+        "transient_bytes": transient,
         "peak_rss": peak_rss(), "limit": limit, "within_limit": peak_rss() <= limit,
         "attach_s": attach_s, "step_s": times, "losses": losses,
         "peak_bytes": stats["peak_bytes"], "bytes_read": stats["bytes_read"],
@@ -104,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"peak RSS {peak_rss() / 2**30:.2f} GiB vs host budget {args.host_budget / 2**30:.2f} "
           f"+ device budget {args.device_budget / 2**30:.2f} + fixed overhead "
-          f"{overhead / 2**30:.2f} = {limit / 2**30:.2f} GiB: "
+          f"{overhead / 2**30:.2f} (process) + {transient / 2**30:.2f} (backward buffers) = "
+          f"{limit / 2**30:.2f} GiB: "
           f"{'within' if result['within_limit'] else 'OVER'}")
     print(f"host tier peak {stats['peak_bytes']['host'] / 2**30:.2f} GiB, device tier peak "
           f"{stats['peak_bytes']['device'] / 2**30:.2f} GiB, NVMe {stats['peak_bytes']['nvme'] / 2**30:.2f} GiB")
