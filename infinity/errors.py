@@ -6,9 +6,12 @@ and what to do about it.
 
 from __future__ import annotations
 
+from swap.errors import OffloadError
 
-class InfinityError(Exception):
-    """Base class of every error the infinity runtime raises."""
+
+#: Base class of every error the runtime raises, the swap layer's included (it is the swap
+#: layer's root class, so ``except InfinityError`` catches a bad nvme_path or a full disk too).
+InfinityError = OffloadError
 
 
 class ConfigError(InfinityError, ValueError):

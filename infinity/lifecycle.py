@@ -223,15 +223,7 @@ def _forget_in_child() -> None:
     _lock = threading.Lock()  # another parent thread may have held it at the fork
     _stores.clear()
     _owners.clear()
-    # The swap layer's exit hook would close the parent's engines from here on a normal exit
-    # of the child (sys.exit in a forked helper): it unlinks the parent's swap files and tears
-    # down the io_uring ring the child shares with the parent. Until the swap layer forgets
-    # them at fork itself, forget them for it.
-    try:
-        from swap import engine as engine_module
-        getattr(engine_module, "_open_engines", set()).clear()
-    except Exception:  # noqa: BLE001 - must never break a fork
-        pass
+    # The swap layer forgets the parent's engines in a forked child by itself.
     # The handler stays installed (it is the parent's disposition), but with no stores it only
     # chains or dies; _owner_pid still names the parent, so nothing of it is removed.
 

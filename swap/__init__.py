@@ -5,9 +5,10 @@ It knows bytes, not models, and imports nothing from ``infinity``.
 
 from swap.backends.base import IOBackend, IORequest, Op
 from swap.buffers import ALIGNMENT, BufferPool, HostBuffer, align_up
-from swap.engine import EngineSettings, SwapEngine
+from swap.engine import EngineSettings, SwapEngine, TransferFuture
 from swap.errors import (IntegrityError, NvmePathError, PoolExhaustedError, SwapConfigError,
                          SwapError, SwapIOError, SwapSpaceError, TransferTimeoutError)
+from swap.faults import FaultInjectingBackend
 from swap.files import Extent, SwapSpace
 from swap.probe import (BACKENDS, choose_backend, choose_backend_for, clear_probe_cache,
                          make_backend, probe_direct_io)
@@ -15,8 +16,8 @@ from swap.stats import EngineStats
 
 __all__ = [
     "ALIGNMENT", "BACKENDS", "BufferPool", "EngineSettings", "EngineStats", "Extent",
-    "HostBuffer", "IOBackend", "IORequest", "IntegrityError", "NvmePathError", "Op",
+    "FaultInjectingBackend", "HostBuffer", "IOBackend", "IORequest", "IntegrityError", "NvmePathError", "Op",
     "PoolExhaustedError", "SwapConfigError", "SwapEngine", "SwapError", "SwapIOError",
-    "SwapSpace", "SwapSpaceError", "TransferTimeoutError", "align_up", "choose_backend",
+    "SwapSpace", "SwapSpaceError", "TransferFuture", "TransferTimeoutError", "align_up", "choose_backend",
     "choose_backend_for", "clear_probe_cache", "make_backend", "probe_direct_io",
 ]

@@ -1,29 +1,36 @@
 """The swap engine: moves bytes between pool buffers and extents of swap files.
 
 A transfer (one extent range <-> one buffer range) is cut into requests of at most
-``block_size`` bytes that never cross a stripe unit. Requests wait in one queue per drive, and
-the engine keeps at most ``queue_depth`` of them in flight per drive (and never more than the
+``block_size`` bytes on a grid of ``block_size`` chunks starting at the extent's first byte, so a
+request never crosses a stripe unit or an integrity chunk. Requests wait in one queue per drive,
+and the engine keeps at most ``queue_depth`` of them in flight per drive (and never more than the
 backend's own queue depth) across all transfers. Each transfer returns a
 ``concurrent.futures.Future`` resolving to its logical byte count; ``read_sync``/``write_sync``
 are the blocking forms.
 
 Threads: requests complete on the backend's threads (the uring completion thread, the pool's
-workers), which only do bookkeeping and submit the next requests. Done-callbacks of the transfer
-futures run on one dispatcher thread of the engine, so a callback that blocks (``read_sync`` in
-a done-callback, a slow consumer) holds up other callbacks but never the I/O itself. A transfer
-future's ``result``/``exception``/``done`` read the transfer's own state, not the dispatcher's
-progress, so waiting on another transfer inside a callback works; only
-``concurrent.futures.wait``/``as_completed`` inside a callback would wait on the dispatcher.
+workers), which do bookkeeping, hash the chunk the request completed (see ``swap.integrity``)
+and submit the next requests. Done-callbacks of the transfer futures run on one dispatcher
+thread of the engine, so a callback that blocks (``read_sync`` in a done-callback, a slow
+consumer) holds up other callbacks but never the I/O itself. A transfer future's
+``result``/``exception``/``done`` read the transfer's own state, not the dispatcher's progress,
+so waiting on another transfer inside a callback works; only ``concurrent.futures.wait``/
+``as_completed`` inside a callback would wait on the dispatcher.
 
 Short transfers are continued from where they stopped (the kernel may return fewer bytes than
 asked); a read that returns 0 bytes means the file is shorter than the extent and fails. Any
 other error fails the transfer with a :class:`SwapIOError` that names file, offset and cause.
+
+Timeouts: a watchdog thread fails the transfer of any request in flight longer than
+``request_timeout`` with :class:`TransferTimeoutError`; the request's memory and file space are
+quarantined until it completes (``swap.timeouts``).
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
+import os
 import logging
 import queue
 import threading
@@ -31,103 +38,25 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from swap.backends.base import IOBackend, IORequest, Op
+from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op
 from swap.buffers import ALIGNMENT, HostBuffer, align_up
-from swap.errors import SwapConfigError, SwapIOError, TransferTimeoutError
-from swap.files import Extent, SwapFile, SwapSpace, check_directory
+from swap.errors import IntegrityError, SwapConfigError, SwapIOError, TransferTimeoutError
+from swap.files import Extent, SwapSpace, check_directory
+from swap.integrity import Chunk, Integrity
 from swap.probe import choose_backend_for, make_backend
+from swap.settings import EngineSettings
 from swap.stats import EngineStats, StatsRecorder
+from swap.timeouts import TimeoutsMixin
+from swap.transfer import Piece, Quarantined, Transfer, TransferFuture
 
 log = logging.getLogger(__name__)
 
+__all__ = ["EngineSettings", "SwapEngine", "TransferFuture"]
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """How the engine talks to the disk. Field names match the runtime's ``aio`` config.
-
-    ``close_timeout`` bounds how long ``close`` waits for transfers still queued or in flight
-    before failing them with :class:`TransferTimeoutError`."""
-    backend: str = "auto"
-    block_size: int = 1 << 20
-    queue_depth: int = 8
-    thread_count: int | None = None
-    file_size: int = 1 << 30
-    close_timeout: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "queue_depth", "file_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SwapConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.block_size % ALIGNMENT:
-            raise SwapConfigError(f"block_size must be a multiple of {ALIGNMENT}, got "
-                                  f"{self.block_size}")
-        if self.thread_count is not None and (not isinstance(self.thread_count, int)
-                                              or isinstance(self.thread_count, bool)
-                                              or self.thread_count < 1):
-            raise SwapConfigError(f"thread_count must be a positive integer, got "
-                                  f"{self.thread_count!r}")
-        if not isinstance(self.close_timeout, (int, float)) or isinstance(self.close_timeout, bool) \
-                or not self.close_timeout > 0:
-            raise SwapConfigError(f"close_timeout must be a positive number of seconds, got "
-                                  f"{self.close_timeout!r}")
-
-
-class _Transfer:
-    __slots__ = ("op", "future", "nbytes", "outstanding", "queued", "error", "buffer", "done",
-                 "event")
-
-    def __init__(self, op: Op, nbytes: int, buffer: HostBuffer) -> None:
-        self.op = op
-        self.future = TransferFuture(self)
-        self.future.set_running_or_notify_cancel()
-        self.nbytes = nbytes
-        self.outstanding = 0  # requests in flight
-        self.queued = 0  # requests waiting in a drive queue
-        self.error: BaseException | None = None
-        self.done = False
-        self.event = threading.Event()  # set with ``done``; what TransferFuture waits on
-        self.buffer = buffer  # keeps the memory alive while requests are in flight
-
-
-class TransferFuture(Future):
-    """The future of one transfer. Its outcome is known as soon as the last request completes,
-    before the dispatcher thread gets to run the done-callbacks: ``result``, ``exception`` and
-    ``done`` answer from that, so they never wait on the dispatcher (which may be running the
-    very callback that asks)."""
-
-    def __init__(self, transfer: "_Transfer") -> None:
-        super().__init__()
-        self._transfer = transfer
-
-    def done(self) -> bool:
-        return self._transfer.event.is_set() or super().done()
-
-    def result(self, timeout: float | None = None) -> int:
-        error = self.exception(timeout)
-        if error is not None:
-            raise error
-        return self._transfer.nbytes
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._transfer.event.wait(timeout):
-            # concurrent.futures' own TimeoutError: only an alias of the builtin from 3.11 on
-            raise FutureTimeoutError(f"the transfer did not finish within {timeout} s")
-        return self._transfer.error
-
-
-@dataclass(slots=True)
-class _Piece:
-    transfer: _Transfer
-    file: SwapFile
-    offset: int
-    address: int
-    length: int
+SIDECAR_NAME = "integrity.json"
 
 
 _STOP = object()
@@ -135,6 +64,16 @@ _STOP = object()
 # Engines not yet closed. Their threads keep them alive, so an engine its owner forgot to close
 # still gets closed (and its swap files, often GiBs, removed) when the interpreter exits.
 _open_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
+
+
+def _forget_engines_in_child() -> None:
+    """A forked child inherits the parent's engines (their fds and io_uring ring) but owns none
+    of them: closing them at its exit would unlink the parent's swap files and tear down the
+    ring the parent still uses."""
+    _open_engines.clear()
+
+
+os.register_at_fork(after_in_child=_forget_engines_in_child)
 
 
 @atexit.register
@@ -146,7 +85,7 @@ def _close_open_engines() -> None:
             log.exception("closing a swap engine at exit failed")
 
 
-class SwapEngine:
+class SwapEngine(TimeoutsMixin):
     """Swap files under ``paths`` plus a backend; see the module docstring."""
 
     def __init__(self, paths: Sequence[Path | str] | Path | str,
@@ -173,59 +112,90 @@ class SwapEngine:
         except BaseException:
             backend.close()
             raise
+        self._integrity = (Integrity(self.settings.block_size) if self.settings.verify_checksums
+                           else None)
         self._stats = StatsRecorder()
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
-        self._queues: list[deque[_Piece]] = [deque() for _ in roots]
+        self._queues: list[deque[Piece]] = [deque() for _ in roots]
         self._drive_inflight = [0] * len(roots)
+        self._drive_zombies = [0] * len(roots)  # requests in flight that timed out
         self._next_queue = 0  # round robin over the drive queues
         self._queued = 0
-        self._inflight = 0
-        self._active: set[_Transfer] = set()
+        self._inflight = 0  # requests in flight, zombies included: they hold backend slots
+        self._zombies = 0
+        self._hashing = 0  # chunks completed and being hashed: their transfers are not done
+        self._flying: set[Piece] = set()  # in flight and not timed out
+        self._quarantine: dict[Piece, Quarantined] = {}
+        self._extent_zombies: dict[int, int] = {}  # extent serial -> zombie requests on it
+        self._deferred_free: dict[int, Extent] = {}  # freed while a zombie may still write it
+        self._active: set[Transfer] = set()
         self._local = threading.local()
         self._closed = False
         self._resolve: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._dispatcher = threading.Thread(target=self._dispatch, name="swap-callbacks",
                                             daemon=True)
         self._dispatcher.start()
+        self._start_watchdog()
         _open_engines.add(self)
-        log.info("swap engine: backend=%s block_size=%d queue_depth=%d dirs=%s", backend.name,
-                 self.settings.block_size, self.settings.queue_depth,
-                 [str(d) for d in self.space.run_dirs])
+        log.info("swap engine: backend=%s block_size=%d queue_depth=%d dirs=%s verify=%s "
+                 "request_timeout=%s", backend.name, self.settings.block_size,
+                 self.settings.queue_depth, [str(d) for d in self.space.run_dirs],
+                 self.settings.verify_checksums, self.settings.request_timeout)
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> Extent:
         return self.space.allocate(nbytes)
 
     def free(self, extent: Extent) -> None:
-        self.space.free(extent)
+        """Returns the extent's space. While a timed-out request may still write into it, the
+        space is held back (and freed when that request completes, or with the files)."""
+        with self._lock:
+            if extent.serial in self._deferred_free:
+                raise ValueError(f"double free: extent #{extent.serial} was freed already")
+            if self._extent_zombies.get(extent.serial):
+                self._deferred_free[extent.serial] = extent
+                log.warning("extent #%d freed while a request that timed out may still write to "
+                            "it; its space is held back until that request completes",
+                            extent.serial)
+                extent = None
+        if extent is not None:
+            self.space.free(extent)
+        if self._integrity is not None and extent is not None:
+            self._integrity.forget(extent)
 
     # -- transfers --------------------------------------------------------------------------
     def write(self, extent: Extent, buffer: HostBuffer, *, nbytes: int | None = None,
-              extent_offset: int = 0, buffer_offset: int = 0) -> TransferFuture:
+              extent_offset: int = 0, buffer_offset: int = 0,
+              tag: Any = None) -> TransferFuture:
         """Writes ``nbytes`` from ``buffer[buffer_offset:]`` to ``extent[extent_offset:]``.
 
         Direct I/O moves whole 4096-byte blocks, so a write whose ``nbytes`` is not a multiple
         of 4096 writes zeros after it up to the block end, and zeroes those buffer bytes to say
-        so; it must therefore end at the extent's end, where those bytes are padding."""
-        return self._start(Op.WRITE, extent, buffer, nbytes, extent_offset, buffer_offset).future
+        so; it must therefore end at the extent's end, where those bytes are padding. ``tag``
+        (short, JSON-able) names what the bytes are; reads may ask for it back."""
+        return self._start(Op.WRITE, extent, buffer, nbytes, extent_offset, buffer_offset,
+                           tag).future
 
     def read(self, extent: Extent, buffer: HostBuffer, *, nbytes: int | None = None,
-             extent_offset: int = 0, buffer_offset: int = 0) -> TransferFuture:
+             extent_offset: int = 0, buffer_offset: int = 0, tag: Any = None) -> TransferFuture:
         """Reads ``nbytes`` of ``extent[extent_offset:]`` into ``buffer[buffer_offset:]``.
 
         The buffer must have room for ``nbytes`` rounded up to 4096; bytes past ``nbytes`` in
-        that rounded span are overwritten with what the extent holds there."""
-        return self._start(Op.READ, extent, buffer, nbytes, extent_offset, buffer_offset).future
+        that rounded span are overwritten with what the extent holds there. With verification
+        on, the future fails with :class:`IntegrityError` unless the bytes are those last
+        written there, and (given ``tag``) that write had this tag."""
+        return self._start(Op.READ, extent, buffer, nbytes, extent_offset, buffer_offset,
+                           tag).future
 
-    def write_sync(self, extent: Extent, buffer: HostBuffer, **kwargs: int) -> int:
+    def write_sync(self, extent: Extent, buffer: HostBuffer, **kwargs: Any) -> int:
         return self._start(Op.WRITE, extent, buffer, **_range(kwargs)).future.result()
 
-    def read_sync(self, extent: Extent, buffer: HostBuffer, **kwargs: int) -> int:
+    def read_sync(self, extent: Extent, buffer: HostBuffer, **kwargs: Any) -> int:
         return self._start(Op.READ, extent, buffer, **_range(kwargs)).future.result()
 
     def _start(self, op: Op, extent: Extent, buffer: HostBuffer, nbytes: int | None = None,
-               extent_offset: int = 0, buffer_offset: int = 0) -> _Transfer:
+               extent_offset: int = 0, buffer_offset: int = 0, tag: Any = None) -> Transfer:
         if nbytes is None:
             nbytes = extent.nbytes - extent_offset
         if extent_offset % ALIGNMENT or buffer_offset % ALIGNMENT or buffer_offset < 0:
@@ -235,6 +205,8 @@ class SwapEngine:
             raise ValueError(f"range [{extent_offset}, {extent_offset + nbytes}) is outside the "
                              f"extent's {extent.nbytes} bytes")
         self.space.check_extent(extent)
+        if extent.serial in self._deferred_free:
+            raise ValueError(f"extent #{extent.serial} ({extent.nbytes} bytes) was freed")
         padded = align_up(nbytes)
         if buffer_offset + padded > buffer.nbytes:
             raise ValueError(f"{op.value} of {nbytes} bytes (padded to {padded}) at buffer offset "
@@ -246,29 +218,59 @@ class SwapEngine:
                                  f"block padding would overwrite the bytes after it")
             # Deterministic padding: the file holds exactly what was written, then zeros.
             buffer.array[buffer_offset + nbytes:buffer_offset + padded] = 0
-        transfer = _Transfer(op, nbytes, buffer)
-        pieces = []
-        block = self.settings.block_size
-        base = buffer.address + buffer_offset
-        for file, file_offset, ext_offset, length in extent.locate(extent_offset, padded):
-            address = base + (ext_offset - extent_offset)
-            for start in range(0, length, block):
-                pieces.append(_Piece(transfer, file, file_offset + start, address + start,
-                                     min(block, length - start)))
+        check, refused = None, None
+        if self._integrity is not None:
+            try:
+                check = self._integrity.begin(op is Op.WRITE, extent, extent_offset,
+                                              extent_offset + padded, tag)
+            except IntegrityError as exc:  # the read cannot return what it asks for: no I/O
+                refused = exc
+        transfer = Transfer(op, nbytes, buffer, extent, check)
+        pieces = [] if refused else self._pieces(transfer, extent, extent_offset, buffer_offset,
+                                                 padded)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the swap engine is closed")
             # Under the engine lock, so no other thread can finish it before it has started.
             self._stats.transfer_started(op.value)
             self._active.add(transfer)
+            if refused is not None:
+                transfer.error = refused
+                self._stats.note_error()
             transfer.queued = len(pieces)
             self._queued += len(pieces)
             for piece in pieces:
                 self._queues[piece.file.drive].append(piece)
-            if not pieces:  # nbytes == 0
+            if not pieces:  # nbytes == 0, or refused
                 self._finish_locked(transfer)
+            if self._zombies:
+                self._fail_stalled_locked()
         self._pump()
         return transfer
+
+    def _pieces(self, transfer: Transfer, extent: Extent, extent_offset: int,
+                buffer_offset: int, padded: int) -> list[Piece]:
+        """Requests of at most block_size bytes, cut on the block_size grid of the extent (the
+        integrity chunks); each is tagged with the chunk it covers entirely, if any."""
+        block = self.settings.block_size
+        base = transfer.buffer.address
+        check = transfer.check
+        pieces = []
+        for file, file_offset, ext_offset, length in extent.locate(extent_offset, padded):
+            done = 0
+            while done < length:
+                at = ext_offset + done
+                take = min(block - at % block, length - done)
+                chunk = None
+                if check is not None and check.first <= at // block < check.stop:
+                    index = at // block
+                    chunk = Chunk(index, buffer_offset + (at - extent_offset),
+                                  min(block, extent.nbytes - index * block), file.path,
+                                  file_offset + done)
+                pieces.append(Piece(transfer, file, file_offset + done,
+                                    base + buffer_offset + (at - extent_offset), take, chunk))
+                done += take
+        return pieces
 
     def _pump(self) -> None:
         # A completion that arrives while this thread is already pumping (a backend that finished
@@ -300,6 +302,8 @@ class SwapEngine:
                 self._inflight += 1
                 self._drive_inflight[piece.file.drive] += 1
                 transfer.outstanding += 1
+                piece.started = time.monotonic()
+                self._flying.add(piece)
             self._stats.request_submitted(transfer.op.value)
             request = IORequest(transfer.op, piece.file.fd, piece.offset, piece.address,
                                 piece.length)
@@ -310,7 +314,7 @@ class SwapEngine:
                 continue
             future.add_done_callback(lambda f, p=piece: self._on_done(p, f, None))
 
-    def _take_locked(self) -> _Piece | None:
+    def _take_locked(self) -> Piece | None:
         """The next request to submit: round robin over drives with a free queue slot."""
         if self._inflight >= self.window:
             return None
@@ -322,7 +326,7 @@ class SwapEngine:
                 return self._queues[drive].popleft()
         return None
 
-    def _on_done(self, piece: _Piece, future: "Future[int] | None",
+    def _on_done(self, piece: Piece, future: "Future[int] | None",
                  error: BaseException | None) -> None:
         transfer = piece.transfer
         result = 0
@@ -342,32 +346,71 @@ class SwapEngine:
                           if transfer.op is Op.READ and result == 0
                           else f"the kernel moved {result} of {piece.length} bytes")
             else:
-                requeue = _Piece(transfer, piece.file, piece.offset + result,
-                                 piece.address + result, piece.length - result)
+                requeue = Piece(transfer, piece.file, piece.offset + result,
+                                piece.address + result, piece.length - result, piece.chunk)
+        elif error is None and piece.chunk is not None and transfer.error is None:
+            if self._hash_chunk(piece):
+                return
         elif error is not None and not getattr(error, "errno", 0):
             detail = f"{type(error).__name__}: {error}"
         self._stats.request_done()
         with self._lock:
             self._inflight -= 1
             self._drive_inflight[piece.file.drive] -= 1
-            transfer.outstanding -= 1
-            if requeue is not None:
-                # The rest goes first in its drive's queue: the transfer is already under way.
-                self._stats.note_retry()
-                transfer.queued += 1
-                self._queued += 1
-                self._queues[piece.file.drive].appendleft(requeue)
-            elif error is not None and transfer.error is None and not transfer.done:
-                err = getattr(error, "errno", 0) or 0
-                transfer.error = SwapIOError(transfer.op.value, piece.file.path, piece.offset,
-                                             piece.length, err, detail)
-                transfer.error.__cause__ = error
-                self._stats.note_error()
-            self._finish_locked(transfer)
+            if piece.timed_out:
+                self._zombie_done_locked(piece, error)
+            else:
+                self._flying.discard(piece)
+                if isinstance(error, BackendAbandonedError):
+                    self._abandon_locked(piece)
+                transfer.outstanding -= 1
+                if requeue is not None:
+                    # The rest goes first in its drive's queue: the transfer is under way.
+                    self._stats.note_retry()
+                    transfer.queued += 1
+                    self._queued += 1
+                    self._queues[piece.file.drive].appendleft(requeue)
+                elif error is not None and transfer.error is None and not transfer.done:
+                    err = getattr(error, "errno", 0) or 0
+                    transfer.error = SwapIOError(transfer.op.value, piece.file.path, piece.offset,
+                                                 piece.length, err, detail)
+                    transfer.error.__cause__ = error
+                    self._stats.note_error()
+                self._finish_locked(transfer)
             self._notify_if_drained_locked()
         self._pump()
 
-    def _finish_locked(self, transfer: _Transfer) -> None:
+    def _hash_chunk(self, piece: Piece) -> bool:
+        """The request completed its integrity chunk. Frees its slot and submits the next request
+        first, then hashes the chunk on this (completion) thread before the transfer can
+        resolve: hashing overlaps the requests in flight instead of delaying them, and never
+        runs on the caller's thread. False if the request timed out meanwhile."""
+        transfer = piece.transfer
+        with self._lock:
+            if piece.timed_out:
+                return False
+            self._flying.discard(piece)
+            self._inflight -= 1
+            self._drive_inflight[piece.file.drive] -= 1
+            self._hashing += 1  # close waits for these: the transfer is not finished yet
+        self._stats.request_done()
+        self._pump()
+        try:
+            failure = self._integrity.chunk_done(transfer.check, piece.chunk,
+                                                 transfer.buffer.array)
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the transfer, not strand it
+            failure = exc
+        with self._lock:
+            self._hashing -= 1
+            transfer.outstanding -= 1
+            if failure is not None and transfer.error is None and not transfer.done:
+                transfer.error = failure
+                self._stats.note_error()
+            self._finish_locked(transfer)
+            self._notify_if_drained_locked()
+        return True
+
+    def _finish_locked(self, transfer: Transfer) -> None:
         """Once nothing of the transfer remains queued or in flight, marks it done and hands its
         future to the dispatcher: the future's callbacks may block or start new transfers, which
         must happen neither under this lock nor on a backend thread."""
@@ -375,12 +418,17 @@ class SwapEngine:
             return
         transfer.done = True
         self._active.discard(transfer)
+        if transfer.check is not None and transfer.check.write:
+            if transfer.error is None:
+                self._integrity.commit(transfer.check)
+            else:
+                self._integrity.write_failed(transfer.check, transfer.error)
         self._stats.transfer_finished(transfer.op.value, 0 if transfer.error else transfer.nbytes)
         transfer.event.set()
         self._resolve.put(transfer)
 
     def _notify_if_drained_locked(self) -> None:
-        if not self._inflight and not self._queued:
+        if self._inflight == self._zombies and not self._queued and not self._hashing:
             self._drained.notify_all()
 
     def _dispatch(self) -> None:
@@ -388,16 +436,23 @@ class SwapEngine:
             item = self._resolve.get()
             if item is _STOP:
                 return
-            transfer: _Transfer = item  # type: ignore[assignment]
+            transfer: Transfer = item  # type: ignore[assignment]
             # Future runs (and logs the failures of) its callbacks itself; nothing escapes here.
             if transfer.error is not None:
                 Future.set_exception(transfer.future, transfer.error)
             else:
                 Future.set_result(transfer.future, transfer.nbytes)
 
+    # -- timeouts and quarantine ------------------------------------------------------------
     # -- reporting and teardown -------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return self._stats.snapshot(self.backend.counters.thread_cpu_seconds)
+        integrity = self._integrity
+        with self._lock:
+            quarantined = len(self._quarantine)
+        return self._stats.snapshot(
+            self.backend.counters.thread_cpu_seconds,
+            checksum_seconds=integrity.seconds if integrity else 0.0,
+            integrity_errors=integrity.errors if integrity else 0, quarantined=quarantined)
 
     @property
     def backend_name(self) -> str:
@@ -406,31 +461,45 @@ class SwapEngine:
     def close(self) -> None:
         """Waits (at most ``settings.close_timeout``) for transfers under way, fails whatever is
         left with :class:`TransferTimeoutError`, then closes the backend and removes the files
-        (unless ``keep_files``). New transfers are refused from the moment close starts."""
+        (unless ``keep_files``: then the integrity records are written next to them as
+        ``integrity.json``). New transfers are refused from the moment close starts. Requests
+        that already timed out are not waited for."""
         deadline = time.monotonic() + self.settings.close_timeout
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             _open_engines.discard(self)
-            while self._inflight or self._queued:
+            while self._inflight - self._zombies or self._queued or self._hashing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._drained.wait(remaining)
-            if self._inflight or self._queued:
+            if self._inflight - self._zombies or self._queued:
                 log.error("swap engine: closing with %d request(s) in flight and %d queued after "
-                          "%.3g s; their transfers fail", self._inflight, self._queued,
-                          self.settings.close_timeout)
+                          "%.3g s; their transfers fail", self._inflight - self._zombies,
+                          self._queued, self.settings.close_timeout)
                 for drive_queue in self._queues:
                     drive_queue.clear()
                 self._queued = 0
                 self._fail_active_locked()
+            self._stop_watchdog_locked()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(5.0)
         self.backend.close()
         with self._lock:
             # A backend that never resolves a request (closed or not) must not leave a transfer
-            # pending forever.
+            # pending forever, nor its memory unreferenced while the kernel may still use it.
+            for piece in list(self._flying) + list(self._quarantine):
+                self._abandon_locked(piece)
+            self._flying.clear()
             self._fail_active_locked()
+        if self.keep_files and self._integrity is not None:
+            for run_dir in self.space.run_dirs:
+                try:
+                    self._integrity.write_sidecar(run_dir / SIDECAR_NAME)
+                except OSError as exc:
+                    log.warning("could not write the integrity sidecar in %s: %s", run_dir, exc)
         self.space.close(keep=self.keep_files)
         self._resolve.put(_STOP)
         if self._dispatcher is not threading.current_thread():
@@ -454,9 +523,9 @@ class SwapEngine:
         self.close()
 
 
-def _range(kwargs: dict[str, int]) -> dict[str, int]:
+def _range(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of the sync forms, checked like the async forms check theirs."""
-    unknown = set(kwargs) - {"nbytes", "extent_offset", "buffer_offset"}
+    unknown = set(kwargs) - {"nbytes", "extent_offset", "buffer_offset", "tag"}
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     return kwargs

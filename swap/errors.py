@@ -11,7 +11,13 @@ import os
 from pathlib import Path
 
 
-class SwapError(Exception):
+class OffloadError(Exception):
+    """Root of every error this project raises, swap layer and runtime alike. It lives here,
+    at the bottom of the dependency chain, so ``infinity.InfinityError`` (which is this class)
+    also catches a bad nvme_path or a full disk while swap/ imports nothing from infinity/."""
+
+
+class SwapError(OffloadError):
     """Base class of every error the swap layer raises."""
 
 
@@ -68,11 +74,36 @@ class SwapIOError(SwapError, OSError):
 
 
 class IntegrityError(SwapError):
-    """Bytes read back from a swap file are not the bytes that were written there."""
+    """Bytes read back from a swap file are not the bytes that were written there.
+
+    ``path``/``offset`` locate the first bad chunk on disk, ``extent`` is the extent's serial,
+    ``expected`` the identity (tag) the read asked for, ``found`` what the bytes turned out to be
+    (another extent's or version's bytes, zeros, or nothing known)."""
+
+    def __init__(self, message: str, *, path: Path | str | None = None, offset: int | None = None,
+                 extent: int | None = None, expected: object = None,
+                 found: str | None = None) -> None:
+        super().__init__(message)
+        self.path = Path(path) if path is not None else None
+        self.offset = offset
+        self.extent = extent
+        self.expected = expected
+        self.found = found
 
 
 class TransferTimeoutError(SwapError, TimeoutError):
-    """A request did not complete within the configured timeout."""
+    """A request did not complete within the configured timeout (``request_timeout`` while the
+    engine runs, ``close_timeout`` when it closes). ``path``/``offset``/``timeout`` are set when
+    one request is to blame; ``quarantine`` (a ``swap.transfer.Quarantined``) then says which
+    buffer range the kernel may still write, and its ``released`` event when it no longer can."""
+
+    def __init__(self, message: str, *, path: Path | str | None = None, offset: int | None = None,
+                 timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.path = Path(path) if path is not None else None
+        self.offset = offset
+        self.timeout = timeout
+        self.quarantine: object | None = None
 
 
 _HINTS = {

@@ -23,6 +23,14 @@ class EngineStats:
     cpu_seconds: float = 0.0
     errors: int = 0
     retries: int = 0
+    #: requests that exceeded request_timeout
+    timeouts: int = 0
+    #: reads whose bytes failed verification (or were refused: wrong tag, failed write)
+    integrity_errors: int = 0
+    #: thread seconds spent hashing chunks (write checksums and read verification)
+    checksum_seconds: float = 0.0
+    #: requests that timed out and have not completed: their buffer ranges must stay unused
+    quarantined: int = 0
 
     @property
     def read_gbps(self) -> float:
@@ -75,6 +83,7 @@ class StatsRecorder:
         self.inflight_peak = 0
         self.errors = 0
         self.retries = 0
+        self.timeouts = 0
 
     def transfer_started(self, op: str) -> None:
         with self.lock:
@@ -104,7 +113,12 @@ class StatsRecorder:
         with self.lock:
             self.errors += 1
 
-    def snapshot(self, cpu_seconds: float) -> EngineStats:
+    def note_timeout(self) -> None:
+        with self.lock:
+            self.timeouts += 1
+
+    def snapshot(self, cpu_seconds: float, *, checksum_seconds: float = 0.0,
+                 integrity_errors: int = 0, quarantined: int = 0) -> EngineStats:
         with self.lock:
             now = time.perf_counter()
             return EngineStats(
@@ -114,4 +128,5 @@ class StatsRecorder:
                 read_requests=self.requests["read"], write_requests=self.requests["write"],
                 read_transfers=self.transfers["read"], write_transfers=self.transfers["write"],
                 inflight_peak=self.inflight_peak, cpu_seconds=cpu_seconds, errors=self.errors,
-                retries=self.retries)
+                retries=self.retries, timeouts=self.timeouts, integrity_errors=integrity_errors,
+                checksum_seconds=checksum_seconds, quarantined=quarantined)

@@ -176,6 +176,10 @@ def test_engine_close_is_bounded_when_a_request_never_completes(tmp_path, make_e
         target=lambda: waiter_error.append(pytest.raises(TransferTimeoutError, engine.read_sync,
                                                          extent, buffers[1])))
     waiter.start()
+    deadline = time.monotonic() + 5
+    while len(fake.requests) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)  # close only once the waiter's read is in flight, not before it starts
+    assert len(fake.requests) == 2
     started = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="swap.engine"):
         engine.close()

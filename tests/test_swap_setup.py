@@ -18,6 +18,7 @@ import swap.probe
 from swap import (ALIGNMENT, BufferPool, EngineSettings, NvmePathError, SwapConfigError,
                   SwapEngine, SwapSpace, SwapSpaceError, choose_backend, choose_backend_for)
 from swap.files import RUN_DIR_PREFIX
+from swap.integrity import verify_sidecar
 from tests.conftest import contents, fill, fs_type, random_bytes
 
 REFUSED = "the file system refuses O_DIRECT (faked by the test)"
@@ -208,6 +209,10 @@ def test_keep_files_keeps_them_with_the_data(tmp_path, pool):
     with open(path, "rb") as handle:
         handle.seek(offset)
         assert handle.read(9000) == data.numpy().tobytes()
+    # the checksums and tags of what the kept files hold lie next to them, as JSON
+    sidecar = path.parent / "integrity.json"
+    assert verify_sidecar(sidecar) == []
+    sidecar.unlink()
     path.unlink()
     path.parent.rmdir()
 

@@ -39,6 +39,12 @@ def memory_at(address: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
 
+class BackendAbandonedError(TimeoutError):
+    """The outcome a backend gives a request it stopped waiting for at close (a stuck system
+    call, a ring torn down around it). The request may still run and move bytes into or out of
+    its memory later, so whoever owns that memory must keep it alive and unused."""
+
+
 @dataclass
 class BackendCounters:
     """CPU time spent in threads the backend owns (completion or worker threads)."""

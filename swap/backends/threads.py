@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 
-from swap.backends.base import IOBackend, IORequest, Op, memory_at
+from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ class ThreadBackend(IOBackend):
                       "them (their buffers may still be written to)", self.name, len(stuck),
                       self.close_timeout)
             for future in stuck:
-                _resolve(future, None, TimeoutError(f"the {self.name} backend was closed while "
-                                                    f"this request was in flight"))
+                _resolve(future, None, BackendAbandonedError(
+                    f"the {self.name} backend was closed while this request was in flight"))
             return
         for thread in self._threads:
             if thread is not threading.current_thread():

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 
-from swap.backends.base import IOBackend, IORequest, Op, memory_at
+from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class UringBackend(IOBackend):
                       "ring without them (their buffers may still be written to)", len(stuck),
                       self.close_timeout)
             for future, request, _ in stuck.values():
-                _resolve(future, 0, TimeoutError(
+                _resolve(future, 0, BackendAbandonedError(
                     f"the uring backend was closed while a {request.op.value} of "
                     f"{request.length} bytes at offset {request.offset} was in flight"))
         os.eventfd_write(self._eventfd, 1)

@@ -1,0 +1,53 @@
+"""The engine's settings. Field names match the runtime's ``aio`` config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swap.buffers import ALIGNMENT
+from swap.errors import SwapConfigError
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine talks to the disk. Field names match the runtime's ``aio`` config.
+
+    ``close_timeout`` bounds how long ``close`` waits for transfers still queued or in flight
+    before failing them with :class:`TransferTimeoutError`. ``request_timeout`` fails the
+    transfer of a request in flight longer than that (None: wait forever).
+    ``verify_checksums`` records a checksum of every chunk written and verifies reads against
+    it (``swap.integrity``); off, no checksum work is done and tags are ignored."""
+    backend: str = "auto"
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    thread_count: int | None = None
+    file_size: int = 1 << 30
+    close_timeout: float = 60.0
+    request_timeout: float | None = 60.0
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "queue_depth", "file_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SwapConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size % ALIGNMENT:
+            raise SwapConfigError(f"block_size must be a multiple of {ALIGNMENT}, got "
+                                  f"{self.block_size}")
+        if self.thread_count is not None and (not isinstance(self.thread_count, int)
+                                              or isinstance(self.thread_count, bool)
+                                              or self.thread_count < 1):
+            raise SwapConfigError(f"thread_count must be a positive integer, got "
+                                  f"{self.thread_count!r}")
+        for name in ("close_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if name == "request_timeout" and value is None:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise SwapConfigError(f"{name} must be a positive number of seconds"
+                                      f"{' or None' if name == 'request_timeout' else ''}, got "
+                                      f"{value!r}")
+        if not isinstance(self.verify_checksums, bool):
+            raise SwapConfigError(f"verify_checksums must be true or false, got "
+                                  f"{self.verify_checksums!r}")
+

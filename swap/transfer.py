@@ -1,0 +1,102 @@
+"""The engine's bookkeeping objects: transfers, their futures, requests and quarantine records."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swap.backends.base import Op
+from swap.buffers import HostBuffer
+from swap.files import Extent, SwapFile
+from swap.integrity import Chunk, TransferCheck
+
+
+class Transfer:
+    __slots__ = ("op", "future", "nbytes", "outstanding", "queued", "error", "buffer", "done",
+                 "event", "extent", "check")
+
+    def __init__(self, op: Op, nbytes: int, buffer: HostBuffer, extent: Extent,
+                 check: TransferCheck | None) -> None:
+        self.op = op
+        self.future = TransferFuture(self)
+        self.future.set_running_or_notify_cancel()
+        self.nbytes = nbytes
+        self.outstanding = 0  # requests in flight (not counting ones that timed out)
+        self.queued = 0  # requests waiting in a drive queue
+        self.error: BaseException | None = None
+        self.done = False
+        self.event = threading.Event()  # set with ``done``; what TransferFuture waits on
+        self.buffer = buffer  # keeps the memory alive while requests are in flight
+        self.extent = extent
+        self.check = check  # integrity: checksums to record (write) or verify (read)
+
+
+class TransferFuture(Future):
+    """The future of one transfer. Its outcome is known as soon as the last request completes,
+    before the dispatcher thread gets to run the done-callbacks: ``result``, ``exception`` and
+    ``done`` answer from that, so they never wait on the dispatcher (which may be running the
+    very callback that asks)."""
+
+    def __init__(self, transfer: Transfer) -> None:
+        super().__init__()
+        self._transfer = transfer
+
+    def done(self) -> bool:
+        return self._transfer.event.is_set() or super().done()
+
+    def result(self, timeout: float | None = None) -> int:
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._transfer.nbytes
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._transfer.event.wait(timeout):
+            # concurrent.futures' own TimeoutError: only an alias of the builtin from 3.11 on
+            raise FutureTimeoutError(f"the transfer did not finish within {timeout} s")
+        return self._transfer.error
+
+
+@dataclass(slots=True, eq=False)  # identity hashing: pieces live in sets
+class Piece:
+    """One request: at most block_size bytes inside one integrity chunk and one stripe unit."""
+    transfer: Transfer
+    file: SwapFile
+    offset: int
+    address: int
+    length: int
+    chunk: Chunk | None = None  # the chunk this request completes, when it covers one entirely
+    started: float = 0.0  # monotonic time of the submit
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """Memory and file space a request that timed out may still be using.
+
+    The kernel can complete such a request at any time: a read then writes into ``buffer``
+    bytes [buffer_start, buffer_end), a write stores whatever those bytes hold then into
+    ``path`` at ``offset``. The engine keeps a reference to the buffer (so its memory is never
+    unmapped under the kernel) and keeps the extent's space from being handed to another extent
+    until the request completes; the caller must not put other data in that buffer range."""
+    op: str
+    path: Path
+    offset: int
+    length: int
+    extent: int
+    buffer: HostBuffer = field(repr=False)
+    buffer_start: int = 0
+    buffer_end: int = 0
+    since: float = field(default_factory=time.monotonic)
+    #: set once the request has completed and the memory and space may be reused; never set
+    #: for a request the backend abandoned at close
+    released: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+
+    def describe(self) -> str:
+        return (f"{self.op} of {self.length} bytes at offset {self.offset} in {self.path} "
+                f"(extent #{self.extent}, buffer #{self.buffer.index} bytes "
+                f"[{self.buffer_start}, {self.buffer_end}))")
