@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-full venv clean
+.PHONY: demo test bench bench-full bench-scale soak venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Speed and memory targets are checked here, against baselines measured in the same run (fio,
+# plain PyTorch), never by timed assertions in the tests.
 bench: $(STAMP)
 	$(PY) -m tools.bench --quick
+	$(PY) -m tools.bench_overlap --repeats 1
+	$(PY) -m tools.bench_step --layers 12 --host-budget 256MiB --buffer-size 16MiB
 
 bench-full: $(STAMP)
 	$(PY) -m tools.bench
+	$(PY) -m tools.bench_overlap
+	$(PY) -m tools.bench_step
+
+# Long: moves tens of GB through the disk (a 500M-parameter model under a 2 GiB host budget).
+bench-scale: $(STAMP)
+	$(PY) -m tools.bench_scale
+
+soak: $(STAMP)
+	$(PY) -m tools.soak --minutes 10
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
