@@ -9,6 +9,29 @@ Room is made on demand: before a host slot or a device copy is taken, the evicti
 the candidates and the furthest-needed ones are dropped (clean host copies) or written back first
 (dirty ones). Prefetch may only evict what is needed later than the thing it fetches, so it never
 pushes out what the next module needs and never over-commits the arena.
+
+Failed transfers never leave a shard without a valid copy:
+
+* a failed write leaves the shard ``HOST`` (dirty): its host copy stays the only valid one and is
+  never dropped until a write of it completes. The write is re-issued up to ``max_retries``
+  times at once; after that the shard stays dirty and the error is raised by whatever needs the
+  shard clean (eviction that finds no other room, ``flush``);
+* a failed read leaves the shard ``NVME`` (its NVMe copy is still the valid one). The demand
+  path (:meth:`Placement.ensure_host`) reads it again up to ``max_retries`` times and then raises
+  the error, which names file, offset and cause (``SwapIOError``, ``TransferTimeoutError``,
+  ``IntegrityError``). A failed prefetch is not an error by itself;
+* a read that timed out may still be completed by the kernel later, writing into its arena
+  slot: that slot is quarantined (left allocated, counted in ``quarantined_bytes``) until the
+  engine reports the request finished, and the retry reads into another slot. A write that
+  timed out may still land later, so its retry goes to a fresh extent (the engine holds the old
+  one's space back until then).
+
+Every NVMe transfer carries the tag ``[shard id, version]``, so with ``verify_checksums`` a read
+returns exactly the bytes of the version last written for that shard or fails naming what it
+found instead (a flipped byte, a stale or swapped extent).
+
+Thread safety: everything here belongs to the training thread. Only the counters (plain ints)
+and the tiers' usage are read from other threads (``TieredStore.stats()``).
 """
 
 from __future__ import annotations
@@ -26,9 +49,25 @@ from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
 from infinity.trace import Event, TraceFollower
-from swap import SwapEngine
+from swap import SwapEngine, SwapError, align_up
 
 log = logging.getLogger(__name__)
+
+#: re-issues of a failed transfer before its error surfaces: a single EIO, timeout or bad read
+#: must not abort training, while a persistent fault still surfaces after a bounded delay
+MAX_RETRIES = 2
+
+
+def _retryable(error: BaseException) -> bool:
+    """Errors of the I/O itself (swap errors and OS errors); anything else is a bug or misuse
+    (an engine closed under the store, a bad range) and is raised as it is."""
+    return isinstance(error, (SwapError, OSError))
+
+
+def _tag(shard: Shard) -> list:
+    """The identity a shard's bytes are written and read under: a read of another shard's or
+    another version's bytes fails verification instead of being trained on."""
+    return [shard.id, shard.version]
 
 _TO_DEVICE = {R.HOST: R.DEVICE_HOST, R.HOST_NVME: R.DEVICE_HOST_NVME}
 _FROM_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE_NVME: R.NVME}
@@ -72,6 +111,18 @@ class Placement:
         self.prefetch_bytes: int | None = None
         #: write updated shards back right after the step (else only when evicted)
         self.write_behind = True
+        #: attempts of a transfer after its first failure (see the module docstring)
+        self.max_retries = MAX_RETRIES
+        #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
+        #: for good (after the retries)
+        self.io_errors = 0
+        self.io_retries = 0
+        self.io_recoveries = 0
+        self.io_failures = 0
+        #: shard -> failed attempts of its current transfer
+        self._failed: dict[Shard, int] = {}
+        #: arena ranges (offset, nbytes, shard id) a timed-out read may still write into
+        self.quarantine: list[tuple[int, int, str]] = []
 
     @property
     def nvme(self) -> bool:
@@ -94,54 +145,179 @@ class Placement:
                 self.registry.set_state(shard, R.HOST)
 
     # -- reaping NVMe completions -----------------------------------------------------------
-    def reap(self, shard: Shard, wait: bool = False) -> None:
-        future = shard.pending
-        if future is None:
-            return
-        if not future.done():
-            if not wait:
-                return
-            started = time.perf_counter()
-            # A real-length torch.profiler range while recording (a no-op otherwise).
-            with self.timeline.profile_range("infinity::stall", shard.id):
-                try:
-                    future.result()
-                except Exception:
-                    pass  # handled below
-                ended = time.perf_counter()
-                self.timeline.stall(shard.io_record, shard.id, started, ended)
-            self.stall_seconds += ended - started
-        shard.pending = None
-        error = future.exception()
-        if shard.state is R.NVME_LOADING:
-            if error is not None:
-                self._free_slot(shard)
-                self.registry.set_state(shard, R.NVME)
-                raise error
-            self.registry.set_state(shard, R.HOST_NVME)
-        elif shard.state is R.HOST_STORING:
-            if error is not None:
-                self.registry.set_state(shard, R.HOST)  # host copy stays the valid one
-                raise error
-            self.registry.set_state(shard, R.HOST_NVME)
+    def reap(self, shard: Shard, wait: bool = False) -> BaseException | None:
+        """Applies the outcome of ``shard``'s transfer to its state, once it has finished (with
+        ``wait``: waits for it, and for the retries of a failed write).
 
-    def drain(self) -> None:
-        """Waits for every transfer in flight (before a checkpoint, at close)."""
+        Raises only if the engine refuses a retry (closed): every outcome leaves a legal state
+        with a valid copy. A failed write is re-issued (up to ``max_retries``) and otherwise
+        leaves the shard ``HOST`` (dirty); a failed read leaves it ``NVME`` (``ensure_host``
+        reads it again). Returns the error of a transfer that failed and was not re-issued
+        here, else None."""
+        while True:
+            future = shard.pending
+            if future is None:
+                return None
+            if not future.done():
+                if not wait:
+                    return None
+                started = time.perf_counter()
+                # A real-length torch.profiler range while recording (a no-op otherwise).
+                with self.timeline.profile_range("infinity::stall", shard.id):
+                    try:
+                        future.result()
+                    except Exception:  # noqa: BLE001 - handled below
+                        pass
+                    ended = time.perf_counter()
+                    self.timeline.stall(shard.io_record, shard.id, started, ended)
+                self.stall_seconds += ended - started
+            shard.pending = None
+            error = future.exception()
+            if shard.state is R.NVME_LOADING:
+                if error is None:
+                    self.registry.set_state(shard, R.HOST_NVME)
+                    self._succeeded(shard, "read")
+                    return None
+                self._read_failed(shard, error)
+                return error
+            if shard.state is not R.HOST_STORING:  # pragma: no cover - a bookkeeping bug
+                raise RuntimeError(f"{shard} had a transfer in flight in state "
+                                   f"{shard.state.name}")
+            if error is None:
+                self.registry.set_state(shard, R.HOST_NVME)
+                self._succeeded(shard, "write")
+                return None
+            if not self._write_failed(shard, error):
+                return error
+            # re-issued: loop to wait for the retry (or return at once without ``wait``)
+
+    def _succeeded(self, shard: Shard, op: str) -> None:
+        failures = self._failed.pop(shard, 0)
+        if failures:
+            self.io_recoveries += 1
+            log.info("%s of shard %s succeeded after %d failed attempt(s)", op, shard.id,
+                     failures)
+
+    def _read_failed(self, shard: Shard, error: BaseException) -> None:
+        """NVME_LOADING -> NVME: the NVMe copy is still the valid one. The slot is freed, or
+        quarantined when a timed-out request of the read may still write into it."""
+        self.io_errors += 1
+        self._failed[shard] = self._failed.get(shard, 0) + 1
+        start, size = shard.arena_offset, align_up(max(shard.nbytes, 1))
+        if self._kernel_may_write(start, start + size):
+            self.quarantine.append((start, shard.nbytes, shard.id))
+            log.warning("arena range [%d, %d) of shard %s is quarantined: a read into it timed "
+                        "out and may still complete; it stays allocated until it does",
+                        start, start + size, shard.id)
+            self.in_arena.discard(shard)
+            shard.arena_offset = None
+            shard.host = None
+        else:
+            self._free_slot(shard)
+        self.registry.set_state(shard, R.NVME)
+        log.warning("read of shard %s (%d bytes) failed: %s: %s", shard.id, shard.nbytes,
+                    type(error).__name__, error)
+
+    def _write_failed(self, shard: Shard, error: BaseException) -> bool:
+        """HOST_STORING -> HOST (the host copy stays the valid one), then re-issues the write
+        while retries are left; True if it did."""
+        self.io_errors += 1
+        attempt = self._failed.get(shard, 0) + 1
+        self._failed[shard] = attempt
+        if self._write_may_land_late(shard):
+            self._replace_extent(shard)
+        self.registry.set_state(shard, R.HOST)
+        if attempt <= self.max_retries and _retryable(error):
+            log.warning("write of shard %s (%d bytes) failed: %s: %s; retry %d of %d",
+                        shard.id, shard.nbytes, type(error).__name__, error, attempt,
+                        self.max_retries)
+            self.store_async(shard)
+            return True
+        self._failed.pop(shard, None)
+        self.io_failures += 1
+        log.error("write of shard %s (%d bytes) failed after %d attempt(s): %s: %s; its host copy "
+                  "stays the only valid one (dirty)", shard.id, shard.nbytes, attempt,
+                  type(error).__name__, error)
+        return False
+
+    def _kernel_may_write(self, start: int, end: int) -> bool:
+        """Whether a timed-out read request still in the kernel covers arena bytes
+        [start, end)."""
+        arena = self.host.arena
+        return any(q.op == "read" and q.buffer is arena and q.buffer_start < end
+                   and q.buffer_end > start for q in self.engine.quarantined())
+
+    def _write_may_land_late(self, shard: Shard) -> bool:
+        serial = shard.extent.serial
+        return any(q.op == "write" and q.extent == serial for q in self.engine.quarantined())
+
+    def _replace_extent(self, shard: Shard) -> None:
+        """Moves ``shard`` to a fresh extent: a timed-out write to the old one may still land
+        and would overwrite a later write there (the engine holds the old space back)."""
+        try:
+            fresh = self.engine.allocate(shard.nbytes)
+        except SwapError as exc:
+            log.warning("no fresh extent for shard %s after a timed-out write (%s); it keeps "
+                        "its extent, where verification catches a late write", shard.id, exc)
+            return
+        old, shard.extent = shard.extent, fresh
+        self.engine.free(old)
+
+    def _reclaim_quarantine(self) -> None:
+        """Gives back the quarantined arena ranges no timed-out read covers any more."""
+        arena = self.host.arena
+        records = [q for q in self.engine.quarantined() if q.op == "read" and q.buffer is arena]
+        kept = []
+        for offset, nbytes, shard_id in self.quarantine:
+            end = offset + align_up(max(nbytes, 1))
+            if any(q.buffer_start < end and q.buffer_end > offset for q in records):
+                kept.append((offset, nbytes, shard_id))
+                continue
+            self.host.give_arena(offset, nbytes)
+            log.info("arena range [%d, %d) (shard %s) left quarantine", offset, end, shard_id)
+        self.quarantine = kept
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(align_up(max(n, 1)) for _, n, _ in self.quarantine)
+
+    def drain(self) -> BaseException | None:
+        """Waits for every transfer in flight (before a checkpoint, at close). Returns the first
+        error of a transfer that failed for good (states stay legal; see ``reap``)."""
+        first = None
         for shard in list(self.in_arena):
-            self.reap(shard, wait=True)
+            error = self.reap(shard, wait=True)
+            first = first or error
+        return first
 
     def flush(self) -> None:
         """Writes every dirty host copy in the arena to NVMe and waits: afterwards every
-        NVMe-backed shard's swap extent holds its current value."""
+        NVMe-backed shard's swap extent holds its current value, or this raises the error of a
+        write that failed for good (the shard stays dirty on the host)."""
+        errors: dict[Shard, BaseException] = {}
         for shard in list(self.in_arena):
-            self.reap(shard, wait=True)
+            error = self.reap(shard, wait=True)
+            if error is not None:
+                errors[shard] = error
             if shard.state is R.HOST:
                 self.store_async(shard)
-        self.drain()
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            if error is not None:
+                errors[shard] = error
+        dirty = [s for s in self.in_arena if s.state is R.HOST]
+        if dirty:
+            error = next((errors[s] for s in dirty if s in errors), None)
+            if error is not None:
+                raise error
+            raise RuntimeError(f"flush left {len(dirty)} shard(s) dirty: "
+                               f"{', '.join(s.id for s in dirty[:3])}")
 
     # -- host slots ---------------------------------------------------------------------------
     def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float) -> bool:
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
+        if self.quarantine:
+            self._reclaim_quarantine()
         offset = self.host.take_arena(shard.nbytes)
         if offset is None:
             offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon)
@@ -183,27 +359,28 @@ class Placement:
         return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
 
     def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
+        """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
+        dirty ones are written back first and stay until that write completed. On demand
+        (no ``horizon``), when no room could be made because write-backs failed, raises the
+        write error (that is why there is no room)."""
         next_use = self._next_use()
         candidates = [s for s in self.in_arena
                       if s not in protect and s not in self.pinned and self._evictable(s)]
         candidates = self.eviction.order(candidates, next_use,
                                          lambda s: self.last_used.get(s.entry.index, -1))
+        write_error: BaseException | None = None
         for shard in candidates:
             if horizon and next_use is not None and next_use(shard) <= horizon:
                 break  # everything after this is needed sooner than what we fetch
             self.reap(shard)
-            if shard.state in (R.HOST, R.DEVICE_HOST):
-                if shard.state is R.HOST:
-                    self.store_async(shard)
+            if shard.state is R.HOST:
+                self.store_async(shard)
                 continue
             if shard.state is R.HOST_STORING:
                 if horizon:
                     continue  # prefetch does not wait for write-back
-                self.reap(shard, wait=True)
-            if shard.state is R.NVME_LOADING:
-                continue
-            self._evict_host(shard)
-            offset = self.host.take_arena(nbytes)
+                write_error = self.reap(shard, wait=True) or write_error
+            offset = self._evict_for(shard, nbytes)
             if offset is not None:
                 return offset
         if horizon:
@@ -212,13 +389,24 @@ class Placement:
         # pin the arena) and evict what they free, in policy order.
         for shard in candidates:
             if shard.in_arena_pending():
-                self.reap(shard, wait=True)
-            if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
-                self._evict_host(shard)
-                offset = self.host.take_arena(nbytes)
-                if offset is not None:
-                    return offset
+                error = self.reap(shard, wait=True)
+                if shard.state is R.HOST:
+                    write_error = error or write_error
+            offset = self._evict_for(shard, nbytes)
+            if offset is not None:
+                return offset
+        if write_error is not None:
+            raise write_error  # counted in io_failures when its write gave up
         return None
+
+    def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
+        """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
+        its slot), then tries to take ``nbytes``."""
+        if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
+            self._evict_host(shard)
+        elif shard in self.in_arena:
+            return None  # dirty, or a transfer still in flight
+        return self.host.take_arena(nbytes)
 
     def _evict_host(self, shard: Shard) -> None:
         if shard.state is R.HOST_NVME:
@@ -231,12 +419,18 @@ class Placement:
 
     # -- NVMe transfers -----------------------------------------------------------------------
     def store_async(self, shard: Shard) -> None:
+        """Starts HOST -> NVMe (HOST -> HOST_STORING)."""
         assert self.engine is not None and shard.host is not None
         if shard.extent is None:
             shard.extent = self.engine.allocate(shard.nbytes)
+        if self._failed.get(shard):
+            self.io_retries += 1
+        # The engine refuses a bad request synchronously: the state changes only once the
+        # transfer exists, so a refusal leaves the shard HOST.
+        future = self.engine.write(shard.extent, self.host.arena, nbytes=shard.nbytes,
+                                   buffer_offset=shard.arena_offset, tag=_tag(shard))
         self.registry.set_state(shard, R.HOST_STORING)
-        shard.pending = self.engine.write(shard.extent, self.host.arena, nbytes=shard.nbytes,
-                                          buffer_offset=shard.arena_offset)
+        shard.pending = future
         self._record_io(shard, "write", prefetch=False)
 
     def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
@@ -247,9 +441,16 @@ class Placement:
             return True
         if not self._host_slot(shard, protect, horizon):
             return False
+        if self._failed.get(shard):
+            self.io_retries += 1
+        try:
+            future = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
+                                      buffer_offset=shard.arena_offset, tag=_tag(shard))
+        except BaseException:
+            self._free_slot(shard)  # refused: nothing in flight, the shard stays NVME
+            raise
         self.registry.set_state(shard, R.NVME_LOADING)
-        shard.pending = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
-                                         buffer_offset=shard.arena_offset)
+        shard.pending = future
         self._record_io(shard, "read", prefetch=prefetch)
         if prefetch:
             self.prefetched_loads += 1
@@ -267,17 +468,55 @@ class Placement:
                 lambda f: Timeline.io_finished(record, f.exception()))
 
     def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
-        self.reap(shard)
-        if shard.state is R.NVME:
-            if not self.load_async(shard, protect):
-                raise BudgetError(
-                    f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
-                    f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} "
-                    f"bytes): raise buffer_count or buffer_size, or host_budget")
-        if shard.state is R.NVME_LOADING:
-            self.reap(shard, wait=True)
-        if not shard.state.on_host:
-            raise RuntimeError(f"{shard} has no host copy")
+        """Makes ``shard``'s host copy valid, reading it from NVMe if needed. A failed read
+        (a failed prefetch of it included) is retried ``max_retries`` times, then its error is
+        raised with the shard back in ``NVME`` (nothing lost)."""
+        error = self.reap(shard)
+        while not shard.state.on_host:
+            if shard.state is R.NVME:
+                failures = self._failed.get(shard, 0)
+                if error is not None and (failures > self.max_retries or not _retryable(error)):
+                    self._failed.pop(shard, None)
+                    self.io_failures += 1
+                    log.error("read of shard %s failed %d time(s); giving up: %s: %s", shard.id,
+                              failures, type(error).__name__, error)
+                    raise error
+                if not self.load_async(shard, protect):
+                    if error is not None:  # the retry found no room: the failure is the news
+                        self._failed.pop(shard, None)
+                        self.io_failures += 1
+                        raise error
+                    raise BudgetError(self._no_room(shard))
+            if shard.state is R.NVME_LOADING:
+                error = self.reap(shard, wait=True)
+            elif not shard.state.on_host:
+                raise RuntimeError(f"{shard} has no host copy")
+
+    def _no_room(self, shard: Shard) -> str:
+        text = (f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
+                f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} bytes)")
+        if self.quarantine:
+            hung = [q for q in self.engine.quarantined() if q.buffer is self.host.arena]
+            return (f"{text}: {self.quarantined_bytes} bytes of it are quarantined behind reads "
+                    f"that timed out (the drive hangs?)"
+                    + (f", e.g. a {hung[0].describe()}" if hung else ""))
+        return f"{text}: raise buffer_count or buffer_size, or host_budget"
+
+    def prepare_overwrite(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
+        """Gives ``shard`` a host copy that the caller is about to overwrite whole, without
+        reading its NVMe copy first, so a shard whose NVMe copy cannot be read (a corrupted or
+        stale extent) can be healed by writing its value again (a checkpoint load). Afterwards
+        the shard is on the host; from ``NVME`` it is ``HOST`` with undefined contents, which
+        the caller must fill before anything else reads them."""
+        self.reap(shard, wait=True)
+        if shard.state is not R.NVME:
+            return
+        if not self._host_slot(shard, protect, horizon=0.0):
+            raise BudgetError(self._no_room(shard))
+        self._failed.pop(shard, None)
+        # Its NVMe copy is superseded: through EMPTY (nothing valid), then HOST (dirty).
+        self.registry.set_state(shard, R.EMPTY)
+        self.registry.set_state(shard, R.HOST)
 
     # -- device copies ------------------------------------------------------------------------
     def gather(self, entry: ParamEntry, hold: bool = True) -> None:
@@ -298,17 +537,30 @@ class Placement:
             flat = tensor.view(-1)
             events = []
             waiting = list(entry.shards)
-            with torch.no_grad():
-                for shard in entry.shards:
-                    self.ensure_host(shard, protect=waiting)
-                    waiting.remove(shard)
-                    if shard.state is R.HOST_STORING:
-                        self.reap(shard, wait=True)  # copy from a settled state
-                    event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],
-                                                shard.host)
-                    shard.copy_event = event
-                    events.append(event)
-                    self.registry.set_state(shard, _TO_DEVICE[shard.state])
+            moved: list[Shard] = []
+            try:
+                with torch.no_grad():
+                    for shard in entry.shards:
+                        self.ensure_host(shard, protect=waiting)
+                        waiting.remove(shard)
+                        if shard.state is R.HOST_STORING:
+                            self.reap(shard, wait=True)  # copy from a settled state
+                        event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],
+                                                    shard.host)
+                        shard.copy_event = event
+                        events.append(event)
+                        self.registry.set_state(shard, _TO_DEVICE[shard.state])
+                        moved.append(shard)
+            except BaseException:
+                # A shard could not be read: the device copy is incomplete, so none of it
+                # counts. The shards copied so far keep their host/NVMe copies.
+                for shard in moved:
+                    self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+                for event in events:
+                    if event is not None:
+                        event.synchronize()
+                self.device.empty(tensor)
+                raise
             for event in events:
                 self.device.wait(event)
             entry.resident = True
@@ -391,6 +643,61 @@ class Placement:
                 if budget is not None:
                     budget -= shard.nbytes
 
+    # -- self-check -----------------------------------------------------------------------------
+    def audit(self) -> list[str]:
+        """Checks the bookkeeping against itself (tests, the soak tool, debugging): every state
+        legal and backed by what it claims, every tier's byte count equal to what its holders
+        add up to and within budget, arena ranges disjoint. Returns the problems found.
+        Call it on the training thread, between operations."""
+        problems: list[str] = []
+        shards = [s for p in self.registry.shards.values() for s in (p, *p.companions.values())]
+        ranges: list[tuple[int, int, str]] = []
+        host_bytes = self.quarantined_bytes
+        for shard in shards:
+            state = shard.state
+            if shard.kind == "param" and state is R.EMPTY:
+                problems.append(f"{shard.id}: a parameter shard has no valid copy")
+            if state.in_flight != (shard.pending is not None):
+                problems.append(f"{shard.id}: {state.name} with "
+                                f"{'a' if shard.pending is not None else 'no'} transfer pending")
+            if state.on_nvme and shard.extent is None:
+                problems.append(f"{shard.id}: {state.name} without an NVMe extent")
+            arena_backed = self.params_on_nvme if shard.kind == "param" else True
+            wants_slot = arena_backed and (state.on_host or state is R.NVME_LOADING)
+            if wants_slot != (shard in self.in_arena):
+                problems.append(f"{shard.id}: {state.name} but "
+                                f"{'in' if shard in self.in_arena else 'not in'} the arena")
+            if shard in self.in_arena:
+                if shard.arena_offset is None or shard.host is None:
+                    problems.append(f"{shard.id}: in the arena without a slot")
+                else:
+                    size = align_up(max(shard.nbytes, 1))
+                    ranges.append((shard.arena_offset, shard.arena_offset + size, shard.id))
+                    host_bytes += size
+            elif shard.kind == "param" and not arena_backed and state.on_host:
+                host_bytes += shard.nbytes  # a standalone host tensor
+            if shard.kind == "param" and state.on_device != shard.entry.resident:
+                problems.append(f"{shard.id}: {state.name} but the entry is "
+                                f"{'' if shard.entry.resident else 'not '}resident")
+        ranges += [(o, o + align_up(max(n, 1)), f"quarantine({i})") for o, n, i in self.quarantine]
+        ranges.sort()
+        for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+            if start < end:
+                problems.append(f"arena ranges of {a} and {b} overlap")
+        resident = {e for e in self.registry.entries if e.resident}
+        if resident != self.on_device:
+            problems.append("the entries marked resident are not the ones listed on the device")
+        device_bytes = sum(e.device_bytes for e in self.on_device)
+        for name, tier, expected in (("device", self.device, device_bytes),
+                                     ("host", self.host, host_bytes)):
+            if tier.usage.current != expected:
+                problems.append(f"{name} tier counts {tier.usage.current} bytes, its holders "
+                                f"add up to {expected}")
+            if tier.usage.current > tier.budget:
+                problems.append(f"{name} tier holds {tier.usage.current} bytes over its budget "
+                                f"of {tier.budget}")
+        return problems
+
     # -- companions (gradients and optimizer state on NVMe) -----------------------------------
     def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:
         found = shard.companions.get(kind)
@@ -403,8 +710,7 @@ class Placement:
         """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
         HOST (dirty): written back when evicted or after the step."""
         if not self._host_slot(shard, protect=(), horizon=0.0):
-            raise BudgetError(f"no room in the host staging arena for {shard.id} "
-                              f"({shard.nbytes} bytes): raise host_budget or buffer_count")
+            raise BudgetError(self._no_room(shard))
         if source is not None:
             shard.host.copy_(source)
         self.registry.set_state(shard, R.HOST)

@@ -107,7 +107,9 @@ def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
     placement.drop_device(entry, force=True)
     flat = value.detach().reshape(-1).to(entry.dtype)
     for shard in entry.shards:
-        placement.ensure_host(shard)
+        # The whole value is replaced: no need to read the old one (which may be the very
+        # corrupted or stale extent a checkpoint load is healing).
+        placement.prepare_overwrite(shard)
         if shard.state is R.HOST_STORING:
             placement.reap(shard, wait=True)
         shard.host.copy_(flat[shard.start:shard.start + shard.numel])

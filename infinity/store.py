@@ -7,10 +7,12 @@ optimizer. From then on the user's loop runs unchanged; see ``docs/architecture.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -55,9 +57,16 @@ class TieredStore:
     """Holds a model's parameters across device, host and NVMe. See the package docstring."""
 
     def __init__(self, config: OffloadConfig | None = None, *,
-                 backend_wrapper: Callable[[IOBackend], IOBackend] | None = None) -> None:
+                 backend_wrapper: Callable[[IOBackend], IOBackend] | None = None,
+                 engine_overrides: Mapping[str, Any] | None = None) -> None:
         """``backend_wrapper`` (tests and tools only) wraps the swap engine's I/O backend, e.g.
-        in a fault-injecting backend; None costs nothing."""
+        in a fault-injecting backend; None costs nothing. ``engine_overrides`` (tests and tools
+        only) replaces fields of the engine's ``EngineSettings`` that the config has no key for,
+        such as a short ``request_timeout`` under injected hangs.
+
+        Threads: the store is driven by one training thread (attach, forward/backward, step,
+        state_dict, materialize, close are not thread-safe). ``stats()`` and the timeline's
+        ``snapshot``/``summary`` may be called from other threads at any time."""
         if isinstance(config, Mapping):
             config = OffloadConfig.from_dict(config)  # the native JSON format, strictly
         elif config is not None and not isinstance(config, OffloadConfig):
@@ -65,6 +74,8 @@ class TieredStore:
                               f"got {type(config).__name__}")
         self.config = config or OffloadConfig()
         self._backend_wrapper = backend_wrapper
+        self._engine_overrides = dict(engine_overrides or {})
+        self._sample_lock = threading.Lock()  # stats() samples peaks from other threads too
         self.device = resolve_device(self.config.device)
         self.registry = ShardRegistry()
         self.follower = TraceFollower()
@@ -348,7 +359,10 @@ class TieredStore:
         settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
                                   queue_depth=config.aio.queue_depth,
                                   thread_count=config.aio.thread_count,
-                                  file_size=align_up(per_drive))
+                                  file_size=align_up(per_drive),
+                                  verify_checksums=config.verify_checksums)
+        if self._engine_overrides:
+            settings = dataclasses.replace(settings, **self._engine_overrides)
         backend = None
         if self._backend_wrapper is not None:
             roots = [check_directory(Path(p)) for p in paths]
@@ -497,19 +511,23 @@ class TieredStore:
 
     # -- reporting ------------------------------------------------------------------------------
     def _sample_memory(self) -> None:
-        self._rss_peak = max(self._rss_peak, psutil.Process().memory_info().rss)
-        if self.engine is not None:
-            self._nvme_peak = max(self._nvme_peak, self._nvme_bytes())
+        rss = psutil.Process().memory_info().rss
+        nvme = self._nvme_bytes()
+        with self._sample_lock:  # a racing max() from another thread must not lower a peak
+            self._rss_peak = max(self._rss_peak, rss)
+            self._nvme_peak = max(self._nvme_peak, nvme)
 
     def _nvme_bytes(self) -> int:
         """Bytes of NVMe extents held (each shard's home, rounded up to 4096)."""
-        return self.engine.space.allocated_bytes if self.engine is not None else 0
+        engine = self.engine  # read once: close() may clear it from the training thread
+        return engine.space.allocated_bytes if engine is not None else 0
 
     def stats(self) -> dict[str, Any]:
         """Bytes per tier (current and peak), I/O totals and timings, steps."""
         self._sample_memory()
         placement = self.placement
-        engine_stats = self.engine.stats() if self.engine is not None else None
+        engine = self.engine  # read once: close() may clear it from the training thread
+        engine_stats = engine.stats() if engine is not None else None
         device = placement.device.usage if placement else None
         host = placement.host.usage if placement else None
         return {
@@ -535,7 +553,17 @@ class TieredStore:
             "pinned_bytes": placement.host.pinned_bytes if placement else 0,
             "rss_peak_bytes": self._rss_peak,
             "trace_departures": self.follower.diverged_iterations,
-            "backend": self.engine.backend_name if self.engine is not None else None,
+            "backend": engine.backend_name if engine is not None else None,
+            # failed transfers: each failed attempt, re-issues, transfers that succeeded after
+            # failing, and failures that outlasted the retries (see infinity.placement)
+            "io_errors": placement.io_errors if placement else 0,
+            "io_retries": placement.io_retries if placement else 0,
+            "io_recoveries": placement.io_recoveries if placement else 0,
+            "io_failures": placement.io_failures if placement else 0,
+            "io_timeouts": engine_stats.timeouts if engine_stats else 0,
+            "integrity_errors": engine_stats.integrity_errors if engine_stats else 0,
+            # arena bytes held back because a timed-out read may still write into them
+            "quarantined_bytes": placement.quarantined_bytes if placement else 0,
         }
 
     # -- teardown -------------------------------------------------------------------------------
@@ -555,23 +583,43 @@ class TieredStore:
 
     def close(self, restore_params: bool = True) -> None:
         """Waits for transfers, gives the parameters their values back as ordinary tensors on
-        the store's device (``restore_params``), removes hooks, swap files and buffers."""
+        the store's device (``restore_params``), removes hooks, swap files and buffers.
+
+        Everything is released even when I/O fails; the first failure (a parameter that could
+        not be read back, kept swap files that could not be brought up to date) is raised
+        afterwards."""
         if self._closed:
             return
-        self._teardown(restore_params)
-        self._closed = True
+        try:
+            failure = self._teardown(restore_params)
+        finally:
+            self._closed = True
+        if failure is not None:
+            raise failure
 
-    def _teardown(self, restore: bool) -> None:
+    def _teardown(self, restore: bool) -> BaseException | None:
+        """Releases everything; returns the first I/O failure met on the way, if any."""
         placement = self.placement
+        failure: BaseException | None = None
         try:
             if placement is not None:
                 if self.config.keep_swap_files:
-                    placement.flush()  # the kept files must hold the current values
+                    try:
+                        placement.flush()  # the kept files must hold the current values
+                    except Exception as exc:  # noqa: BLE001 - release everything, raise later
+                        log.error("close: the kept swap files are not current: %s", exc)
+                        failure = exc
+                # Failed write-backs do not matter here: the host copies stay valid.
                 placement.drain()
                 if restore:
                     for entry in self.registry.entries:
                         if entry.shards and entry.shards[0].state is not R.EMPTY:
-                            entry.param.data = self.materialize(entry).to(self.device)
+                            try:
+                                entry.param.data = self.materialize(entry).to(self.device)
+                            except Exception as exc:  # noqa: BLE001 - restore the others
+                                log.error("close: %s could not be restored: %s", entry.name,
+                                          exc)
+                                failure = failure or exc
         finally:
             if self.hooks is not None:
                 self.hooks.remove()
@@ -590,6 +638,7 @@ class TieredStore:
                     shutil.rmtree(self._temp_dir, ignore_errors=True)
                 self._temp_dir = None
             lifecycle.unregister(self)  # its files are gone; releases the model
+        return failure
 
     def __enter__(self) -> "TieredStore":
         return self
