@@ -32,10 +32,10 @@ import random
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from swap.backends.base import IOBackend, IORequest, Op
+from swap.backends.base import IOBackend, IORequest, Op, resolve
 from swap.buffers import ALIGNMENT
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class FaultInjectingBackend(IOBackend):
             try:
                 inner = self.inner.submit(request)
             except Exception as exc:  # noqa: BLE001 - the request fails, the timer goes on
-                _resolve(future, None, exc)
+                resolve(future, None, exc)
                 continue
             inner.add_done_callback(lambda f, outer=future: _chain(f, outer))
 
@@ -227,10 +227,10 @@ class FaultInjectingBackend(IOBackend):
         # Neither kind ever reached the inner backend, so their memory is untouched: a plain
         # ECANCELED, not an abandoned request whose buffer must stay quarantined.
         for future, request in hung:
-            _resolve(future, None, OSError(errno.ECANCELED, "the backend was closed; injected "
+            resolve(future, None, OSError(errno.ECANCELED, "the backend was closed; injected "
                                                             "hang released"))
         for _, _, future, request in delayed:
-            _resolve(future, None, OSError(errno.ECANCELED, "the backend was closed while the "
+            resolve(future, None, OSError(errno.ECANCELED, "the backend was closed while the "
                                                             "request was delayed"))
         if self._timer_thread is not None and self._timer_thread is not threading.current_thread():
             self._timer_thread.join(5.0)
@@ -248,20 +248,11 @@ def _failed(error: BaseException) -> "Future[int]":
 
 def _chain(inner: "Future[int]", outer: "Future[int]") -> None:
     if inner.cancelled():
-        _resolve(outer, None, OSError(errno.ECANCELED, "the inner backend cancelled the request"))
+        resolve(outer, None, OSError(errno.ECANCELED, "the inner backend cancelled the request"))
     else:
         error = inner.exception()
-        _resolve(outer, None if error is not None else inner.result(), error)
+        resolve(outer, None if error is not None else inner.result(), error)
 
-
-def _resolve(future: "Future[int]", result: int | None, error: BaseException | None) -> None:
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
 
 
 def _check_kind(kind: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -88,3 +88,15 @@ class IOBackend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(queue_depth={self.queue_depth})"
+
+
+def resolve(future: "Future[int]", result: int | None, error: BaseException | None) -> None:
+    """Sets a request's outcome unless it already has one (close failed it after its timeout,
+    or a fault wrapper settled it): the first outcome wins and a late one is dropped."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass

@@ -12,9 +12,10 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
-from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at
+from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op, memory_at,
+                                resolve)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class ThreadBackend(IOBackend):
                 self._inflight.discard(future)
                 if not self._inflight:
                     self._idle.notify_all()
-            _resolve(future, result, error)
+            resolve(future, result, error)
 
     @staticmethod
     def _run(request: IORequest) -> int:
@@ -102,7 +103,7 @@ class ThreadBackend(IOBackend):
                       "them (their buffers may still be written to)", self.name, len(stuck),
                       self.close_timeout)
             for future in stuck:
-                _resolve(future, None, BackendAbandonedError(
+                resolve(future, None, BackendAbandonedError(
                     f"the {self.name} backend was closed while this request was in flight"))
             return
         for thread in self._threads:
@@ -112,17 +113,6 @@ class ThreadBackend(IOBackend):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(queue_depth={self.queue_depth}, threads={self.thread_count})"
 
-
-def _resolve(future: "Future[int]", result: int | None, error: BaseException | None) -> None:
-    """Sets the outcome unless close already failed the future (a request that finished after
-    the close timeout): the first outcome wins, the late one is dropped."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
 
 
 class BufferedBackend(ThreadBackend):

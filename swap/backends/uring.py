@@ -21,9 +21,10 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
-from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at
+from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op, memory_at,
+                                resolve)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class UringBackend(IOBackend):
                 pending, self._pending = self._pending, {}
                 self._idle.notify_all()
             for future, _, _ in pending.values():
-                _resolve(future, 0, OSError(errno.EIO, f"uring completion thread died: {exc}"))
+                resolve(future, 0, OSError(errno.EIO, f"uring completion thread died: {exc}"))
 
     def _drain_forever(self) -> None:
         cpu_start = time.thread_time()
@@ -181,7 +182,7 @@ class UringBackend(IOBackend):
                 stop = self._closing
             # Outside the lock: the futures' callbacks may submit new requests.
             for future, result, err in done:
-                _resolve(future, result, OSError(err, os.strerror(err)) if err else None)
+                resolve(future, result, OSError(err, os.strerror(err)) if err else None)
             now = time.thread_time()
             self.counters.add_cpu(now - cpu_start)
             cpu_start = now
@@ -210,7 +211,7 @@ class UringBackend(IOBackend):
                       "ring without them (their buffers may still be written to)", len(stuck),
                       self.close_timeout)
             for future, request, _ in stuck.values():
-                _resolve(future, 0, BackendAbandonedError(
+                resolve(future, 0, BackendAbandonedError(
                     f"the uring backend was closed while a {request.op.value} of "
                     f"{request.length} bytes at offset {request.offset} was in flight"))
         os.eventfd_write(self._eventfd, 1)
@@ -228,13 +229,3 @@ class UringBackend(IOBackend):
         else:  # it still reads the eventfd; leave the descriptor to the process exit
             os.eventfd_write(self._eventfd, 1)
 
-
-def _resolve(future: "Future[int]", result: int, error: BaseException | None) -> None:
-    """Sets the outcome unless close already failed the future: the first outcome wins."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
