@@ -304,15 +304,30 @@ class SwapEngine(TimeoutsMixin):
                 transfer.outstanding += 1
                 piece.started = time.monotonic()
                 self._flying.add(piece)
-            self._stats.request_submitted(transfer.op.value)
-            request = IORequest(transfer.op, piece.file.fd, piece.offset, piece.address,
-                                piece.length)
+            # A signal handler can raise (KeyboardInterrupt, a user's SystemExit) between any
+            # two bytecodes here. The request is counted in flight: it must still be settled,
+            # or close() would wait out its timeout for a request nobody submitted.
+            stage = "counted"
+            future = None
             try:
-                future = self.backend.submit(request)
-            except Exception as exc:  # noqa: BLE001 - any failure fails this transfer, no leak
-                self._on_done(piece, None, exc)
-                continue
-            future.add_done_callback(lambda f, p=piece: self._on_done(p, f, None))
+                self._stats.request_submitted(transfer.op.value)
+                request = IORequest(transfer.op, piece.file.fd, piece.offset, piece.address,
+                                    piece.length)
+                try:
+                    future = self.backend.submit(request)
+                except Exception as exc:  # noqa: BLE001 - any failure fails this transfer
+                    stage = "settled"
+                    self._on_done(piece, None, exc)
+                    continue
+                stage = "submitted"
+                future.add_done_callback(lambda f, p=piece: self._on_done(p, f, None))
+                stage = "settled"
+            except BaseException as exc:
+                if stage == "counted":
+                    self._on_done(piece, None, exc)
+                elif stage == "submitted" and future is not None:
+                    future.add_done_callback(lambda f, p=piece: self._on_done(p, f, None))
+                raise
 
     def _take_locked(self) -> Piece | None:
         """The next request to submit: round robin over drives with a free queue slot."""
