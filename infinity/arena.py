@@ -11,7 +11,7 @@ fits any shard, and eviction only has to empty one slot.
 from __future__ import annotations
 
 from swap import ALIGNMENT, align_up
-from swap.files import _FreeList as _Ranges  # noqa: a public home for it is on the way
+from swap.files import RangeAllocator as _Ranges
 
 
 class SlotArena:
@@ -63,6 +63,3 @@ class SlotArena:
         if ranges.free_bytes == self.slot_size:
             del self._small[slot]
             self._free_slots.append(slot)
-
-    def slot_of(self, offset: int) -> int:
-        return offset // self.slot_size

@@ -388,7 +388,7 @@ class Placement:
         # Demand: wait for transfers in flight (write-backs, and prefetches that would otherwise
         # pin the arena) and evict what they free, in policy order.
         for shard in candidates:
-            if shard.in_arena_pending():
+            if shard.pending is not None:
                 error = self.reap(shard, wait=True)
                 if shard.state is R.HOST:
                     write_error = error or write_error

@@ -62,9 +62,6 @@ class Shard:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def in_arena_pending(self) -> bool:
-        return self.pending is not None
-
     def __repr__(self) -> str:
         return f"Shard({self.id}, {self.numel} x {self.dtype}, {self.state.name})"
 
@@ -145,10 +142,6 @@ class ShardRegistry:
         with self.lock:
             check_transition(shard.id, shard.state, new)
             shard.state = new
-
-    def count(self, predicate) -> int:
-        with self.lock:
-            return sum(s.nbytes for s in self.shards.values() if predicate(s.state))
 
     def snapshot(self) -> dict[str, dict]:
         """A JSON-able description of every shard (for checkpoints and debugging)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.errors import BudgetError
-from swap import ALIGNMENT, BufferPool, HostBuffer, align_up
+from swap import BufferPool, HostBuffer, align_up
 from infinity.arena import SlotArena
 
 log = logging.getLogger(__name__)
@@ -167,4 +167,4 @@ class HostTier:
             self._pool = None
 
 
-__all__ = ["ALIGNMENT", "DeviceTier", "HostTier", "TierUsage"]
+__all__ = ["DeviceTier", "HostTier", "TierUsage"]

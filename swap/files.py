@@ -154,7 +154,7 @@ class Extent:
         return pieces
 
 
-class _FreeList:
+class RangeAllocator:
     """Free byte ranges of one file, kept sorted and coalesced; first fit."""
 
     def __init__(self, capacity: int) -> None:
@@ -205,7 +205,7 @@ class _DriveSpace:
         if stat.S_IMODE(self.run_dir.stat().st_mode) != 0o700:
             os.chmod(self.run_dir, 0o700)
         self.files: list[SwapFile] = []
-        self.free: list[_FreeList] = []
+        self.free: list[RangeAllocator] = []
         self.slot: dict[SwapFile, int] = {}  # file -> its index in files/free (identity hash)
 
     def take(self, length: int) -> Segment:
@@ -218,7 +218,7 @@ class _DriveSpace:
                         self.index)
         self.slot[file] = len(self.files)
         self.files.append(file)
-        self.free.append(_FreeList(capacity))
+        self.free.append(RangeAllocator(capacity))
         start = self.free[-1].take(length)
         assert start == 0
         return Segment(file, start, length)

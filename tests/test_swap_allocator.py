@@ -7,7 +7,7 @@ import random
 import pytest
 
 from swap import ALIGNMENT, SwapSpace
-from swap.files import _FreeList
+from swap.files import RangeAllocator
 
 PAGE = ALIGNMENT
 
@@ -92,7 +92,7 @@ def test_zero_and_negative_sizes(space):
 
 def test_free_list_coalesces_in_any_order():
     rng = random.Random(5)
-    free = _FreeList(64 * PAGE)
+    free = RangeAllocator(64 * PAGE)
     taken = [free.take(PAGE) for _ in range(64)]
     assert taken == [i * PAGE for i in range(64)] and free.take(PAGE) is None
     rng.shuffle(taken)
