@@ -281,7 +281,8 @@ class SwapEngine(TimeoutsMixin):
             return
         self._local.pumping = True
         try:
-            self._pump_loop()
+            with self.backend.plugged():  # one system call for the requests submitted here
+                self._pump_loop()
         finally:
             self._local.pumping = False
 

@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import ContextManager
 
 from swap.backends.base import IOBackend, IORequest, Op, resolve
 from swap.buffers import ALIGNMENT
@@ -137,6 +138,9 @@ class FaultInjectingBackend(IOBackend):
             self._rules.append(rule)
 
     # -- I/O --------------------------------------------------------------------------------
+    def plugged(self) -> ContextManager[None]:
+        return self.inner.plugged()
+
     def submit(self, request: IORequest) -> "Future[int]":
         with self._lock:
             if self._closed:

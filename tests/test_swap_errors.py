@@ -238,3 +238,57 @@ def test_thread_backend_close_is_bounded_when_a_request_never_completes(buffers,
     time.sleep(0.1)
     assert isinstance(future.exception(), TimeoutError)
     assert ran == [-1]  # the queued request never ran
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
+def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buffers,
+                                                                   monkeypatch):
+    import swap.backends.uring as uring_module
+    calls = []
+    real_submit = uring_module._uring.io_uring_submit
+    monkeypatch.setattr(uring_module._uring, "io_uring_submit",
+                        lambda ring: calls.append(1) or real_submit(ring))
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    backend = UringBackend(8)
+    try:
+        payloads = [random_bytes(ALIGNMENT, seed=i) for i in range(4)]
+        for i, payload in enumerate(payloads):
+            fill(buffers[0], payload, offset=i * ALIGNMENT)
+        with backend.plugged():
+            futures = [backend.submit(IORequest(Op.WRITE, fd, i * ALIGNMENT,
+                                                buffers[0].address + i * ALIGNMENT, ALIGNMENT))
+                       for i in range(4)]
+            time.sleep(0.05)
+            assert calls == [] and not any(f.done() for f in futures)  # held back
+        assert [f.result(timeout=5) for f in futures] == [ALIGNMENT] * 4
+        assert len(calls) == 1
+        with open(path, "rb") as f:
+            assert f.read() == b"".join(p.numpy().tobytes() for p in payloads)
+    finally:
+        backend.close()
+        os.close(fd)
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
+def test_uring_a_failed_plugged_submit_fails_every_held_request(tmp_path, buffers, monkeypatch):
+    import swap.backends.uring as uring_module
+
+    def broken(ring):
+        raise OSError(errno.EBADF, "io_uring_enter failed")
+
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    backend = UringBackend(8)
+    try:
+        monkeypatch.setattr(uring_module._uring, "io_uring_submit", broken)
+        with backend.plugged():
+            futures = [backend.submit(IORequest(Op.WRITE, fd, i * ALIGNMENT,
+                                                buffers[0].address + i * ALIGNMENT, ALIGNMENT))
+                       for i in range(3)]
+        for future in futures:
+            error = future.exception(timeout=5)
+            assert isinstance(error, OSError) and error.errno == errno.EBADF
+    finally:
+        monkeypatch.undo()
+        backend.close()
+        os.close(fd)

@@ -318,3 +318,13 @@ def test_bench_verification_cost(make_engine, disk_dir):
               f"hashing {statistics.median(hashing):.3f} s of thread time "
               f"({statistics.median(hashing) / off:.1%} of the read time); runs on "
               f"{[round(t, 3) for t in times[True]]} off {[round(t, 3) for t in times[False]]}")
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, (60 << 10) - 1, 60 << 10, (60 << 10) + 1,
+                                    1 << 20, (4 << 20) + 12288])
+def test_checksum_in_slices_equals_the_one_shot_hash(nbytes):
+    import xxhash
+    from swap.integrity import checksum
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert checksum(data) == xxhash.xxh3_64_intdigest(data.tobytes())
+    assert checksum(memoryview(data)) == checksum(torch.from_numpy(data).numpy())

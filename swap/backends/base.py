@@ -15,9 +15,11 @@ from __future__ import annotations
 import ctypes
 import threading
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import ContextManager
 
 
 class Op(str, Enum):
@@ -79,6 +81,12 @@ class IOBackend(ABC):
     @abstractmethod
     def submit(self, request: IORequest) -> "Future[int]":
         """Starts ``request``; the future resolves to bytes moved or raises ``OSError``."""
+
+    def plugged(self) -> ContextManager[None]:
+        """Within this context, requests submitted by the calling thread may be held back and
+        handed to the kernel together when it ends (one system call for many requests). The
+        caller must not wait for such a request inside the context."""
+        return nullcontext()
 
     @abstractmethod
     def close(self) -> None:

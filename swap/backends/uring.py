@@ -12,6 +12,11 @@ Facts about the wrapper this is built around:
 * ``cqe[i]`` indexes the raw ring without wrapping, so completions are taken one at a time with
   ``io_uring_peek_cqe`` and ``io_uring_cqe_seen``;
 * reading ``CQE.res`` of a failed request raises ``OSError`` carrying the errno.
+
+``io_uring_submit`` is a system call made with the GIL held, so requests are handed over in
+batches where possible: within ``plugged()`` (the engine plugs while it fills the queue, and the
+completion thread while it resolves one drain's completions, whose callbacks submit the next
+requests) SQEs are only prepared, and one submit sends them all when the context ends.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Iterator
 
 from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op, memory_at,
                                 resolve)
@@ -83,6 +90,7 @@ class UringBackend(IOBackend):
         self._next_id = 1
         self._closing = False
         self._ring_open = True
+        self._local = threading.local()  # .held: request ids prepared in a plugged context
         self._thread = threading.Thread(target=self._complete_loop, name="swap-uring-completion",
                                         daemon=True)
         self._thread.start()
@@ -107,30 +115,58 @@ class UringBackend(IOBackend):
             self._next_id += 1
             sqe.user_data = request_id
             self._pending[request_id] = (future, request, iovec)
-            self._submit_locked(request_id)
+            held = getattr(self._local, "held", None)
+            if held is not None:
+                held.append(request_id)
+                return future
+            error, _ = self._submit_locked([request_id])
+        if error is not None:
+            raise error  # the engine fails the request; its future is dropped with it
         return future
 
-    def _submit_locked(self, request_id: int) -> None:
-        """Hands the prepared SQEs to the kernel.
+    @contextmanager
+    def plugged(self) -> Iterator[None]:
+        if getattr(self._local, "held", None) is not None:
+            yield  # nested: the outermost context submits
+            return
+        held: list[int] = []
+        self._local.held = held
+        try:
+            yield
+        finally:
+            self._local.held = None
+            if held:
+                with self._lock:
+                    error, dropped = self._submit_locked(held) if self._ring_open else (None, [])
+                # Nothing of them will run: fail them outside the lock, as their callbacks may
+                # submit again.
+                for future in dropped:
+                    resolve(future, 0, error)
 
-        liburing publishes the SQE (advances the SQ tail) before io_uring_enter, so when enter
-        fails the request is still in the ring and runs with the next successful submit: it must
-        then stay pending, or its completion would land in memory the caller believes is free.
-        Transient failures are retried; after a non-transient one the ring is unusable and
-        nothing in it will run, so the request is dropped and the error raised."""
+    def _submit_locked(self, request_ids: list[int]
+                       ) -> tuple[OSError | None, list["Future[int]"]]:
+        """Hands the prepared SQEs to the kernel; returns the error that dropped them, if any,
+        and the futures of the dropped requests.
+
+        liburing publishes the SQEs (advances the SQ tail) before io_uring_enter, so when enter
+        fails the requests are still in the ring and run with the next successful submit: they
+        must then stay pending, or their completions would land in memory the caller believes is
+        free. Transient failures are retried; after a non-transient one the ring is unusable and
+        nothing in it will run, so the requests are dropped and the error returned."""
         for attempt in range(_SUBMIT_TRIES):
             try:
                 _uring.io_uring_submit(self._ring)
-                return
+                return None, []
             except OSError as exc:
                 if exc.errno not in _TRANSIENT:
-                    del self._pending[request_id]
-                    raise
+                    dropped = [self._pending.pop(i, None) for i in request_ids]
+                    return exc, [d[0] for d in dropped if d is not None]
                 if attempt + 1 == _SUBMIT_TRIES:
-                    log.warning("io_uring_submit keeps failing (%s); the request stays queued in "
-                                "the ring and goes in with the next submit", exc)
-                    return
+                    log.warning("io_uring_submit keeps failing (%s); the requests stay queued in "
+                                "the ring and go in with the next submit", exc)
+                    return None, []
             time.sleep(0.001 * (attempt + 1))
+        return None, []
 
     def _iovec(self, address: int, length: int) -> object:
         key = (address, length)
@@ -180,9 +216,11 @@ class UringBackend(IOBackend):
                 if not self._pending:
                     self._idle.notify_all()
                 stop = self._closing
-            # Outside the lock: the futures' callbacks may submit new requests.
-            for future, result, err in done:
-                resolve(future, result, OSError(err, os.strerror(err)) if err else None)
+            # Outside the lock: the futures' callbacks may submit new requests, which go to the
+            # kernel together once all of this drain's completions are resolved.
+            with self.plugged():
+                for future, result, err in done:
+                    resolve(future, result, OSError(err, os.strerror(err)) if err else None)
             now = time.thread_time()
             self.counters.add_cpu(now - cpu_start)
             cpu_start = now
