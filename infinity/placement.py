@@ -103,14 +103,20 @@ class Placement:
         self.grad_peak = 0
         #: the loss scale gradients arrive multiplied by (fp16 dynamic scaling), divided out here
         self.loss_scale = 1.0
+        #: keep each shard's squared gradient norm (for clipping and overflow checks)
+        self.track_grad_norms = True
         #: module index -> qualified name, for the timeline
         self.module_names: list[str] = []
         #: entries whose device copy is never evicted (param_persistence_threshold)
         self.persistent: set[int] = set()
         #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
         self.prefetch_bytes: int | None = None
-        #: write updated shards back right after the step (else only when evicted)
+        #: keep the front of the eviction order clean during the step (see clean_ahead); off
+        #: when the arena caches everything, so nothing is ever evicted
         self.write_behind = True
+        #: entries the running optimizer step has updated: their optimizer state is next
+        #: needed a whole iteration later, that of the others in this step
+        self.stepped: set[int] = set()
         #: attempts of a transfer after its first failure (see the module docstring)
         self.max_retries = MAX_RETRIES
         #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
@@ -346,9 +352,12 @@ class Placement:
         position = self.follower.position
         end = len(trace) - position + 0.5
 
+        stepped = self.stepped
+        full = len(trace)
+
         def next_use(shard: Shard) -> float:
             if shard.kind != "param":
-                return end
+                return end + full if shard.entry.index in stepped else end
             return trace.next_use(shard.entry.index, position)
         return next_use
 
@@ -360,23 +369,30 @@ class Placement:
 
     def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
         """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
-        dirty ones are written back first and stay until that write completed. On demand
-        (no ``horizon``), when no room could be made because write-backs failed, raises the
-        write error (that is why there is no room)."""
+        dirty ones are written back first and stay until that write completed. Write-backs are
+        started for about ``nbytes`` at a time, in eviction order, never for everything dirty:
+        one read that finds no clean room must not turn into a write of the whole arena.
+        On demand (no ``horizon``), when no room could be made because write-backs failed,
+        raises the write error (that is why there is no room)."""
         next_use = self._next_use()
         candidates = [s for s in self.in_arena
                       if s not in protect and s not in self.pinned and self._evictable(s)]
         candidates = self.eviction.order(candidates, next_use,
                                          lambda s: self.last_used.get(s.entry.index, -1))
+        if horizon and next_use is not None:
+            candidates = [s for s in candidates if next_use(s) > horizon]
+        cost = self.host.slot_cost
         write_error: BaseException | None = None
+        coming = 0  # bytes whose write-back is in flight: room once it completes
         for shard in candidates:
-            if horizon and next_use is not None and next_use(shard) <= horizon:
-                break  # everything after this is needed sooner than what we fetch
             self.reap(shard)
             if shard.state is R.HOST:
-                self.store_async(shard)
+                if coming < nbytes:
+                    self.store_async(shard)
+                    coming += cost(shard.nbytes)
                 continue
             if shard.state is R.HOST_STORING:
+                coming += cost(shard.nbytes)
                 if horizon:
                     continue  # prefetch does not wait for write-back
                 write_error = self.reap(shard, wait=True) or write_error
@@ -386,8 +402,11 @@ class Placement:
         if horizon:
             return None
         # Demand: wait for transfers in flight (write-backs, and prefetches that would otherwise
-        # pin the arena) and evict what they free, in policy order.
+        # pin the arena) and evict what they free, in policy order; when that is not enough
+        # (the freed ranges are not contiguous), write back and evict the rest one by one.
         for shard in candidates:
+            if shard.state is R.HOST:
+                self.store_async(shard)
             if shard.pending is not None:
                 error = self.reap(shard, wait=True)
                 if shard.state is R.HOST:
@@ -398,6 +417,36 @@ class Placement:
         if write_error is not None:
             raise write_error  # counted in io_failures when its write gave up
         return None
+
+    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = ()) -> int:
+        """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
+        of the arena are free or held by clean copies; returns the bytes it started writing.
+
+        Writing every updated shard back after the step costs a full write of the training
+        state per step even when most of it stays cached. Only the shards at the front of
+        the eviction order will be dropped before their next use, so only they need a current
+        NVMe copy, and they get it ahead of the read that will need their room."""
+        if self.engine is None:
+            return 0
+        host = self.host
+        reclaimable = min(host.arena_bytes, host.budget) - host.usage.current
+        if reclaimable >= reserve:
+            return 0
+        protect = set(protect)
+        candidates = [s for s in self.in_arena
+                      if s not in protect and s not in self.pinned and self._evictable(s)]
+        started = 0
+        for shard in self.eviction.order(candidates, self._next_use(),
+                                         lambda s: self.last_used.get(s.entry.index, -1)):
+            if reclaimable >= reserve:
+                break
+            self.reap(shard)
+            if shard.state is R.HOST:
+                self.store_async(shard)
+                started += shard.nbytes
+            if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME, R.HOST_STORING):
+                reclaimable += host.slot_cost(shard.nbytes)
+        return started
 
     def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
         """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
@@ -764,8 +813,8 @@ class Placement:
                 target = shard.grad
             # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
             # gradient); its fp32 accumulation is accurate enough for clipping and overflow.
-            shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2 \
-                if target.is_floating_point() else 0.0
+            if self.track_grad_norms and target.is_floating_point():
+                shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
 
     def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from infinity import lifecycle
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.hooks import HookSet
-from infinity.memory import bound_heap_retention
+from infinity.memory import bound_heap_retention, reuse_heap_blocks
 from infinity.optimizer import OffloadedOptimizer, state_companions
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
@@ -96,7 +96,9 @@ class TieredStore:
         self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
         self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
         self.skipped_steps = 0
-        self.last_grad_norm = 0.0
+        #: global gradient norm of the last step; computed only where something needs it
+        #: (gradient_clipping, fp16 overflow checks), NaN otherwise
+        self.last_grad_norm = math.nan
         #: transfers, waits and compute spans, recorded while ``timeline.enabled``
         self.timeline = Timeline()
         #: overlap the step's reads, updates and writes (False: one after another, which only
@@ -158,8 +160,8 @@ class TieredStore:
         config = self.config
         nvme = config.offload_param == "nvme" or config.offload_optimizer == "nvme"
         if config.host_budget is not None:
-            # An explicit host budget asks for bounded memory: freed temporaries must go back to
-            # the system (costs page faults on large allocations, 10-20% of step time here).
+            # An explicit host budget asks for bounded memory: the one-off temporaries of attach
+            # and the first step must go back to the system (see infinity.memory).
             bound_heap_retention()
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
@@ -191,14 +193,18 @@ class TieredStore:
                                    grads_on_nvme=config.offload_optimizer == "nvme",
                                    timeline=self.timeline)
         self.placement.module_names = [name for name, _, _ in module_entries]
-        # Write-behind after each step keeps NVMe copies current so eviction is free; when the
-        # arena caches everything nothing is evicted, and dirty shards are written only if
-        # that changes (eviction writes dirty shards first) or at close with keep_swap_files.
+        # During the step, the shards about to be evicted are written back ahead of the reads
+        # that need their room (Placement.clean_ahead); when the arena caches everything nothing
+        # is evicted, and dirty shards are written only at close with keep_swap_files.
         self.placement.write_behind = not self._cached_all
         self.placement.prefetch_bytes = config.prefetch_bytes
         self.placement.persistent = {
             e.index for e in self.registry.entries
             if e.numel <= config.param_persistence_threshold}
+        # Per-shard norms cost a pass over every gradient: only when clipping or overflow
+        # checks use them.
+        self.placement.track_grad_norms = self.scaler is not None or \
+            config.gradient_clipping > 0
         if self.scaler is not None:
             self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
@@ -388,7 +394,8 @@ class TieredStore:
             if entry.holds:
                 raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
                                    f"or backward pass")
-        norm = global_norm([s.grad_sq_norm for s in todo])
+        norm = global_norm([s.grad_sq_norm for s in todo]) \
+            if placement.track_grad_norms else math.nan
         self.last_grad_norm = norm
         if self.scaler is not None:
             overflow = not math.isfinite(norm)
@@ -415,6 +422,9 @@ class TieredStore:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1
+        if self.steps == 1 and self.config.host_budget is not None:
+            # From now on every step allocates the same blocks (see infinity.memory).
+            reuse_heap_blocks(max(e.device_bytes for e in self.registry.entries))
         self._sample_memory()
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
@@ -451,6 +461,17 @@ class TieredStore:
         # previous one being written. Each gets a third (in slot bytes); a tile has at least one
         # shard, and read-ahead stops at one tile's worth so it never starves the writes.
         tile_limit = placement.host.arena_bytes // 3
+        placement.stepped = set()
+        try:
+            self._run_tiles(optimizer, todo, multiplier, parts, size, tile_limit)
+        finally:
+            placement.stepped = set()
+
+    def _run_tiles(self, optimizer: OffloadedOptimizer, todo: list[Shard], multiplier: float,
+                   parts: Callable[[Shard], list[Shard]], size: Callable[[Shard], int],
+                   tile_limit: int) -> None:
+        placement = self.placement
+        cost = placement.host.slot_cost
         ahead = 0
         i = 0
         while i < len(todo):
@@ -496,15 +517,21 @@ class TieredStore:
             for shard in tile:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
-                if params_on_nvme and placement.write_behind:
-                    placement.store_async(shard)
+                placement.stepped.add(shard.entry.index)
                 if placement.grads_on_nvme:
                     placement.discard(shard.companions["grad"])
                     shard.grad_sq_norm = 0.0
             for companion in changed:
                 companion.version += 1
-                if companion.state is R.HOST and placement.write_behind:
-                    placement.store_async(companion)
+            if placement.write_behind:
+                # The reads of the next two tiles will need room: make it now, by writing back
+                # what will be evicted first, so that those reads never wait for a write.
+                missing, k = 0, i
+                while k < len(todo) and k < i + 2 * max(1, len(tile)):
+                    missing += sum(cost(p.nbytes) for p in parts(todo[k])
+                                   if not p.state.on_host and p.state is not R.NVME_LOADING)
+                    k += 1
+                placement.clean_ahead(missing, protect=protect | upcoming)
             if not self.pipeline_step:
                 for part in [*tile, *changed]:
                     placement.reap(part, wait=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.errors import BudgetError
+from infinity.memory import advise_huge_pages
 from swap import BufferPool, HostBuffer, align_up
 from infinity.arena import SlotArena
 
@@ -58,7 +59,10 @@ class DeviceTier:
         if not self.fits(nbytes):
             raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
                               f"{self.budget} in use)")
-        tensor.untyped_storage().resize_(nbytes)
+        storage = tensor.untyped_storage()
+        storage.resize_(nbytes)
+        if not self.cuda and nbytes >= 4 << 20:
+            advise_huge_pages(storage.data_ptr(), nbytes)
         self.usage.add(nbytes)
 
     def empty(self, tensor: torch.Tensor) -> None:
@@ -103,7 +107,10 @@ class HostTier:
             slot = min(align_up(slot_size or arena_bytes), align_up(arena_bytes))
             self._ranges = SlotArena(slot, max(1, arena_bytes // slot))
             self.arena_bytes = self._ranges.nbytes
-            self._pool = BufferPool(1, self.arena_bytes, pin_memory=self.pin, name="staging arena")
+            # Not pre-faulted: the arena fills while attach frees the model's own parameter
+            # memory, so faulting it all first would count both at once in the peak RSS.
+            self._pool = BufferPool(1, self.arena_bytes, pin_memory=self.pin, name="staging arena",
+                                    prefault=False)
             self.arena = self._pool.acquire(holder="host tier")
 
     # -- arena (NVMe-backed shards) -----------------------------------------------------------

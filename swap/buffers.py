@@ -68,19 +68,36 @@ class HostBuffer:
         return f"HostBuffer(index={self.index}, nbytes={self.nbytes})"
 
 
-def _allocate(total: int, pin: bool) -> tuple[np.ndarray, torch.Tensor, object]:
-    """Returns (uint8 array, uint8 tensor, owner) over ``total`` page-aligned, faulted-in bytes."""
+#: madvise(2) values not exported by every Python's mmap module
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def _allocate(total: int, pin: bool, prefault: bool = True
+              ) -> tuple[np.ndarray, torch.Tensor, object]:
+    """Returns (uint8 array, uint8 tensor, owner) over ``total`` page-aligned bytes, faulted in
+    unless ``prefault`` is False (then each page is faulted by its first use)."""
     if pin:
         tensor = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         tensor.zero_()  # cudaHostAlloc already locks the pages; zeroing makes the content defined
         array = tensor.numpy()
         return array, tensor, tensor
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-    flags |= getattr(mmap, "MAP_POPULATE", 0)
     region = mmap.mmap(-1, total, flags=flags)
+    # Transparent huge pages (where the system allows them on request) make every fault 2 MiB
+    # instead of 4 KiB and cut TLB misses of the copies in and out of the region. The advice
+    # must come before the first touch, which is why MAP_POPULATE is not used.
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and total >= 2 << 20:
+        try:
+            region.madvise(advice)
+        except OSError:
+            pass
     array = np.frombuffer(region, dtype=np.uint8)
-    if not getattr(mmap, "MAP_POPULATE", 0):
-        array.fill(0)
+    if prefault:
+        try:
+            region.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            array.fill(0)  # older kernels: touch every page
     tensor = torch.from_numpy(array)
     return array, tensor, region
 
@@ -90,10 +107,12 @@ class BufferPool:
 
     ``acquire`` waits at most ``timeout`` seconds for a free buffer and then raises
     :class:`PoolExhaustedError` naming who holds the buffers, instead of hanging.
+    ``prefault=False`` leaves pages to be faulted by their first use: for a region that is filled
+    gradually (a cache), where touching it all up front would only raise the peak RSS.
     """
 
     def __init__(self, buffer_count: int, buffer_size: int, *, pin_memory: bool | None = None,
-                 name: str = "swap") -> None:
+                 name: str = "swap", prefault: bool = True) -> None:
         if not isinstance(buffer_count, int) or isinstance(buffer_count, bool) or buffer_count < 1:
             raise SwapConfigError(f"buffer_count must be a positive integer, got {buffer_count!r}")
         if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
@@ -109,7 +128,7 @@ class BufferPool:
             log.info("%s pool: CUDA is not available, buffers are plain aligned memory (not pinned)",
                      name)
         total = self.buffer_size * buffer_count
-        self._array, self._tensor, self._owner = _allocate(total, self.pinned)
+        self._array, self._tensor, self._owner = _allocate(total, self.pinned, prefault)
         if self._array.ctypes.data % ALIGNMENT:
             raise RuntimeError("pool allocation is not page aligned")
         self._buffers = [

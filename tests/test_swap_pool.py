@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -122,3 +123,24 @@ def test_closed_pool_refuses():
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         pool.acquire()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_prefault_touches_every_page_and_can_be_left_to_first_use():
+    size = 256 << 20
+    before = _resident_bytes()
+    with BufferPool(1, size) as pool:
+        assert _resident_bytes() - before >= size * 0.9  # faulted in at creation
+    before = _resident_bytes()
+    with BufferPool(1, size, prefault=False) as pool:
+        assert _resident_bytes() - before < size // 4  # nothing touched yet
+        buffer = pool.acquire()
+        buffer.tensor[:size // 2].fill_(7)
+        assert _resident_bytes() - before >= size // 2 * 0.9
+        assert int(buffer.tensor[size // 2 - 1]) == 7 and int(buffer.tensor[-1]) == 0
+        buffer.release()
