@@ -25,7 +25,7 @@ from infinity import lifecycle
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.hooks import HookSet
-from infinity.memory import bound_heap_retention, reuse_heap_blocks
+from infinity.memory import bound_heap_retention
 from infinity.optimizer import OffloadedOptimizer, state_companions
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
@@ -160,8 +160,8 @@ class TieredStore:
         config = self.config
         nvme = config.offload_param == "nvme" or config.offload_optimizer == "nvme"
         if config.host_budget is not None:
-            # An explicit host budget asks for bounded memory: the one-off temporaries of attach
-            # and the first step must go back to the system (see infinity.memory).
+            # An explicit host budget asks for bounded memory: freed temporaries must go back to
+            # the system (costs page faults on large allocations; see infinity.memory).
             bound_heap_retention()
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
@@ -422,9 +422,6 @@ class TieredStore:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1
-        if self.steps == 1 and self.config.host_budget is not None:
-            # From now on every step allocates the same blocks (see infinity.memory).
-            reuse_heap_blocks(max(e.device_bytes for e in self.registry.entries))
         self._sample_memory()
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
