@@ -8,7 +8,8 @@ stay within a host budget pins the threshold: blocks of 1 MiB and more are alway
 returned to the system when freed. The price is a page fault per page of every large allocation
 (measured: 10-20% of a CPU training step), so the store only does this when the user set an
 explicit ``host_budget``. The store's own large allocations (the CPU device tier's working
-copies) ask for transparent huge pages before first touch, which makes those faults 2 MiB each.
+copies) ask for transparent huge pages before first touch (``swap.advise_huge_pages``), which
+makes those faults 2 MiB each.
 
 Letting the heap keep blocks after the first step instead (the allocations repeat every step)
 took a third off the attached CPU step of a 100M-parameter model, but fragmentation grew the
@@ -49,42 +50,3 @@ def bound_heap_retention(threshold: int = 1 << 20) -> bool:
     log.debug("glibc mmap/trim thresholds pinned at %d bytes: %s", threshold, ok)
     return ok
 
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_madvise = None
-
-
-def _thp_on_request() -> bool:
-    """Whether the kernel gives transparent huge pages to regions that ask for them."""
-    try:
-        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return False
-    return "[always]" in mode or "[madvise]" in mode
-
-
-def advise_huge_pages(address: int, length: int) -> bool:
-    """Asks for transparent huge pages on the 2 MiB-aligned part of ``[address, address +
-    length)`` before it is first touched: each fault then maps 2 MiB instead of 4 KiB.
-
-    On a machine without a GPU the device tier's working copies are freshly mapped memory for
-    every gather (see :func:`bound_heap_retention`); with 4 KiB pages filling them costs about
-    as much in page faults as in copying. Best effort: False where unsupported."""
-    global _madvise
-    if _madvise is None:
-        name = ctypes.util.find_library("c")
-        if not name or not _thp_on_request():
-            _madvise = False
-        else:
-            function = ctypes.CDLL(name, use_errno=True).madvise
-            function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            function.restype = ctypes.c_int
-            _madvise = function
-    if _madvise is False:
-        return False
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
-    stop = (address + length) // _HUGE_PAGE * _HUGE_PAGE
-    if stop <= start:
-        return False
-    return _madvise(start, stop - start, _MADV_HUGEPAGE) == 0

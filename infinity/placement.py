@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -367,6 +367,14 @@ class Placement:
             return True
         return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
 
+    def _arena_victims(self, protect: set[Shard],
+                       next_use: Callable[[Shard], float] | None) -> list[Shard]:
+        """Arena shards that may be evicted now, in the order the policy would evict them."""
+        candidates = [s for s in self.in_arena
+                      if s not in protect and s not in self.pinned and self._evictable(s)]
+        return self.eviction.order(candidates, next_use,
+                                   lambda s: self.last_used.get(s.entry.index, -1))
+
     def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
         """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
         dirty ones are written back first and stay until that write completed. Write-backs are
@@ -375,10 +383,7 @@ class Placement:
         On demand (no ``horizon``), when no room could be made because write-backs failed,
         raises the write error (that is why there is no room)."""
         next_use = self._next_use()
-        candidates = [s for s in self.in_arena
-                      if s not in protect and s not in self.pinned and self._evictable(s)]
-        candidates = self.eviction.order(candidates, next_use,
-                                         lambda s: self.last_used.get(s.entry.index, -1))
+        candidates = self._arena_victims(protect, next_use)
         if horizon and next_use is not None:
             candidates = [s for s in candidates if next_use(s) > horizon]
         cost = self.host.slot_cost
@@ -418,35 +423,28 @@ class Placement:
             raise write_error  # counted in io_failures when its write gave up
         return None
 
-    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = ()) -> int:
+    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = ()) -> None:
         """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
-        of the arena are free or held by clean copies; returns the bytes it started writing.
+        of the arena are free or held by clean copies.
 
         Writing every updated shard back after the step costs a full write of the training
         state per step even when most of it stays cached. Only the shards at the front of
         the eviction order will be dropped before their next use, so only they need a current
         NVMe copy, and they get it ahead of the read that will need their room."""
         if self.engine is None:
-            return 0
+            return
         host = self.host
         reclaimable = min(host.arena_bytes, host.budget) - host.usage.current
         if reclaimable >= reserve:
-            return 0
-        protect = set(protect)
-        candidates = [s for s in self.in_arena
-                      if s not in protect and s not in self.pinned and self._evictable(s)]
-        started = 0
-        for shard in self.eviction.order(candidates, self._next_use(),
-                                         lambda s: self.last_used.get(s.entry.index, -1)):
+            return
+        for shard in self._arena_victims(set(protect), self._next_use()):
             if reclaimable >= reserve:
                 break
             self.reap(shard)
             if shard.state is R.HOST:
                 self.store_async(shard)
-                started += shard.nbytes
             if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME, R.HOST_STORING):
                 reclaimable += host.slot_cost(shard.nbytes)
-        return started
 
     def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
         """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released

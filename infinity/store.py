@@ -417,7 +417,10 @@ class TieredStore:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
         else:
-            self._tiled_step(optimizer, todo, multiplier)
+            try:
+                self._tiled_step(optimizer, todo, multiplier)
+            finally:
+                placement.stepped.clear()  # eviction ranks companions alike again
         for entry in updated:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
@@ -434,7 +437,8 @@ class TieredStore:
 
     def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard],
                     multiplier: float) -> None:
-        """Read ahead, update a tile, write it behind: the pipeline over the staging arena.
+        """Read ahead, update a tile, write back what the next reads need room for: the pipeline
+        over the staging arena.
         A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
         and writes; the step costs about max(read, update, write), not their sum."""
         placement = self.placement
@@ -455,20 +459,9 @@ class TieredStore:
             return total
 
         # Three stages share the arena: the tile being updated, the next one being read and the
-        # previous one being written. Each gets a third (in slot bytes); a tile has at least one
+        # previous ones being written. Each gets a third (in slot bytes); a tile has at least one
         # shard, and read-ahead stops at one tile's worth so it never starves the writes.
         tile_limit = placement.host.arena_bytes // 3
-        placement.stepped = set()
-        try:
-            self._run_tiles(optimizer, todo, multiplier, parts, size, tile_limit)
-        finally:
-            placement.stepped = set()
-
-    def _run_tiles(self, optimizer: OffloadedOptimizer, todo: list[Shard], multiplier: float,
-                   parts: Callable[[Shard], list[Shard]], size: Callable[[Shard], int],
-                   tile_limit: int) -> None:
-        placement = self.placement
-        cost = placement.host.slot_cost
         ahead = 0
         i = 0
         while i < len(todo):
@@ -523,11 +516,9 @@ class TieredStore:
             if placement.write_behind:
                 # The reads of the next two tiles will need room: make it now, by writing back
                 # what will be evicted first, so that those reads never wait for a write.
-                missing, k = 0, i
-                while k < len(todo) and k < i + 2 * max(1, len(tile)):
-                    missing += sum(cost(p.nbytes) for p in parts(todo[k])
-                                   if not p.state.on_host and p.state is not R.NVME_LOADING)
-                    k += 1
+                missing = sum(cost(p.nbytes) for shard in todo[i:i + 2 * len(tile)]
+                              for p in parts(shard)
+                              if not p.state.on_host and p.state is not R.NVME_LOADING)
                 placement.clean_ahead(missing, protect=protect | upcoming)
             if not self.pipeline_step:
                 for part in [*tile, *changed]:

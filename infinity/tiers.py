@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.errors import BudgetError
-from infinity.memory import advise_huge_pages
-from swap import BufferPool, HostBuffer, align_up
+from swap import BufferPool, HostBuffer, advise_huge_pages, align_up
 from infinity.arena import SlotArena
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,9 @@ class DeviceTier:
                               f"{self.budget} in use)")
         storage = tensor.untyped_storage()
         storage.resize_(nbytes)
-        if not self.cuda and nbytes >= 4 << 20:
+        if not self.cuda:
+            # A fresh mapping for every gather (see infinity.memory): with 4 KiB pages, filling
+            # it costs about as much in page faults as in copying.
             advise_huge_pages(storage.data_ptr(), nbytes)
         self.usage.add(nbytes)
 

@@ -9,12 +9,15 @@ and to it are asynchronous; without CUDA it is plain anonymous memory and the po
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import threading
 import time
 from typing import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -70,6 +73,41 @@ class HostBuffer:
 
 #: madvise(2) values not exported by every Python's mmap module
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+_madvise = None
+
+
+def _thp_on_request() -> bool:
+    """Whether the kernel gives transparent huge pages to regions that ask for them."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def advise_huge_pages(address: int, length: int) -> bool:
+    """Asks for transparent huge pages on the 2 MiB-aligned part of ``[address, address +
+    length)``, before it is first touched: each fault then maps 2 MiB instead of 4 KiB, and
+    copies in and out of the region miss the TLB less. Best effort: False where unsupported."""
+    global _madvise
+    if _madvise is None:
+        name = ctypes.util.find_library("c")
+        if not name or not _thp_on_request():
+            _madvise = False
+        else:
+            function = ctypes.CDLL(name, use_errno=True).madvise
+            function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            function.restype = ctypes.c_int
+            _madvise = function
+    if _madvise is False:
+        return False
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    stop = (address + length) // HUGE_PAGE * HUGE_PAGE
+    if stop <= start:
+        return False
+    return _madvise(start, stop - start, _MADV_HUGEPAGE) == 0
 
 
 def _allocate(total: int, pin: bool, prefault: bool = True
@@ -83,16 +121,9 @@ def _allocate(total: int, pin: bool, prefault: bool = True
         return array, tensor, tensor
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
     region = mmap.mmap(-1, total, flags=flags)
-    # Transparent huge pages (where the system allows them on request) make every fault 2 MiB
-    # instead of 4 KiB and cut TLB misses of the copies in and out of the region. The advice
-    # must come before the first touch, which is why MAP_POPULATE is not used.
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None and total >= 2 << 20:
-        try:
-            region.madvise(advice)
-        except OSError:
-            pass
     array = np.frombuffer(region, dtype=np.uint8)
+    # The advice must come before the first touch, which is why MAP_POPULATE is not used.
+    advise_huge_pages(array.ctypes.data, total)
     if prefault:
         try:
             region.madvise(_MADV_POPULATE_WRITE)
