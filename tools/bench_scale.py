@@ -30,6 +30,7 @@ from torch import nn
 
 import infinity
 from infinity.config import parse_size
+from tools.bench_overlap import mlp
 
 
 def peak_rss() -> int:
@@ -60,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     del warm
     overhead = psutil.Process().memory_info().rss
     layers = max(1, round(args.params / (args.width * args.width + args.width)))
-    with torch.device("meta"):
-        blocks: list[nn.Module] = []
-        for _ in range(layers):
-            blocks += [nn.Linear(args.width, args.width), nn.ReLU()]
-        model = nn.Sequential(*blocks)
+    with torch.device("meta"):  # materialised by attach, one module at a time
+        model = mlp(layers, args.width)
     params = sum(p.numel() for p in model.parameters())
     state = params * 16  # fp32 params + grads + two Adam moments
     print(f"model: {layers} x Linear({args.width}) = {params / 1e6:.0f} M params; fp32 training "
