@@ -385,6 +385,8 @@ class OffloadConfig(_Validated):
         the whole model), ``cpu`` (host RAM holds all params at dtype bytes/param), ``nvme``
         (swap files hold them; host RAM holds at most max_in_cpu bytes plus the swap buffers).
     offload_optimizer: where optimizer state lives: ``none`` (device), ``cpu`` or ``nvme``.
+        With ``offload_param='none'`` and this offloaded (ZeRO-Offload), every parameter stays
+        on the device and its fp32 master moves with the optimizer state.
         Memory: Adam keeps about 12 bytes/param (fp32 master, momentum, variance) on that tier.
     nvme_path: swap directories, one per drive (requests are striped over them); a str, Path
         or list of them. () = a private temporary directory made by the store. Disk: the

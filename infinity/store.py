@@ -105,6 +105,20 @@ class TieredStore:
         #: benchmarks want, to show what the pipeline saves)
         self.pipeline_step = True
 
+    @property
+    def _master_tier(self) -> str:
+        """Where the parameters' master copies live between steps. ``offload_param='none'``
+        with an offloaded optimizer (ZeRO-Offload) keeps every parameter on the device and
+        its master with the optimizer state; so does mixed precision with nothing offloaded."""
+        config = self.config
+        if config.offload_param != "none":
+            return config.offload_param
+        return "nvme" if config.offload_optimizer == "nvme" else "cpu"
+
+    @property
+    def _params_stay_on_device(self) -> bool:
+        return self.config.offload_param == "none"
+
     # -- attach -------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
@@ -118,9 +132,11 @@ class TieredStore:
                               f"the model (a torch.nn.Module) and then its optimizer")
         self._check_optimizer(model, optimizer)
         config = self.config
-        if config.offload_param == "none":
-            log.info("offload_param is 'none': parameters stay on %s and the store only "
-                     "reports", self.device)
+        if config.offload_param == "none" and config.offload_optimizer == "none" and \
+                self.compute_dtype is None:
+            log.info("offload_param and offload_optimizer are 'none' and precision is fp32: "
+                     "parameters and optimizer stay on %s and the store only reports",
+                     self.device)
             self.model = model.to(self.device)
             return model, optimizer
         if config.buffer_count == 1 and "nvme" in (config.offload_param,
@@ -158,7 +174,7 @@ class TieredStore:
 
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         config = self.config
-        nvme = config.offload_param == "nvme" or config.offload_optimizer == "nvme"
+        nvme = self._master_tier == "nvme" or config.offload_optimizer == "nvme"
         if config.host_budget is not None:
             # An explicit host budget asks for bounded memory: freed temporaries must go back to
             # the system (costs page faults on large allocations; see infinity.memory).
@@ -189,7 +205,7 @@ class TieredStore:
         self.placement = Placement(self.registry, device_tier, self._host_tier, self.engine,
                                    self.follower, BeladyEviction(),
                                    LookaheadPrefetch(config.prefetch_depth),
-                                   params_on_nvme=config.offload_param == "nvme",
+                                   params_on_nvme=self._master_tier == "nvme",
                                    grads_on_nvme=config.offload_optimizer == "nvme",
                                    timeline=self.timeline)
         self.placement.module_names = [name for name, _, _ in module_entries]
@@ -200,7 +216,7 @@ class TieredStore:
         self.placement.prefetch_bytes = config.prefetch_bytes
         self.placement.persistent = {
             e.index for e in self.registry.entries
-            if e.numel <= config.param_persistence_threshold}
+            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold}
         # Per-shard norms cost a pass over every gradient: only when clipping or overflow
         # checks use them.
         self.placement.track_grad_norms = self.scaler is not None or \
@@ -212,7 +228,9 @@ class TieredStore:
         log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
                  "device budget %d, host budget %d", len(self.registry.entries),
                  len(self.registry.shards), total / 1e6, time.perf_counter() - started,
-                 config.offload_param, self.budgets["device"], self.budgets["host"])
+                 "the device (masters on " + self._master_tier + ")"
+                 if self._params_stay_on_device else config.offload_param,
+                 self.budgets["device"], self.budgets["host"])
         self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
         self.hooks.install()
         if self.scaler is not None:
@@ -284,9 +302,18 @@ class TieredStore:
             device_budget = min(device_total, int(free * 0.5))
         else:
             device_budget = device_total
+        if self._params_stay_on_device:
+            if config.device_budget is not None and device_budget < device_total:
+                raise BudgetError(
+                    f"offload_param='none' keeps every parameter on the device "
+                    f"({device_total} bytes) but device_budget is {device_budget}: raise "
+                    f"device_budget to at least {device_total}, or set offload_param to 'cpu' "
+                    f"or 'nvme' so parameters leave the device between uses")
+            device_budget = device_total
         persistent = sum(e.device_bytes for e in self.registry.entries
-                         if e.numel <= config.param_persistence_threshold)
-        if device_budget < largest_bytes + persistent:
+                         if self._params_stay_on_device
+                         or e.numel <= config.param_persistence_threshold)
+        if device_budget < largest_bytes + persistent and not self._params_stay_on_device:
             extra = (f" next to {persistent} bytes of persistent parameters "
                      f"(param_persistence_threshold)" if persistent else "")
             raise BudgetError(
@@ -294,7 +321,7 @@ class TieredStore:
                 f"whose parameters take {largest_bytes} bytes and must be on the device together "
                 f"while it runs{extra}: set device_budget to at least "
                 f"{largest_bytes + persistent}")
-        params_nvme = config.offload_param == "nvme"
+        params_nvme = self._master_tier == "nvme"
         optim_nvme = config.offload_optimizer == "nvme"
         needed = 0
         slot = align_up(config.buffer_size)
@@ -327,6 +354,12 @@ class TieredStore:
             arena = 0
             host_budget = config.host_budget if config.host_budget is not None else total
         if resident > host_budget:
+            if self._params_stay_on_device:
+                raise BudgetError(
+                    f"offload_param='none' with offload_optimizer='cpu' keeps every "
+                    f"parameter's master copy in host memory ({total} bytes) but host_budget "
+                    f"is {host_budget}: raise host_budget or use offload_optimizer='nvme' "
+                    f"(the masters go with the optimizer state)")
             raise BudgetError(
                 f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
                 f"but host_budget is {host_budget}: raise host_budget or use "
@@ -350,7 +383,7 @@ class TieredStore:
         paths = [check_directory(Path(p)) for p in paths]
         stripe = config.aio.block_size
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
-        needed = (shard_bytes if config.offload_param == "nvme" else 0) + \
+        needed = (shard_bytes if self._master_tier == "nvme" else 0) + \
             (3 * shard_bytes if config.offload_optimizer == "nvme" else 0)
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
         for path in paths:
