@@ -1,0 +1,133 @@
+"""Companion shards (gradients and optimizer state kept beside a parameter shard) and the
+gradient path: a finished device gradient goes into its shard's host accumulator, or into a
+gradient companion that can be swapped to NVMe like any shard.
+
+A mixin of :class:`infinity.placement.Placement`: it uses the placement's host slots, reaping and
+registry, and keeps no state of its own beyond the placement's attributes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinity.errors import BudgetError
+from infinity.residency import Residency as R
+from infinity.shards import ParamEntry, Shard
+
+
+class CompanionsAndGradients:
+    # -- companions (gradients and optimizer state on NVMe) -----------------------------------
+    def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:
+        found = shard.companions.get(kind)
+        if found is None:
+            found = Shard(f"{shard.id}@{kind}", shard.entry, shard.start, numel, dtype, kind=kind)
+            shard.companions[kind] = found
+        return found
+
+    def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
+        HOST (dirty): written back when evicted or after the step."""
+        if not self._host_slot(shard, protect=(), horizon=0.0):
+            raise BudgetError(self._no_room(shard))
+        if source is not None:
+            shard.host.copy_(source)
+        self.registry.set_state(shard, R.HOST)
+        return shard.host
+
+    def discard(self, shard: Shard) -> None:
+        """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""
+        if shard.state is R.EMPTY:
+            return
+        self.reap(shard, wait=True)
+        if shard.arena_offset is not None:
+            self._free_slot(shard)
+        self.registry.set_state(shard, R.EMPTY)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
+        """Moves a finished device gradient into the entry's shards' host accumulators (fp32
+        master dtype), dividing out the loss scale and keeping each shard's squared norm for
+        clipping and overflow checks."""
+        scale = self.loss_scale
+        started = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        for shard in entry.shards:
+            piece = flat[shard.start:shard.start + shard.numel]
+            if scale != 1.0:
+                piece = piece.to(shard.dtype) / scale  # unscale before accumulating
+            if self.grads_on_nvme:
+                target = self._grad_companion_for_write(shard)
+                if target is None:
+                    holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+                    target = self.fill(holder)
+                    target.copy_(piece)
+                else:
+                    target.add_(piece.to(target.dtype))
+            else:
+                if shard.grad is None and piece.device.type == "cpu" and \
+                        piece.dtype == shard.dtype and piece.is_contiguous():
+                    # A gradient computed in host memory (no GPU) already is a host tensor:
+                    # keep it instead of copying it (the hook drops param.grad right after).
+                    shard.grad = piece
+                    self.grad_bytes += shard.nbytes
+                    self.grad_peak = max(self.grad_peak, self.grad_bytes)
+                elif shard.grad is None:
+                    shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
+                                             pin_memory=self.host.pin)
+                    shard.grad.copy_(piece)
+                    self.grad_bytes += shard.nbytes
+                    self.grad_peak = max(self.grad_peak, self.grad_bytes)
+                else:
+                    shard.grad.add_(piece.to(shard.grad.device, shard.grad.dtype))
+                target = shard.grad
+            # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
+            # gradient); its fp32 accumulation is accurate enough for clipping and overflow.
+            if self.track_grad_norms and target.is_floating_point():
+                shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2
+        self.timeline.span(entry.name, "d2h", started, time.perf_counter())
+
+    def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:
+        """The host view of an existing gradient to accumulate into (read back if needed),
+        marked dirty; None when the shard has no gradient yet."""
+        holder = shard.companions.get("grad")
+        if holder is None or holder.state is R.EMPTY:
+            return None
+        self.ensure_host(holder)
+        if holder.state is R.HOST_STORING:
+            self.reap(holder, wait=True)
+        if holder.state is R.HOST_NVME:
+            self.registry.set_state(holder, R.HOST)
+        return holder.host
+
+    def has_grad(self, shard: Shard) -> bool:
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            return holder is not None and holder.state is not R.EMPTY
+        return shard.grad is not None
+
+    def grad_view(self, shard: Shard) -> torch.Tensor | None:
+        """The shard's host gradient (its companion must already be on the host)."""
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            if holder is None or holder.state is R.EMPTY:
+                return None
+            return holder.host
+        return shard.grad
+
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        for shard in self.registry.shards.values():
+            shard.grad_sq_norm = 0.0
+            if self.grads_on_nvme:
+                holder = shard.companions.get("grad")
+                if holder is not None:
+                    self.discard(holder)
+                continue
+            if shard.grad is None:
+                continue
+            if set_to_none:
+                shard.grad = None
+                self.grad_bytes -= shard.nbytes
+            else:
+                shard.grad.zero_()
