@@ -34,7 +34,8 @@ def _empty(shard: Shard) -> torch.Tensor:
 class OffloadedOptimizer(Optimizer):
     """See the module docstring. Build it with :meth:`wrap`."""
 
-    def __init__(self, store: Any, inner: Optimizer, shards: list[Shard]) -> None:
+    def __init__(self, store: Any, inner: Optimizer, shards: list[Shard],
+                 user_kernels: list[dict[str, Any]] | None = None) -> None:
         # Optimizer.__init__ would rebuild param_groups; share the inner optimizer's instead.
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -51,6 +52,9 @@ class OffloadedOptimizer(Optimizer):
         self.param_groups = inner.param_groups
         #: per-element optimizer state lives in NVMe-backed companions, not in memory
         self.swap_state = store.config.offload_optimizer == "nvme"
+        #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
+        #: have overridden inside: checkpoints carry the user's, loads keep the store's
+        self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
 
     @classmethod
     def wrap(cls, store: Any, optimizer: Optimizer) -> "OffloadedOptimizer":
@@ -85,7 +89,9 @@ class OffloadedOptimizer(Optimizer):
         _migrate_state(optimizer, inner, registry)
         for shard in shards:
             shard.step_param.data = _empty(shard)
-        return cls(store, inner, shards)
+        kernels = [{k: group[k] for k in _KERNEL_KEYS if k in group}
+                   for group in optimizer.param_groups]
+        return cls(store, inner, shards, kernels)
 
     # -- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -162,12 +168,133 @@ class OffloadedOptimizer(Optimizer):
         self.store.placement.clear_grads(set_to_none)
 
     # -- state ----------------------------------------------------------------------------------
+    # Checkpoints use the layout of the user's own optimizer (one entry per parameter, in the
+    # order the optimizer was built with, per-element state whole), not the per-shard layout
+    # inside: a checkpoint loads into the plain optimizer without the store, and back.
+    def _entries(self) -> list[tuple[Any, list[Shard]]]:
+        """(entry, its shards) in the user's parameter order."""
+        order: dict[int, tuple[Any, list[Shard]]] = {}
+        for shard in self.shards:
+            order.setdefault(shard.entry.index, (shard.entry, []))[1].append(shard)
+        return list(order.values())
+
+    def _group_entries(self) -> list[list[int]]:
+        """For each param group, the user indices of its parameters."""
+        position = {entry.index: i for i, (entry, _) in enumerate(self._entries())}
+        shard_of = {id(shard.step_param): shard for shard in self.shards}
+        groups = []
+        for group in self.inner.param_groups:
+            ids: list[int] = []
+            for param in group["params"]:
+                i = position[shard_of[id(param)].entry.index]
+                if i not in ids:
+                    ids.append(i)
+            groups.append(ids)
+        return groups
+
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        """The optimizer's state in the user's optimizer's own layout, with real tensors:
+        per-element state that lives on NVMe is read back (it takes host memory for the whole
+        state; the copy is the caller's)."""
+        state: dict[int, dict[str, Any]] = {}
+        for i, (entry, shards) in enumerate(self._entries()):
+            merged = self._entry_state(entry, shards)
+            if merged:
+                state[i] = merged
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, **kernels,
+                   "params": ids}
+                  for group, kernels, ids in zip(self.inner.param_groups, self._user_kernels,
+                                                 self._group_entries())]
+        return {"state": state, "param_groups": groups}
+
+    def _entry_state(self, entry: Any, shards: list[Shard]) -> dict[str, Any]:
+        placement = self.store.placement
+        pieces: dict[str, list[torch.Tensor]] = {}
+        merged: dict[str, Any] = {}
+        for shard in shards:
+            companions = state_companions(shard) if self.swap_state else {}
+            for key, value in self.inner.state.get(shard.step_param, {}).items():
+                if key in companions:
+                    companion = companions[key]
+                    placement.ensure_host(companion)  # read back from NVMe if it is there
+                    # A copy now: the next read may reuse this slot.
+                    value = companion.host.view(_step_shape(shard)).clone()
+                if isinstance(value, torch.Tensor) and value.shape == _step_shape(shard):
+                    pieces.setdefault(key, []).append(value.detach().reshape(-1))
+                    merged.setdefault(key, None)  # keeps the optimizer's key order
+                elif key not in merged:
+                    merged[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for key, parts in pieces.items():
+            merged[key] = torch.cat(parts).view(entry.shape)
+        return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
+        """Loads a state dict in the user's optimizer's layout (from :meth:`state_dict`, or
+        from the same optimizer class trained without the store)."""
+        saved_groups = state_dict["param_groups"]
+        own_groups = self._group_entries()
+        if len(saved_groups) != len(own_groups) or any(
+                len(saved["params"]) != len(ids) for saved, ids in zip(saved_groups, own_groups)):
+            raise ValueError(
+                f"the state dict has param groups of sizes "
+                f"{[len(g['params']) for g in saved_groups]}, this optimizer "
+                f"{[len(ids) for ids in own_groups]}: load a state dict saved from an optimizer "
+                f"built over the same parameters")
+        entries = self._entries()
+        saved_index = {}  # user index here -> index in the state dict
+        for saved, ids in zip(saved_groups, own_groups):
+            saved_index.update(zip(ids, saved["params"]))
+        inner_index = {id(shard.step_param): k for k, shard in enumerate(self.shards)}
+        inner_state: dict[int, dict[str, Any]] = {}
+        for i, (entry, shards) in enumerate(entries):
+            saved = state_dict["state"].get(saved_index[i])
+            if not saved:
+                continue
+            for shard in shards:
+                inner_state[inner_index[id(shard.step_param)]] = _split_state(
+                    saved, entry, shard)
+        inner_groups = []
+        for saved, group in zip(saved_groups, self.inner.param_groups):
+            settings = {k: v for k, v in saved.items() if k != "params"}
+            settings.update({k: group[k] for k in _KERNEL_KEYS if k in group})
+            inner_groups.append({**settings, "params": [inner_index[id(p)]
+                                                        for p in group["params"]]})
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        # Optimizer.load_state_dict replaces both objects: share the new ones.
         self.state = self.inner.state
+        self.param_groups = self.inner.param_groups
+        if self.swap_state:
+            for shard in self.shards:
+                self._stash_loaded_state(shard)
+
+    def _stash_loaded_state(self, shard: Shard) -> None:
+        """Moves loaded per-element state into the shard's companions (overwriting what they
+        held, without reading it) and drops companions the loaded state has no value for."""
+        placement = self.store.placement
+        registry = self.store.registry
+        state = self.inner.state.get(shard.step_param, {})
+        loaded = set()
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.shape != _step_shape(shard):
+                continue
+            kind = OPTIM_PREFIX + key
+            companion = shard.companions.get(kind)
+            if companion is not None:
+                value = value.to(companion.dtype)
+            if companion is None or companion.state is R.EMPTY:
+                companion = placement.companion(shard, kind, shard.numel, value.dtype)
+                placement.fill(companion, value.reshape(-1))
+            else:
+                placement.prepare_overwrite(companion)
+                companion.host.copy_(value.reshape(-1))
+                if companion.state is not R.HOST:
+                    registry.set_state(companion, R.HOST)
+            companion.version += 1
+            state[key] = torch.empty(0, dtype=value.dtype)
+            loaded.add(kind)
+        for kind, companion in list(shard.companions.items()):
+            if kind.startswith(OPTIM_PREFIX) and kind not in loaded:
+                placement.discard(companion)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("add parameter groups before attach: the store must shard "
@@ -205,6 +332,8 @@ def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> b
 
 
 OPTIM_PREFIX = "optim:"
+#: param-group keys that choose an update kernel, not the optimisation
+_KERNEL_KEYS = ("fused", "foreach")
 
 
 def state_companions(shard: Shard) -> dict[str, Shard]:
@@ -220,22 +349,27 @@ def _step_shape(shard: Shard) -> torch.Size:
     return entry.shape if len(entry.shards) == 1 else torch.Size([shard.numel])
 
 
+def _split_state(state: dict[str, Any], entry: Any, shard: Shard) -> dict[str, Any]:
+    """A parameter's optimizer state as its shard's: per-element tensors are cut like the
+    parameter, everything else (``step`` counters, scalars) is copied."""
+    moved = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == entry.shape:
+            piece = value.detach().reshape(-1)[shard.start:shard.start + shard.numel]
+            moved[key] = piece.to("cpu").clone().view(_step_shape(shard))
+        elif isinstance(value, torch.Tensor):
+            moved[key] = value.detach().to("cpu").clone()
+        else:
+            moved[key] = value
+    return moved
+
+
 def _migrate_state(optimizer: Optimizer, inner: Optimizer, registry: Any) -> None:
     """Carries state the user's optimizer already has (it stepped, or its constructor made
-    some) over to the step parameters: per-element tensors are split like the parameter,
-    everything else (``step`` counters, scalars) is copied."""
+    some) over to the step parameters."""
     for param, state in optimizer.state.items():
         entry = registry.entry_of(param)
         if entry is None or not state:
             continue
         for shard in entry.shards:
-            moved = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.shape == entry.shape:
-                    piece = value.detach().reshape(-1)[shard.start:shard.start + shard.numel]
-                    moved[key] = piece.to("cpu").clone().view(_step_shape(shard))
-                elif isinstance(value, torch.Tensor):
-                    moved[key] = value.detach().to("cpu").clone()
-                else:
-                    moved[key] = value
-            inner.state[shard.step_param] = moved
+            inner.state[shard.step_param] = _split_state(state, entry, shard)
