@@ -20,8 +20,8 @@ def make_model(config: GPTConfig = SMALL, seed: int = 0) -> TinyGPT:
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
           micro_batches: int = 1, scheduler_factory: Callable | None = None,
-          config: GPTConfig = SMALL, batch: int = 4) -> list[float]:
-    data = synthetic_batches(config, batch, seed=1)
+          config: GPTConfig = SMALL, batch: int = 4, seed: int = 1) -> list[float]:
+    data = synthetic_batches(config, batch, seed=seed)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
     losses = []
     for _ in range(steps):

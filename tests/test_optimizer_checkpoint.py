@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from infinity import OffloadConfig, TieredStore
-from tests.store_helpers import SMALL, make_model, train
-from tools.tiny_gpt import synthetic_batches
+from tests.store_helpers import make_model, train
 
 
 def _adamw(params):
@@ -30,16 +29,7 @@ def _config(tmp_path, optimizer_tier: str) -> OffloadConfig:
 
 
 def _run(model, optimizer, steps, seed):
-    data = synthetic_batches(SMALL, 4, seed=seed)
-    losses = []
-    for _ in range(steps):
-        tokens, targets = next(data)
-        loss = model(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, optimizer, steps, seed=seed)
 
 
 def _assert_same_state(got: dict, want: dict) -> None:
