@@ -285,6 +285,9 @@ class AioConfig(_Validated):
         bandwidth. Memory: negligible (one submission slot per request).
     thread_count: worker threads of the ``threads``/``buffered`` backends; None = queue_depth.
         Ignored by ``uring``. Memory: one thread stack each (mostly virtual).
+    request_timeout: seconds a single request may stay in flight before its transfer fails
+        with ``TransferTimeoutError`` naming the file and offset (a hung or failing drive);
+        None waits forever. Raise it for slow network or throttled disks. Memory: none.
     """
 
     _section: ClassVar[str] = "aio"
@@ -296,6 +299,9 @@ class AioConfig(_Validated):
     queue_depth: int = field(default=8, metadata=_rule(kind="int", lo=1, hi=1024))
     thread_count: int | None = field(default=None, metadata=_rule(
         kind="int", lo=1, hi=1024, optional=True, fix="use null to follow queue_depth"))
+    request_timeout: float | None = field(default=60.0, metadata=_rule(
+        kind="float", lo=0.001, optional=True,
+        fix="use a number of seconds such as 60, or null to wait forever"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

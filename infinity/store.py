@@ -62,7 +62,7 @@ class TieredStore:
         """``backend_wrapper`` (tests and tools only) wraps the swap engine's I/O backend, e.g.
         in a fault-injecting backend; None costs nothing. ``engine_overrides`` (tests and tools
         only) replaces fields of the engine's ``EngineSettings`` that the config has no key for,
-        such as a short ``request_timeout`` under injected hangs.
+        such as a tiny ``close_timeout`` under injected hangs.
 
         Threads: the store is driven by one training thread (attach, forward/backward, step,
         state_dict, materialize, close are not thread-safe). ``stats()`` and the timeline's
@@ -399,7 +399,8 @@ class TieredStore:
                                   queue_depth=config.aio.queue_depth,
                                   thread_count=config.aio.thread_count,
                                   file_size=align_up(per_drive),
-                                  verify_checksums=config.verify_checksums)
+                                  verify_checksums=config.verify_checksums,
+                                  request_timeout=config.aio.request_timeout)
         if self._engine_overrides:
             settings = dataclasses.replace(settings, **self._engine_overrides)
         backend = None

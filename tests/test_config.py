@@ -269,7 +269,8 @@ def test_round_trip_defaults_and_custom() -> None:
         assert OffloadConfig.from_dict(json.loads(text)) == config
     assert custom.to_dict()["nvme_path"] == ["/mnt/a", "/mnt/b"]
     assert custom.to_dict()["aio"] == {"backend": "threads", "block_size": 1 << 19,
-                                       "queue_depth": 32, "thread_count": 16}
+                                       "queue_depth": 32, "thread_count": 16,
+                                       "request_timeout": 60.0}
 
 
 @settings(max_examples=60, deadline=None)
@@ -605,3 +606,20 @@ def test_deepspeed_nvme_path_on_cpu_section_ignored(caplog: pytest.LogCaptureFix
         "device": "cpu", "nvme_path": "/n"}}))
     assert c.nvme_path == ()
     only_one(caplog, "offload_optimizer.nvme_path is ignored")
+
+
+def test_aio_request_timeout_is_validated_and_reaches_the_engine(tmp_path) -> None:
+    assert OffloadConfig().aio.request_timeout == 60.0
+    assert OffloadConfig.from_dict({"aio": {"request_timeout": None}}).aio.request_timeout is None
+    for bad in (0, -1, "soon", float("inf")):
+        with pytest.raises(ConfigError, match="aio.request_timeout"):
+            OffloadConfig.from_dict({"aio": {"request_timeout": bad}})
+    with pytest.raises(ConfigError, match="request_timeout"):
+        OffloadConfig.from_dict({"aio": {"request_timout": 5}})
+    import torch
+    from infinity import TieredStore
+    store = TieredStore(OffloadConfig.from_dict({"nvme_path": str(tmp_path),
+                                                 "aio": {"request_timeout": 7.5}}))
+    store.attach(torch.nn.Linear(8, 8))
+    assert store.engine.settings.request_timeout == 7.5
+    store.close()
