@@ -116,6 +116,17 @@ class CompanionsAndGradients:
             return holder.host
         return shard.grad
 
+    def drop_grad(self, shard: Shard) -> None:
+        """Forgets one shard's gradient (consumed by the step)."""
+        shard.grad_sq_norm = 0.0
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            if holder is not None:
+                self.discard(holder)
+        elif shard.grad is not None:
+            shard.grad = None
+            self.grad_bytes -= shard.nbytes
+
     def clear_grads(self, set_to_none: bool = True) -> None:
         for shard in self.registry.shards.values():
             shard.grad_sq_norm = 0.0

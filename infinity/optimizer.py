@@ -165,6 +165,7 @@ class OffloadedOptimizer(Optimizer):
         return changed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.store._unfinished_step = None  # a failed step is abandoned with its gradients
         self.store.placement.clear_grads(set_to_none)
 
     # -- state ----------------------------------------------------------------------------------

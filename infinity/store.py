@@ -101,6 +101,9 @@ class TieredStore:
         self.last_grad_norm = math.nan
         #: transfers, waits and compute spans, recorded while ``timeline.enabled``
         self.timeline = Timeline()
+        #: a step that failed part-way (its clipping factor, the ids of the shards it updated),
+        #: until it is finished or abandoned
+        self._unfinished_step: tuple[float, set[str]] | None = None
         #: overlap the step's reads, updates and writes (False: one after another, which only
         #: benchmarks want, to show what the pipeline saves)
         self.pipeline_step = True
@@ -414,6 +417,7 @@ class TieredStore:
 
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
+        self._unfinished_step = None  # a new forward moves on from a step that failed
         self.follower.start_iteration((grad_enabled, training))
 
     def _run_step(self, optimizer: OffloadedOptimizer) -> None:
@@ -428,20 +432,28 @@ class TieredStore:
             if entry.holds:
                 raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
                                    f"or backward pass")
-        norm = global_norm([s.grad_sq_norm for s in todo]) \
-            if placement.track_grad_norms else math.nan
-        self.last_grad_norm = norm
-        if self.scaler is not None:
-            overflow = not math.isfinite(norm)
-            self.scaler.update(overflow)
-            placement.loss_scale = self.scaler.scale
-            if overflow:
-                self.skipped_steps += 1
-                return  # the user's zero_grad() discards the overflowed gradients
-        multiplier = 1.0
-        clip = self.config.gradient_clipping
-        if clip > 0 and norm > clip:
-            multiplier = clip / (norm + 1e-6)
+        if self._unfinished_step is not None:
+            # The last step failed part-way: finish it for the shards it had not updated, with
+            # the same clipping factor; the global norm and the loss scale were settled when it
+            # started.
+            multiplier, done = self._unfinished_step
+            todo = [s for s in todo if s.id not in done]
+        else:
+            done = set()
+            norm = global_norm([s.grad_sq_norm for s in todo]) \
+                if placement.track_grad_norms else math.nan
+            self.last_grad_norm = norm
+            if self.scaler is not None:
+                overflow = not math.isfinite(norm)
+                self.scaler.update(overflow)
+                placement.loss_scale = self.scaler.scale
+                if overflow:
+                    self.skipped_steps += 1
+                    return  # the user's zero_grad() discards the overflowed gradients
+            multiplier = 1.0
+            clip = self.config.gradient_clipping
+            if clip > 0 and norm > clip:
+                multiplier = clip / (norm + 1e-6)
         updated = {s.entry for s in todo}
         for entry in updated:
             placement.drop_device(entry, force=True)  # refreshed from the master below or on use
@@ -451,10 +463,21 @@ class TieredStore:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
         else:
+            self._unfinished_step = (multiplier, done)
             try:
-                self._tiled_step(optimizer, todo, multiplier)
+                self._tiled_step(optimizer, todo, multiplier, done)
+            except BaseException as exc:
+                updated_now = sum(1 for s in todo if s.id in done)
+                left = len(todo) - updated_now
+                exc.add_note(
+                    f"optimizer.step() stopped after updating {updated_now} of {len(todo)} "
+                    f"shards. Once the cause is fixed, optimizer.step() finishes this step for "
+                    f"the other {left} (same clipping factor); optimizer.zero_grad() or a new "
+                    f"forward abandons it, leaving the model partly updated.")
+                raise
             finally:
                 placement.stepped.clear()  # eviction ranks companions alike again
+            self._unfinished_step = None
         for entry in updated:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
@@ -470,11 +493,12 @@ class TieredStore:
         return out
 
     def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard],
-                    multiplier: float) -> None:
+                    multiplier: float, done: set[str]) -> None:
         """Read ahead, update a tile, write back what the next reads need room for: the pipeline
         over the staging arena.
         A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
-        and writes; the step costs about max(read, update, write), not their sum."""
+        and writes; the step costs about max(read, update, write), not their sum. The ids of
+        the shards it updated go into ``done``, as they are updated."""
         placement = self.placement
         params_on_nvme = placement.params_on_nvme
 
@@ -542,9 +566,9 @@ class TieredStore:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
                 placement.stepped.add(shard.entry.index)
+                done.add(shard.id)
                 if placement.grads_on_nvme:
-                    placement.discard(shard.companions["grad"])
-                    shard.grad_sq_norm = 0.0
+                    placement.drop_grad(shard)
             for companion in changed:
                 companion.version += 1
             if placement.write_behind:
