@@ -137,6 +137,7 @@ class HookSet:
                 for entry in entries:
                     self.placement.gather(entry)
                     gathered.append(entry)
+            self.store.watch_heap()
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
             flat, spec = tree_flatten(output)
@@ -173,6 +174,7 @@ class HookSet:
             for entry in entries:
                 self.placement.gather(entry)
                 self.backward_holds[entry] = self.backward_holds.get(entry, 0) + 1
+            self.store.watch_heap()
 
         for tensor in tensors:
             tensor.register_hook(pre_backward)

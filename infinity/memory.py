@@ -11,9 +11,13 @@ explicit ``host_budget``. The store's own large allocations (the CPU device tier
 copies) ask for transparent huge pages before first touch (``swap.advise_huge_pages``), which
 makes those faults 2 MiB each.
 
-Letting the heap keep blocks after the first step instead (the allocations repeat every step)
-took a third off the attached CPU step of a 100M-parameter model, but fragmentation grew the
-heap by 1.3 GiB on a 500M-parameter model under a 2 GiB budget: bounded memory comes first.
+Letting the heap keep blocks after the first step (the allocations repeat every step) takes a
+third off the attached CPU step of a 100M-parameter model, but on its own fragmentation grew the
+heap by 1.3 GiB on a 500M-parameter model under a 2 GiB budget. So reuse comes with a watch
+(:class:`HeapWatch`): at the points where the heap grows (module boundaries, step tiles) the
+store compares the process's RSS with the line its budgets draw, and past it hands the heap's
+free pages back to the system (``malloc_trim``), which fragmentation cannot stop. Bounded memory
+first; reuse whenever it fits under the line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +56,81 @@ def bound_heap_retention(threshold: int = 1 << 20) -> bool:
     log.debug("glibc mmap/trim thresholds pinned at %d bytes: %s", threshold, ok)
     return ok
 
+
+
+def _libc_function(name: str) -> Any:
+    library = ctypes.util.find_library("c")
+    if not library:
+        return None
+    try:
+        return getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
+        return None
+
+
+def reuse_heap_blocks(largest: int) -> bool:
+    """Lets blocks up to about ``largest`` bytes be reused from the heap instead of mapped and
+    faulted afresh. Only where :func:`bound_heap_retention` pinned the thresholds before."""
+    if not _done:
+        return False
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    threshold = min(max(2 * largest, 1 << 20), 1 << 30)  # room for alignment and headers
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    log.debug("glibc mmap threshold raised to %d bytes: %s", threshold, ok)
+    return ok
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """The process's RSS from /proc/self/statm (a few microseconds); 0 where unavailable."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HeapWatch:
+    """Heap reuse while it fits: :meth:`start` lets freed blocks be reused; :meth:`check`, called
+    where the heap grows, goes back to bounded mode for good (blocks mapped and returned again,
+    the heap's free pages handed back) the first time the process's RSS passes ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = False
+        self.seen_peak = 0  # the highest RSS a check saw
+        self.gave_up_at: int | None = None  # the RSS that ended reuse, if it ended
+
+    def start(self, largest: int, extra: int) -> bool:
+        """Starts reuse if the line leaves ``extra`` bytes above the RSS seen so far: what
+        keeping one step's large temporaries in the heap is expected to add."""
+        if self.gave_up_at is not None or self.limit - self.seen_peak < extra:
+            log.debug("heap reuse not started: %d bytes under the line, %d wanted",
+                      self.limit - self.seen_peak, extra)
+            return False
+        self.active = reuse_heap_blocks(largest)
+        return self.active
+
+    def check(self) -> None:
+        rss = resident_bytes()
+        self.seen_peak = max(self.seen_peak, rss)
+        if not self.active or rss <= self.limit:
+            return
+        self.active = False
+        self.gave_up_at = rss
+        mallopt = _libc_function("mallopt")
+        trim = _libc_function("malloc_trim")
+        if mallopt is not None:
+            mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+        if trim is not None:
+            trim.argtypes = [ctypes.c_size_t]
+            trim(0)
+        log.info("heap reuse off: RSS %d bytes passed the line of %d (process + budgets); large "
+                 "blocks are mapped and returned again, now %d bytes", rss, self.limit,
+                 resident_bytes())

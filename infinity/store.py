@@ -25,7 +25,7 @@ from infinity import lifecycle
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.hooks import HookSet
-from infinity.memory import bound_heap_retention
+from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
 from infinity.optimizer import OffloadedOptimizer, state_companions
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
@@ -104,6 +104,8 @@ class TieredStore:
         #: a step that failed part-way (its clipping factor, the ids of the shards it updated),
         #: until it is finished or abandoned
         self._unfinished_step: tuple[float, set[str]] | None = None
+        #: with a host budget: RSS kept under the budgets' line while heap blocks are reused
+        self._heap_watch: HeapWatch | None = None
         #: overlap the step's reads, updates and writes (False: one after another, which only
         #: benchmarks want, to show what the pipeline saves)
         self.pipeline_step = True
@@ -182,6 +184,10 @@ class TieredStore:
             # An explicit host budget asks for bounded memory: freed temporaries must go back to
             # the system (costs page faults on large allocations; see infinity.memory).
             bound_heap_retention()
+            # The process without the model: what stays when the store holds the parameters.
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                              if p.device.type == "cpu" and not p.is_meta)
+            process_bytes = max(resident_bytes() - model_bytes, 0)
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
                                     compute_dtype=self.compute_dtype)
@@ -234,6 +240,16 @@ class TieredStore:
                  "the device (masters on " + self._master_tier + ")"
                  if self._params_stay_on_device else config.offload_param,
                  self.budgets["device"], self.budgets["host"])
+        if config.host_budget is not None:
+            # The line: the process without the model, the budgets, and autograd's transient
+            # pair of largest-parameter buffers in backward.
+            largest = max(e.nbytes for e in self.registry.entries)
+            limit = process_bytes + self.budgets["host"] + self.budgets["device"] + 2 * largest
+            # Less a margin: RSS is sampled where the heap grows, and may pass it in between.
+            self._heap_watch = HeapWatch(limit - min(2 * largest, limit // 32))
+            log.info("heap reuse after the first step while RSS < %d bytes (process %d + host %d "
+                     "+ device %d + 2 x %d, less a margin)", self._heap_watch.limit,
+                     process_bytes, self.budgets["host"], self.budgets["device"], largest)
         self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
         self.hooks.install()
         if self.scaler is not None:
@@ -482,7 +498,21 @@ class TieredStore:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1
+        if self.steps == 1 and self._heap_watch is not None:
+            # From now on every step allocates the same sizes: reuse freed blocks instead of
+            # faulting fresh mappings, for as long as RSS stays under the line.
+            # Expected to stay in the heap: the device tier's copies (host memory without a
+            # GPU) and a few gradients and autograd temporaries of the largest parameter.
+            largest = max(e.nbytes for e in self.registry.entries)
+            device = self.budgets["device"] if self.device.type == "cpu" else 0
+            self._heap_watch.start(largest, device + 4 * largest)
+        self.watch_heap()
         self._sample_memory()
+
+    def watch_heap(self) -> None:
+        """Called where the heap grows (module gathers, step tiles)."""
+        if self._heap_watch is not None:
+            self._heap_watch.check()
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []
@@ -562,6 +592,7 @@ class TieredStore:
                 changed = optimizer.update(tile, multiplier)
             finally:
                 placement.pinned = set()
+            self.watch_heap()
             for shard in tile:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # exists: what every training process pays whatever its model.
     warm = nn.Linear(64, 64)
     warm(torch.randn(4, 64)).sum().backward()
+    torch.optim.AdamW(warm.parameters()).step()  # the optimizer machinery loads on first use
     del warm
     overhead = psutil.Process().memory_info().rss
     layers = max(1, round(args.params / (args.width * args.width + args.width)))
