@@ -38,16 +38,20 @@ class Point:
     block_size: int
     queue_depth: int
     thread_count: int | None = None
+    #: checksum every chunk (the runtime's default); off only to show what verification costs
+    verify: bool = True
 
     @property
     def label(self) -> str:
         threads = f" t={self.thread_count}" if self.thread_count else ""
-        return f"{self.backend} bs={format_size(self.block_size)} qd={self.queue_depth}{threads}"
+        unverified = " (checksums off)" if not self.verify else ""
+        return (f"{self.backend} bs={format_size(self.block_size)} qd={self.queue_depth}"
+                f"{threads}{unverified}")
 
     def settings(self, file_size: int) -> EngineSettings:
         return EngineSettings(backend=self.backend, block_size=self.block_size,
                               queue_depth=self.queue_depth, thread_count=self.thread_count,
-                              file_size=file_size)
+                              file_size=file_size, verify_checksums=self.verify)
 
     def as_dict(self) -> dict:
         return asdict(self)
