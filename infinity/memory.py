@@ -83,6 +83,13 @@ def reuse_heap_blocks(largest: int) -> bool:
     return ok
 
 
+def _pin_mmap_threshold(threshold: int = 1 << 20) -> None:
+    mallopt = _libc_function("mallopt")
+    if mallopt is not None:
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -116,6 +123,12 @@ class HeapWatch:
         self.active = reuse_heap_blocks(largest)
         return self.active
 
+    def stop(self) -> None:
+        """Ends reuse (the store closes): large blocks are mapped and returned again."""
+        if self.active:
+            self.active = False
+            _pin_mmap_threshold()
+
     def check(self) -> None:
         rss = resident_bytes()
         self.seen_peak = max(self.seen_peak, rss)
@@ -123,11 +136,8 @@ class HeapWatch:
             return
         self.active = False
         self.gave_up_at = rss
-        mallopt = _libc_function("mallopt")
+        _pin_mmap_threshold()
         trim = _libc_function("malloc_trim")
-        if mallopt is not None:
-            mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            mallopt(_M_MMAP_THRESHOLD, 1 << 20)
         if trim is not None:
             trim.argtypes = [ctypes.c_size_t]
             trim(0)

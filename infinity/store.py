@@ -725,6 +725,8 @@ class TieredStore:
                                           exc)
                                 failure = failure or exc
         finally:
+            if self._heap_watch is not None:
+                self._heap_watch.stop()  # the next store in this process starts bounded again
             if self.hooks is not None:
                 self.hooks.remove()
             for handle in self._handles:

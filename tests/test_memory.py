@@ -52,10 +52,13 @@ def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
     watch = store._heap_watch
     assert watch is not None and watch.limit > 4 << 20
+    watch.limit += 1 << 30  # room for reuse whatever else this test process holds
     for _ in range(2):
         model(torch.randn(4, 256)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     assert watch.seen_peak > 0  # sampled during the steps
+    assert watch.active  # reuse started after the first step
     store.close()
+    assert not watch.active  # a closed store leaves the process bounded
     assert TieredStore(OffloadConfig(offload_param="cpu"))._heap_watch is None
