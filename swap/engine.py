@@ -1,16 +1,19 @@
 """The swap engine: moves bytes between pool buffers and extents of swap files.
 
 A transfer (one extent range <-> one buffer range) is cut into requests of at most
-``block_size`` bytes on a grid of ``block_size`` chunks starting at the extent's first byte, so a
-request never crosses a stripe unit or an integrity chunk. Requests wait in one queue per drive,
+``block_size`` bytes on a grid of ``block_size`` blocks starting at the extent's first byte, so a
+request never crosses a stripe unit or an integrity chunk (a whole number of blocks). Requests wait in one queue per drive,
 and the engine keeps at most ``queue_depth`` of them in flight per drive (and never more than the
 backend's own queue depth) across all transfers. Each transfer returns a
 ``concurrent.futures.Future`` resolving to its logical byte count; ``read_sync``/``write_sync``
 are the blocking forms.
 
 Threads: requests complete on the backend's threads (the uring completion thread, the pool's
-workers), which do bookkeeping, hash the chunk the request completed (see ``swap.integrity``)
-and submit the next requests. Done-callbacks of the transfer futures run on one dispatcher
+workers), which do bookkeeping and submit the next requests. Checksums are computed on the
+engine's hasher thread, one call per integrity chunk with the GIL released (see
+``swap.integrity``): a write's chunks while the write is in flight, a read's chunk once all
+its bytes arrived. The completion thread never waits for the interpreter in between, and the
+training thread loses the interpreter once per chunk instead of for every hashed byte. Done-callbacks of the transfer futures run on one dispatcher
 thread of the engine, so a callback that blocks (``read_sync`` in a done-callback, a slow
 consumer) holds up other callbacks but never the I/O itself. A transfer future's
 ``result``/``exception``/``done`` read the transfer's own state, not the dispatcher's progress,
@@ -112,7 +115,7 @@ class SwapEngine(TimeoutsMixin):
         except BaseException:
             backend.close()
             raise
-        self._integrity = (Integrity(self.settings.block_size) if self.settings.verify_checksums
+        self._integrity = (Integrity(self.settings.chunk_size) if self.settings.verify_checksums
                            else None)
         self._stats = StatsRecorder()
         self._lock = threading.Lock()
@@ -124,7 +127,9 @@ class SwapEngine(TimeoutsMixin):
         self._queued = 0
         self._inflight = 0  # requests in flight, zombies included: they hold backend slots
         self._zombies = 0
-        self._hashing = 0  # chunks completed and being hashed: their transfers are not done
+        self._hashing = 0  # chunks queued for or being hashed: their transfers are not done
+        self._hash_jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._hash_cpu = 0.0  # the hasher thread's CPU seconds
         self._flying: set[Piece] = set()  # in flight and not timed out
         self._quarantine: dict[Piece, Quarantined] = {}
         self._extent_zombies: dict[int, int] = {}  # extent serial -> zombie requests on it
@@ -136,6 +141,10 @@ class SwapEngine(TimeoutsMixin):
         self._dispatcher = threading.Thread(target=self._dispatch, name="swap-callbacks",
                                             daemon=True)
         self._dispatcher.start()
+        self._hasher: threading.Thread | None = None
+        if self._integrity is not None:
+            self._hasher = threading.Thread(target=self._hash_loop, name="swap-hash", daemon=True)
+            self._hasher.start()
         self._start_watchdog()
         _open_engines.add(self)
         log.info("swap engine: backend=%s block_size=%d queue_depth=%d dirs=%s verify=%s "
@@ -241,6 +250,10 @@ class SwapEngine(TimeoutsMixin):
             self._queued += len(pieces)
             for piece in pieces:
                 self._queues[piece.file.drive].append(piece)
+            if op is Op.WRITE and pieces:
+                # The bytes are in the buffer already: hash them while they are being written.
+                for chunk in {id(p.chunk): p.chunk for p in pieces if p.chunk}.values():
+                    self._queue_hash_locked(transfer, chunk)
             if not pieces:  # nbytes == 0, or refused
                 self._finish_locked(transfer)
             if self._zombies:
@@ -250,11 +263,14 @@ class SwapEngine(TimeoutsMixin):
 
     def _pieces(self, transfer: Transfer, extent: Extent, extent_offset: int,
                 buffer_offset: int, padded: int) -> list[Piece]:
-        """Requests of at most block_size bytes, cut on the block_size grid of the extent (the
-        integrity chunks); each is tagged with the chunk it covers entirely, if any."""
+        """Requests of at most block_size bytes, cut on the block_size grid of the extent; each
+        is tagged with the integrity chunk it is part of when the transfer covers that chunk
+        entirely. For reads, ``transfer.chunk_left`` counts the bytes each chunk still awaits."""
         block = self.settings.block_size
+        size = self.settings.chunk_size
         base = transfer.buffer.address
         check = transfer.check
+        chunks: dict[int, Chunk] = {}
         pieces = []
         for file, file_offset, ext_offset, length in extent.locate(extent_offset, padded):
             done = 0
@@ -262,11 +278,17 @@ class SwapEngine(TimeoutsMixin):
                 at = ext_offset + done
                 take = min(block - at % block, length - done)
                 chunk = None
-                if check is not None and check.first <= at // block < check.stop:
-                    index = at // block
-                    chunk = Chunk(index, buffer_offset + (at - extent_offset),
-                                  min(block, extent.nbytes - index * block), file.path,
-                                  file_offset + done)
+                index = at // size
+                if check is not None and check.first <= index < check.stop:
+                    chunk = chunks.get(index)
+                    if chunk is None:  # its first byte: where a mismatch is reported
+                        start = index * size
+                        chunk = chunks[index] = Chunk(
+                            index, buffer_offset + (start - extent_offset),
+                            min(size, extent.nbytes - start), file.path,
+                            file_offset + done - (at - start))
+                        transfer.chunk_left[index] = 0
+                    transfer.chunk_left[index] += take
                 pieces.append(Piece(transfer, file, file_offset + done,
                                     base + buffer_offset + (at - extent_offset), take, chunk))
                 done += take
@@ -364,9 +386,6 @@ class SwapEngine(TimeoutsMixin):
             else:
                 requeue = Piece(transfer, piece.file, piece.offset + result,
                                 piece.address + result, piece.length - result, piece.chunk)
-        elif error is None and piece.chunk is not None and transfer.error is None:
-            if self._hash_chunk(piece):
-                return
         elif error is not None and not getattr(error, "errno", 0):
             detail = f"{type(error).__name__}: {error}"
         self._stats.request_done()
@@ -380,6 +399,8 @@ class SwapEngine(TimeoutsMixin):
                 if isinstance(error, BackendAbandonedError):
                     self._abandon_locked(piece)
                 transfer.outstanding -= 1
+                if error is None and piece.chunk is not None and transfer.op is Op.READ:
+                    self._chunk_bytes_arrived_locked(transfer, piece.chunk, result)
                 if requeue is not None:
                     # The rest goes first in its drive's queue: the transfer is under way.
                     self._stats.note_retry()
@@ -396,41 +417,51 @@ class SwapEngine(TimeoutsMixin):
             self._notify_if_drained_locked()
         self._pump()
 
-    def _hash_chunk(self, piece: Piece) -> bool:
-        """The request completed its integrity chunk. Frees its slot and submits the next request
-        first, then hashes the chunk on this (completion) thread before the transfer can
-        resolve: hashing overlaps the requests in flight instead of delaying them, and never
-        runs on the caller's thread. False if the request timed out meanwhile."""
-        transfer = piece.transfer
-        with self._lock:
-            if piece.timed_out:
-                return False
-            self._flying.discard(piece)
-            self._inflight -= 1
-            self._drive_inflight[piece.file.drive] -= 1
-            self._hashing += 1  # close waits for these: the transfer is not finished yet
-        self._stats.request_done()
-        self._pump()
-        try:
-            failure = self._integrity.chunk_done(transfer.check, piece.chunk,
-                                                 transfer.buffer.array)
-        except Exception as exc:  # noqa: BLE001 - a bug must fail the transfer, not strand it
-            failure = exc
-        with self._lock:
-            self._hashing -= 1
-            transfer.outstanding -= 1
-            if failure is not None and transfer.error is None and not transfer.done:
-                transfer.error = failure
-                self._stats.note_error()
-            self._finish_locked(transfer)
-            self._notify_if_drained_locked()
-        return True
+    def _chunk_bytes_arrived_locked(self, transfer: Transfer, chunk: Chunk,
+                                    nbytes: int) -> None:
+        left = transfer.chunk_left.get(chunk.index)
+        if left is None:
+            return
+        left -= nbytes
+        transfer.chunk_left[chunk.index] = left
+        if left <= 0 and transfer.error is None:
+            del transfer.chunk_left[chunk.index]
+            self._queue_hash_locked(transfer, chunk)
+
+    def _queue_hash_locked(self, transfer: Transfer, chunk: Chunk) -> None:
+        transfer.hashing += 1
+        self._hashing += 1  # close waits for these: the transfer is not finished yet
+        self._hash_jobs.put((transfer, chunk))
+
+    def _hash_loop(self) -> None:
+        """The hasher thread: one checksum call per chunk, the GIL released inside it."""
+        integrity = self._integrity
+        assert integrity is not None
+        while True:
+            job = self._hash_jobs.get()
+            if job is _STOP:
+                return
+            transfer, chunk = job  # type: ignore[misc]
+            started = time.thread_time()
+            try:
+                failure = integrity.chunk_done(transfer.check, chunk, transfer.buffer.array)
+            except Exception as exc:  # noqa: BLE001 - a bug must fail the transfer, not strand it
+                failure = exc
+            self._hash_cpu += time.thread_time() - started
+            with self._lock:
+                self._hashing -= 1
+                transfer.hashing -= 1
+                if failure is not None and transfer.error is None and not transfer.done:
+                    transfer.error = failure
+                    self._stats.note_error()
+                self._finish_locked(transfer)
+                self._notify_if_drained_locked()
 
     def _finish_locked(self, transfer: Transfer) -> None:
         """Once nothing of the transfer remains queued or in flight, marks it done and hands its
         future to the dispatcher: the future's callbacks may block or start new transfers, which
         must happen neither under this lock nor on a backend thread."""
-        if transfer.outstanding or transfer.queued or transfer.done:
+        if transfer.outstanding or transfer.queued or transfer.hashing or transfer.done:
             return
         transfer.done = True
         self._active.discard(transfer)
@@ -466,7 +497,7 @@ class SwapEngine(TimeoutsMixin):
         with self._lock:
             quarantined = len(self._quarantine)
         return self._stats.snapshot(
-            self.backend.counters.thread_cpu_seconds,
+            self.backend.counters.thread_cpu_seconds + self._hash_cpu,
             checksum_seconds=integrity.seconds if integrity else 0.0,
             integrity_errors=integrity.errors if integrity else 0, quarantined=quarantined)
 
@@ -510,6 +541,10 @@ class SwapEngine(TimeoutsMixin):
                 self._abandon_locked(piece)
             self._flying.clear()
             self._fail_active_locked()
+        if self._hasher is not None:
+            self._hash_jobs.put(_STOP)  # after every queued chunk: their transfers finish first
+            if self._hasher is not threading.current_thread():
+                self._hasher.join(max(1.0, deadline - time.monotonic()))
         if self.keep_files and self._integrity is not None:
             for run_dir in self.space.run_dirs:
                 try:

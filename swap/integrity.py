@@ -7,19 +7,23 @@ the read with :class:`IntegrityError` that says what the bytes are instead, when
 bytes of something this engine wrote: the extent's previous version (a write that did not land),
 another extent (contents swapped or misplaced), a freed extent, zeros, or nothing known.
 
-Checksum: xxh3_64 (``xxhash``), chosen by measurement on the development machine (2-core AMD
-EPYC VM, single thread, medians): xxh3_64 ran at ~30 GB/s on 64 MiB buffers and ~60 GB/s on
-1 MiB ones, hardware CRC32C (``crc32c``) at ~15 and ~28 GB/s. Both release the GIL for large
-buffers (xxhash above 64 KiB), which :func:`checksum` avoids on purpose (see there). 64 bits also make "these bytes are extent X's" practically free
-of false matches, where 32 bits would not be across millions of chunks.
+Checksum: xxh3_64 (``xxhash``), chosen by measurement on a 2-core VM (single thread, medians):
+xxh3_64 ran at ~30 GB/s on 64 MiB buffers and ~60 GB/s on 1 MiB ones, hardware CRC32C
+(``crc32c``) at ~15 and ~28 GB/s; on bytes fresh from the disk (not in any cache) xxh3 costs
+about 45 us per MiB. 64 bits also make "these bytes are extent X's" practically free of false
+matches, where 32 bits would not be across millions of chunks.
 
-Granularity: one checksum per ``chunk_size`` (the engine's block_size) chunk on a grid that starts
-at the extent's first byte, the last chunk ending at the extent's logical end (padding excluded).
-The engine cuts transfers on the same grid, so a chunk is exactly one request of a whole-extent
-transfer: each chunk is hashed on the completion thread as its request completes, overlapped with
-the requests still in flight and off the caller's thread. A partial transfer verifies (read) or
-records (write) the chunks it covers entirely; chunks it covers in part are not verified, and a
-partial write marks them unknown. The store reads and writes whole extents, so all is covered.
+Granularity: one checksum per ``chunk_size`` chunk (``EngineSettings.checksum_chunk``, a whole
+number of blocks, 64 MiB by default) on a grid that starts at the extent's first byte, the last
+chunk ending at the extent's logical end (padding excluded). The engine's hasher thread hashes
+each chunk in one call that releases the GIL (:func:`checksum` with ``release_gil``): a write's
+chunks while the write is in flight, a read's once all its requests completed. Chunks far larger
+than a request keep the hand-offs of the interpreter few: hashing every 4 MiB request on the
+completion thread, with the GIL held, cost a pure-Python loop next to the engine a quarter of
+its speed; one GIL-free call per 64 MiB costs about what the I/O alone does. A partial transfer
+verifies (read) or records (write) the chunks it covers entirely; chunks it covers in part are
+not verified, and a partial write marks them unknown. The store reads and writes whole extents,
+so all is covered.
 
 Metadata lives in memory (numpy arrays, 16 bytes per chunk for the current and previous
 version); with ``keep_files`` the engine writes it as JSON next to the swap files.
@@ -55,15 +59,12 @@ _GRAVEYARD = 256  # freed extents remembered, to recognise their bytes in the wr
 _SLICE = 60 << 10
 
 
-def checksum(data: Any) -> int:
-    """xxh3_64 of ``data``, computed without releasing the GIL.
-
-    That sounds backwards, but hashing runs on the completion thread between two requests, and
-    while the training loop runs Python code every release costs up to a whole switch interval
-    (5 ms) to get the GIL back: one release per chunk cut the engine to a tenth of the disk's
-    bandwidth next to a busy interpreter. Holding it costs the loop ~25 us per MiB instead."""
+def checksum(data: Any, release_gil: bool = False) -> int:
+    """xxh3_64 of ``data``. With ``release_gil`` (the engine's hasher thread) one call hashes it
+    all with the GIL released; without (diagnostics on the caller's thread), it is hashed in
+    slices that keep the GIL, so no other thread's wait for it stretches the call."""
     view = memoryview(data).cast("B")
-    if len(view) < _SLICE:
+    if release_gil or len(view) < _SLICE:
         return xxhash.xxh3_64_intdigest(view)
     state = xxhash.xxh3_64()
     for start in range(0, len(view), _SLICE):
@@ -201,10 +202,11 @@ class Integrity:
     def chunk_done(self, check: TransferCheck, chunk: Chunk, array: np.ndarray) -> \
             IntegrityError | None:
         """Hashes a chunk whose bytes are all in ``array`` (the transfer's buffer): a write
-        records it, a read compares it. Runs on the thread that completed the request."""
-        started = time.perf_counter()
-        value = checksum(array[chunk.buffer_start:chunk.buffer_start + chunk.length])
-        elapsed = time.perf_counter() - started
+        records it, a read compares it. Runs on the engine's hasher thread."""
+        started = time.thread_time()
+        value = checksum(array[chunk.buffer_start:chunk.buffer_start + chunk.length],
+                         release_gil=True)
+        elapsed = time.thread_time() - started
         with self._lock:
             self.seconds += elapsed
         if check.write:

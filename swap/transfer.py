@@ -17,7 +17,7 @@ from swap.integrity import Chunk, TransferCheck
 
 class Transfer:
     __slots__ = ("op", "future", "nbytes", "outstanding", "queued", "error", "buffer", "done",
-                 "event", "extent", "check")
+                 "event", "extent", "check", "hashing", "chunk_left")
 
     def __init__(self, op: Op, nbytes: int, buffer: HostBuffer, extent: Extent,
                  check: TransferCheck | None) -> None:
@@ -33,6 +33,8 @@ class Transfer:
         self.buffer = buffer  # keeps the memory alive while requests are in flight
         self.extent = extent
         self.check = check  # integrity: checksums to record (write) or verify (read)
+        self.hashing = 0  # chunks queued for or being hashed: the transfer is not done yet
+        self.chunk_left: dict[int, int] = {}  # reads: bytes still to arrive, per covered chunk
 
 
 class TransferFuture(Future):
@@ -69,7 +71,7 @@ class Piece:
     offset: int
     address: int
     length: int
-    chunk: Chunk | None = None  # the chunk this request completes, when it covers one entirely
+    chunk: Chunk | None = None  # the covered integrity chunk this request is part of
     started: float = 0.0  # monotonic time of the submit
     timed_out: bool = False
 

@@ -71,6 +71,9 @@ def make_engine() -> Iterator[Callable[..., SwapEngine]]:
               **settings) -> SwapEngine:
         settings.setdefault("file_size", 1 << 20)
         settings.setdefault("block_size", 64 << 10)
+        # One checksum per request, so tests can name the request a fault hit; the tests of
+        # chunks spanning several requests (and of the default) pass checksum_chunk.
+        settings.setdefault("checksum_chunk", settings["block_size"])
         try:
             engine = SwapEngine(dirs, EngineSettings(backend=backend, **settings),
                                 keep_files=keep_files, backend=io)

@@ -156,6 +156,88 @@ def test_striped_extent_names_the_right_drive(make_engine, tmp_path, pool):
     assert "chunk 3" in str(info.value)
 
 
+# -- chunks of several requests (the default: one checksum per 64 MiB) ---------------------------
+
+WIDE = 2 * BLOCK  # a chunk of two requests: SIZE is chunks 0 and 1 whole, then a short tail
+
+
+@pytest.mark.parametrize("backend", REAL_BACKENDS)
+def test_chunks_of_several_requests_round_trip_and_catch_a_flipped_byte(make_engine, disk_dir,
+                                                                        pool, backend):
+    engine = make_engine(disk_dir, backend, block_size=BLOCK, checksum_chunk=WIDE)
+    assert engine.settings.chunk_size == WIDE
+    extent, data = written(engine, pool, tag="w")
+    sink = pool.acquire()
+    engine.read(extent, sink, tag="w").result(TIMEOUT)
+    assert torch.equal(contents(sink, SIZE), data)
+    segment = extent.segments[0]
+    patch_file(segment.file.path, segment.offset + 3 * BLOCK + 7, b"\x5a")  # chunk 1, request 4
+    with pytest.raises(IntegrityError, match="chunk 1") as info:
+        engine.read(extent, sink, tag="w").result(TIMEOUT)
+    # Named by the chunk's first byte: the checksum covers the chunk, not one request.
+    assert info.value.offset == segment.offset + WIDE
+    assert f"extent bytes [{WIDE}, {2 * WIDE})" in str(info.value)
+
+
+def test_a_chunk_striped_over_two_drives_is_hashed_once_all_of_it_arrived(make_engine,
+                                                                          tmp_path, pool):
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    for d in dirs:
+        d.mkdir()
+    engine = make_engine(dirs, "threads", block_size=BLOCK, checksum_chunk=WIDE)
+    extent, data = written(engine, pool, tag="s")
+    sink = pool.acquire()
+    engine.read(extent, sink, tag="s").result(TIMEOUT)
+    assert torch.equal(contents(sink, SIZE), data)
+    second = extent.segments[1]  # stripe units alternate: every chunk spans both drives
+    patch_file(second.file.path, second.offset + 5, b"\0\0")
+    with pytest.raises(IntegrityError, match="chunk 0"):
+        engine.read(extent, sink, tag="s").result(TIMEOUT)
+
+
+def test_short_transfers_inside_a_chunk_are_continued_before_it_is_hashed(make_engine, disk_dir,
+                                                                          pool):
+    faults = FaultInjectingBackend(make_backend("threads", 8), seed=3)
+    engine = make_engine(disk_dir, "threads", io=faults, block_size=BLOCK, checksum_chunk=WIDE)
+    extent, data = written(engine, pool, tag="t")
+    faults.inject("short", "read", times=3)
+    sink = pool.acquire()
+    engine.read(extent, sink, tag="t").result(TIMEOUT)
+    assert faults.injected["short"] == 3 and engine.stats().retries >= 3
+    assert torch.equal(contents(sink, SIZE), data)
+
+
+def test_partial_ranges_verify_the_wide_chunks_they_cover(make_engine, disk_dir, pool):
+    engine = make_engine(disk_dir, "threads", block_size=BLOCK, checksum_chunk=WIDE)
+    extent, data = written(engine, pool, tag="p")
+    segment = extent.segments[0]
+    patch_file(segment.file.path, segment.offset + WIDE + 10, b"\xff")  # chunk 1
+    sink = pool.acquire()
+    with pytest.raises(IntegrityError, match="chunk 1"):  # covers chunk 1 whole
+        engine.read(extent, sink, extent_offset=ALIGNMENT, nbytes=2 * WIDE - ALIGNMENT
+                    ).result(TIMEOUT)
+    # one request of chunk 1 only: not checkable against the chunk's checksum
+    engine.read(extent, sink, extent_offset=WIDE, nbytes=BLOCK).result(TIMEOUT)
+    engine.read(extent, sink, nbytes=WIDE, tag="p").result(TIMEOUT)  # chunk 0 is clean
+    assert torch.equal(contents(sink, WIDE), data[:WIDE])
+
+
+def test_checksum_chunk_defaults_to_64_mib_on_the_block_grid(make_engine, disk_dir, pool):
+    from swap import EngineSettings
+    assert EngineSettings(block_size=BLOCK).chunk_size == 64 << 20
+    assert EngineSettings(block_size=3 << 22).chunk_size == 6 * (3 << 22)  # 64 MiB, rounded up
+    assert EngineSettings(block_size=BLOCK, checksum_chunk=100 << 10).chunk_size == 2 * BLOCK
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(SwapConfigError, match="checksum_chunk"):
+            EngineSettings(checksum_chunk=bad)
+    engine = make_engine(disk_dir, "threads", block_size=BLOCK, checksum_chunk=None)
+    extent, data = written(engine, pool, tag="d")  # one chunk: the whole extent
+    segment = extent.segments[0]
+    patch_file(segment.file.path, segment.offset + SIZE - 3, b"\x01")
+    with pytest.raises(IntegrityError, match="chunk 0"):
+        engine.read(extent, pool.acquire(), tag="d").result(TIMEOUT)
+
+
 def test_tags_and_records_are_checked_before_any_io(make_engine, disk_dir, pool):
     engine = make_engine(disk_dir, "threads", block_size=BLOCK)
     extent, data = written(engine, pool, tag=(5, 2))
@@ -224,21 +306,22 @@ def test_checksums_run_on_io_threads_not_the_caller(make_engine, disk_dir, pool,
     threads: set[str] = set()
     real = swap.integrity.checksum
 
-    def spy(data):
-        threads.add(threading.current_thread().name)
-        return real(data)
+    def spy(data, release_gil=False):
+        threads.add((threading.current_thread().name, release_gil))
+        return real(data, release_gil)
 
     monkeypatch.setattr(swap.integrity, "checksum", spy)
     engine = make_engine(disk_dir, "threads", block_size=BLOCK)
     extent, _ = written(engine, pool, tag="x")
     engine.read(extent, pool.acquire(), tag="x").result(TIMEOUT)
-    assert threads and threading.current_thread().name not in threads
+    # Every chunk on the engine's hasher thread, in calls that release the GIL.
+    assert threads == {("swap-hash", True)}
     assert engine.stats().checksum_seconds > 0
 
 
 def test_verification_off_costs_nothing_and_checks_nothing(make_engine, disk_dir, pool,
                                                            monkeypatch):
-    def forbidden(data):
+    def forbidden(*args, **kwargs):
         raise AssertionError("checksum computed with verify_checksums off")
 
     monkeypatch.setattr(swap.integrity, "checksum", forbidden)
