@@ -19,6 +19,8 @@ from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op,
 
 log = logging.getLogger(__name__)
 
+_NOTHING = object()
+
 
 class ThreadBackend(IOBackend):
     name = "threads"
@@ -51,8 +53,10 @@ class ThreadBackend(IOBackend):
         return future
 
     def _worker(self) -> None:
+        ahead: object = _NOTHING
         while True:
-            item = self._work.get()
+            item = self._work.get() if ahead is _NOTHING else ahead
+            ahead = _NOTHING
             if item is None:
                 return
             future, request = item
@@ -73,6 +77,12 @@ class ThreadBackend(IOBackend):
                 if not self._inflight:
                     self._idle.notify_all()
             resolve(future, result, error)
+            # Resolving usually submitted the next request: take it now, while this thread
+            # holds the GIL, instead of handing the interpreter to another worker for it.
+            try:
+                ahead = self._work.get_nowait()
+            except queue.Empty:
+                pass
 
     @staticmethod
     def _run(request: IORequest) -> int:
