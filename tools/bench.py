@@ -33,19 +33,19 @@ from swap import BufferPool
 from swap.errors import SwapError
 from swap.probe import choose_backend
 from tools import report
-from tools.aggregate import harmonic_mean
 from tools.fio import FioError, FioJob, FioRunner, find_fio
 from tools.gil_probe import InterferenceResult, measure_fio_interference, measure_interference
 from tools.machine import DiskCounters, machine_info
-from tools.recommend import Candidate, Recommendation, recommend, write_config
+from tools.recommend import (Candidate, Recommendation, choose_point, recommend,
+                             write_config)
 from tools.sweep import (DIRECTIONS, IN_FLIGHT, Point, PointResult, TransferSweep, fill_pattern,
                          measure_point, transfer_sizes)
 from tools.units import format_size, parse_list, parse_size
 
 log = logging.getLogger("infinity.bench")
 
-FULL = {"size": "1G", "block_sizes": "256K,1M,4M", "queue_depths": "1,2,4,8,16",
-        "thread_counts": "qd,2", "repeats": 3, "fio_block_sizes": "256K,1M,4M",
+FULL = {"size": "1G", "block_sizes": "256K,1M,4M,8M", "queue_depths": "1,2,4,8,16",
+        "thread_counts": "qd,2", "repeats": 3, "fio_block_sizes": "256K,1M,4M,8M",
         "fio_depths": "1,4,16", "sweep_total": "512M"}
 QUICK = {"size": "256M", "block_sizes": "256K,1M,4M", "queue_depths": "1,4,16",
          "thread_counts": "qd", "repeats": 1, "fio_block_sizes": "4M", "fio_depths": "16",
@@ -231,7 +231,12 @@ def run_interference(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqd
         mine = [r for r in run.points if r.point.backend == backend and r.median("read") > 0]
         if not mine:
             continue
-        best = max(mine, key=lambda r: harmonic_mean(r.median("read"), r.median("write")))
+        # The point the recommendation would pick for this backend (fastest, near-ties to the
+        # least CPU per GiB), so the report's figures are those of the configuration run.
+        choice = choose_point(candidates(mine))
+        best = next(r for r in mine if (r.point.backend, r.point.block_size,
+                                        r.point.queue_depth, r.point.thread_count) ==
+                    (choice.backend, choice.block_size, choice.queue_depth, choice.thread_count))
         points = [best.point]
         if backend == "uring":
             # The same point without checksums: how much of the loop's loss is verification
