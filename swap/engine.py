@@ -237,6 +237,19 @@ class SwapEngine(TimeoutsMixin):
         transfer = Transfer(op, nbytes, buffer, extent, check)
         pieces = [] if refused else self._pieces(transfer, extent, extent_offset, buffer_offset,
                                                  padded)
+        chunks = list({id(p.chunk): p.chunk for p in pieces if p.chunk}.values()) \
+            if op is Op.WRITE else []
+        try:
+            self._enqueue(transfer, op, pieces, chunks, refused)
+        finally:
+            # Also when a signal handler raised in there: requests already queued must be
+            # submitted, or they would wait for a completion that never comes (close() would
+            # then wait its whole timeout for them).
+            self._pump()
+        return transfer
+
+    def _enqueue(self, transfer: Transfer, op: Op, pieces: list[Piece], chunks: list[Chunk],
+                 refused: IntegrityError | None) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the swap engine is closed")
@@ -250,16 +263,18 @@ class SwapEngine(TimeoutsMixin):
             self._queued += len(pieces)
             for piece in pieces:
                 self._queues[piece.file.drive].append(piece)
-            if op is Op.WRITE and pieces:
+            if chunks:
                 # The bytes are in the buffer already: hash them while they are being written.
-                for chunk in {id(p.chunk): p.chunk for p in pieces if p.chunk}.values():
-                    self._queue_hash_locked(transfer, chunk)
+                # Jobs first, counts after: a signal handler that raises in between leaves
+                # counts at or below zero (read as none pending), never jobs nobody will run.
+                for chunk in chunks:
+                    self._hash_jobs.put((transfer, chunk))
+                transfer.hashing += len(chunks)
+                self._hashing += len(chunks)
             if not pieces:  # nbytes == 0, or refused
                 self._finish_locked(transfer)
             if self._zombies:
                 self._fail_stalled_locked()
-        self._pump()
-        return transfer
 
     def _pieces(self, transfer: Transfer, extent: Extent, extent_offset: int,
                 buffer_offset: int, padded: int) -> list[Piece]:
@@ -429,9 +444,9 @@ class SwapEngine(TimeoutsMixin):
             self._queue_hash_locked(transfer, chunk)
 
     def _queue_hash_locked(self, transfer: Transfer, chunk: Chunk) -> None:
+        self._hash_jobs.put((transfer, chunk))
         transfer.hashing += 1
         self._hashing += 1  # close waits for these: the transfer is not finished yet
-        self._hash_jobs.put((transfer, chunk))
 
     def _hash_loop(self) -> None:
         """The hasher thread: one checksum call per chunk, the GIL released inside it."""
@@ -461,7 +476,7 @@ class SwapEngine(TimeoutsMixin):
         """Once nothing of the transfer remains queued or in flight, marks it done and hands its
         future to the dispatcher: the future's callbacks may block or start new transfers, which
         must happen neither under this lock nor on a backend thread."""
-        if transfer.outstanding or transfer.queued or transfer.hashing or transfer.done:
+        if transfer.outstanding or transfer.queued or transfer.hashing > 0 or transfer.done:
             return
         transfer.done = True
         self._active.discard(transfer)
@@ -475,7 +490,7 @@ class SwapEngine(TimeoutsMixin):
         self._resolve.put(transfer)
 
     def _notify_if_drained_locked(self) -> None:
-        if self._inflight == self._zombies and not self._queued and not self._hashing:
+        if self._inflight == self._zombies and not self._queued and self._hashing <= 0:
             self._drained.notify_all()
 
     def _dispatch(self) -> None:
@@ -517,7 +532,7 @@ class SwapEngine(TimeoutsMixin):
                 return
             self._closed = True
             _open_engines.discard(self)
-            while self._inflight - self._zombies or self._queued or self._hashing:
+            while self._inflight - self._zombies or self._queued or self._hashing > 0:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

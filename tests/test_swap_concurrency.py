@@ -248,3 +248,35 @@ def test_close_from_a_callback(engine, pool):
     started = time.monotonic()
     engine.close()
     assert time.monotonic() - started < 1
+
+
+def test_an_exception_raised_while_a_transfer_is_queued_still_submits_it(make_engine, disk_dir,
+                                                                          pool, monkeypatch):
+    """A signal handler may raise (KeyboardInterrupt, a user's SystemExit) at any bytecode of
+    the caller's thread, here after the requests were queued and before the checksums were:
+    the requests must still go out, or close() would wait its whole timeout for them."""
+    engine = make_engine(disk_dir, "threads", block_size=16 << 10, checksum_chunk=32 << 10,
+                         close_timeout=30.0)
+    extent = engine.allocate(64 << 10)
+    buffer = pool.acquire()
+    fill(buffer, random_bytes(64 << 10, 5))
+    class Interrupting:  # the engine's hash-job queue, raising at the first job
+        def __init__(self, jobs):
+            self.jobs, self.calls = jobs, 0
+
+        def put(self, job):
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyboardInterrupt
+            self.jobs.put(job)
+
+        def get(self):
+            return self.jobs.get()
+
+    monkeypatch.setattr(engine, "_hash_jobs", Interrupting(engine._hash_jobs))
+    with pytest.raises(KeyboardInterrupt):
+        engine.write(extent, buffer)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5, "close() waited for requests nobody submitted"
+    assert engine.stats().write_requests == 4
