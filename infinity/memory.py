@@ -110,12 +110,14 @@ class HeapWatch:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.active = False
+        self.decided = False  # start() was called: samples matter only while reuse runs
         self.seen_peak = 0  # the highest RSS a check saw
         self.gave_up_at: int | None = None  # the RSS that ended reuse, if it ended
 
     def start(self, largest: int, extra: int) -> bool:
         """Starts reuse if the line leaves ``extra`` bytes above the RSS seen so far: what
         keeping one step's large temporaries in the heap is expected to add."""
+        self.decided = True
         if self.gave_up_at is not None or self.limit - self.seen_peak < extra:
             log.debug("heap reuse not started: %d bytes under the line, %d wanted",
                       self.limit - self.seen_peak, extra)
@@ -130,6 +132,8 @@ class HeapWatch:
             _pin_mmap_threshold()
 
     def check(self) -> None:
+        if self.decided and not self.active:
+            return  # bounded for good: nothing left to watch (this runs in module hooks)
         rss = resident_bytes()
         self.seen_peak = max(self.seen_peak, rss)
         if not self.active or rss <= self.limit:

@@ -235,10 +235,9 @@ class SwapEngine(TimeoutsMixin):
             except IntegrityError as exc:  # the read cannot return what it asks for: no I/O
                 refused = exc
         transfer = Transfer(op, nbytes, buffer, extent, check)
-        pieces = [] if refused else self._pieces(transfer, extent, extent_offset, buffer_offset,
-                                                 padded)
-        chunks = list({id(p.chunk): p.chunk for p in pieces if p.chunk}.values()) \
-            if op is Op.WRITE else []
+        pieces, covered = ([], []) if refused else self._pieces(
+            transfer, extent, extent_offset, buffer_offset, padded)
+        chunks = covered if op is Op.WRITE else []
         try:
             self._enqueue(transfer, op, pieces, chunks, refused)
         finally:
@@ -265,22 +264,18 @@ class SwapEngine(TimeoutsMixin):
                 self._queues[piece.file.drive].append(piece)
             if chunks:
                 # The bytes are in the buffer already: hash them while they are being written.
-                # Jobs first, counts after: a signal handler that raises in between leaves
-                # counts at or below zero (read as none pending), never jobs nobody will run.
                 for chunk in chunks:
-                    self._hash_jobs.put((transfer, chunk))
-                transfer.hashing += len(chunks)
-                self._hashing += len(chunks)
+                    self._queue_hash_locked(transfer, chunk)
             if not pieces:  # nbytes == 0, or refused
                 self._finish_locked(transfer)
             if self._zombies:
                 self._fail_stalled_locked()
 
     def _pieces(self, transfer: Transfer, extent: Extent, extent_offset: int,
-                buffer_offset: int, padded: int) -> list[Piece]:
-        """Requests of at most block_size bytes, cut on the block_size grid of the extent; each
-        is tagged with the integrity chunk it is part of when the transfer covers that chunk
-        entirely. For reads, ``transfer.chunk_left`` counts the bytes each chunk still awaits."""
+                buffer_offset: int, padded: int) -> tuple[list[Piece], list[Chunk]]:
+        """Requests of at most block_size bytes, cut on the block_size grid of the extent, and
+        the integrity chunks the transfer covers entirely; each request is tagged with the
+        chunk it is part of. ``transfer.chunk_left`` counts the bytes each chunk awaits."""
         block = self.settings.block_size
         size = self.settings.chunk_size
         base = transfer.buffer.address
@@ -307,7 +302,7 @@ class SwapEngine(TimeoutsMixin):
                 pieces.append(Piece(transfer, file, file_offset + done,
                                     base + buffer_offset + (at - extent_offset), take, chunk))
                 done += take
-        return pieces
+        return pieces, list(chunks.values())
 
     def _pump(self) -> None:
         # A completion that arrives while this thread is already pumping (a backend that finished
@@ -444,6 +439,8 @@ class SwapEngine(TimeoutsMixin):
             self._queue_hash_locked(transfer, chunk)
 
     def _queue_hash_locked(self, transfer: Transfer, chunk: Chunk) -> None:
+        # Job first, counts after: a signal handler that raises in between leaves the counts
+        # at or below zero (read as none pending), never a count of jobs nobody will run.
         self._hash_jobs.put((transfer, chunk))
         transfer.hashing += 1
         self._hashing += 1  # close waits for these: the transfer is not finished yet

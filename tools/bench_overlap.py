@@ -68,13 +68,17 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
     return times
 
 
+def engine_settings(config: infinity.OffloadConfig) -> EngineSettings:
+    """The swap engine settings of ``config``'s aio section."""
+    return EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
+                          queue_depth=config.aio.queue_depth, thread_count=config.aio.thread_count)
+
+
 def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) -> dict:
     """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``."""
     chunk = 64 << 20
     pool = BufferPool(4, chunk)
-    settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
-                              queue_depth=config.aio.queue_depth,
-                              thread_count=config.aio.thread_count)
+    settings = engine_settings(config)
     result = {}
     with SwapEngine([path], settings) as engine:
         extents = [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]

@@ -30,8 +30,8 @@ from torch import nn
 
 import infinity
 from infinity.config import parse_size
-from swap import BufferPool, EngineSettings, SwapEngine
-from tools.bench_overlap import engine_bandwidth, mlp
+from swap import BufferPool, SwapEngine
+from tools.bench_overlap import engine_bandwidth, engine_settings, mlp
 
 
 def update_throughput(numel: int, fused: bool, repeats: int = 3) -> float:
@@ -59,10 +59,7 @@ def duplex_seconds(path: Path, read_bytes: int, write_bytes: int,
     start to end together, as in a pipelined step.
     """
     pool = BufferPool(slots, chunk)
-    settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
-                              queue_depth=config.aio.queue_depth,
-                              thread_count=config.aio.thread_count)
-    with SwapEngine([path], settings) as engine:
+    with SwapEngine([path], engine_settings(config)) as engine:
         def extents(nbytes: int) -> list:
             return [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
         sources, targets = extents(read_bytes), extents(write_bytes)
