@@ -28,6 +28,8 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -90,6 +92,26 @@ def _pin_mmap_threshold(threshold: int = 1 << 20) -> None:
         mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
+def host_tensor_bytes(tree: Any) -> int:
+    """Bytes of the distinct host storages of the tensors in ``tree`` (dicts, lists, tuples:
+    an optimizer's ``state``, say); storages shared by several tensors count once."""
+    seen: set[int] = set()
+    total = 0
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor) and item.device.type == "cpu":
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -114,10 +136,13 @@ class HeapWatch:
         self.seen_peak = 0  # the highest RSS a check saw
         self.gave_up_at: int | None = None  # the RSS that ended reuse, if it ended
 
-    def start(self, largest: int, extra: int) -> bool:
+    def start(self, largest: int, extra: int, outside: int = 0) -> bool:
         """Starts reuse if the line leaves ``extra`` bytes above the RSS seen so far: what
-        keeping one step's large temporaries in the heap is expected to add."""
+        keeping one step's large temporaries in the heap is expected to add. ``outside``:
+        host memory outside the budgets that the first step created and later steps keep
+        (optimizer state and gradients the user keeps in host RAM); it raises the line."""
         self.decided = True
+        self.limit += outside
         if self.gave_up_at is not None or self.limit - self.seen_peak < extra:
             log.debug("heap reuse not started: %d bytes under the line, %d wanted",
                       self.limit - self.seen_peak, extra)

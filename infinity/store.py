@@ -25,7 +25,7 @@ from infinity import lifecycle
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.hooks import HookSet
-from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
+from infinity.memory import HeapWatch, bound_heap_retention, host_tensor_bytes, resident_bytes
 from infinity.optimizer import OffloadedOptimizer, state_companions
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
@@ -505,7 +505,11 @@ class TieredStore:
             # GPU) and a few gradients and autograd temporaries of the largest parameter.
             largest = max(e.nbytes for e in self.registry.entries)
             device = self.budgets["device"] if self.device.type == "cpu" else 0
-            self._heap_watch.start(largest, device + 4 * largest)
+            # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
+            # state and gradients in host tensors) exists only now; the line moves up by it.
+            outside = (placement.grad_peak if not placement.grads_on_nvme else 0) + \
+                (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
+            self._heap_watch.start(largest, device + 4 * largest, outside=outside)
         self.watch_heap()
         self._sample_memory()
 

@@ -41,15 +41,24 @@ def test_passing_the_line_turns_reuse_off_for_good():
     assert not watch.start(largest=1 << 20, extra=0) and not watch.active
 
 
-def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
+def _attached(tmp_path, offload_optimizer: str):
+    """A small MLP attached with parameters on NVMe under a 4 MiB host budget."""
     import torch
 
     from infinity import OffloadConfig, TieredStore
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
+    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer=offload_optimizer,
                                       nvme_path=str(tmp_path), buffer_size=1 << 18,
                                       buffer_count=8, host_budget=4 << 20))
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
+    return store, model, optimizer
+
+
+def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
+    import torch
+
+    from infinity import OffloadConfig, TieredStore
+    store, model, optimizer = _attached(tmp_path, "nvme")
     watch = store._heap_watch
     assert watch is not None and watch.limit > 4 << 20
     watch.limit += 1 << 30  # room for reuse whatever else this test process holds
@@ -62,3 +71,41 @@ def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
     store.close()
     assert not watch.active  # a closed store leaves the process bounded
     assert TieredStore(OffloadConfig(offload_param="cpu"))._heap_watch is None
+
+
+def test_host_memory_outside_the_tiers_raises_the_line():
+    rss = resident_bytes()
+    budgets_only = HeapWatch(rss - (256 << 20))  # the process is already past that line
+    budgets_only.check()
+    assert not budgets_only.start(largest=1 << 20, extra=64 << 20)
+    watch = HeapWatch(rss - (256 << 20))
+    watch.check()
+    # ...but 512 MiB of it is optimizer state the user keeps in host memory
+    assert watch.start(largest=1 << 20, extra=64 << 20, outside=512 << 20)
+    assert watch.limit == rss + (256 << 20)
+    watch.stop()
+
+
+def test_host_tensor_bytes_counts_each_storage_once():
+    import torch
+
+    from infinity.memory import host_tensor_bytes
+    moment = torch.zeros(1000)
+    state = {0: {"step": torch.tensor(3.0), "exp_avg": moment, "exp_avg_sq": torch.zeros(10, 10)},
+             1: {"exp_avg": moment[:10], "other": [torch.zeros(5, dtype=torch.float64)]}}
+    assert host_tensor_bytes(state) == 4 + 4000 + 400 + 40
+    assert host_tensor_bytes({}) == 0
+
+
+def test_the_line_of_a_store_counts_its_cpu_optimizer_state(tmp_path):
+    import torch
+
+    store, model, optimizer = _attached(tmp_path, "cpu")
+    watch = store._heap_watch
+    before = watch.limit
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    # Adam's two moments (and its step counters) plus the host gradients' peak
+    assert watch.limit - before >= 3 * params
+    store.close()
