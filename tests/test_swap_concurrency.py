@@ -280,3 +280,58 @@ def test_an_exception_raised_while_a_transfer_is_queued_still_submits_it(make_en
     engine.close()
     assert time.monotonic() - started < 5, "close() waited for requests nobody submitted"
     assert engine.stats().write_requests == 4
+
+
+def test_thread_backend_moves_queued_contiguous_requests_with_one_call(disk_dir, pool):
+    """Requests queued behind a busy worker that continue one another in the same file go in one
+    preadv/pwritev (one GIL round trip for the run); others keep their own call; every request
+    still gets its own result."""
+    import os
+
+    from swap import Op
+    from swap.backends.threads import ThreadBackend
+
+    gate = threading.Event()
+    runs: list[list[int]] = []
+
+    class Recording(ThreadBackend):
+        def _run_batch(self, requests):
+            if not runs:
+                gate.wait(TIMEOUT)  # hold the only worker so that the rest queue up
+            runs.append([r.offset // ALIGNMENT for r in requests])
+            return super()._run_batch(requests)
+
+    fd = os.open(disk_dir / "runs.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 8 * ALIGNMENT)
+        source, sink = pool.acquire(), pool.acquire()
+        data = random_bytes(8 * ALIGNMENT, 5)
+        fill(source, data)
+        backend = Recording(8, thread_count=1)
+
+        def request(op, block, buffer):
+            return backend.submit(IORequest(op, fd, block * ALIGNMENT,
+                                            buffer.address + block * ALIGNMENT, ALIGNMENT))
+
+        held = request(Op.WRITE, 0, source)
+        time.sleep(0.05)  # the worker now waits at the gate with block 0
+        queued = [request(Op.WRITE, b, source) for b in (1, 2, 5, 6)]
+        gate.set()
+        assert [f.result(TIMEOUT) for f in [held, *queued]] == [ALIGNMENT] * 5
+        assert runs == [[0], [1, 2], [5, 6]]  # 5 does not continue 2
+        rest = [request(Op.WRITE, b, source) for b in (3, 4, 7)]
+        assert [f.result(TIMEOUT) for f in rest] == [ALIGNMENT] * 3
+        reads = [request(Op.READ, b, sink) for b in range(8)]
+        assert [f.result(TIMEOUT) for f in reads] == [ALIGNMENT] * 8
+        assert torch.equal(contents(sink, 8 * ALIGNMENT), data)
+        backend.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_short_run_leaves_its_later_requests_short():
+    from swap.backends.threads import _split
+    assert _split(10, [4, 4, 4]) == [4, 4, 2]
+    assert _split(3, [4, 4]) == [3, 0]
+    assert _split(8, [4, 4]) == [4, 4]
+    assert _split(0, [4]) == [0]

@@ -218,10 +218,10 @@ def test_thread_backend_close_is_bounded_when_a_request_never_completes(buffers,
     ran: list[int] = []
 
     class Stuck(ThreadBackend):
-        def _run(self, request: IORequest) -> int:
-            ran.append(request.fd)
+        def _run_batch(self, requests: list[IORequest]) -> int:
+            ran.extend(r.fd for r in requests)
             gate.wait(10)
-            return request.length
+            return sum(r.length for r in requests)
 
     backend = Stuck(1, close_timeout=0.2)
     future = backend.submit(IORequest(Op.READ, -1, 0, buffers[0].address, ALIGNMENT))

@@ -257,9 +257,9 @@ def test_request_the_kernel_still_holds_at_close_keeps_its_buffer(tmp_path, make
     gate = threading.Event()
 
     class Stuck(ThreadBackend):
-        def _run(self, request: IORequest) -> int:
+        def _run_batch(self, requests: list[IORequest]) -> int:
             gate.wait(TIMEOUT)
-            return request.length
+            return sum(r.length for r in requests)
 
     engine = make_engine(tmp_path, io=Stuck(2, close_timeout=0.2), request_timeout=0.3,
                          close_timeout=1.0)

@@ -3,6 +3,13 @@
 Both calls release the GIL for the whole system call, so the interpreter keeps running while the
 threads wait on the disk. With O_DIRECT this is the portable backend; opened without O_DIRECT
 (``BufferedBackend``) it serves file systems that refuse direct I/O.
+
+Each system call ends with the worker taking the GIL back, and a thread waiting for the GIL stalls
+the training thread's Python code for a hand-off. So a worker moves the requests queued behind
+its own that continue it in the same file (a transfer split into ``block_size`` requests) with one
+vectored call. Measured on a rate-limited virtual disk, 1 GiB with 8 MiB requests: two threads
+then reach the bandwidth that took sixteen (write 5.6 instead of 2.0 GB/s), and a Python loop
+beside 4 MiB requests kept 0.83/0.87 (write/read) of its speed instead of 0.77/0.82.
 """
 
 from __future__ import annotations
@@ -20,6 +27,23 @@ from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op,
 log = logging.getLogger(__name__)
 
 _NOTHING = object()
+#: requests one system call may move together (well below IOV_MAX)
+_MAX_RUN = 16
+
+
+def _continues(last: IORequest, following: IORequest) -> bool:
+    return (following.fd == last.fd and following.op is last.op
+            and following.offset == last.offset + last.length)
+
+
+def _split(moved: int, lengths: list[int]) -> list[int]:
+    """The bytes each request of a run got when one call moved ``moved`` bytes in order: a
+    short transfer leaves the later requests short or empty, as if each had run alone."""
+    out = []
+    for length in lengths:
+        out.append(min(length, max(moved, 0)))
+        moved -= length
+    return out
 
 
 class ThreadBackend(IOBackend):
@@ -56,40 +80,65 @@ class ThreadBackend(IOBackend):
         ahead: object = _NOTHING
         while True:
             item = self._work.get() if ahead is _NOTHING else ahead
-            ahead = _NOTHING
             if item is None:
                 return
-            future, request = item
+            batch, ahead = self._gather_run(item)
             with self._lock:
-                if future not in self._inflight:
-                    # Abandoned by a close that timed out: its descriptor may be closed by now
-                    # and the number reused by an unrelated file, so it must not run.
-                    continue
+                # A request abandoned by a close that timed out must not run: its descriptor may
+                # be closed by now and the number reused by an unrelated file.
+                batch = [(f, r) for f, r in batch if f in self._inflight]
+            if not batch:
+                continue
             started = time.thread_time()
-            result, error = 0, None
+            results: list[int] = [0] * len(batch)
+            error = None
             try:
-                result = self._run(request)
-            except BaseException as exc:  # the future carries it to the caller
+                results = _split(self._run_batch([r for _, r in batch]),
+                                 [r.length for _, r in batch])
+            except BaseException as exc:  # the futures carry it to the callers
                 error = exc
             self.counters.add_cpu(time.thread_time() - started)
             with self._lock:
-                self._inflight.discard(future)
+                for future, _ in batch:
+                    self._inflight.discard(future)
                 if not self._inflight:
                     self._idle.notify_all()
-            resolve(future, result, error)
-            # Resolving usually submitted the next request: take it now, while this thread
-            # holds the GIL, instead of handing the interpreter to another worker for it.
-            try:
-                ahead = self._work.get_nowait()
-            except queue.Empty:
-                pass
+            for (future, _), result in zip(batch, results):
+                resolve(future, result, error)
+            if ahead is _NOTHING:
+                # Resolving usually submitted the next requests: take them now, while this
+                # thread holds the GIL, instead of handing the interpreter to another worker.
+                try:
+                    ahead = self._work.get_nowait()
+                except queue.Empty:
+                    pass
 
-    @staticmethod
-    def _run(request: IORequest) -> int:
-        view = memory_at(request.address, request.length)
-        if request.op is Op.READ:
-            return os.preadv(request.fd, [view], request.offset)
-        return os.pwritev(request.fd, [view], request.offset)
+    def _gather_run(self, item: tuple[Future[int], IORequest]
+                    ) -> tuple[list[tuple[Future[int], IORequest]], object]:
+        """``item`` and the queued requests that continue it in the same file (same direction,
+        each starting where the last ends), up to ``_MAX_RUN`` of them: one system call moves
+        them all, so the worker takes the GIL back once for the run instead of once per
+        request. Returns the run and the first queued item that does not continue it."""
+        run = [item]
+        last = item[1]
+        while len(run) < _MAX_RUN:
+            try:
+                following = self._work.get_nowait()
+            except queue.Empty:
+                return run, _NOTHING
+            if following is None or not _continues(last, following[1]):
+                return run, following
+            run.append(following)
+            last = following[1]
+        return run, _NOTHING
+
+    def _run_batch(self, requests: list[IORequest]) -> int:
+        """Moves a run of contiguous requests with one system call; returns the bytes moved."""
+        first = requests[0]
+        views = [memory_at(r.address, r.length) for r in requests]
+        if first.op is Op.READ:
+            return os.preadv(first.fd, views, first.offset)
+        return os.pwritev(first.fd, views, first.offset)
 
     def close(self) -> None:
         deadline = time.monotonic() + self.close_timeout
