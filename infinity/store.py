@@ -660,6 +660,8 @@ class TieredStore:
             "grad_bytes": placement.grad_bytes if placement else 0,
             "pinned_bytes": placement.host.pinned_bytes if placement else 0,
             "rss_peak_bytes": self._rss_peak,
+            # freed heap blocks reused (a host budget left room for it; infinity.memory)
+            "heap_reuse": bool(self._heap_watch and self._heap_watch.active),
             "trace_departures": self.follower.diverged_iterations,
             "backend": engine.backend_name if engine is not None else None,
             # failed transfers: each failed attempt, re-issues, transfers that succeeded after

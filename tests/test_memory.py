@@ -68,6 +68,7 @@ def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
         optimizer.zero_grad()
     assert watch.seen_peak > 0  # sampled during the steps
     assert watch.active  # reuse started after the first step
+    assert store.stats()["heap_reuse"] is True
     store.close()
     assert not watch.active  # a closed store leaves the process bounded
     assert TieredStore(OffloadConfig(offload_param="cpu"))._heap_watch is None

@@ -6,14 +6,16 @@ RSS is its own, repeats interleaved:
   * plain: model and AdamW in memory, no store (torch's fused AdamW, the kernel the store runs,
     so the comparison is about data movement, not about the update kernel);
   * fits: attached, everything in memory (offload_param="cpu"): the hooks' own overhead;
-  * nvme@B: attached, parameters and (by default) optimizer state on NVMe, under each host
-    budget B (default: a third of DeepSpeed's peak RSS; one whose whole-process peak RSS stays
-    under that third; one small enough that the disk dominates the step);
+  * nvme@A: attached, parameters and (by default) optimizer state on NVMe, under one host
+    budget (default: a third of DeepSpeed's peak RSS, where #3 reports against it) with a
+    staging arena of A GiB each run (default: one that caches most of the state, one that
+    streams about half of it, one small enough that the disk dominates the step); what the
+    budget leaves beside the arena lets freed heap blocks be reused (infinity.memory);
 and the swap engine's read and write bandwidth on the same path. It prints the pure I/O time of
 the attached step's bytes at that bandwidth and the overlap efficiency
 max(compute, io) / attached step (1.0 = the I/O is fully hidden).
 
-    python -m tools.bench_overlap [--host-budget 2.14,1.35,0.7 --device-budget 0.1 --repeats 2]
+    python -m tools.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7 --device-budget 0.1]
 """
 
 from __future__ import annotations
@@ -109,10 +111,11 @@ def run_one(args: argparse.Namespace) -> dict:
         store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
     elif args.run == "nvme":
         host_budget = int(args.host_budget * 2**30)
+        arena = int(args.arena * 2**30)
         store = infinity.TieredStore(infinity.OffloadConfig(
             offload_param="nvme", offload_optimizer=args.offload_optimizer,
             nvme_path=(args.nvme_path,), buffer_size=args.buffer_size,
-            buffer_count=max(2, host_budget // args.buffer_size), host_budget=host_budget,
+            buffer_count=max(2, arena // args.buffer_size), host_budget=host_budget,
             device_budget=int(args.device_budget * 2**30)))
     if store is not None:
         model, optimizer = store.attach(model, optimizer)
@@ -132,15 +135,16 @@ def run_one(args: argparse.Namespace) -> dict:
             "write_bytes": (after["bytes_written"] - before["bytes_written"]) / steps,
             "stall_s": (after["stall_seconds"] - before["stall_seconds"]) / steps,
             "peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
-            "backend": after["backend"]})
+            "backend": after["backend"], "heap_reuse": after["heap_reuse"]})
         store.close(restore_params=False)
     return out
 
 
-#: host budgets of the default run, GiB: a third of DeepSpeed's peak RSS (the budget #3 reports
-#: at); one whose whole-process peak RSS stays under that third (Python, torch, activations and
-#: the CPU device tier come on top of the host tier); one where the disk dominates the step
-DEFAULT_HOST_BUDGETS = (round(DEEPSPEED_PEAK_RSS_GIB / 3, 2), 1.35, 0.7)
+#: the host budget of the default run, GiB: a third of DeepSpeed's peak RSS (#3 reports there)
+DEFAULT_HOST_BUDGET = round(DEEPSPEED_PEAK_RSS_GIB / 3, 2)
+#: staging arenas of the default run, GiB: one that caches all but a few of the 1.6 GB of
+#: state, one that streams about half of it every step, one where the disk dominates the step
+DEFAULT_ARENAS = (1.35, 1.0, 0.7)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per config")
     parser.add_argument("--nvme-path", type=Path, default=None)
-    parser.add_argument("--host-budget", type=str,
-                        default=",".join(str(b) for b in DEFAULT_HOST_BUDGETS),
-                        help="GiB for the host tier, a comma list: one NVMe run per budget "
-                             "(default: %(default)s)")
+    parser.add_argument("--host-budget", type=float, default=DEFAULT_HOST_BUDGET,
+                        help="GiB for the host tier (default: %(default)s)")
+    parser.add_argument("--arena", type=str, default=",".join(str(a) for a in DEFAULT_ARENAS),
+                        help="GiB of staging arena, a comma list: one NVMe run each, all under "
+                             "the one host budget (default: %(default)s)")
     parser.add_argument("--device-budget", type=float, default=0.1,
                         help="GiB for the device tier (host memory on a machine without a GPU)")
     parser.add_argument("--buffer-size", type=int, default=64 << 20)
@@ -164,30 +169,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    budgets = [float(b) for b in str(args.host_budget).split(",") if b.strip()]
+    arenas = [float(a) for a in str(args.arena).split(",") if a.strip()]
     if args.run:
-        args.host_budget = budgets[0]
+        args.arena = arenas[0]
         print(json.dumps(run_one(args)))
         return 0
+    if max(arenas) > args.host_budget:
+        parser.error(f"an arena of {max(arenas)} GiB does not fit a host budget of "
+                     f"{args.host_budget} GiB")
 
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-"))
     params = sum(p.numel() for p in mlp(args.layers, args.width).parameters())
     print(f"model: {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
           f"{params / 1e6:.1f} M params; NVMe runs: params + optimizer state "
           f"'{args.offload_optimizer}', device tier {args.device_budget:.2f} GiB, host tier "
-          f"{', '.join(f'{b:.2f}' for b in budgets)} GiB")
+          f"{args.host_budget:.2f} GiB, staging arena {', '.join(f'{a:.2f}' for a in arenas)} "
+          f"GiB")
     common = ["--layers", str(args.layers), "--width", str(args.width), "--batch",
               str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--device-budget",
               str(args.device_budget), "--buffer-size", str(args.buffer_size),
-              "--offload-optimizer", args.offload_optimizer, "--nvme-path", str(root)]
-    configs = {"plain": ("plain", budgets[0]), "fits": ("fits", budgets[0])}
-    configs.update({f"nvme@{b:.2f}": ("nvme", b) for b in budgets})
+              "--offload-optimizer", args.offload_optimizer, "--nvme-path", str(root),
+              "--host-budget", str(args.host_budget)]
+    configs = {"plain": ("plain", arenas[0]), "fits": ("fits", arenas[0])}
+    configs.update({f"nvme@{a:.2f}": ("nvme", a) for a in arenas})
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
-        for name, (kind, budget) in configs.items():  # interleaved: drift hits all alike
+        for name, (kind, arena) in configs.items():  # interleaved: drift hits all alike
             command = [sys.executable, "-m", "tools.bench_overlap", *common, "--run", kind,
-                       "--host-budget", str(budget)]
+                       "--arena", str(arena)]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"the {name} run failed:\n{done.stderr}")
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in configs:
         r = best[name]
         label = {"plain": "plain in memory", "fits": "attached, all in memory"}.get(
-            name, f"attached, NVMe, host {configs[name][1]:.2f}")
+            name, f"attached, NVMe, arena {configs[name][1]:.2f}")
         medians = ", ".join(f"{x['step_s']:.3f}" for x in runs[name])
         print(f"{label:24s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
               f"{r['peak_rss'] / gib:13.2f}")
@@ -221,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['write_bytes'] / 1e9:.2f} GB -> {io_s:.3f} s of pure I/O; stalls "
               f"{r['stall_s']:.3f} s/step; host tier peak {r['peak_bytes']['host'] / gib:.2f} of "
               f"{r['budgets']['host'] / gib:.2f} GiB, device {r['peak_bytes']['device'] / gib:.2f}"
-              f" of {r['budgets']['device'] / gib:.2f} GiB")
+              f" of {r['budgets']['device'] / gib:.2f} GiB; heap reuse "
+              f"{'on' if r['heap_reuse'] else 'off'}")
         print(f"  overlap efficiency {efficiency:.2f} (max(compute {compute_s:.3f}, io "
               f"{io_s:.3f}) / attached {r['step_s']:.3f}; target >= 0.85)")
         if deepspeed:
