@@ -524,6 +524,10 @@ class SwapEngine(TimeoutsMixin):
         ``integrity.json``). New transfers are refused from the moment close starts. Requests
         that already timed out are not waited for."""
         deadline = time.monotonic() + self.settings.close_timeout
+        if not self._closed:
+            # A plugged submit that an exception cut short (a signal handler raising SystemExit
+            # in the training thread) may still hold requests this close would wait for.
+            self.backend.flush()
         with self._lock:
             if self._closed:
                 return

@@ -141,6 +141,9 @@ class FaultInjectingBackend(IOBackend):
     def plugged(self) -> ContextManager[None]:
         return self.inner.plugged()
 
+    def flush(self) -> None:
+        self.inner.flush()
+
     def submit(self, request: IORequest) -> "Future[int]":
         with self._lock:
             if self._closed:

@@ -271,6 +271,92 @@ def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buf
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
+def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(tmp_path, buffers,
+                                                                         monkeypatch):
+    """An exception (a signal handler's, say) between taking a submission slot and filling it:
+    the slot must not go to the kernel with what an earlier request left in it, which would
+    write that request's bytes a second time."""
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    os.posix_fallocate(fd, 0, 4 * ALIGNMENT)
+    backend = UringBackend(1)  # one slot: the interrupted request reuses the first one's
+    try:
+        old, new = random_bytes(ALIGNMENT, seed=1), random_bytes(ALIGNMENT, seed=2)
+        fill(buffers[0], old)
+        assert backend.submit(IORequest(Op.WRITE, fd, 0, buffers[0].address,
+                                        ALIGNMENT)).result(timeout=5) == ALIGNMENT
+        real_iovec = backend._iovec
+
+        def interrupted(address, length):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(backend, "_iovec", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            backend.submit(IORequest(Op.WRITE, fd, 0, buffers[0].address, ALIGNMENT))
+        monkeypatch.setattr(backend, "_iovec", real_iovec)
+        fill(buffers[0], new)  # the slot still described a write of this buffer to offset 0
+        assert backend.submit(IORequest(Op.WRITE, fd, ALIGNMENT, buffers[0].address,
+                                        ALIGNMENT)).result(timeout=5) == ALIGNMENT
+        started = time.monotonic()
+        backend.close()
+        assert time.monotonic() - started < 2
+        with open(path, "rb") as f:
+            written = f.read(2 * ALIGNMENT)
+        assert written[:ALIGNMENT] == old.numpy().tobytes()  # not rewritten with the new bytes
+        assert written[ALIGNMENT:] == new.numpy().tobytes()
+    finally:
+        backend.close()
+        os.close(fd)
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
+def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, buffers):
+    """A caller interrupted between preparing requests and submitting them (a plugged block
+    whose exit never ran): close submits them, so it does not wait its whole timeout for
+    requests the kernel never saw."""
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    backend = UringBackend(4, close_timeout=30)
+    try:
+        payload = random_bytes(ALIGNMENT, seed=3)
+        fill(buffers[0], payload)
+        backend._local.held = []  # as inside plugged(), whose submit then never happens
+        future = backend.submit(IORequest(Op.WRITE, fd, 0, buffers[0].address, ALIGNMENT))
+        backend._local.held = None
+        time.sleep(0.05)
+        assert not future.done()  # the kernel has not seen it
+        started = time.monotonic()
+        backend.close()
+        assert time.monotonic() - started < 5
+        assert future.result(timeout=1) == ALIGNMENT
+        with open(path, "rb") as f:
+            assert f.read() == payload.numpy().tobytes()
+    finally:
+        backend.close()
+        os.close(fd)
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
+def test_engine_close_submits_what_an_unfinished_plugged_context_held(tmp_path, make_engine,
+                                                                       buffers):
+    """SystemExit raised by a signal handler can leave a plugged context unfinished until the
+    interpreter exits, after the exit hook's close: close must hand its requests over instead of
+    waiting out request_timeout for requests the kernel never saw."""
+    engine = make_engine(tmp_path, "uring", request_timeout=30, close_timeout=30)
+    extent = engine.allocate(2 * ALIGNMENT)
+    payload = random_bytes(2 * ALIGNMENT, seed=4)
+    fill(buffers[0], payload)
+    engine.backend._local.held = []  # the training thread's cut-short context
+    written = engine.write(extent, buffers[0])
+    time.sleep(0.05)
+    assert not written.done()
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5
+    assert written.result(timeout=1) == 2 * ALIGNMENT
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
 def test_uring_a_failed_plugged_submit_fails_every_held_request(tmp_path, buffers, monkeypatch):
     import swap.backends.uring as uring_module
 

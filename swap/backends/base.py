@@ -88,6 +88,12 @@ class IOBackend(ABC):
         caller must not wait for such a request inside the context."""
         return nullcontext()
 
+    def flush(self) -> None:
+        """Hands over requests a plugged context held back and never submitted: one interrupted
+        by an exception at the wrong moment (a signal handler raising in the caller's thread),
+        whose context may stay unfinished until the interpreter exits. Nothing to do for a
+        backend that holds nothing back."""
+
     @abstractmethod
     def close(self) -> None:
         """Waits up to ``close_timeout`` for requests in flight, then releases the backend's

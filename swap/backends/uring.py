@@ -61,6 +61,8 @@ def uring_unavailable_reason() -> str | None:
 
 # io_uring_enter errors after which the SQEs stay in the ring and go in with the next submit.
 _TRANSIENT = (errno.EAGAIN, errno.EBUSY, errno.EINTR)
+#: user_data of a slot turned into a no-op: request ids start at 1, so no request has it
+_IGNORED = 0
 _SUBMIT_TRIES = 50
 
 
@@ -106,19 +108,30 @@ class UringBackend(IOBackend):
             sqe = _uring.io_uring_get_sqe(self._ring)
             if sqe is None:
                 raise RuntimeError("io_uring submission queue is full")
-            iovec = self._iovec(request.address, request.length)
-            if request.op is Op.READ:
-                _uring.io_uring_prep_readv(sqe, request.fd, iovec, request.offset)
-            else:
-                _uring.io_uring_prep_writev(sqe, request.fd, iovec, request.offset)
             request_id = self._next_id
             self._next_id += 1
-            sqe.user_data = request_id
-            self._pending[request_id] = (future, request, iovec)
-            held = getattr(self._local, "held", None)
-            if held is not None:
-                held.append(request_id)
-                return future
+            try:
+                iovec = self._iovec(request.address, request.length)
+                if request.op is Op.READ:
+                    _uring.io_uring_prep_readv(sqe, request.fd, iovec, request.offset)
+                else:
+                    _uring.io_uring_prep_writev(sqe, request.fd, iovec, request.offset)
+                sqe.user_data = request_id
+                self._pending[request_id] = (future, request, iovec)
+                held = getattr(self._local, "held", None)
+                if held is not None:
+                    held.append(request_id)
+                    return future
+            except BaseException:
+                # Interrupted (a signal handler raising in this thread, say) after taking the
+                # slot: the slot goes to the kernel with the next submit whatever happens, so it
+                # must not keep what an earlier request left in it. The caller never got this
+                # request's future: it must not run either.
+                _uring.io_uring_prep_nop(sqe)
+                sqe.user_data = _IGNORED
+                self._pending.pop(request_id, None)
+                self._submit_locked([])  # hand the no-op over: it must not hold the slot
+                raise
             error, _ = self._submit_locked([request_id])
         if error is not None:
             raise error  # the engine fails the request; its future is dropped with it
@@ -142,6 +155,15 @@ class UringBackend(IOBackend):
                 # submit again.
                 for future in dropped:
                     resolve(future, 0, error)
+
+    def flush(self) -> None:
+        # This thread's interrupted plugged context, if any, will never submit: stop holding.
+        self._local.held = None
+        with self._lock:
+            if self._ring_open and not self._closing and self._pending:
+                error, dropped = self._submit_locked([])
+                if error is not None:
+                    log.warning("io_uring_submit failed while flushing held requests: %s", error)
 
     def _submit_locked(self, request_ids: list[int]
                        ) -> tuple[OSError | None, list["Future[int]"]]:
@@ -235,6 +257,10 @@ class UringBackend(IOBackend):
             # On the completion thread (a callback closing the backend) nothing can complete
             # while we wait, so there is nothing to wait for.
             on_completion_thread = self._thread is threading.current_thread()
+            if self._pending and self._ring_open:
+                # Requests prepared but never handed over (a caller interrupted between the two
+                # by an exception): they go in now, or nothing would ever complete them.
+                self._submit_locked([])
             while self._pending and not on_completion_thread:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
