@@ -49,7 +49,7 @@ from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
-from infinity.trace import Event, TraceFollower
+from infinity.trace import FORWARD, Event, TraceFollower
 from swap import SwapEngine, SwapError, align_up
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,17 @@ class Placement(CompanionsAndGradients):
         #: entries the running optimizer step has updated: their optimizer state is next
         #: needed a whole iteration later, that of the others in this step
         self.stepped: set[int] = set()
+        #: write-behind learned from the last forward + backward: the dirty shards that its
+        #: reads and gradients had to evict, written back on the spot while the pass waited
+        self._forced_writes: list[Shard] = []
+        self._forced_last: list[Shard] = []
+        self._prewritten = 0  # how many of _forced_last this pass has looked at
+        self._in_pass = False  # between the first forward hook and optimizer.step()
+        #: learn and start ahead the write-backs a pass had to wait for (see write_ahead)
+        self.write_ahead_enabled = True
+        #: write-backs eviction had to start during forward/backward, and those started ahead
+        self.forced_pass_writes = 0
+        self.writes_ahead = 0
         #: attempts of a transfer after its first failure (see the module docstring)
         self.max_retries = MAX_RETRIES
         #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
@@ -394,7 +405,7 @@ class Placement(CompanionsAndGradients):
             self.reap(shard)
             if shard.state is R.HOST:
                 if coming < nbytes:
-                    self.store_async(shard)
+                    self._forced_write(shard)
                     coming += cost(shard.nbytes)
                 continue
             if shard.state is R.HOST_STORING:
@@ -412,7 +423,7 @@ class Placement(CompanionsAndGradients):
         # (the freed ranges are not contiguous), write back and evict the rest one by one.
         for shard in candidates:
             if shard.state is R.HOST:
-                self.store_async(shard)
+                self._forced_write(shard)
             if shard.pending is not None:
                 error = self.reap(shard, wait=True)
                 if shard.state is R.HOST:
@@ -423,6 +434,40 @@ class Placement(CompanionsAndGradients):
         if write_error is not None:
             raise write_error  # counted in io_failures when its write gave up
         return None
+
+    def _forced_write(self, shard: Shard) -> None:
+        """A write-back that eviction needs now; remembered when a forward or backward pass
+        forced it, so the next pass can start it ahead (see :meth:`write_ahead`)."""
+        self.store_async(shard)
+        if self._in_pass:
+            self.forced_pass_writes += 1
+            if shard.kind != "grad":  # gradients change during backward
+                self._forced_writes.append(shard)
+
+    def pass_started(self) -> None:
+        self._forced_last, self._forced_writes = self._forced_writes, []
+        self._prewritten = 0
+        self._in_pass = True
+
+    def pass_finished(self) -> None:
+        """The step begins: what it writes is not the passes' to learn from."""
+        self._in_pass = False
+
+    def write_ahead(self, share: float) -> None:
+        """Starts the write-backs the last pass had to wait for, ``share`` of them per call
+        (called at each forward event, while the disk would otherwise idle under compute):
+        the shards are the same every iteration (parameters and optimizer state the step made
+        dirty), and nothing changes them before the step, so writing them early costs no
+        extra I/O and their eviction in backward finds them clean."""
+        last = self._forced_last
+        stop = min(len(last), self._prewritten + max(1, round(share * len(last))))
+        while self._prewritten < stop:
+            shard = last[self._prewritten]
+            self._prewritten += 1
+            self.reap(shard)
+            if shard.state is R.HOST and shard in self.in_arena and shard not in self.pinned:
+                self.store_async(shard)
+                self.writes_ahead += 1
 
     def clean_ahead(self, reserve: int, protect: Iterable[Shard] = ()) -> None:
         """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
@@ -674,6 +719,9 @@ class Placement(CompanionsAndGradients):
             return
         trace = self.follower.trace
         position = self.follower.position
+        if event.kind == FORWARD and self.write_ahead_enabled and \
+                self._prewritten < len(self._forced_last):
+            self.write_ahead(1.0 / max(1, trace.forward_events))
         budget = self.prefetch_bytes
         if budget is not None:
             budget -= sum(s.nbytes for s in self.in_arena if s.state is R.NVME_LOADING)

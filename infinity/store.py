@@ -435,6 +435,8 @@ class TieredStore:
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
         self._unfinished_step = None  # a new forward moves on from a step that failed
         self.follower.start_iteration((grad_enabled, training))
+        if self.placement is not None and grad_enabled:
+            self.placement.pass_started()
 
     def _run_step(self, optimizer: OffloadedOptimizer) -> None:
         with self.timeline.timed("optimizer.step", "step"):
@@ -443,6 +445,7 @@ class TieredStore:
     def _step(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
         assert placement is not None
+        placement.pass_finished()
         todo = [s for s in optimizer.shards if placement.has_grad(s)]
         for entry in {s.entry for s in todo}:
             if entry.holds:
@@ -657,6 +660,10 @@ class TieredStore:
             "prefetched_loads": placement.prefetched_loads if placement else 0,
             "demand_loads": placement.demand_loads if placement else 0,
             "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,
+            # write-backs eviction had to start (and wait for) during forward and backward,
+            # and those started ahead, during forward, from what the last pass had to wait for
+            "forced_pass_writes": placement.forced_pass_writes if placement else 0,
+            "write_ahead_writes": placement.writes_ahead if placement else 0,
             "grad_bytes": placement.grad_bytes if placement else 0,
             "pinned_bytes": placement.host.pinned_bytes if placement else 0,
             "rss_peak_bytes": self._rss_peak,

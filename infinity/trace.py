@@ -33,9 +33,13 @@ class Trace:
     #: entry index -> sorted positions of the events that use it
     uses: dict[int, list[int]] = field(default_factory=dict)
 
+    #: how many of the events are forward ones
+    forward_events: int = 0
+
     def append(self, event: Event) -> None:
         position = len(self.events)
         self.events.append(event)
+        self.forward_events += event.kind == FORWARD
         for entry in event.entries:
             self.uses.setdefault(entry, []).append(position)
 
