@@ -124,6 +124,8 @@ class Placement(CompanionsAndGradients):
         self._forced_last: list[Shard] = []
         self._prewritten = 0  # how many of _forced_last this pass has looked at
         self._in_pass = False  # between the first forward hook and optimizer.step()
+        #: a training pass began and its step has not finished: the step needs the masters
+        self.masters_due = False
         #: learn and start ahead the write-backs a pass had to wait for (see write_ahead)
         self.write_ahead_enabled = True
         #: write-backs eviction had to start during forward/backward, and those started ahead
@@ -367,10 +369,20 @@ class Placement(CompanionsAndGradients):
         stepped = self.stepped
         full = len(trace)
 
+        masters_due = self.params_on_nvme and self.masters_due
+        # The step walks the shards in entry order: within it, a later entry is needed later.
+        in_step = 0.5 / (len(self.registry.entries) + 1)
+
         def next_use(shard: Shard) -> float:
+            index = shard.entry.index
             if shard.kind != "param":
-                return end + full if shard.entry.index in stepped else end
-            return trace.next_use(shard.entry.index, position)
+                return end + full if index in stepped else end + in_step * index
+            use = trace.next_use(index, position)
+            if masters_due and index not in stepped and shard.entry.param.requires_grad:
+                # The step at the end of this iteration updates the master: it is needed there
+                # before the next forward, however far that is.
+                return min(use, end + in_step * index)
+            return use
         return next_use
 
     @staticmethod
@@ -448,6 +460,7 @@ class Placement(CompanionsAndGradients):
         self._forced_last, self._forced_writes = self._forced_writes, []
         self._prewritten = 0
         self._in_pass = True
+        self.masters_due = True
 
     def pass_finished(self) -> None:
         """The step begins: what it writes is not the passes' to learn from."""

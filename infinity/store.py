@@ -496,6 +496,7 @@ class TieredStore:
                 raise
             finally:
                 placement.stepped.clear()  # eviction ranks companions alike again
+                placement.masters_due = False
             self._unfinished_step = None
         for entry in updated:
             if entry.index in placement.persistent:

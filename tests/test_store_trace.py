@@ -203,3 +203,44 @@ def test_backward_events_are_recorded_in_order(tmp_path):
     assert kinds == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2),
                      (BACKWARD, 2), (BACKWARD, 1), (BACKWARD, 0)]
     store.close()
+
+
+def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
+    """With parameters on NVMe the step updates every master at the end of the iteration: after
+    its backward a layer's master is needed there, not only at the next forward, and the step
+    walks the shards in order, so within it a later shard is needed later."""
+    import torch
+
+    from infinity import OffloadConfig, TieredStore
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
+                                      nvme_path=str(tmp_path), buffer_size=1 << 16,
+                                      buffer_count=64))
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
+
+    def backward() -> None:
+        model(torch.randn(2, 32)).square().mean().backward()
+
+    for _ in range(2):  # the trace is recorded, then followed
+        backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    backward()  # the iteration is at its end, its step still to come
+    placement = store.placement
+    next_use = placement._next_use()
+    end = len(placement.follower.trace) - placement.follower.position + 0.5
+    masters = sorted((s for s in store.registry.shards.values() if s.kind == "param"),
+                     key=lambda s: s.entry.index)
+    uses = [next_use(s) for s in masters]
+    # All are needed by the step, in its order, before the next iteration goes past its first
+    # module (by the trace alone, the last layer's master would wait for the next forward).
+    assert uses == sorted(uses) and max(uses) < end + 0.5
+    state = [next_use(c) for s in masters for c in s.companions.values()]
+    assert state == sorted(state) and max(state) < end + 0.5
+    optimizer.step()
+    next_use = placement._next_use()
+    trace, position = placement.follower.trace, placement.follower.position
+    # stepped: back to the next forward
+    assert [next_use(s) for s in masters] == [trace.next_use(s.entry.index, position)
+                                              for s in masters]
+    store.close()
