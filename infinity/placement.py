@@ -449,12 +449,15 @@ class Placement(CompanionsAndGradients):
 
     def _forced_write(self, shard: Shard) -> None:
         """A write-back that eviction needs now; remembered when a forward or backward pass
-        forced it, so the next pass can start it ahead (see :meth:`write_ahead`)."""
+        forced it, or the step did for a shard it had not updated yet (dirty since the last
+        step), so the next forward can start it ahead (see :meth:`write_ahead`)."""
         self.store_async(shard)
         if self._in_pass:
             self.forced_pass_writes += 1
-            if shard.kind != "grad":  # gradients change during backward
-                self._forced_writes.append(shard)
+        elif not self.masters_due or shard.entry.index in self.stepped:
+            return  # outside a training iteration, or updated by this step
+        if shard.kind != "grad":  # gradients change during backward
+            self._forced_writes.append(shard)
 
     def pass_started(self) -> None:
         self._forced_last, self._forced_writes = self._forced_writes, []
