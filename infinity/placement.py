@@ -469,6 +469,11 @@ class Placement(CompanionsAndGradients):
         """The step begins: what it writes is not the passes' to learn from."""
         self._in_pass = False
 
+    def step_finished(self) -> None:
+        """The step ended (or failed): eviction ranks companions and masters alike again."""
+        self.stepped.clear()
+        self.masters_due = False
+
     def write_ahead(self, share: float) -> None:
         """Starts the write-backs the last pass had to wait for, ``share`` of them per call
         (called at each forward event, while the disk would otherwise idle under compute):

@@ -495,8 +495,7 @@ class TieredStore:
                     f"forward abandons it, leaving the model partly updated.")
                 raise
             finally:
-                placement.stepped.clear()  # eviction ranks companions alike again
-                placement.masters_due = False
+                placement.step_finished()
             self._unfinished_step = None
         for entry in updated:
             if entry.index in placement.persistent:

@@ -130,7 +130,7 @@ class UringBackend(IOBackend):
                 _uring.io_uring_prep_nop(sqe)
                 sqe.user_data = _IGNORED
                 self._pending.pop(request_id, None)
-                self._submit_locked([])  # hand the no-op over: it must not hold the slot
+                self._flush_locked()  # hand the no-op over: it must not hold the slot
                 raise
             error, _ = self._submit_locked([request_id])
         if error is not None:
@@ -160,10 +160,15 @@ class UringBackend(IOBackend):
         # This thread's interrupted plugged context, if any, will never submit: stop holding.
         self._local.held = None
         with self._lock:
-            if self._ring_open and not self._closing and self._pending:
-                error, dropped = self._submit_locked([])
-                if error is not None:
-                    log.warning("io_uring_submit failed while flushing held requests: %s", error)
+            if not self._closing:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        """Hands every prepared SQE to the kernel (those of requests nobody submitted, no-ops)."""
+        if self._ring_open:
+            error, _ = self._submit_locked([])
+            if error is not None:
+                log.warning("io_uring_submit failed while flushing held requests: %s", error)
 
     def _submit_locked(self, request_ids: list[int]
                        ) -> tuple[OSError | None, list["Future[int]"]]:
@@ -257,10 +262,10 @@ class UringBackend(IOBackend):
             # On the completion thread (a callback closing the backend) nothing can complete
             # while we wait, so there is nothing to wait for.
             on_completion_thread = self._thread is threading.current_thread()
-            if self._pending and self._ring_open:
+            if self._pending:
                 # Requests prepared but never handed over (a caller interrupted between the two
                 # by an exception): they go in now, or nothing would ever complete them.
-                self._submit_locked([])
+                self._flush_locked()
             while self._pending and not on_completion_thread:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
