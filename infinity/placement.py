@@ -37,6 +37,7 @@ and the tiers' usage are read from other threads (``TieredStore.stats()``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Callable, Iterable
 
@@ -378,10 +379,12 @@ class Placement(CompanionsAndGradients):
             if shard.kind != "param":
                 return end + full if index in stepped else end + in_step * index
             use = trace.next_use(index, position)
-            if masters_due and index not in stepped and shard.entry.param.requires_grad:
-                # The step at the end of this iteration updates the master: it is needed there
-                # before the next forward, however far that is.
-                return min(use, end + in_step * index)
+            if masters_due and use >= end - 0.5:
+                # Next used in the next iteration: after this iteration's step, and before it
+                # when the step updates the master (needed there, however far the use is).
+                if index not in stepped and shard.entry.param.requires_grad:
+                    return end + in_step * index
+                return use + 1.0
             return use
         return next_use
 
@@ -469,6 +472,15 @@ class Placement(CompanionsAndGradients):
         """The step begins: what it writes is not the passes' to learn from."""
         self._in_pass = False
 
+    def after_step(self) -> float:
+        """An eviction horizon past this iteration's step: within it, :meth:`_next_use` ranks
+        every shard the step still has to update (infinity without a trace: nothing is known
+        to be done with)."""
+        trace = self.follower.trace
+        if trace is None:
+            return math.inf
+        return len(trace) - self.follower.position + 1.0
+
     def step_finished(self) -> None:
         """The step ended (or failed): eviction ranks companions and masters alike again."""
         self.stepped.clear()
@@ -490,21 +502,27 @@ class Placement(CompanionsAndGradients):
                 self.store_async(shard)
                 self.writes_ahead += 1
 
-    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = ()) -> None:
+    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = (),
+                    horizon: float = 0.0) -> None:
         """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
         of the arena are free or held by clean copies.
 
         Writing every updated shard back after the step costs a full write of the training
         state per step even when most of it stays cached. Only the shards at the front of
         the eviction order will be dropped before their next use, so only they need a current
-        NVMe copy, and they get it ahead of the read that will need their room."""
+        NVMe copy, and they get it ahead of the read that will need their room. Only shards
+        next used beyond ``horizon`` are written."""
         if self.engine is None:
             return
         host = self.host
         reclaimable = min(host.arena_bytes, host.budget) - host.usage.current
         if reclaimable >= reserve:
             return
-        for shard in self._arena_victims(set(protect), self._next_use()):
+        next_use = self._next_use()
+        victims = self._arena_victims(set(protect), next_use)
+        if horizon and next_use is not None:
+            victims = [s for s in victims if next_use(s) > horizon]
+        for shard in victims:
             if reclaimable >= reserve:
                 break
             self.reap(shard)

@@ -553,15 +553,30 @@ class TieredStore:
                 total = tile_limit
             return total
 
-        # Three stages share the arena: the tile being updated, the next one being read and the
-        # previous ones being written. Each gets a third (in slot bytes); a tile has at least one
-        # shard, and read-ahead stops at one tile's worth so it never starves the writes.
+        # Three stages share the arena: the tile being updated, the shards being read ahead and
+        # the updated ones being written. A tile has at least one shard and at most a third of
+        # the arena (in slot bytes); it ends before a shard whose reads are not done, so the
+        # update never waits for more than the one shard it cannot start without.
         tile_limit = placement.host.arena_bytes // 3
+        # Read-ahead takes free room and the room of what this step is done with, never that of
+        # a shard the step still has to update: evicting it would cost a write and a read back
+        # within the same step, and updates free room (dropped gradients) faster than the disk
+        # fills it.
+        after_step = placement.after_step()
+
+        def ready(shard: Shard) -> bool:
+            for part in parts(shard):
+                placement.reap(part)
+                if not part.state.on_host:
+                    return False
+            return True
+
         ahead = 0
         i = 0
         while i < len(todo):
             tile, used = [], 0
-            while i < len(todo) and (not tile or used + size(todo[i]) <= tile_limit):
+            while i < len(todo) and (not tile or (used + size(todo[i]) <= tile_limit
+                                                  and ready(todo[i]))):
                 tile.append(todo[i])
                 used += size(todo[i])
                 i += 1
@@ -570,24 +585,21 @@ class TieredStore:
             for part in needed:
                 placement.reap(part)
                 if part.state is R.NVME:
-                    placement.load_async(part, protect=protect, horizon=0.5)
+                    placement.load_async(part, protect=protect, horizon=after_step)
             for part in needed:
                 placement.ensure_host(part, protect=protect)
                 if part.state is R.HOST_STORING:
                     placement.reap(part, wait=True)
-            # Read the next shards while this tile is updated; never evict what is protected.
+            # Read the next shards, in step order, while this tile is updated.
             ahead = max(ahead, i)
             upcoming: set[Shard] = set()
-            ahead_bytes = sum(size(todo[k]) for k in range(i, ahead))
-            while self.pipeline_step and ahead < len(todo) and \
-                    (ahead == i or ahead_bytes + size(todo[ahead]) <= tile_limit):
-                ahead_bytes += size(todo[ahead])
+            while self.pipeline_step and ahead < len(todo):
                 wanted = parts(todo[ahead])
                 started = True
                 for part in wanted:
                     placement.reap(part)
-                    if not placement.load_async(part, protect=protect | upcoming, horizon=0.5,
-                                                read_ahead=True):
+                    if not placement.load_async(part, protect=protect | upcoming,
+                                                horizon=after_step, read_ahead=True):
                         started = False
                         break
                     upcoming.add(part)
@@ -615,7 +627,7 @@ class TieredStore:
                 missing = sum(cost(p.nbytes) for shard in todo[i:i + 2 * len(tile)]
                               for p in parts(shard)
                               if not p.state.on_host and p.state is not R.NVME_LOADING)
-                placement.clean_ahead(missing, protect=protect | upcoming)
+                placement.clean_ahead(missing, protect=protect | upcoming, horizon=after_step)
             if not self.pipeline_step:
                 for part in [*tile, *changed]:
                     placement.reap(part, wait=True)

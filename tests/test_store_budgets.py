@@ -291,3 +291,30 @@ def test_write_backs_a_pass_waited_for_start_ahead_in_the_next_forward(tmp_path)
     assert with_ahead["write_ahead_writes"] > 0
     assert with_ahead["forced_pass_writes"] < without["forced_pass_writes"]
     assert with_ahead["bytes_written"] <= 1.05 * without["bytes_written"]
+
+
+def test_step_reads_ahead_without_evicting_shards_it_has_still_to_update(tmp_path):
+    """The step's read-ahead takes free room and the room of shards it already updated. Taking
+    the room of one it has still to update would write that shard's gradient (or moments) out
+    and read it back within the same step."""
+    block = 1 << 16
+    needed = _arena_for_everything(tmp_path, block)
+    plain = make_model()
+    plain_optimizer = fused_adamw(plain.parameters())
+    plain_losses = train(plain, plain_optimizer, 5) + train(plain, plain_optimizer, 1, seed=5)
+    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
+                                      nvme_path=str(tmp_path), buffer_size=block,
+                                      buffer_count=int(0.7 * needed) // block))
+    model = make_model()
+    model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+    losses = train(model, optimizer, 5)
+    with store.timeline.recording() as timeline:
+        losses += train(model, optimizer, 1, seed=5)
+    assert_equivalent(plain_losses, losses, plain.state_dict(), model.state_dict())
+    step = next(s for s in timeline.spans if s.name == "optimizer.step")
+    in_step = [t for t in timeline.transfers if step.start <= t.start <= step.end]
+    assert any(t.op == "read" for t in in_step)  # the arena really is too small
+    assert store.stats()["step_read_ahead_loads"] > 0
+    gradient_writes = [t.shard for t in in_step if t.op == "write" and t.shard.endswith("@grad")]
+    assert not gradient_writes
+    store.close()
