@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from infinity import OffloadConfig, TieredStore
-from infinity.placement import MAX_RETRIES
+from infinity.completions import MAX_RETRIES
 from swap import FaultInjectingBackend
 from tools.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
