@@ -212,9 +212,7 @@ class Placement(Completions, CompanionsAndGradients):
         On demand (no ``horizon``), when no room could be made because write-backs failed,
         raises the write error (that is why there is no room)."""
         next_use = self._next_use()
-        candidates = self._arena_victims(protect, next_use)
-        if horizon and next_use is not None:
-            candidates = [s for s in candidates if next_use(s) > horizon]
+        candidates = self._beyond(self._arena_victims(protect, next_use), horizon, next_use)
         cost = self.host.slot_cost
         write_error: BaseException | None = None
         coming = 0  # bytes whose write-back is in flight: room once it completes
@@ -276,12 +274,26 @@ class Placement(Completions, CompanionsAndGradients):
 
     def after_step(self) -> float:
         """An eviction horizon past this iteration's step: within it, :meth:`_next_use` ranks
-        every shard the step still has to update (infinity without a trace: nothing is known
-        to be done with)."""
+        every shard the step still has to update. Without a trace it is infinity, which
+        :meth:`_beyond` reads as "not needed by the running step"."""
         trace = self.follower.trace
         if trace is None:
             return math.inf
         return len(trace) - self.follower.position + 1.0
+
+    def _beyond(self, candidates: list[Shard], horizon: float,
+                next_use: Callable[[Shard], float] | None) -> list[Shard]:
+        """The candidates next needed after ``horizon`` (all of them for no horizon). Without
+        a trace only the running step's own order is known: past the step, a shard it has
+        still to update is needed sooner, and nothing else is known to be."""
+        if not horizon:
+            return candidates
+        if next_use is not None:
+            return [s for s in candidates if next_use(s) > horizon]
+        if horizon == math.inf and self.masters_due and not self._in_pass:
+            return [s for s in candidates if s.entry.index in self.stepped
+                    or (s.kind == "param" and not s.entry.param.requires_grad)]
+        return candidates
 
     def step_finished(self) -> None:
         """The step ended (or failed): eviction ranks companions and masters alike again."""
@@ -291,9 +303,10 @@ class Placement(Completions, CompanionsAndGradients):
     def write_ahead(self, share: float) -> None:
         """Starts the write-backs the last pass had to wait for, ``share`` of them per call
         (called at each forward event, while the disk would otherwise idle under compute):
-        the shards are the same every iteration (parameters and optimizer state the step made
-        dirty), and nothing changes them before the step, so writing them early costs no
-        extra I/O and their eviction in backward finds them clean."""
+        the shards are mostly the same every iteration (parameters and optimizer state the step
+        made dirty), and nothing changes them before the step, so their eviction in backward
+        finds them clean at the cost of the same write. One that this pass ends up not evicting
+        is written again after the step (a few percent more bytes on a small GPT)."""
         last = self._forced_last
         stop = min(len(last), self._prewritten + max(1, round(share * len(last))))
         while self._prewritten < stop:
@@ -321,9 +334,7 @@ class Placement(Completions, CompanionsAndGradients):
         if reclaimable >= reserve:
             return
         next_use = self._next_use()
-        victims = self._arena_victims(set(protect), next_use)
-        if horizon and next_use is not None:
-            victims = [s for s in victims if next_use(s) > horizon]
+        victims = self._beyond(self._arena_victims(set(protect), next_use), horizon, next_use)
         for shard in victims:
             if reclaimable >= reserve:
                 break

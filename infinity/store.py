@@ -563,6 +563,10 @@ class TieredStore:
         # within the same step, and updates free room (dropped gradients) faster than the disk
         # fills it.
         after_step = placement.after_step()
+        # Without a trace (a step that ran differently) eviction is least recently used and
+        # knows nothing of the step's order: read-ahead then stops at a tile's worth, so that
+        # it cannot push out what the next tiles need.
+        window = tile_limit if placement.follower.trace is None else math.inf
 
         def ready(shard: Shard) -> bool:
             for part in parts(shard):
@@ -593,7 +597,10 @@ class TieredStore:
             # Read the next shards, in step order, while this tile is updated.
             ahead = max(ahead, i)
             upcoming: set[Shard] = set()
-            while self.pipeline_step and ahead < len(todo):
+            ahead_bytes = sum(size(todo[k]) for k in range(i, ahead)) if window < math.inf else 0
+            while self.pipeline_step and ahead < len(todo) and \
+                    (ahead == i or ahead_bytes + size(todo[ahead]) <= window):
+                ahead_bytes += size(todo[ahead])
                 wanted = parts(todo[ahead])
                 started = True
                 for part in wanted:
