@@ -262,3 +262,23 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert set(json.loads(config.read_text())) == set(CONFIG_KEYS)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(data.iterdir()) == []  # swap run dir and fio's file are gone
+
+
+def test_overlap_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny run of the overlap benchmark (`make bench` runs the full one): every config runs
+    in its own process, and the NVMe run really swaps (its arena holds a fraction of the state)."""
+    from tools import bench_overlap
+    out = tmp_path / "overlap.json"
+    assert bench_overlap.main([
+        "--layers", "4", "--width", "256", "--batch", "4", "--steps", "2", "--warmup", "1",
+        "--repeats", "1", "--host-budget", "0.05", "--arena", "0.003", "--device-budget", "0.001",
+        "--buffer-size", str(256 << 10), "--nvme-path", str(tmp_path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"plain", "fits", "nvme@0.00"}
+    nvme = report["runs"]["nvme@0.00"][0]
+    assert nvme["read_bytes"] > 0 and nvme["write_bytes"] > 0
+    assert len(nvme["phases_s"]) == 3 and all(p > 0 for p in nvme["phases_s"])
+    efficiency = report["summary"]["nvme@0.00"]["efficiency"]
+    assert 0 < efficiency < math.inf
+    printed = capsys.readouterr().out
+    assert "overlap efficiency" in printed and "median seconds per phase" in printed

@@ -56,17 +56,26 @@ def mlp(layers: int, width: int, seed: int = 0) -> nn.Module:
 
 
 def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch: int,
-                width: int) -> list[float]:
+                width: int, phases: list[tuple[float, float, float]] | None = None
+                ) -> list[float]:
+    """Seconds per training step; with ``phases``, also appends each step's (forward,
+    backward, optimizer step + zero_grad) seconds to it."""
     generator = torch.Generator().manual_seed(1)
     times = []
     for _ in range(steps):
         x = torch.randn(batch, width, generator=generator)
         started = time.perf_counter()
         loss = model(x).square().mean()
+        forward_done = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
-        times.append(time.perf_counter() - started)
+        ended = time.perf_counter()
+        times.append(ended - started)
+        if phases is not None:
+            phases.append((forward_done - started, backward_done - forward_done,
+                           ended - backward_done))
     return times
 
 
@@ -124,8 +133,10 @@ def run_one(args: argparse.Namespace) -> dict:
     # staging arena and the heap; what is timed is the steady state that training runs in.
     timed_steps(model, optimizer, args.warmup, args.batch, args.width)
     before = store.stats() if store else None
-    times = timed_steps(model, optimizer, args.steps, args.batch, args.width)
+    phases: list[tuple[float, float, float]] = []
+    times = timed_steps(model, optimizer, args.steps, args.batch, args.width, phases)
     out = {"step_s": statistics.median(times), "steps_s": times, "attach_s": attach_s,
+           "phases_s": [statistics.median(p) for p in zip(*phases)],
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if store is not None:
         after = store.stats()
@@ -220,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         medians = ", ".join(f"{x['step_s']:.3f}" for x in runs[name])
         print(f"{label:24s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
               f"{r['peak_rss'] / gib:13.2f}")
+    print("median seconds per phase (forward / backward / optimizer step):")
+    for name in configs:
+        forward, backward, step = best[name]["phases_s"]
+        print(f"  {name:10s} {forward:.3f} / {backward:.3f} / {step:.3f}")
     summary = {}
     deepspeed = (args.layers, args.width, args.batch) == (24, 2048, 16)
     for name in (n for n in configs if n.startswith("nvme")):
