@@ -37,6 +37,7 @@ from infinity.residency import Residency as R
 from infinity.shards import Shard
 from swap import SwapError, align_up
 
+# The placement's logger: its transfer warnings keep the name users filter them by.
 log = logging.getLogger("infinity.placement")
 
 #: re-issues of a failed transfer before its error surfaces: a single EIO, timeout or bad read

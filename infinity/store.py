@@ -563,9 +563,9 @@ class TieredStore:
         # within the same step, and updates free room (dropped gradients) faster than the disk
         # fills it.
         after_step = placement.after_step()
-        # Without a trace (a step that ran differently) eviction is least recently used and
-        # knows nothing of the step's order: read-ahead then stops at a tile's worth, so that
-        # it cannot push out what the next tiles need.
+        # Without a trace (the first step, or one that ran differently) eviction among what the
+        # step is done with is least recently used and may push out the masters the next
+        # forward needs first: read-ahead then stops at a tile's worth.
         window = tile_limit if placement.follower.trace is None else math.inf
 
         def ready(shard: Shard) -> bool:
