@@ -1,0 +1,221 @@
+"""The optimizer step over offloaded shards: the global gradient norm, fp16 overflow skipping
+and clipping, then the update of every shard wherever it lives, pipelined over the staging arena
+(read ahead, update a tile, write back what the next reads need room for).
+
+A mixin of :class:`infinity.store.TieredStore`: it uses the store's placement, registry, engine,
+config and counters, and keeps no state of its own beyond the store's attributes. Design notes:
+the "step" section of ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from infinity.memory import host_tensor_bytes
+from infinity.optimizer import state_companions
+from infinity.precision import global_norm
+from infinity.residency import Residency as R
+from infinity.shards import Shard
+
+if TYPE_CHECKING:
+    from infinity.optimizer import OffloadedOptimizer
+
+
+class Stepping:
+    # -- the step -------------------------------------------------------------------------------
+    def _run_step(self, optimizer: OffloadedOptimizer) -> None:
+        with self.timeline.timed("optimizer.step", "step"):
+            self._step(optimizer)
+
+    def _step(self, optimizer: OffloadedOptimizer) -> None:
+        placement = self.placement
+        assert placement is not None
+        placement.pass_finished()
+        todo = [s for s in optimizer.shards if placement.has_grad(s)]
+        for entry in {s.entry for s in todo}:
+            if entry.holds:
+                raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
+                                   f"or backward pass")
+        if self._unfinished_step is not None:
+            # The last step failed part-way: finish it for the shards it had not updated, with
+            # the same clipping factor; the global norm and the loss scale were settled when it
+            # started.
+            multiplier, done = self._unfinished_step
+            todo = [s for s in todo if s.id not in done]
+        else:
+            done = set()
+            norm = global_norm([s.grad_sq_norm for s in todo]) \
+                if placement.track_grad_norms else math.nan
+            self.last_grad_norm = norm
+            if self.scaler is not None:
+                overflow = not math.isfinite(norm)
+                self.scaler.update(overflow)
+                placement.loss_scale = self.scaler.scale
+                if overflow:
+                    self.skipped_steps += 1
+                    return  # the user's zero_grad() discards the overflowed gradients
+            multiplier = 1.0
+            clip = self.config.gradient_clipping
+            if clip > 0 and norm > clip:
+                multiplier = clip / (norm + 1e-6)
+        updated = {s.entry for s in todo}
+        for entry in updated:
+            placement.drop_device(entry, force=True)  # refreshed from the master below or on use
+        if self.engine is None:
+            optimizer.update(todo, multiplier)
+            for shard in todo:
+                self.registry.set_state(shard, R.HOST)
+                shard.version += 1
+        else:
+            self._unfinished_step = (multiplier, done)
+            try:
+                self._tiled_step(optimizer, todo, multiplier, done)
+            except BaseException as exc:
+                updated_now = sum(1 for s in todo if s.id in done)
+                left = len(todo) - updated_now
+                exc.add_note(
+                    f"optimizer.step() stopped after updating {updated_now} of {len(todo)} "
+                    f"shards. Once the cause is fixed, optimizer.step() finishes this step for "
+                    f"the other {left} (same clipping factor); optimizer.zero_grad() or a new "
+                    f"forward abandons it, leaving the model partly updated.")
+                raise
+            finally:
+                placement.step_finished()
+            self._unfinished_step = None
+        for entry in updated:
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)  # persistent copies come back right away
+        self.steps += 1
+        if self.steps == 1 and self._heap_watch is not None:
+            # From now on every step allocates the same sizes: reuse freed blocks instead of
+            # faulting fresh mappings, for as long as RSS stays under the line.
+            # Expected to stay in the heap: the device tier's copies (host memory without a
+            # GPU) and a few gradients and autograd temporaries of the largest parameter.
+            largest = max(e.nbytes for e in self.registry.entries)
+            device = self.budgets["device"] if self.device.type == "cpu" else 0
+            # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
+            # state and gradients in host tensors) exists only now; the line moves up by it.
+            outside = (placement.grad_peak if not placement.grads_on_nvme else 0) + \
+                (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
+            self._heap_watch.start(largest, device + 4 * largest, outside=outside)
+        self.watch_heap()
+        self._sample_memory()
+
+    def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
+        out = []
+        if self.placement.grads_on_nvme:
+            out.append(shard.companions["grad"])
+        if optimizer.swap_state:
+            out += state_companions(shard).values()
+        return out
+
+    def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard],
+                    multiplier: float, done: set[str]) -> None:
+        """Read ahead, update a tile, write back what the next reads need room for: the pipeline
+        over the staging arena.
+        A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
+        and writes; the step costs about max(read, update, write), not their sum. The ids of
+        the shards it updated go into ``done``, as they are updated."""
+        placement = self.placement
+        params_on_nvme = placement.params_on_nvme
+
+        def parts(shard: Shard) -> list[Shard]:
+            own = [shard] if params_on_nvme else []
+            return own + self._companions(shard, optimizer)
+
+        cost = placement.host.slot_cost
+
+        def size(shard: Shard) -> int:
+            total = sum(cost(p.nbytes) for p in parts(shard))
+            if optimizer.swap_state and not state_companions(shard):
+                # First step: the optimizer creates its state in ordinary memory before it moves
+                # to companions; a tile of one keeps that transient to one shard's worth.
+                total = tile_limit
+            return total
+
+        # Three stages share the arena: the tile being updated, the shards being read ahead and
+        # the updated ones being written. A tile has at least one shard and at most a third of
+        # the arena (in slot bytes); it ends before a shard whose reads are not done, so the
+        # update never waits for more than the one shard it cannot start without.
+        tile_limit = placement.host.arena_bytes // 3
+        # Read-ahead takes free room and the room of what this step is done with, never that of
+        # a shard the step still has to update: evicting it would cost a write and a read back
+        # within the same step, and updates free room (dropped gradients) faster than the disk
+        # fills it.
+        after_step = placement.after_step()
+        # Without a trace (the first step, or one that ran differently) eviction among what the
+        # step is done with is least recently used and may push out the masters the next
+        # forward needs first: read-ahead then stops at a tile's worth.
+        window = tile_limit if placement.follower.trace is None else math.inf
+
+        def ready(shard: Shard) -> bool:
+            for part in parts(shard):
+                placement.reap(part)
+                if not part.state.on_host:
+                    return False
+            return True
+
+        ahead = 0
+        i = 0
+        while i < len(todo):
+            tile, used = [], 0
+            while i < len(todo) and (not tile or (used + size(todo[i]) <= tile_limit
+                                                  and ready(todo[i]))):
+                tile.append(todo[i])
+                used += size(todo[i])
+                i += 1
+            needed = [p for shard in tile for p in parts(shard)]
+            protect = set(needed)
+            for part in needed:
+                placement.reap(part)
+                if part.state is R.NVME:
+                    placement.load_async(part, protect=protect, horizon=after_step)
+            for part in needed:
+                placement.ensure_host(part, protect=protect)
+                if part.state is R.HOST_STORING:
+                    placement.reap(part, wait=True)
+            # Read the next shards, in step order, while this tile is updated.
+            ahead = max(ahead, i)
+            upcoming: set[Shard] = set()
+            ahead_bytes = sum(size(todo[k]) for k in range(i, ahead)) if window < math.inf else 0
+            while self.pipeline_step and ahead < len(todo) and \
+                    (ahead == i or ahead_bytes + size(todo[ahead]) <= window):
+                ahead_bytes += size(todo[ahead])
+                wanted = parts(todo[ahead])
+                started = True
+                for part in wanted:
+                    placement.reap(part)
+                    if not placement.load_async(part, protect=protect | upcoming,
+                                                horizon=after_step, read_ahead=True):
+                        started = False
+                        break
+                    upcoming.add(part)
+                if not started:
+                    break
+                ahead += 1
+            placement.pinned = protect
+            try:
+                changed = optimizer.update(tile, multiplier)
+            finally:
+                placement.pinned = set()
+            self.watch_heap()
+            for shard in tile:
+                self.registry.set_state(shard, R.HOST)
+                shard.version += 1
+                placement.stepped.add(shard.entry.index)
+                done.add(shard.id)
+                if placement.grads_on_nvme:
+                    placement.drop_grad(shard)
+            for companion in changed:
+                companion.version += 1
+            if placement.write_behind:
+                # The reads of the next two tiles will need room: make it now, by writing back
+                # what will be evicted first, so that those reads never wait for a write.
+                missing = sum(cost(p.nbytes) for shard in todo[i:i + 2 * len(tile)]
+                              for p in parts(shard)
+                              if not p.state.on_host and p.state is not R.NVME_LOADING)
+                placement.clean_ahead(missing, protect=protect | upcoming, horizon=after_step)
+            if not self.pipeline_step:
+                for part in [*tile, *changed]:
+                    placement.reap(part, wait=True)
