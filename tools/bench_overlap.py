@@ -13,7 +13,8 @@ RSS is its own, repeats interleaved:
     budget leaves beside the arena lets freed heap blocks be reused (infinity.memory);
 and the swap engine's read and write bandwidth on the same path. It prints the pure I/O time of
 the attached step's bytes at that bandwidth and the overlap efficiency
-max(compute, io) / attached step (1.0 = the I/O is fully hidden).
+max(compute, io) / attached step (1.0 = the I/O is fully hidden), and each configuration's median
+forward, backward and optimizer-step seconds (where an attached step spends what it loses).
 
     python -m tools.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7 --device-budget 0.1]
 """
