@@ -184,9 +184,7 @@ class Placement(Completions, CompanionsAndGradients):
             if masters_due and use >= end - 0.5:
                 # Next used in the next iteration: after this iteration's step, and before it
                 # when the step updates the master (needed there, however far the use is).
-                if index not in stepped and shard.entry.param.requires_grad:
-                    return end + in_step * index
-                return use + 1.0
+                return end + in_step * index if self._step_will_update(shard) else use + 1.0
             return use
         return next_use
 
@@ -291,9 +289,14 @@ class Placement(Completions, CompanionsAndGradients):
         if next_use is not None:
             return [s for s in candidates if next_use(s) > horizon]
         if horizon == math.inf and self.masters_due and not self._in_pass:
-            return [s for s in candidates if s.entry.index in self.stepped
-                    or (s.kind == "param" and not s.entry.param.requires_grad)]
+            return [s for s in candidates if not self._step_will_update(s)]
         return candidates
+
+    def _step_will_update(self, shard: Shard) -> bool:
+        """Whether this iteration's step has still to update ``shard`` (a trainable master or
+        a companion of an entry it has not reached yet)."""
+        return shard.entry.index not in self.stepped and \
+            (shard.kind != "param" or shard.entry.param.requires_grad)
 
     def step_finished(self) -> None:
         """The step ended (or failed): eviction ranks companions and masters alike again."""

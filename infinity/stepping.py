@@ -156,7 +156,19 @@ class Stepping:
                     return False
             return True
 
-        ahead = 0
+        def read_ahead(shard: Shard, protect: set[Shard], upcoming: set[Shard]) -> bool:
+            """Starts the reads of ``shard``'s parts, adding each to ``upcoming``; False when
+            one found no room (the ones started stay started)."""
+            for part in parts(shard):
+                placement.reap(part)
+                if not placement.load_async(part, protect=protect | upcoming,
+                                            horizon=after_step, read_ahead=True):
+                    return False
+                upcoming.add(part)
+            return True
+
+        ahead = 0  # todo[i:ahead] have their reads started
+        ahead_bytes = 0  # their size
         i = 0
         while i < len(todo):
             tile, used = [], 0
@@ -164,6 +176,8 @@ class Stepping:
                                                   and ready(todo[i]))):
                 tile.append(todo[i])
                 used += size(todo[i])
+                if i < ahead:
+                    ahead_bytes -= size(todo[i])
                 i += 1
             needed = [p for shard in tile for p in parts(shard)]
             protect = set(needed)
@@ -176,23 +190,13 @@ class Stepping:
                 if part.state is R.HOST_STORING:
                     placement.reap(part, wait=True)
             # Read the next shards, in step order, while this tile is updated.
-            ahead = max(ahead, i)
+            if ahead < i:
+                ahead, ahead_bytes = i, 0
             upcoming: set[Shard] = set()
-            ahead_bytes = sum(size(todo[k]) for k in range(i, ahead)) if window < math.inf else 0
             while self.pipeline_step and ahead < len(todo) and \
-                    (ahead == i or ahead_bytes + size(todo[ahead]) <= window):
+                    (ahead == i or ahead_bytes + size(todo[ahead]) <= window) and \
+                    read_ahead(todo[ahead], protect, upcoming):
                 ahead_bytes += size(todo[ahead])
-                wanted = parts(todo[ahead])
-                started = True
-                for part in wanted:
-                    placement.reap(part)
-                    if not placement.load_async(part, protect=protect | upcoming,
-                                                horizon=after_step, read_ahead=True):
-                        started = False
-                        break
-                    upcoming.add(part)
-                if not started:
-                    break
                 ahead += 1
             placement.pinned = protect
             try:
