@@ -67,6 +67,8 @@ class HookSet:
         #: entries gathered for backward and not yet released: entry -> count
         self.backward_holds: dict[ParamEntry, int] = {}
         self._callback_queued = False
+        #: the autograd graph task of the backward pass that queued the callback, if known
+        self._pass_task: int | None = None
         #: counts finished backward passes; an output hook fires once per pass
         self._backward_pass = 0
 
@@ -183,10 +185,21 @@ class HookSet:
         def grad_ready(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
+                param.grad = None  # first: a refused gradient must not stay to be added to
+                self.store._grad_arriving(entry)
                 self.placement.take_grad(entry, grad)
-                param.grad = None
             self._release_backward(entry)
+            if grad is not None:
+                self.store._grad_complete(entry, nested=self._nested_backward())
         return grad_ready
+
+    def _nested_backward(self) -> bool:
+        """Whether this runs in a backward pass started inside the pass that queued the
+        end-of-backward callback (reentrant activation checkpointing), where a gradient may
+        still be partial."""
+        current = getattr(torch._C, "_current_graph_task_id", None)
+        return current is not None and self._pass_task is not None and \
+            current() != self._pass_task
 
     def _release_backward(self, entry: ParamEntry) -> None:
         count = self.backward_holds.pop(entry, 0)
@@ -197,10 +210,13 @@ class HookSet:
         if self._callback_queued:
             return
         self._callback_queued = True
+        current = getattr(torch._C, "_current_graph_task_id", None)
+        self._pass_task = current() if current is not None else None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._pass_task = None
         self._backward_pass += 1
         for entry in list(self.backward_holds):
             self._release_backward(entry)

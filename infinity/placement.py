@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -32,7 +32,7 @@ from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
-from infinity.trace import FORWARD, Event, TraceFollower
+from infinity.trace import FORWARD, Event, Trace, TraceFollower
 from swap import SwapEngine, align_up
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,9 @@ class Placement(Completions, CompanionsAndGradients):
         #: entries the running optimizer step has updated: their optimizer state is next
         #: needed a whole iteration later, that of the others in this step
         self.stepped: set[int] = set()
+        #: the optimizer updates each entry in backward, as its gradient completes (the
+        #: ``step_in_backward`` option): its optimizer state is needed there, not in the step
+        self.update_in_backward = False
         #: write-behind learned from the last forward + backward: the dirty shards that its
         #: reads and gradients had to evict, written back on the spot while the pass waited
         self._forced_writes: list[Shard] = []
@@ -137,13 +140,15 @@ class Placement(Completions, CompanionsAndGradients):
                 self.registry.set_state(shard, R.HOST)
 
     # -- host slots ---------------------------------------------------------------------------
-    def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float) -> bool:
+    def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float,
+                   strict: bool = False) -> bool:
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
         if self.quarantine:
             self._reclaim_quarantine()
         offset = self.host.take_arena(shard.nbytes)
         if offset is None:
-            offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon)
+            offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon,
+                                           strict and horizon > 0)
             if offset is None:
                 return False
         shard.arena_offset = offset
@@ -176,9 +181,18 @@ class Placement(Completions, CompanionsAndGradients):
         # The step walks the shards in entry order: within it, a later entry is needed later.
         in_step = 0.5 / (len(self.registry.entries) + 1)
 
+        last_backward = trace.last_backward if self.update_in_backward else {}
+
         def next_use(shard: Shard) -> float:
             index = shard.entry.index
             if shard.kind != "param":
+                update = last_backward.get(index)
+                if update is not None:
+                    # Updated in backward, right after the entry's last backward event.
+                    if index in stepped:
+                        return update + full - position + 0.5
+                    if update >= position:
+                        return update - position + 0.5
                 return end + full if index in stepped else end + in_step * index
             use = trace.next_use(index, position)
             if masters_due and use >= end - 0.5:
@@ -202,13 +216,16 @@ class Placement(Completions, CompanionsAndGradients):
         return self.eviction.order(candidates, next_use,
                                    lambda s: self.last_used.get(s.entry.index, -1))
 
-    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float) -> int | None:
+    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float,
+                         strict: bool = False) -> int | None:
         """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
         dirty ones are written back first and stay until that write completed. Write-backs are
         started for about ``nbytes`` at a time, in eviction order, never for everything dirty:
         one read that finds no clean room must not turn into a write of the whole arena.
         On demand (no ``horizon``), when no room could be made because write-backs failed,
-        raises the write error (that is why there is no room)."""
+        raises the write error (that is why there is no room). ``strict`` (with a horizon)
+        evicts in policy order only: once write-backs under way will free the room, it waits
+        for them rather than drop a clean shard needed sooner."""
         next_use = self._next_use()
         candidates = self._beyond(self._arena_victims(protect, next_use), horizon, next_use)
         cost = self.host.slot_cost
@@ -216,6 +233,10 @@ class Placement(Completions, CompanionsAndGradients):
         coming = 0  # bytes whose write-back is in flight: room once it completes
         for shard in candidates:
             self.reap(shard)
+            if strict and coming >= nbytes:
+                # Room is on its way from shards needed later than the rest: evicting a
+                # clean one needed sooner would make a read that must be repeated.
+                return None
             if shard.state is R.HOST:
                 if coming < nbytes:
                     self._forced_write(shard)
@@ -235,6 +256,12 @@ class Placement(Completions, CompanionsAndGradients):
         # pin the arena) and evict what they free, in policy order; when that is not enough
         # (the freed ranges are not contiguous), write back and evict the rest one by one.
         for shard in candidates:
+            if shard.state is R.DEVICE_HOST and shard.entry.holds == 0 and \
+                    shard.entry.index not in self.persistent:
+                # A dirty master whose device copy is cached, not in use (after an update in
+                # backward, the next forward leaves it so): drop that copy, which is never
+                # newer, so the master can be written back.
+                self.drop_device(shard.entry)
             if shard.state is R.HOST:
                 self._forced_write(shard)
             if shard.pending is not None:
@@ -383,11 +410,12 @@ class Placement(Completions, CompanionsAndGradients):
 
     def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
                    horizon: float = 0.0, prefetch: bool = False,
-                   read_ahead: bool = False) -> bool:
-        """Starts NVME -> host; False when no slot could be had within the horizon."""
+                   read_ahead: bool = False, strict: bool = False) -> bool:
+        """Starts NVME -> host; False when no slot could be had within the horizon (and,
+        ``strict``, in eviction order: see :meth:`_make_arena_room`)."""
         if shard.state is not R.NVME:
             return True
-        if not self._host_slot(shard, protect, horizon):
+        if not self._host_slot(shard, protect, horizon, strict):
             return False
         if self._failed.get(shard):
             self.io_retries += 1
@@ -580,19 +608,51 @@ class Placement(Completions, CompanionsAndGradients):
         budget = self.prefetch_bytes
         if budget is not None:
             budget -= sum(s.nbytes for s in self.in_arena if s.state is R.NVME_LOADING)
-        for index in self.prefetcher.wanted(self.follower):
-            entry = self.registry.entries[index]
-            horizon = trace.next_use(index, position)
-            for shard in entry.shards:
-                self.reap(shard)
-                if shard.state is not R.NVME:
-                    continue
-                if budget is not None and budget < shard.nbytes:
-                    return  # prefetch_bytes reached
-                if not self.load_async(shard, horizon=horizon + 0.5, prefetch=True):
-                    return  # out of room: prefetch less, never over-commit
-                if budget is not None:
-                    budget -= shard.nbytes
+        wanted = ((shard, trace.next_use(index, position) + 0.5)
+                  for index in self.prefetcher.wanted(self.follower)
+                  for shard in self.registry.entries[index].shards)
+        budget = self._prefetch(wanted, budget)
+        if budget is not None and self.update_in_backward and event.kind != FORWARD:
+            # Only once backward runs: in forward, the room for the state of the first updates
+            # comes from masters and state that this backward needs later, each read twice.
+            # Strict: it reads far ahead, and what a read evicts out of order must be read
+            # again (without it, half as many bytes again were read at bench_overlap's smallest arena).
+            self._prefetch(self._state_wanted(trace, position), budget, strict=True)
+
+    def _prefetch(self, wanted: Iterable[tuple[Shard, float]], budget: int | None,
+                  strict: bool = False) -> int | None:
+        """Starts the reads of ``wanted`` (shard, horizon) in order, each evicting only what is
+        needed after its horizon. Returns the ``prefetch_bytes`` left (``math.inf`` without a
+        cap), or None once a read found no room or the cap was reached: prefetch less, never
+        over-commit."""
+        left = math.inf if budget is None else budget
+        for shard, horizon in wanted:
+            self.reap(shard)
+            if shard.state is not R.NVME:
+                continue
+            if left < shard.nbytes or not self.load_async(shard, horizon=horizon,
+                                                          prefetch=True, strict=strict):
+                return None
+            left -= shard.nbytes
+        return left
+
+    def _state_wanted(self, trace: Trace, position: int) -> Iterator[tuple[Shard, float]]:
+        """With updates in backward: the optimizer state of the entries to be updated next,
+        in the order backward will update them, with their horizons, up to a third of the
+        arena. Further ahead, a read would make its shard the one needed last in the arena,
+        which the next gradient's slot evicts: the same bytes read again and again."""
+        window = self.host.arena_bytes // 3
+        for update, index in trace.updates_from(position):
+            if index in self.stepped:
+                continue
+            for shard in self.registry.entries[index].shards:
+                for kind, companion in shard.companions.items():
+                    if kind == "grad":
+                        continue
+                    window -= self.host.slot_cost(companion.nbytes)
+                    if window < 0:
+                        return
+                    yield companion, update - position + 1.0
 
     # -- self-check -----------------------------------------------------------------------------
     def audit(self) -> list[str]:

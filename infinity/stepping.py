@@ -16,7 +16,7 @@ from infinity.memory import host_tensor_bytes
 from infinity.optimizer import state_companions
 from infinity.precision import global_norm
 from infinity.residency import Residency as R
-from infinity.shards import Shard
+from infinity.shards import ParamEntry, Shard
 
 if TYPE_CHECKING:
     from infinity.optimizer import OffloadedOptimizer
@@ -59,14 +59,12 @@ class Stepping:
             clip = self.config.gradient_clipping
             if clip > 0 and norm > clip:
                 multiplier = clip / (norm + 1e-6)
+        self._updated_in_backward.clear()
         updated = {s.entry for s in todo}
         for entry in updated:
             placement.drop_device(entry, force=True)  # refreshed from the master below or on use
         if self.engine is None:
-            optimizer.update(todo, multiplier)
-            for shard in todo:
-                self.registry.set_state(shard, R.HOST)
-                shard.version += 1
+            self._update_in_memory(optimizer, todo, multiplier)
         else:
             self._unfinished_step = (multiplier, done)
             try:
@@ -101,6 +99,59 @@ class Stepping:
             self._heap_watch.start(largest, device + 4 * largest, outside=outside)
         self.watch_heap()
         self._sample_memory()
+
+    def _update_in_memory(self, optimizer: OffloadedOptimizer, todo: list[Shard],
+                          multiplier: float) -> None:
+        """The update without swap files: every master and its state are in memory."""
+        optimizer.update(todo, multiplier)
+        for shard in todo:
+            self.registry.set_state(shard, R.HOST)
+            shard.version += 1
+
+    # -- updates in backward (step_in_backward) -------------------------------------------------
+    def _grad_arriving(self, entry: ParamEntry) -> None:
+        """Called before a gradient of ``entry`` is taken: refuses a second backward whose
+        gradients would meet an update already applied."""
+        if entry.index in self._updated_in_backward:
+            raise RuntimeError(
+                f"step_in_backward=True: the previous backward already applied the update of "
+                f"{entry.name}, and optimizer.step() was not called since. This mode needs "
+                f"exactly one backward per optimizer.step() (no gradient accumulation, no "
+                f"backward whose gradients are discarded): call optimizer.step() after each "
+                f"backward, or set step_in_backward=False")
+
+    def _grad_complete(self, entry: ParamEntry, nested: bool) -> None:
+        """With ``step_in_backward``: updates ``entry``'s shards now that backward has
+        completed its gradient. Left to ``optimizer.step()``: a gradient taken inside a nested
+        backward (reentrant activation checkpointing: more of it may follow), an entry still
+        held by a forward, and the rest of a step that failed part-way."""
+        placement = self.placement
+        optimizer = self.optimizer
+        if not placement.update_in_backward or optimizer is None or nested or entry.holds \
+                or self._unfinished_step is not None:
+            return
+        todo = [s for s in entry.shards if s.step_param is not None and placement.has_grad(s)]
+        if not todo:
+            return
+        placement.drop_device(entry, force=True)  # refreshed from the master on next use
+        self._updated_in_backward.add(entry.index)
+        with self.timeline.timed(entry.name, "step"):
+            if self.engine is None:
+                self._update_in_memory(optimizer, todo, 1.0)
+            else:
+                done: set[str] = set()
+                try:
+                    self._tiled_step(optimizer, todo, 1.0, done)
+                except BaseException as exc:
+                    exc.add_note(f"the update of {entry.name} in backward stopped after "
+                                 f"{len(done)} of its {len(todo)} shards; optimizer.step() "
+                                 f"updates the others, optimizer.zero_grad() abandons them")
+                    raise
+        for shard in todo:
+            # Consumed: optimizer.step() must not apply it again, and its memory is free now.
+            placement.drop_grad(shard)
+        if entry.index in placement.persistent:
+            placement.gather(entry, hold=False)
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []

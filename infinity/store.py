@@ -105,6 +105,8 @@ class TieredStore(Stepping):
         #: a step that failed part-way (its clipping factor, the ids of the shards it updated),
         #: until it is finished or abandoned
         self._unfinished_step: tuple[float, set[str]] | None = None
+        #: entries that step_in_backward updated since the last optimizer.step()
+        self._updated_in_backward: set[int] = set()
         #: with a host budget: RSS kept under the budgets' line while heap blocks are reused
         self._heap_watch: HeapWatch | None = None
         #: overlap the step's reads, updates and writes (False: one after another, which only
@@ -258,6 +260,7 @@ class TieredStore(Stepping):
         self._handles += install_state_dict_hooks(self, model)
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
+            self.placement.update_in_backward = config.step_in_backward
 
     def _initialise(self, model: nn.Module) -> None:
         """Moves every parameter's values into the store and leaves a placeholder behind.

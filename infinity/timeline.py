@@ -361,7 +361,9 @@ def summarise(timeline: Timeline) -> dict[str, Any]:
             "stalls": len(stalls),
             "forward": sum(kind == "fwd" for _, kind, _ in timeline.events),
             "backward": sum(kind == "bwd" for _, kind, _ in timeline.events),
-            "steps": sum(s.phase == "step" for s in timeline.spans),
+            # step spans also time each update step_in_backward runs, named by its parameter
+            "steps": sum(s.phase == "step" and s.name == "optimizer.step"
+                         for s in timeline.spans),
             "d2h": sum(s.phase == "d2h" for s in timeline.spans),
         },
     }

@@ -35,6 +35,10 @@ class Trace:
 
     #: how many of the events are forward ones
     forward_events: int = 0
+    #: entry index -> position of the last backward event that uses it (after which its
+    #: gradient is complete)
+    last_backward: dict[int, int] = field(default_factory=dict)
+    _updates: tuple[int, list[tuple[int, int]]] | None = field(default=None, repr=False)
 
     def append(self, event: Event) -> None:
         position = len(self.events)
@@ -42,6 +46,17 @@ class Trace:
         self.forward_events += event.kind == FORWARD
         for entry in event.entries:
             self.uses.setdefault(entry, []).append(position)
+            if event.kind == BACKWARD:
+                self.last_backward[entry] = position
+
+    def updates_from(self, position: int) -> list[tuple[int, int]]:
+        """(position, entry) of each entry's last backward event at or after ``position``, in
+        trace order: where an update in backward finds each gradient complete."""
+        if self._updates is None or self._updates[0] != len(self.events):
+            order = sorted((p, e) for e, p in self.last_backward.items())
+            self._updates = (len(self.events), order)
+        order = self._updates[1]
+        return order[bisect.bisect_left(order, (position, -1)):]
 
     def next_use(self, entry: int, position: int) -> float:
         """Events from ``position`` until ``entry`` is next needed, wrapping into the next

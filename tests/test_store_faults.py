@@ -70,7 +70,7 @@ class Rig:
     fault-injecting backend, next to a plain copy trained on the same batches."""
 
     def __init__(self, path: Path, optimizer: bool = True, buffer_count: int = 8,
-                 queue_depth: int = 64, optimizer_tier: str = "nvme") -> None:
+                 queue_depth: int = 64, optimizer_tier: str = "nvme", **config) -> None:
         torch.manual_seed(0)
         model = Net()
         self.path = path
@@ -86,7 +86,7 @@ class Rig:
             offload_param="nvme", offload_optimizer=optimizer_tier if optimizer else "none",
             nvme_path=str(path), buffer_size=SHARD, buffer_count=buffer_count,
             device_budget=2 * (SHARD + WIDTH * 4), prefetch_depth=1,
-            aio=AioConfig(queue_depth=queue_depth))
+            aio=AioConfig(queue_depth=queue_depth), **config)
         self.store = TieredStore(config, backend_wrapper=wrap, engine_overrides={
             "request_timeout": REQUEST_TIMEOUT, "close_timeout": 5.0})
         self.threads = set(threading.enumerate())

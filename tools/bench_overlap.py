@@ -11,12 +11,15 @@ RSS is its own, repeats interleaved:
     staging arena of A GiB each run (default: one that caches most of the state, one that
     streams about half of it, one small enough that the disk dominates the step); what the
     budget leaves beside the arena lets freed heap blocks be reused (infinity.memory);
+  * nvme+sib@A: the same with ``step_in_backward`` (each update runs in backward as its
+    gradient completes), unless ``--modes`` leaves it out;
 and the swap engine's read and write bandwidth on the same path. It prints the pure I/O time of
 the attached step's bytes at that bandwidth and the overlap efficiency
 max(compute, io) / attached step (1.0 = the I/O is fully hidden), and each configuration's median
 forward, backward and optimizer-step seconds (where an attached step spends what it loses).
 
-    python -m tools.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7 --device-budget 0.1]
+    python -m tools.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7 --device-budget 0.1
+                                   --modes step,backward]
 """
 
 from __future__ import annotations
@@ -119,14 +122,15 @@ def run_one(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     if args.run == "fits":
         store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
-    elif args.run == "nvme":
+    elif args.run in ("nvme", "nvme+sib"):
         host_budget = int(args.host_budget * 2**30)
         arena = int(args.arena * 2**30)
         store = infinity.TieredStore(infinity.OffloadConfig(
             offload_param="nvme", offload_optimizer=args.offload_optimizer,
             nvme_path=(args.nvme_path,), buffer_size=args.buffer_size,
             buffer_count=max(2, arena // args.buffer_size), host_budget=host_budget,
-            device_budget=int(args.device_budget * 2**30)))
+            device_budget=int(args.device_budget * 2**30),
+            step_in_backward=args.run == "nvme+sib"))
     if store is not None:
         model, optimizer = store.attach(model, optimizer)
     attach_s = time.perf_counter() - started
@@ -177,11 +181,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="GiB for the device tier (host memory on a machine without a GPU)")
     parser.add_argument("--buffer-size", type=int, default=64 << 20)
     parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="nvme")
-    parser.add_argument("--run", choices=("plain", "fits", "nvme"), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="step,backward",
+                        help="where the NVMe runs update: 'step' (in optimizer.step(), the "
+                             "default mode), 'backward' (step_in_backward), or both "
+                             "(default: %(default)s)")
+    parser.add_argument("--run", choices=("plain", "fits", "nvme", "nvme+sib"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     arenas = [float(a) for a in str(args.arena).split(",") if a.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"step", "backward"}:
+        parser.error(f"--modes {args.modes!r}: use 'step', 'backward' or 'step,backward'")
     if args.run:
         args.arena = arenas[0]
         print(json.dumps(run_one(args)))
@@ -204,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
               "--offload-optimizer", args.offload_optimizer, "--nvme-path", str(root),
               "--host-budget", str(args.host_budget)]
     configs = {"plain": ("plain", arenas[0]), "fits": ("fits", arenas[0])}
-    configs.update({f"nvme@{a:.2f}": ("nvme", a) for a in arenas})
+    if "step" in modes:
+        configs.update({f"nvme@{a:.2f}": ("nvme", a) for a in arenas})
+    if "backward" in modes:
+        configs.update({f"nvme+sib@{a:.2f}": ("nvme+sib", a) for a in arenas})
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
         for name, (kind, arena) in configs.items():  # interleaved: drift hits all alike
@@ -224,18 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     gib = 2**30
     print(f"engine alone on this path: read {bandwidth['read'] / 1e9:.2f} GB/s, write "
           f"{bandwidth['write'] / 1e9:.2f} GB/s")
-    print(f"{'config':24s} {'step s (best of medians)':>26s} {'vs plain':>9s} {'peak RSS GiB':>13s}")
+    print(f"{'config':42s} {'step s (best of medians)':>26s} {'vs plain':>9s} "
+          f"{'peak RSS GiB':>13s}")
     for name in configs:
         r = best[name]
+        kind, arena = configs[name]
         label = {"plain": "plain in memory", "fits": "attached, all in memory"}.get(
-            name, f"attached, NVMe, arena {configs[name][1]:.2f}")
+            name, f"attached, NVMe, arena {arena:.2f}"
+            + (", update in backward" if kind == "nvme+sib" else ""))
         medians = ", ".join(f"{x['step_s']:.3f}" for x in runs[name])
-        print(f"{label:24s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
+        print(f"{label:42s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
               f"{r['peak_rss'] / gib:13.2f}")
     print("median seconds per phase (forward / backward / optimizer step):")
     for name in configs:
         forward, backward, step = best[name]["phases_s"]
-        print(f"  {name:10s} {forward:.3f} / {backward:.3f} / {step:.3f}")
+        print(f"  {name:15s} {forward:.3f} / {backward:.3f} / {step:.3f}")
     summary = {}
     deepspeed = (args.layers, args.width, args.batch) == (24, 2048, 16)
     for name in (n for n in configs if n.startswith("nvme")):
