@@ -114,12 +114,10 @@ class HookSet:
         self.store._start_iteration(torch.is_grad_enabled(), module.training)
 
     def _in_backward(self) -> bool:
-        current = getattr(torch._C, "_current_graph_task_id", None)
-        if current is None:  # not in this torch: judge by the holds, as far as they tell
+        task = _graph_task()
+        if task is None:  # not in this torch: judge by the holds, as far as they tell
             return bool(self.backward_holds)
-        # The id of the backward pass running on this thread, -1 outside one. torch's own
-        # register_multi_grad_hook reads it the same way.
-        return current() != -1
+        return task != -1
 
     def _make_hooks(self, index: int, entries: list[ParamEntry]) -> tuple[Callable, Callable]:
         forward_event = Event(FORWARD, index, tuple(e.index for e in entries))
@@ -189,7 +187,7 @@ class HookSet:
                 self.store._grad_arriving(entry)
                 self.placement.take_grad(entry, grad)
             self._release_backward(entry)
-            if grad is not None:
+            if grad is not None and self.placement.update_in_backward:
                 self.store._grad_complete(entry, nested=self._nested_backward())
         return grad_ready
 
@@ -197,9 +195,7 @@ class HookSet:
         """Whether this runs in a backward pass started inside the pass that queued the
         end-of-backward callback (reentrant activation checkpointing), where a gradient may
         still be partial."""
-        current = getattr(torch._C, "_current_graph_task_id", None)
-        return current is not None and self._pass_task is not None and \
-            current() != self._pass_task
+        return self._pass_task is not None and _graph_task() != self._pass_task
 
     def _release_backward(self, entry: ParamEntry) -> None:
         count = self.backward_holds.pop(entry, 0)
@@ -210,8 +206,7 @@ class HookSet:
         if self._callback_queued:
             return
         self._callback_queued = True
-        current = getattr(torch._C, "_current_graph_task_id", None)
-        self._pass_task = current() if current is not None else None
+        self._pass_task = _graph_task()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -220,6 +215,13 @@ class HookSet:
         self._backward_pass += 1
         for entry in list(self.backward_holds):
             self._release_backward(entry)
+
+
+def _graph_task() -> int | None:
+    """The id of the backward pass running on this thread, -1 outside one; None where this
+    torch does not tell. torch's own register_multi_grad_hook reads it the same way."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else None
 
 
 def _normal_tensors() -> contextlib.AbstractContextManager:
