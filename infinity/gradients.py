@@ -62,9 +62,9 @@ class CompanionsAndGradients:
                 if target is None:
                     holder = self.companion(shard, "grad", shard.numel, shard.dtype)
                     target = self.fill(holder)
-                    target.copy_(piece)
+                    self.device.copy_out(target, piece)
                 else:
-                    target.add_(piece.to(target.dtype))
+                    target.add_(self._on_host(piece, target.dtype))
             else:
                 if shard.grad is None and piece.device.type == "cpu" and \
                         piece.dtype == shard.dtype and piece.is_contiguous():
@@ -76,17 +76,25 @@ class CompanionsAndGradients:
                 elif shard.grad is None:
                     shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
                                              pin_memory=self.host.pin)
-                    shard.grad.copy_(piece)
+                    self.device.copy_out(shard.grad, piece)
                     self.grad_bytes += shard.nbytes
                     self.grad_peak = max(self.grad_peak, self.grad_bytes)
                 else:
-                    shard.grad.add_(piece.to(shard.grad.device, shard.grad.dtype))
+                    shard.grad.add_(self._on_host(piece, shard.grad.dtype))
                 target = shard.grad
             # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
             # gradient); its fp32 accumulation is accurate enough for clipping and overflow.
             if self.track_grad_norms and target.is_floating_point():
                 shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
+
+    def _on_host(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``piece`` as a host tensor of ``dtype`` to accumulate from (copied off a GPU)."""
+        if piece.device.type == "cpu":
+            return piece.to(dtype)
+        out = torch.empty(piece.shape, dtype=dtype, pin_memory=self.host.pin)
+        self.device.copy_out(out, piece)
+        return out
 
     def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:
         """The host view of an existing gradient to accumulate into (read back if needed),

@@ -483,6 +483,12 @@ class TieredStore(Stepping):
             "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
             "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
             "stall_seconds": placement.stall_seconds if placement else 0.0,
+            # traffic between the device and host tiers; the seconds are the training thread's
+            # own synchronous copies (all of them without a GPU: the share of a step that a
+            # GPU's copy engine would take off the cores)
+            "bytes_to_device": placement.device.bytes_in if placement else 0,
+            "bytes_from_device": placement.device.bytes_out if placement else 0,
+            "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
             "steps": self.steps,
             "prefetched_loads": placement.prefetched_loads if placement else 0,
             "demand_loads": placement.demand_loads if placement else 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,12 @@ class DeviceTier:
         self.usage = TierUsage()
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # Traffic between the tiers, for stats(). Seconds count only copies the training
+        # thread performs itself: without a GPU every copy is a memcpy on the cores that also
+        # compute, which is the part of an attached step that a GPU's copy engine would take.
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.copy_seconds = 0.0
 
     def fits(self, nbytes: int) -> bool:
         return self.usage.current + nbytes <= self.budget
@@ -76,8 +83,11 @@ class DeviceTier:
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
         """Copies host ``src`` into device ``dst``; on CUDA asynchronously on the copy stream.
         Returns the event that marks completion (None when the copy is already done)."""
+        self.bytes_in += dst.numel() * dst.element_size()
         if not self.cuda:
+            started = time.perf_counter()
             dst.copy_(src)
+            self.copy_seconds += time.perf_counter() - started
             return None
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(src, non_blocking=True)
@@ -85,6 +95,13 @@ class DeviceTier:
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return event
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies device ``src`` into host ``dst`` (a gradient leaving the device), blocking."""
+        started = time.perf_counter()
+        dst.copy_(src)
+        self.copy_seconds += time.perf_counter() - started
+        self.bytes_out += src.numel() * src.element_size()
 
     def wait(self, event: "torch.cuda.Event | None") -> None:
         """Makes the compute stream wait for a copy before using its destination."""

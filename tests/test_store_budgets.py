@@ -83,6 +83,35 @@ def test_stats_account_every_tier_exactly(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])
+def test_stats_count_the_copies_between_device_and_host(tmp_path, optimizer_tier):
+    model = make_model()
+    total = param_bytes(model)
+    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer=optimizer_tier,
+                                      nvme_path=str(tmp_path), buffer_size=1 << 16))
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert store.stats()["bytes_to_device"] == 0
+    x = torch.randint(0, SMALL.vocab_size, (2, SMALL.context))
+    model(x).sum().backward()
+    stats = store.stats()
+    # The device budget holds the whole model: forward gathers every parameter once and
+    # backward finds them resident.
+    assert stats["bytes_to_device"] == total
+    if optimizer_tier == "nvme":
+        # Each gradient is copied off the device into its companion shard.
+        assert stats["bytes_from_device"] == total
+    else:
+        # Without a GPU a finished gradient already is a host tensor: kept, not copied.
+        assert stats["bytes_from_device"] == 0
+    assert stats["device_copy_seconds"] > 0
+    optimizer.step()
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    # The step updated the masters, so the next forward gathers every parameter again.
+    assert store.stats()["bytes_to_device"] == 2 * total
+    store.close()
+
+
 def test_offload_none_leaves_the_model_alone():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
