@@ -16,7 +16,9 @@ RSS is its own, repeats interleaved:
 and the swap engine's read and write bandwidth on the same path. It prints the pure I/O time of
 the attached step's bytes at that bandwidth and the overlap efficiency
 max(compute, io) / attached step (1.0 = the I/O is fully hidden), and each configuration's median
-forward, backward and optimizer-step seconds (where an attached step spends what it loses).
+forward, backward and optimizer-step seconds (where an attached step spends what it loses),
+with the seconds of device-tier copies among them: without a GPU these are memory copies on
+the cores that also compute, which a GPU's copy engine would take off them.
 
     python -m tools.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7 --device-budget 0.1
                                    --modes step,backward]
@@ -150,6 +152,11 @@ def run_one(args: argparse.Namespace) -> dict:
             "read_bytes": (after["bytes_read"] - before["bytes_read"]) / steps,
             "write_bytes": (after["bytes_written"] - before["bytes_written"]) / steps,
             "stall_s": (after["stall_seconds"] - before["stall_seconds"]) / steps,
+            "to_device_bytes": (after["bytes_to_device"] - before["bytes_to_device"]) / steps,
+            "from_device_bytes":
+                (after["bytes_from_device"] - before["bytes_from_device"]) / steps,
+            "device_copy_s":
+                (after["device_copy_seconds"] - before["device_copy_seconds"]) / steps,
             "peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
             "backend": after["backend"], "heap_reuse": after["heap_reuse"]})
         store.close(restore_params=False)
@@ -250,10 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         medians = ", ".join(f"{x['step_s']:.3f}" for x in runs[name])
         print(f"{label:42s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
               f"{r['peak_rss'] / gib:13.2f}")
-    print("median seconds per phase (forward / backward / optimizer step):")
+    print("median seconds per phase (forward / backward / optimizer step; of the whole step, "
+          "device-tier copies):")
     for name in configs:
         forward, backward, step = best[name]["phases_s"]
-        print(f"  {name:15s} {forward:.3f} / {backward:.3f} / {step:.3f}")
+        copies = best[name].get("device_copy_s")
+        print(f"  {name:15s} {forward:.3f} / {backward:.3f} / {step:.3f}"
+              + (f"; {copies:.3f}" if copies is not None else ""))
     summary = {}
     deepspeed = (args.layers, args.width, args.batch) == (24, 2048, 16)
     for name in (n for n in configs if n.startswith("nvme")):
@@ -269,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{'on' if r['heap_reuse'] else 'off'}")
         print(f"  overlap efficiency {efficiency:.2f} (max(compute {compute_s:.3f}, io "
               f"{io_s:.3f}) / attached {r['step_s']:.3f}; target >= 0.85)")
+        print(f"  device tier: {r['to_device_bytes'] / 1e9:.2f} GB in, "
+              f"{r['from_device_bytes'] / 1e9:.2f} GB out per step, "
+              f"{r['device_copy_s']:.3f} s of copies on the training thread "
+              f"({r['device_copy_s'] / r['step_s']:.0%} of the step)"
+              + ("; a GPU's copy engine would take these off the cores"
+                 if r["device_copy_s"] else ""))
         if deepspeed:
             step_ratio = r["step_s"] / DEEPSPEED_STEP_S
             rss_ratio = r["peak_rss"] / gib / DEEPSPEED_PEAK_RSS_GIB
