@@ -57,7 +57,17 @@ class CompanionsAndGradients:
             piece = flat[shard.start:shard.start + shard.numel]
             if scale != 1.0:
                 piece = piece.to(shard.dtype) / scale  # unscale before accumulating
-            if self.grads_on_nvme:
+            if self.grads_on_nvme and self.update_in_backward and shard.grad is None and \
+                    shard.step_param is not None and piece.device.type == "cpu" and \
+                    not self._has_grad_companion(shard):
+                # Updated in backward right after this: a gradient computed in host memory (no
+                # GPU) is used where it is, not copied into a companion that would only be
+                # swapped if the update had to wait (then park_grads moves it there).
+                shard.grad = piece.to(shard.dtype)
+                self.grad_bytes += shard.nbytes
+                self.grad_peak = max(self.grad_peak, self.grad_bytes)
+                target = shard.grad
+            elif self.grads_on_nvme:
                 target = self._grad_companion_for_write(shard)
                 if target is None:
                     holder = self.companion(shard, "grad", shard.numel, shard.dtype)
@@ -109,14 +119,37 @@ class CompanionsAndGradients:
             self.registry.set_state(holder, R.HOST)
         return holder.host
 
+    def _has_grad_companion(self, shard: Shard) -> bool:
+        holder = shard.companions.get("grad")
+        return holder is not None and holder.state is not R.EMPTY
+
     def has_grad(self, shard: Shard) -> bool:
-        if self.grads_on_nvme:
-            holder = shard.companions.get("grad")
-            return holder is not None and holder.state is not R.EMPTY
-        return shard.grad is not None
+        # With grads_on_nvme, shard.grad holds a gradient kept for an update in backward.
+        return shard.grad is not None or (self.grads_on_nvme and self._has_grad_companion(shard))
+
+    def grad_in_companion(self, shard: Shard) -> bool:
+        """Whether the shard's gradient lives in its gradient companion (a slot the step must
+        read and give back), rather than in a host tensor."""
+        return self.grads_on_nvme and shard.grad is None
+
+    def park_grads(self, entry: ParamEntry) -> None:
+        """Moves gradients kept for an update in backward that has to wait (for
+        ``optimizer.step()``) into their companions, where they count in the host budget and
+        can be swapped."""
+        if not self.grads_on_nvme:
+            return
+        for shard in entry.shards:
+            if shard.grad is None:
+                continue
+            holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+            self.fill(holder, source=shard.grad)
+            shard.grad = None
+            self.grad_bytes -= shard.nbytes
 
     def grad_view(self, shard: Shard) -> torch.Tensor | None:
         """The shard's host gradient (its companion must already be on the host)."""
+        if shard.grad is not None:
+            return shard.grad
         if self.grads_on_nvme:
             holder = shard.companions.get("grad")
             if holder is None or holder.state is R.EMPTY:
@@ -127,13 +160,13 @@ class CompanionsAndGradients:
     def drop_grad(self, shard: Shard) -> None:
         """Forgets one shard's gradient (consumed by the step)."""
         shard.grad_sq_norm = 0.0
+        if shard.grad is not None:
+            shard.grad = None
+            self.grad_bytes -= shard.nbytes
         if self.grads_on_nvme:
             holder = shard.companions.get("grad")
             if holder is not None:
                 self.discard(holder)
-        elif shard.grad is not None:
-            shard.grad = None
-            self.grad_bytes -= shard.nbytes
 
     def clear_grads(self, set_to_none: bool = True) -> None:
         for shard in self.registry.shards.values():
@@ -142,6 +175,9 @@ class CompanionsAndGradients:
                 holder = shard.companions.get("grad")
                 if holder is not None:
                     self.discard(holder)
+                if shard.grad is not None:  # kept for an update in backward that did not run
+                    shard.grad = None
+                    self.grad_bytes -= shard.nbytes
                 continue
             if shard.grad is None:
                 continue

@@ -127,8 +127,10 @@ class Stepping:
         held by a forward, and the rest of a step that failed part-way."""
         placement = self.placement
         optimizer = self.optimizer
-        if not placement.update_in_backward or optimizer is None or nested or entry.holds \
-                or self._unfinished_step is not None:
+        if not placement.update_in_backward:
+            return
+        if optimizer is None or nested or entry.holds or self._unfinished_step is not None:
+            placement.park_grads(entry)  # left to optimizer.step(): into the budget
             return
         todo = [s for s in entry.shards if s.step_param is not None and placement.has_grad(s)]
         if not todo:
@@ -155,7 +157,7 @@ class Stepping:
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []
-        if self.placement.grads_on_nvme:
+        if self.placement.grad_in_companion(shard):
             out.append(shard.companions["grad"])
         if optimizer.swap_state:
             out += state_companions(shard).values()

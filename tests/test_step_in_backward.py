@@ -142,6 +142,54 @@ def test_gradients_never_go_to_nvme(tmp_path):
     assert {"param", "optim:exp_avg", "optim:exp_avg_sq"} <= kinds
 
 
+def test_host_gradients_are_used_in_place_and_parked_when_the_update_waits(tmp_path):
+    # Without a GPU a gradient is already a host tensor: the update in backward reads it where
+    # autograd left it. Where the update has to wait for optimizer.step() (entries of nested
+    # backward passes under reentrant checkpointing), the gradient moves into its companion
+    # shard, inside the host budget, instead of staying outside it.
+    config = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 16,
+              "buffer_count": 4, "step_in_backward": True}
+    store, model, optimizer = attached(tmp_path, config, seeded(lambda: CheckpointedGPT(GPT,
+                                                                                       True)))
+    plain = seeded(lambda: CheckpointedGPT(GPT, True))
+    plain_opt = adamw(plain)
+    try:
+        for tokens, targets in gpt_batches(3):
+            plain(tokens, targets).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            model(tokens, targets).backward()
+            placement = store.placement
+            waiting = [s for s in placement.registry.shards.values()
+                       if s.kind == "param" and placement.has_grad(s)]
+            updated = [e for e in store.registry.entries if e.index in store._updated_in_backward]
+            assert waiting and updated  # both paths ran: some updates waited, some did not
+            assert all(s.grad is None and placement.grad_in_companion(s) for s in waiting)
+            assert placement.grad_bytes == 0
+            assert placement.audit() == []
+            optimizer.step()
+            optimizer.zero_grad()
+        assert store.stats()["bytes_from_device"] == 0
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+    finally:
+        store.close()
+
+
+def test_no_gradient_is_copied_off_a_cpu_device(tmp_path):
+    store, model, optimizer = attached(tmp_path, TIGHT, make_model())
+    try:
+        for tokens, targets in gpt_batches(3, SMALL):
+            model(tokens, targets).backward()
+            assert store.placement.grad_bytes == 0  # each consumed by its update, then freed
+            optimizer.step()
+            optimizer.zero_grad()
+        assert store.stats()["bytes_from_device"] == 0
+        assert store.stats()["bytes_to_device"] > 0
+    finally:
+        store.close()
+
+
 def test_a_second_backward_before_step_is_refused_before_its_gradients_are_used(tmp_path):
     plain, plain_opt, store, model, optimizer = plain_and_attached(tmp_path)
     try:
