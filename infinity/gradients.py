@@ -57,17 +57,20 @@ class CompanionsAndGradients:
             piece = flat[shard.start:shard.start + shard.numel]
             if scale != 1.0:
                 piece = piece.to(shard.dtype) / scale  # unscale before accumulating
-            if self.grads_on_nvme and self.update_in_backward and shard.grad is None and \
-                    shard.step_param is not None and piece.device.type == "cpu" and \
-                    not self._has_grad_companion(shard):
-                # Updated in backward right after this: a gradient computed in host memory (no
-                # GPU) is used where it is, not copied into a companion that would only be
-                # swapped if the update had to wait (then park_grads moves it there).
-                shard.grad = piece.to(shard.dtype)
-                self.grad_bytes += shard.nbytes
-                self.grad_peak = max(self.grad_peak, self.grad_bytes)
+            if not self.grads_on_nvme or self._updated_right_away(shard, piece):
+                if shard.grad is None and piece.device.type == "cpu" and \
+                        piece.dtype == shard.dtype and piece.is_contiguous():
+                    # A gradient computed in host memory (no GPU) already is a host tensor:
+                    # keep it instead of copying it (the hook drops param.grad right after).
+                    self._hold_grad(shard, piece)
+                elif shard.grad is None:
+                    self._hold_grad(shard, torch.empty(shard.numel, dtype=shard.dtype,
+                                                       pin_memory=self.host.pin))
+                    self.device.copy_out(shard.grad, piece)
+                else:
+                    shard.grad.add_(self._on_host(piece, shard.grad.dtype))
                 target = shard.grad
-            elif self.grads_on_nvme:
+            else:
                 target = self._grad_companion_for_write(shard)
                 if target is None:
                     holder = self.companion(shard, "grad", shard.numel, shard.dtype)
@@ -75,28 +78,29 @@ class CompanionsAndGradients:
                     self.device.copy_out(target, piece)
                 else:
                     target.add_(self._on_host(piece, target.dtype))
-            else:
-                if shard.grad is None and piece.device.type == "cpu" and \
-                        piece.dtype == shard.dtype and piece.is_contiguous():
-                    # A gradient computed in host memory (no GPU) already is a host tensor:
-                    # keep it instead of copying it (the hook drops param.grad right after).
-                    shard.grad = piece
-                    self.grad_bytes += shard.nbytes
-                    self.grad_peak = max(self.grad_peak, self.grad_bytes)
-                elif shard.grad is None:
-                    shard.grad = torch.empty(shard.numel, dtype=shard.dtype,
-                                             pin_memory=self.host.pin)
-                    self.device.copy_out(shard.grad, piece)
-                    self.grad_bytes += shard.nbytes
-                    self.grad_peak = max(self.grad_peak, self.grad_bytes)
-                else:
-                    shard.grad.add_(self._on_host(piece, shard.grad.dtype))
-                target = shard.grad
             # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
             # gradient); its fp32 accumulation is accurate enough for clipping and overflow.
             if self.track_grad_norms and target.is_floating_point():
                 shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
+
+    def _updated_right_away(self, shard: Shard, piece: torch.Tensor) -> bool:
+        """With gradients on NVMe: whether ``shard``'s gradient stays in a host tensor, because
+        its update in backward uses it right after this. Only a gradient computed in host
+        memory (no GPU) with no part already in the companion: copying it into a companion
+        would only pay if the update had to wait (then park_grads moves it there)."""
+        return self.update_in_backward and shard.step_param is not None and \
+            piece.device.type == "cpu" and not self._has_grad_companion(shard)
+
+    def _hold_grad(self, shard: Shard, tensor: torch.Tensor) -> None:
+        shard.grad = tensor
+        self.grad_bytes += shard.nbytes
+        self.grad_peak = max(self.grad_peak, self.grad_bytes)
+
+    def _release_grad(self, shard: Shard) -> None:
+        if shard.grad is not None:
+            shard.grad = None
+            self.grad_bytes -= shard.nbytes
 
     def _on_host(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``piece`` as a host tensor of ``dtype`` to accumulate from (copied off a GPU)."""
@@ -143,8 +147,7 @@ class CompanionsAndGradients:
                 continue
             holder = self.companion(shard, "grad", shard.numel, shard.dtype)
             self.fill(holder, source=shard.grad)
-            shard.grad = None
-            self.grad_bytes -= shard.nbytes
+            self._release_grad(shard)
 
     def grad_view(self, shard: Shard) -> torch.Tensor | None:
         """The shard's host gradient (its companion must already be on the host)."""
@@ -160,9 +163,7 @@ class CompanionsAndGradients:
     def drop_grad(self, shard: Shard) -> None:
         """Forgets one shard's gradient (consumed by the step)."""
         shard.grad_sq_norm = 0.0
-        if shard.grad is not None:
-            shard.grad = None
-            self.grad_bytes -= shard.nbytes
+        self._release_grad(shard)
         if self.grads_on_nvme:
             holder = shard.companions.get("grad")
             if holder is not None:
@@ -175,14 +176,9 @@ class CompanionsAndGradients:
                 holder = shard.companions.get("grad")
                 if holder is not None:
                     self.discard(holder)
-                if shard.grad is not None:  # kept for an update in backward that did not run
-                    shard.grad = None
-                    self.grad_bytes -= shard.nbytes
-                continue
-            if shard.grad is None:
-                continue
-            if set_to_none:
-                shard.grad = None
-                self.grad_bytes -= shard.nbytes
-            else:
+            # With gradients on NVMe a host tensor is one kept for an update in backward that
+            # did not run: always dropped.
+            if set_to_none or self.grads_on_nvme:
+                self._release_grad(shard)
+            elif shard.grad is not None:
                 shard.grad.zero_()
