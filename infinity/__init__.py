@@ -5,16 +5,19 @@ The public API is this module's names::
     config = infinity.OffloadConfig(...)             # or OffloadConfig.from_deepspeed(...)
     store = infinity.TieredStore(config)
     model, optimizer = store.attach(model, optimizer)
-    ...the training loop, unchanged...
+    ...the training loop, unchanged (p.grad, clip_grad_norm_ included)...
+    with store.gathered(params, modify=True): ...   # edit parameters outside forward
     store.stats(); store.close()
 """
 
 from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
-from infinity.errors import AttachError, BudgetError, ConfigError, InfinityError
+from infinity.errors import (AttachError, BudgetError, ConfigError, InfinityError,
+                             ParameterAccessError)
 from infinity.residency import Residency, ResidencyError
 from infinity.store import TieredStore
 
 __all__ = [
     "AioConfig", "AttachError", "BatchConfig", "BudgetError", "ConfigError", "InfinityError",
-    "OffloadConfig", "PrecisionConfig", "Residency", "ResidencyError", "TieredStore",
+    "OffloadConfig", "ParameterAccessError", "PrecisionConfig", "Residency", "ResidencyError",
+    "TieredStore",
 ]

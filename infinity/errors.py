@@ -32,3 +32,9 @@ class AttachError(InfinityError):
 
 class BudgetError(InfinityError):
     """A device or host budget cannot hold what must be resident at once."""
+
+
+class ParameterAccessError(InfinityError, RuntimeError):
+    """An operation on an attached parameter or its gradient that the store cannot honour where
+    it was called (an in-place write outside ``store.gathered(..., modify=True)``). The message
+    names the parameter and the way to do it."""

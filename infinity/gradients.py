@@ -46,17 +46,21 @@ class CompanionsAndGradients:
         self.registry.set_state(shard, R.EMPTY)
 
     # -- gradients ----------------------------------------------------------------------------
-    def take_grad(self, entry: ParamEntry, grad: torch.Tensor) -> None:
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True) -> None:
         """Moves a finished device gradient into the entry's shards' host accumulators (fp32
-        master dtype), dividing out the loss scale and keeping each shard's squared norm for
-        clipping and overflow checks."""
-        scale = self.loss_scale
+        master dtype), dividing out the loss scale (``unscale``: it came from backward) and
+        keeping each shard's squared norm when norms are tracked (clipping, overflow checks,
+        a loop that reads gradient norms)."""
+        scale = self.loss_scale if unscale else 1.0
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
         for shard in entry.shards:
             piece = flat[shard.start:shard.start + shard.numel]
             if scale != 1.0:
                 piece = piece.to(shard.dtype) / scale  # unscale before accumulating
+            if shard.grad_scale != 1.0 and self.has_grad(shard):
+                # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
+                self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
             if not self.grads_on_nvme or self._updated_right_away(shard, piece):
                 if shard.grad is None and piece.device.type == "cpu" and \
                         piece.dtype == shard.dtype and piece.is_contiguous():
@@ -78,11 +82,73 @@ class CompanionsAndGradients:
                     self.device.copy_out(target, piece)
                 else:
                     target.add_(self._on_host(piece, target.dtype))
-            # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
-            # gradient); its fp32 accumulation is accurate enough for clipping and overflow.
-            if self.track_grad_norms and target.is_floating_point():
-                shard.grad_sq_norm = float(torch.linalg.vector_norm(target)) ** 2
+            shard.grad_scale = 1.0
+            shard.grad_sq_norm = _sq_norm(target) if self.track_grad_norms else None
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
+
+    # -- what the user's loop sees of a gradient (infinity.grad_view) ---------------------------
+    def grad_sq_norm(self, shard: Shard) -> float:
+        """The squared L2 norm of the shard's gradient as the loop sees it (its recorded factor
+        applied); computed from the gradient, read back if need be, when it was not tracked."""
+        if shard.grad_scale == 0.0 or not self.has_grad(shard):
+            return 0.0
+        if shard.grad_sq_norm is None:
+            shard.grad_sq_norm = _sq_norm(self._grad_for_read(shard))
+        return shard.grad_sq_norm * shard.grad_scale ** 2
+
+    def read_grad(self, entry: ParamEntry) -> torch.Tensor:
+        """The entry's gradient as a new host tensor of the parameter's shape (master dtype),
+        read through the tiers, with the recorded factor applied."""
+        out = torch.zeros(entry.shape, dtype=entry.dtype)
+        flat = out.view(-1)
+        for shard in entry.shards:
+            if not self.has_grad(shard):
+                continue
+            piece = flat[shard.start:shard.start + shard.numel]
+            if shard.grad_scale == 0.0:
+                continue  # zeroed (p.grad.zero_()): zeros, whatever was there (NaN too)
+            piece.copy_(self._grad_for_read(shard))
+            if shard.grad_scale != 1.0:
+                piece.mul_(shard.grad_scale)
+        return out
+
+    def replace_grad(self, entry: ParamEntry, value: torch.Tensor | None) -> None:
+        """Makes ``value`` (a host tensor of the parameter's shape that the store may keep, or
+        None) the entry's gradient, as assigning ``p.grad`` does."""
+        for shard in entry.shards:
+            self.drop_grad(shard)
+        if value is not None:
+            self.take_grad(entry, value, unscale=False)
+
+    def apply_grad_multiplier(self, shard: Shard, grad: torch.Tensor, multiplier: float) -> None:
+        """Multiplies the host gradient ``grad`` of ``shard`` in place by ``multiplier`` times
+        the factor the loop recorded, which is then done."""
+        factor = multiplier * shard.grad_scale
+        shard.grad_scale = 1.0
+        if factor == 1.0:
+            return
+        if factor == 0.0:
+            grad.zero_()  # as p.grad.zero_() would: NaN and inf included
+            shard.grad_sq_norm = 0.0
+            return
+        grad.mul_(factor)
+        if shard.grad_sq_norm is not None:
+            shard.grad_sq_norm *= factor * factor
+
+    def _grad_for_read(self, shard: Shard) -> torch.Tensor:
+        """The shard's host gradient (its companion read back when it is on NVMe)."""
+        if shard.grad is not None:
+            return shard.grad
+        holder = shard.companions["grad"]
+        self.ensure_host(holder)
+        return holder.host
+
+    def _grad_for_write(self, shard: Shard) -> torch.Tensor:
+        if shard.grad is not None:
+            return shard.grad
+        target = self._grad_companion_for_write(shard)
+        assert target is not None
+        return target
 
     def _updated_right_away(self, shard: Shard, piece: torch.Tensor) -> bool:
         """With gradients on NVMe: whether ``shard``'s gradient stays in a host tensor, because
@@ -162,7 +228,7 @@ class CompanionsAndGradients:
 
     def drop_grad(self, shard: Shard) -> None:
         """Forgets one shard's gradient (consumed by the step)."""
-        shard.grad_sq_norm = 0.0
+        self._forget_grad(shard)
         self._release_grad(shard)
         if self.grads_on_nvme:
             holder = shard.companions.get("grad")
@@ -171,7 +237,7 @@ class CompanionsAndGradients:
 
     def clear_grads(self, set_to_none: bool = True) -> None:
         for shard in self.registry.shards.values():
-            shard.grad_sq_norm = 0.0
+            self._forget_grad(shard)
             if self.grads_on_nvme:
                 holder = shard.companions.get("grad")
                 if holder is not None:
@@ -182,3 +248,20 @@ class CompanionsAndGradients:
                 self._release_grad(shard)
             elif shard.grad is not None:
                 shard.grad.zero_()
+                shard.grad_sq_norm = 0.0
+
+    @staticmethod
+    def _forget_grad(shard: Shard) -> None:
+        shard.grad_sq_norm = None
+        shard.grad_scale = 1.0
+        shard.entry.grad_generation += 1
+
+
+
+def _sq_norm(grad: torch.Tensor) -> float:
+    # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
+    # gradient); its fp32 accumulation is accurate enough for clipping and overflow, and a
+    # whole parameter's norm is then the very value torch computes for it.
+    if not grad.is_floating_point():
+        return 0.0
+    return float(torch.linalg.vector_norm(grad)) ** 2

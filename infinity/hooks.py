@@ -20,8 +20,12 @@ passes ``out_proj.weight`` to a functional kernel. Modules of such types gather 
 of their whole subtree (``SUBTREE_MODULES``); their children keep their own hooks. (The fused
 inference fast path of ``nn.TransformerEncoderLayer`` would be another, but torch turns it off
 when any submodule has forward hooks, as every attached one does.) Any other module that reads
-a child's parameter without calling the child sees the empty placeholder and fails in its
-first op: register the parameter on that module too (``self.w = self.child.weight``).
+a child's parameter without calling the child gets its values read from the store for each op
+(``infinity.param_access``), which is correct but slower: register the parameter on that module
+too (``self.w = self.child.weight``) to have it gathered once.
+
+Frozen parameters get no gradient hook; their backward holds are dropped once the gradients of
+the module call's inputs are computed (``_hook_inputs``), or at the end of backward.
 
 A parameter that was frozen at attach and is unfrozen later gets its gradient hook at its next
 forward, so its gradients reach the optimizer as they do in plain torch.
@@ -79,7 +83,8 @@ class HookSet:
             self.handles.append(module.register_forward_pre_hook(pre_forward))
             # always_call: activation checkpointing stops a recomputation early by raising out
             # of a module's forward, and the holds taken by its pre-hook must still be released.
-            self.handles.append(module.register_forward_hook(post_forward, always_call=True))
+            self.handles.append(module.register_forward_hook(post_forward, always_call=True,
+                                                             with_kwargs=True))
         for _, entries in self.modules:
             self._hook_grads(entries)
 
@@ -139,7 +144,7 @@ class HookSet:
                     gathered.append(entry)
             self.store.watch_heap()
 
-        def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+        def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
             flat, spec = tree_flatten(output)
             replaced = _alias_returned_params(flat, spec, entries)
             if replaced is not None:
@@ -151,6 +156,7 @@ class HookSet:
                     self.placement.release(entry)
             if torch.is_grad_enabled():
                 self._hook_outputs(flat, backward_event, entries)
+                self._hook_inputs((args, kwargs), entries)
             return replaced
         return pre_forward, post_forward
 
@@ -179,11 +185,38 @@ class HookSet:
         for tensor in tensors:
             tensor.register_hook(pre_backward)
 
+    def _hook_inputs(self, inputs: Any, entries: list[ParamEntry]) -> None:
+        """Frozen parameters get no gradient hook to drop their backward holds; without this
+        they would stay on the device until the whole backward pass ends (a LoRA model's base
+        weights: the whole model). Once the gradients of every input of this call are
+        computed, the module's backward no longer needs them: drop one hold each."""
+        frozen = [e for e in entries if not e.param.requires_grad]
+        if not frozen:
+            return
+        tensors = [t for t in tree_flatten(inputs)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return  # the end-of-backward callback releases them
+
+        def inputs_done(grads: Any) -> None:
+            for entry in frozen:
+                count = self.backward_holds.get(entry, 0)
+                if count:
+                    if count == 1:
+                        del self.backward_holds[entry]
+                    else:
+                        self.backward_holds[entry] = count - 1
+                    self.placement.release(entry)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, inputs_done, mode="all")
+
     def _make_grad_hook(self, entry: ParamEntry) -> Callable:
         def grad_ready(param: torch.Tensor) -> None:
-            grad = param.grad
-            if grad is not None:
-                param.grad = None  # first: a refused gradient must not stay to be added to
+            # The gradient autograd left, not the store's view of it (infinity.param_access).
+            with torch._C.DisableTorchFunctionSubclass():
+                grad = param.grad
+                if grad is not None:
+                    param.grad = None  # first: a refused gradient must not stay to be added to
                 self.store._grad_arriving(entry)
                 self.placement.take_grad(entry, grad)
             self._release_backward(entry)

@@ -116,8 +116,8 @@ class OffloadedOptimizer(Optimizer):
             grad = placement.grad_view(shard)
             if grad is not None:
                 grad = grad.view_as(view)
-                if grad_multiplier != 1.0:
-                    grad.mul_(grad_multiplier)
+                # Clipping's factor, and any the loop recorded on p.grad (mul_, zero_).
+                placement.apply_grad_multiplier(shard, grad, grad_multiplier)
             param.grad = grad
             companions = state_companions(shard) if self.swap_state else {}
             if companions:

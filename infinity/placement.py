@@ -508,7 +508,7 @@ class Placement(Completions, CompanionsAndGradients):
                     self.reap(shard)
                     if shard.state is R.NVME:
                         self.load_async(shard, protect=entry.shards, horizon=0.5)
-            tensor = entry.param.data
+            tensor = entry.device_tensor
             self.device.fill(tensor)
             flat = tensor.view(-1)
             events = []
@@ -559,17 +559,20 @@ class Placement(Completions, CompanionsAndGradients):
             return
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
-        self.device.empty(entry.param.data)
+        self.device.empty(entry.device_tensor)
         entry.resident = False
         self.on_device.discard(entry)
         for shard in entry.shards:
             self.registry.set_state(shard, _FROM_DEVICE[shard.state])
 
     def adopt(self, entry: ParamEntry, device: torch.device) -> None:
-        """Gives the parameter its device tensor (real shape, compute dtype, empty storage)."""
+        """Gives the parameter its device tensor (real shape, compute dtype, empty storage).
+        The parameter shares that storage: gathers fill it, drops empty it."""
         tensor = torch.empty(entry.shape, dtype=entry.compute_dtype, device=device)
         tensor.untyped_storage().resize_(0)
-        entry.param.data = tensor
+        entry.device_tensor = tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            entry.param.data = tensor
 
     def _make_device_room(self, entry: ParamEntry) -> None:
         if self.device.fits(entry.device_bytes):

@@ -46,8 +46,12 @@ class Shard:
     io_record: object | None = None
     #: accumulated gradient in host memory, when gradients are not swapped (else companion)
     grad: torch.Tensor | None = None
-    #: squared L2 norm of the accumulated gradient (kept so clipping needs no extra pass)
-    grad_sq_norm: float = 0.0
+    #: squared L2 norm of the accumulated gradient (kept so clipping needs no extra pass);
+    #: None when it was not computed (nothing asked for norms yet)
+    grad_sq_norm: float | None = None
+    #: a factor the user's loop applied to the gradient (``p.grad.mul_(c)``, as clipping
+    #: does), recorded instead of done and applied where the step reads the gradient
+    grad_scale: float = 1.0
     #: "grad" / "optim" companions of a param shard
     companions: dict = field(default_factory=dict)
     #: for an "optim" companion: (key, dtype, shape, byte offset) of each packed state tensor
@@ -77,8 +81,14 @@ class ParamEntry:
     shards: list[Shard] = field(default_factory=list)
     #: dtype of the device working copy (the master dtype, or bf16/fp16 under mixed precision)
     compute_dtype: torch.dtype = torch.float32
-    #: whether ``param.data`` (the device tensor, whose storage is empty otherwise) holds values
+    #: whether ``device_tensor`` (whose storage is empty otherwise) holds values
     resident: bool = False
+    #: the device working copy: a plain tensor of the parameter's shape whose storage the
+    #: parameter shares between uses (see Placement.drop_device)
+    device_tensor: torch.Tensor | None = None
+    #: bumped whenever the gradient is consumed or cleared: a gradient view taken before
+    #: knows it is stale
+    grad_generation: int = 0
     #: reasons the device copy must stay: active modules and pending backward uses
     holds: int = 0
     index: int = 0

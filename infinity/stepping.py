@@ -45,7 +45,7 @@ class Stepping:
             todo = [s for s in todo if s.id not in done]
         else:
             done = set()
-            norm = global_norm([s.grad_sq_norm for s in todo]) \
+            norm = global_norm([placement.grad_sq_norm(s) for s in todo]) \
                 if placement.track_grad_norms else math.nan
             self.last_grad_norm = norm
             if self.scaler is not None:

@@ -7,6 +7,7 @@ optimizer. From then on the user's loop runs unchanged; see ``docs/architecture.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -15,7 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import psutil
 import torch
@@ -27,6 +28,7 @@ from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.hooks import HookSet
 from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
 from infinity.optimizer import OffloadedOptimizer
+from infinity.param_access import ParamAccess
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
 from infinity.precision import COMPUTE_DTYPES, LossScaler
@@ -81,6 +83,9 @@ class TieredStore(Stepping):
         self.registry = ShardRegistry()
         self.follower = TraceFollower()
         self.placement: Placement | None = None
+        #: what serves operations on attached parameters outside the hooks (p.grad, reads,
+        #: store.gathered)
+        self.access: ParamAccess | None = None
         self.engine: SwapEngine | None = None
         self.hooks: HookSet | None = None
         self.optimizer: OffloadedOptimizer | None = None
@@ -261,6 +266,9 @@ class TieredStore(Stepping):
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
             self.placement.update_in_backward = config.step_in_backward
+        # Last: from here on every operation on a parameter goes through the store.
+        self.access = ParamAccess(self)
+        self.access.install()
 
     def _initialise(self, model: nn.Module) -> None:
         """Moves every parameter's values into the store and leaves a placeholder behind.
@@ -435,6 +443,27 @@ class TieredStore(Stepping):
                 settings.close_timeout))
         return SwapEngine(paths, settings, keep_files=config.keep_swap_files, backend=backend)
 
+    # -- parameters outside forward ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[torch.Tensor] | None = None,
+                 modify: bool = False) -> Iterator[None]:
+        """Holds ``params`` (default: every attached parameter; any iterable, such as one
+        module's ``.parameters()``) on the device with their real values for the block. With
+        ``modify=True`` the block may write them in place (``nn.init``, ``copy_``, ``p.data =
+        ...``): on exit what changed is written back to the masters and NVMe, and the
+        optimizer's state is kept. Outside such a block, reads of a parameter work as they are
+        and in-place writes raise :class:`~infinity.errors.ParameterAccessError`.
+        Tensors taken from the parameters inside (views) are valid only inside."""
+        if self._closed:
+            raise AttachError("this store is closed; create a new TieredStore")
+        if self.model is None:
+            raise AttachError("store.gathered() needs an attached model: call attach() first")
+        if self.access is None:  # attach handed the model back untouched: plain parameters
+            yield
+            return
+        with self.access.gathered(params, modify):
+            yield
+
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
         self._unfinished_step = None  # a new forward moves on from a step that failed
@@ -524,7 +553,7 @@ class TieredStore(Stepping):
         out = torch.empty(entry.shape, dtype=entry.dtype)
         flat = out.view(-1)
         if entry.resident:
-            flat.copy_(entry.param.data.reshape(-1))
+            flat.copy_(entry.device_tensor.reshape(-1))
             return out
         for shard in entry.shards:
             placement.ensure_host(shard)
@@ -561,6 +590,8 @@ class TieredStore(Stepping):
                         failure = exc
                 # Failed write-backs do not matter here: the host copies stay valid.
                 placement.drain()
+                if self.access is not None:
+                    self.access.remove()  # the parameters are plain again
                 if restore:
                     for entry in self.registry.entries:
                         if entry.shards and entry.shards[0].state is not R.EMPTY:
