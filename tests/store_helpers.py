@@ -20,7 +20,10 @@ def make_model(config: GPTConfig = SMALL, seed: int = 0) -> TinyGPT:
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
           micro_batches: int = 1, scheduler_factory: Callable | None = None,
-          config: GPTConfig = SMALL, batch: int = 4, seed: int = 1) -> list[float]:
+          config: GPTConfig = SMALL, batch: int = 4, seed: int = 1,
+          after_backward: Callable[[torch.nn.Module], object] | None = None) -> list[float]:
+    """The loop; ``after_backward(model)`` runs before each optimizer.step() (clipping, norm
+    logging), as a trainer's would."""
     data = synthetic_batches(config, batch, seed=seed)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
     losses = []
@@ -31,6 +34,8 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
             loss = model(tokens, targets) / micro_batches
             loss.backward()
             total += loss.item()
+        if after_backward is not None:
+            after_backward(model)
         optimizer.step()
         optimizer.zero_grad()
         if scheduler is not None:
