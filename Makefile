@@ -28,11 +28,13 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m tools.bench --quick
 	$(PY) -m tools.bench_overlap --repeats 1
+	$(PY) -m tools.bench_clip --repeats 2
 	$(PY) -m tools.bench_step --layers 12 --host-budget 256MiB --buffer-size 16MiB
 
 bench-full: $(STAMP)
 	$(PY) -m tools.bench
 	$(PY) -m tools.bench_overlap
+	$(PY) -m tools.bench_clip
 	$(PY) -m tools.bench_step
 
 # Long: moves tens of GB through the disk (a 500M-parameter model under a 2 GiB host budget).

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -62,10 +63,12 @@ def mlp(layers: int, width: int, seed: int = 0) -> nn.Module:
 
 
 def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch: int,
-                width: int, phases: list[tuple[float, float, float]] | None = None
-                ) -> list[float]:
+                width: int, phases: list[tuple[float, float, float]] | None = None,
+                after_backward: Callable[[], object] | None = None) -> list[float]:
     """Seconds per training step; with ``phases``, also appends each step's (forward,
-    backward, optimizer step + zero_grad) seconds to it."""
+    backward, optimizer step + zero_grad) seconds to it. ``after_backward`` (e.g. a
+    ``clip_grad_norm_`` call) runs between ``loss.backward()`` and ``optimizer.step()``; its
+    time counts in the step and in the third phase."""
     generator = torch.Generator().manual_seed(1)
     times = []
     for _ in range(steps):
@@ -75,6 +78,8 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
         forward_done = time.perf_counter()
         loss.backward()
         backward_done = time.perf_counter()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
         optimizer.zero_grad()
         ended = time.perf_counter()
@@ -89,6 +94,30 @@ def engine_settings(config: infinity.OffloadConfig) -> EngineSettings:
     """The swap engine settings of ``config``'s aio section."""
     return EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
                           queue_depth=config.aio.queue_depth, thread_count=config.aio.thread_count)
+
+
+def nvme_config(nvme_path: Path, host_budget: float, arena: float, device_budget: float,
+                buffer_size: int = 64 << 20, offload_optimizer: str = "nvme",
+                **settings: object) -> infinity.OffloadConfig:
+    """The store configuration of an NVMe run: parameters on NVMe, the optimizer state where
+    ``offload_optimizer`` says, a staging arena of ``arena`` GiB in slots of ``buffer_size``
+    bytes, under host and device budgets in GiB; ``settings`` are further OffloadConfig keys."""
+    return infinity.OffloadConfig(
+        offload_param="nvme", offload_optimizer=offload_optimizer, nvme_path=(nvme_path,),
+        buffer_size=buffer_size, buffer_count=max(2, int(arena * 2**30) // buffer_size),
+        host_budget=int(host_budget * 2**30), device_budget=int(device_budget * 2**30),
+        **settings)
+
+
+def store_deltas(before: dict, after: dict, steps: int) -> dict:
+    """Per-step I/O and device-tier traffic between two ``store.stats()`` snapshots taken
+    ``steps`` steps apart."""
+    def per_step(key: str) -> float:
+        return (after[key] - before[key]) / steps
+    return {"read_bytes": per_step("bytes_read"), "write_bytes": per_step("bytes_written"),
+            "stall_s": per_step("stall_seconds"), "to_device_bytes": per_step("bytes_to_device"),
+            "from_device_bytes": per_step("bytes_from_device"),
+            "device_copy_s": per_step("device_copy_seconds")}
 
 
 def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) -> dict:
@@ -125,14 +154,9 @@ def run_one(args: argparse.Namespace) -> dict:
     if args.run == "fits":
         store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
     elif args.run in ("nvme", "nvme+sib"):
-        host_budget = int(args.host_budget * 2**30)
-        arena = int(args.arena * 2**30)
-        store = infinity.TieredStore(infinity.OffloadConfig(
-            offload_param="nvme", offload_optimizer=args.offload_optimizer,
-            nvme_path=(args.nvme_path,), buffer_size=args.buffer_size,
-            buffer_count=max(2, arena // args.buffer_size), host_budget=host_budget,
-            device_budget=int(args.device_budget * 2**30),
-            step_in_backward=args.run == "nvme+sib"))
+        store = infinity.TieredStore(nvme_config(
+            args.nvme_path, args.host_budget, args.arena, args.device_budget, args.buffer_size,
+            args.offload_optimizer, step_in_backward=args.run == "nvme+sib"))
     if store is not None:
         model, optimizer = store.attach(model, optimizer)
     attach_s = time.perf_counter() - started
@@ -147,18 +171,9 @@ def run_one(args: argparse.Namespace) -> dict:
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if store is not None:
         after = store.stats()
-        steps = args.steps
-        out.update({
-            "read_bytes": (after["bytes_read"] - before["bytes_read"]) / steps,
-            "write_bytes": (after["bytes_written"] - before["bytes_written"]) / steps,
-            "stall_s": (after["stall_seconds"] - before["stall_seconds"]) / steps,
-            "to_device_bytes": (after["bytes_to_device"] - before["bytes_to_device"]) / steps,
-            "from_device_bytes":
-                (after["bytes_from_device"] - before["bytes_from_device"]) / steps,
-            "device_copy_s":
-                (after["device_copy_seconds"] - before["device_copy_seconds"]) / steps,
-            "peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
-            "backend": after["backend"], "heap_reuse": after["heap_reuse"]})
+        out.update(store_deltas(before, after, args.steps))
+        out.update({"peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
+                    "backend": after["backend"], "heap_reuse": after["heap_reuse"]})
         store.close(restore_params=False)
     return out
 
