@@ -204,7 +204,8 @@ class ParamAccess:
             f"parameter '{entry.name}' is attached to a TieredStore and cannot be written in "
             f"place (`{name}`) {where}. Write it inside "
             f"`with store.gathered([param], modify=True):`, which writes the new values back "
-            f"to the store (and NVMe) on exit")
+            f"to the store (and NVMe) on exit. (An optimizer stepping it was built after "
+            f"attach: build it first and pass it to store.attach(model, optimizer).)")
 
     # -- reads ------------------------------------------------------------------------------------
     def _values(self, entry: ParamEntry) -> torch.Tensor:
