@@ -77,9 +77,15 @@ class HookSet:
         self._backward_pass = 0
 
     def install(self) -> None:
-        self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
+        # A function, not the bound method: copy.deepcopy(model) (an EMA copy) copies the
+        # modules' hook dicts, and would try to copy a bound method's HookSet with the store.
+        hooks = self
+
+        def root_pre_forward(module: nn.Module, args: Any) -> None:
+            hooks._root_pre_forward(module, args)
+        self.handles.append(self.root.register_forward_pre_hook(root_pre_forward))
         for index, (module, entries) in enumerate(self.modules):
-            pre_forward, post_forward = self._make_hooks(index, entries)
+            pre_forward, post_forward = self._make_hooks(index, module, entries)
             self.handles.append(module.register_forward_pre_hook(pre_forward))
             # always_call: activation checkpointing stops a recomputation early by raising out
             # of a module's forward, and the holds taken by its pre-hook must still be released.
@@ -105,6 +111,8 @@ class HookSet:
 
     # -- forward ------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if module is not self.root:
+            return  # a copy of the model (copy.deepcopy: an EMA model) carries the hooks too
         # A new iteration starts with the root's forward, unless we are inside a backward pass
         # (activation checkpointing re-runs forwards there).
         if self._in_backward():
@@ -124,7 +132,8 @@ class HookSet:
             return bool(self.backward_holds)
         return task != -1
 
-    def _make_hooks(self, index: int, entries: list[ParamEntry]) -> tuple[Callable, Callable]:
+    def _make_hooks(self, index: int, owner: nn.Module,
+                    entries: list[ParamEntry]) -> tuple[Callable, Callable]:
         forward_event = Event(FORWARD, index, tuple(e.index for e in entries))
         backward_event = Event(BACKWARD, index, tuple(e.index for e in entries))
         # What each call under way gathered, innermost last (a module may run inside its own
@@ -134,6 +143,8 @@ class HookSet:
         calls: list[list[ParamEntry]] = []
 
         def pre_forward(module: nn.Module, args: Any) -> None:
+            if module is not owner:
+                return  # a deep copy of the module: its parameters are its own, plain ones
             self._hook_grads(entries)
             self.placement.on_event(forward_event)
             gathered: list[ParamEntry] = []
@@ -145,6 +156,8 @@ class HookSet:
             self.store.watch_heap()
 
         def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            if module is not owner:
+                return None
             flat, spec = tree_flatten(output)
             replaced = _alias_returned_params(flat, spec, entries)
             if replaced is not None:

@@ -68,8 +68,8 @@ class LossScaler:
     def install(self, root: nn.Module) -> Any:
         """Scales the gradient entering the root module's outputs during backward."""
         def scale_outputs(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
+            if module is not root or not torch.is_grad_enabled():
+                return  # (a deep copy of the model carries this hook too)
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: grad * self.scale)

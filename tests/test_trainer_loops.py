@@ -61,3 +61,35 @@ def test_nanogpt_style_loop_attached_equals_plain(tmp_path):
     assert min(norm for _, norm, *_ in plain_log) > 0.5  # every step was clipped
     for a, b in zip(plain_ema, ema):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_an_ema_model_from_deepcopy_trains_and_evaluates_like_plain(tmp_path):
+    """torch's AveragedModel (and timm's ModelEma) deep-copy the model: the copy is an ordinary
+    model with the values of the moment (the store's hooks it carries do nothing on it), and
+    its average follows the attached parameters as it follows plain ones."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        data = synthetic_batches(SMALL, 4, seed=1)
+        probe = next(synthetic_batches(SMALL, 4, seed=9))
+        for _ in range(3):
+            model(*next(data)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update_parameters(model)
+        with torch.no_grad():
+            return float(ema(*probe)), {k: v.clone() for k, v in ema.state_dict().items()}
+
+    plain = make_model()
+    attached = copy.deepcopy(plain)
+    plain_loss, plain_state = run(plain, torch.optim.AdamW(plain.parameters(), fused=True))
+    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
+                                    buffer_size=8 << 10, buffer_count=8, nvme_path=str(tmp_path))
+    with infinity.TieredStore(config) as store:
+        model, optimizer = store.attach(attached, torch.optim.AdamW(attached.parameters()))
+        loss, state = run(model, optimizer)
+        assert store.stats()["trace_departures"] == 0  # the copy's forward is not traced
+    assert loss == plain_loss
+    for key, value in plain_state.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=1e-7)
