@@ -116,3 +116,13 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     for point in reversed(mounted):
         if subprocess.run(["umount", str(point)], capture_output=True).returncode:
             subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is as fast and steadier on a busy machine (modules opt
+    in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -86,13 +86,7 @@ def train(model, optimizer, output_dir) -> tuple[list[float], list[float], list[
             [e["learning_rate"] for e in logs])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny model: one intra-op thread is as fast and steadier on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Gradients on NVMe are consumed by the step; in host memory ("cpu") they stay until cleared, and

@@ -90,13 +90,7 @@ def probe_logits(model) -> torch.Tensor:
         return model(input_ids=batches(1, seed=7)[0], use_cache=False).logits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is as fast and steadier on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 import infinity
-from tools.bench_overlap import (DEFAULT_ARENAS, DEFAULT_HOST_BUDGET, mlp, nvme_config,
+from tools.bench_overlap import (DEFAULT_ARENAS, add_run_arguments, mlp, nvme_config,
                                  store_deltas, timed_steps)
 
 log = logging.getLogger("tools.bench_clip")
@@ -183,15 +183,7 @@ def report(summary: dict, max_norm: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per config")
-    parser.add_argument("--nvme-path", type=Path, default=None)
-    parser.add_argument("--host-budget", type=float, default=DEFAULT_HOST_BUDGET,
-                        help="GiB for the host tier (default: %(default)s)")
+    add_run_arguments(parser, repeats=3)
     parser.add_argument("--arena", type=float, default=DEFAULT_ARENAS[1],
                         help="GiB of staging arena (default: %(default)s)")
     parser.add_argument("--device-budget", type=float, default=0.1,

@@ -185,17 +185,23 @@ DEFAULT_HOST_BUDGET = round(DEEPSPEED_PEAK_RSS_GIB / 3, 2)
 DEFAULT_ARENAS = (1.35, 1.0, 0.7)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """The model, step-count and placement options this benchmark shares with bench_clip."""
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per config")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="interleaved runs per config")
     parser.add_argument("--nvme-path", type=Path, default=None)
     parser.add_argument("--host-budget", type=float, default=DEFAULT_HOST_BUDGET,
                         help="GiB for the host tier (default: %(default)s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, repeats=2)
     parser.add_argument("--arena", type=str, default=",".join(str(a) for a in DEFAULT_ARENAS),
                         help="GiB of staging arena, a comma list: one NVMe run each, all under "
                              "the one host budget (default: %(default)s)")
