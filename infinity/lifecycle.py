@@ -189,6 +189,8 @@ def remove_swap_files() -> int:
                 removed += 1
             except OSError as exc:
                 log.warning("could not remove swap file %s: %s", file.path, exc)
+        for lock in list(space.lock_files):
+            lock.unlink(missing_ok=True)
         for run_dir in list(space.run_dirs):
             try:
                 run_dir.rmdir()

@@ -1,7 +1,8 @@
 """Swap directories, preallocated swap files and the extent allocator.
 
 Layout: each directory of ``nvme_path`` gets one private run directory (mode 0700, random name,
-created exclusively). Inside it live swap files (mode 0600, ``O_EXCL | O_NOFOLLOW``), each
+created exclusively), locked by the live process; directories of runs that died are reclaimed
+by the next run on the same directory (:mod:`swap.leftovers`). Inside it live swap files (mode 0600, ``O_EXCL | O_NOFOLLOW``), each
 preallocated with ``posix_fallocate`` so that writes land in allocated blocks and never extend the
 file: extending writes go through the kernel's worker threads and lose about half the throughput.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from swap.buffers import ALIGNMENT, align_up
 from swap.errors import NvmePathError, SwapSpaceError
+from swap.leftovers import Leftover, RunLock, reclaim_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +206,12 @@ class _DriveSpace:
         self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=root))  # 0700, exclusive
         if stat.S_IMODE(self.run_dir.stat().st_mode) != 0o700:
             os.chmod(self.run_dir, 0o700)
+        try:
+            # Held while this process lives: a later run reclaims the directory once it is free.
+            self.lock = RunLock(self.run_dir)
+        except OSError:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         self.files: list[SwapFile] = []
         self.free: list[RangeAllocator] = []
         self.slot: dict[SwapFile, int] = {}  # file -> its index in files/free (identity hash)
@@ -229,6 +237,7 @@ class _DriveSpace:
     def close(self, keep: bool) -> None:
         for file in self.files:
             file.close(remove=not keep)
+        self.lock.close(keep)
         if not keep:
             try:
                 self.run_dir.rmdir()
@@ -250,6 +259,10 @@ class SwapSpace:
         if stripe_size % ALIGNMENT:
             raise ValueError(f"stripe_size must be a multiple of {ALIGNMENT}")
         roots = [check_directory(Path(p)) for p in paths]
+        #: run directories of runs that died without cleaning up, removed here
+        self.reclaimed: list[Leftover] = []
+        for root in roots:
+            self.reclaimed += reclaim_leftovers(root, RUN_DIR_PREFIX)
         self.stripe_size = stripe_size
         self.file_size = align_up(file_size)
         self._lock = threading.Lock()
@@ -273,6 +286,10 @@ class SwapSpace:
     @property
     def files(self) -> list[SwapFile]:
         return [f for d in self._drives for f in d.files]
+
+    @property
+    def lock_files(self) -> list[Path]:
+        return [d.lock.path for d in self._drives]
 
     def allocate(self, nbytes: int) -> Extent:
         if nbytes < 0:

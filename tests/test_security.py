@@ -28,6 +28,7 @@ import swap.files
 from infinity import OffloadConfig, TieredStore, lifecycle
 from swap import NvmePathError
 from swap.files import RUN_DIR_PREFIX
+from swap.leftovers import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,8 +81,9 @@ def test_run_dir_is_0700_and_every_swap_file_0600_whatever_the_umask(tmp_path):
     assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
     assert info.st_uid == os.getuid()
     files = swap_files(store)
-    assert files and sorted(run_dir.iterdir()) == files  # nothing else in there
-    for path in files:
+    lock = run_dir / LOCK_NAME  # the run's own lock (swap.leftovers)
+    assert files and sorted(run_dir.iterdir()) == sorted(files + [lock])  # nothing else
+    for path in files + [lock]:
         info = os.stat(path, follow_symlinks=False)
         assert stat.S_ISREG(info.st_mode), path
         assert stat.S_IMODE(info.st_mode) == 0o600, f"{path}: {oct(info.st_mode)}"

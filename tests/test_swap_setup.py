@@ -18,6 +18,7 @@ import swap.probe
 from swap import (ALIGNMENT, BufferPool, EngineSettings, NvmePathError, SwapConfigError,
                   SwapEngine, SwapSpace, SwapSpaceError, choose_backend, choose_backend_for)
 from swap.files import RUN_DIR_PREFIX
+from swap.leftovers import LOCK_NAME
 from swap.integrity import verify_sidecar
 from tests.conftest import contents, fill, fs_type, random_bytes
 
@@ -162,7 +163,7 @@ def test_full_disk_raises_and_keeps_earlier_extents(mount_tmpfs, make_engine):
         with pytest.raises(SwapSpaceError, match=str(8 << 20)):
             engine.allocate(8 << 20)
         (run_dir,) = small.iterdir()
-        assert len(list(run_dir.iterdir())) == len(written)
+        assert len([p for p in run_dir.iterdir() if p.name != LOCK_NAME]) == len(written)
         for extent, data in written:
             buffer.array[:] = 0
             engine.read_sync(extent, buffer)
@@ -180,9 +181,9 @@ def test_private_modes_whatever_the_umask(tmp_path, make_engine):
     (run_dir,) = engine.space.run_dirs
     assert run_dir.parent == tmp_path.resolve() and run_dir.name.startswith(RUN_DIR_PREFIX)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
-    files = sorted(run_dir.iterdir())
+    files = sorted(p for p in run_dir.iterdir() if p.name != LOCK_NAME)
     assert len(files) == 2 and {e.segments[0].file.path for e in extents} == set(files)
-    for path in files:
+    for path in files + [run_dir / LOCK_NAME]:
         info = path.lstat()
         assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
 
@@ -214,6 +215,9 @@ def test_keep_files_keeps_them_with_the_data(tmp_path, pool):
     assert verify_sidecar(sidecar) == []
     sidecar.unlink()
     path.unlink()
+    kept = path.parent / "kept"  # marks it kept on purpose: no later run reclaims it
+    assert kept.exists() and not (path.parent / LOCK_NAME).exists()
+    kept.unlink()
     path.parent.rmdir()
 
 

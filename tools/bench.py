@@ -31,6 +31,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from swap import BufferPool
 from swap.errors import SwapError
+from swap.files import RUN_DIR_PREFIX
+from swap.leftovers import describe, find_leftovers
 from swap.probe import choose_backend
 from tools import report
 from tools.fio import FioError, FioJob, FioRunner, find_fio
@@ -317,7 +319,10 @@ def execute(args: argparse.Namespace, path: Path) -> int:
     if load > 0.5 * cpus:
         log.warning("load average %.1f on %d CPUs: other work is running on this machine, so "
                     "expect noisier numbers (repeats and medians absorb some of it)", load, cpus)
-    before = set(p.name for p in path.iterdir())
+    stale = find_leftovers(path, RUN_DIR_PREFIX)
+    if stale:  # the first engine below removes them
+        print(f"reclaimed: {describe(stale)}")
+    before = set(p.name for p in path.iterdir()) - {f.path.name for f in stale}
     fio: FioRunner | None = None
     fio_dir: Path | None = None
     pool = BufferPool(args.buffers, args.buffer_size, name="bench")

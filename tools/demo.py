@@ -33,6 +33,8 @@ from infinity.config import format_size, load_json, parse_size
 from infinity.errors import AttachError, BudgetError, ConfigError
 from swap import (BufferPool, EngineSettings, NvmePathError, SwapConfigError, SwapEngine,
                   SwapError, SwapSpaceError)
+from swap.files import RUN_DIR_PREFIX
+from swap.leftovers import describe, find_leftovers
 from tools.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
 log = logging.getLogger("tools.demo")
@@ -249,6 +251,11 @@ def run(args: argparse.Namespace) -> DemoResult:
           f"params+grads+Adam {format_size(state_bytes)}; AdamW lr {learning_rate(args):g}")
     print(config.describe())
     store: TieredStore | None = None
+    stale = [found for path in paths if path.is_dir()
+             for found in find_leftovers(path, RUN_DIR_PREFIX)]
+    if stale:  # the first swap engine below removes them
+        print(f"reclaimed  {describe(stale)}")
+        before -= {found.path for found in stale}
     try:
         log.info("measuring the swap engine's bandwidth on %s", ", ".join(map(str, paths)))
         disk = disk_bandwidth(paths, config) if paths else {}
