@@ -1,5 +1,5 @@
 # The two commands a new user needs are `make demo` and `make test`; each creates the virtual
-# environment on first use and reinstalls when pyproject.toml changes.
+# environment on first use and reinstalls when pyproject.toml or constraints.txt changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,12 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-full bench-scale soak venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned, so nothing later resolves it to a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	# torch first and pinned, so nothing later resolves it to a CUDA build; everything else at
+	# this machine's tested versions (constraints.txt), which pyproject.toml only bounds below.
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
