@@ -144,6 +144,7 @@ class TieredStore(Stepping):
             raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
                               f"the model (a torch.nn.Module) and then its optimizer")
         self._check_optimizer(model, optimizer)
+        self._check_single_rank()
         config = self.config
         if config.offload_param == "none" and config.offload_optimizer == "none" and \
                 self.compute_dtype is None:
@@ -165,6 +166,18 @@ class TieredStore(Stepping):
             self._teardown(restore=True)
             raise
         return model, self.optimizer
+
+    @staticmethod
+    def _check_single_rank() -> None:
+        """The store does not partition across data-parallel ranks yet: under a process group
+        of several ranks each would train its own copy, unsynchronised, without a word."""
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise AttachError(
+                f"this process is rank {dist.get_rank()} of {dist.get_world_size()} in a "
+                f"torch.distributed process group, and the store does not partition the "
+                f"model across ranks yet: each rank would train its own unsynchronised copy. "
+                f"Run one process (world size 1), or attach in a process group of one rank")
 
     @staticmethod
     def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
