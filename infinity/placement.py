@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from infinity.completions import MAX_RETRIES, Completions, retryable
-from infinity.errors import BudgetError
+from infinity.errors import BudgetError, ParameterAccessError
 from infinity.gradients import CompanionsAndGradients
 from infinity.policies import EvictionPolicy, PrefetchPolicy
 from infinity.residency import Residency as R
@@ -82,6 +82,9 @@ class Placement(Completions, CompanionsAndGradients):
         self.module_names: list[str] = []
         #: entries whose device copy is never evicted (param_persistence_threshold)
         self.persistent: set[int] = set()
+        #: entries attached without values (a meta-device module without reset_parameters):
+        #: their shards stay EMPTY until a checkpoint load writes them
+        self.uninitialised: set[int] = set()
         #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
         self.prefetch_bytes: int | None = None
         #: keep the front of the eviction order clean during the step (see clean_ahead); off
@@ -448,6 +451,12 @@ class Placement(Completions, CompanionsAndGradients):
         (a failed prefetch of it included) is retried ``max_retries`` times, then its error is
         raised with the shard back in ``NVME`` (nothing lost)."""
         error = self.reap(shard)
+        if shard.state is R.EMPTY and shard.kind == "param":
+            raise ParameterAccessError(
+                f"parameter '{shard.entry.name}' has no values yet (shard {shard.id}): it was "
+                f"attached on the meta device without reset_parameters(), so its values must "
+                f"come from a checkpoint: store.load_pretrained(path) or "
+                f"model.load_state_dict(...) before the first forward")
         while not shard.state.on_host:
             if shard.state is R.NVME:
                 failures = self._failed.get(shard, 0)
@@ -485,6 +494,13 @@ class Placement(Completions, CompanionsAndGradients):
         the shard is on the host; from ``NVME`` it is ``HOST`` with undefined contents, which
         the caller must fill before anything else reads them."""
         self.reap(shard, wait=True)
+        if shard.state is R.EMPTY and shard.kind == "param":  # never had values (uninitialised)
+            if not self.nvme:
+                shard.host = self.host.allocate(shard.numel, shard.dtype)
+            elif not self._host_slot(shard, protect, horizon=0.0):
+                raise BudgetError(self._no_room(shard))
+            self.registry.set_state(shard, R.HOST)
+            return
         if shard.state is not R.NVME:
             return
         if not self._host_slot(shard, protect, horizon=0.0):
@@ -669,7 +685,8 @@ class Placement(Completions, CompanionsAndGradients):
         host_bytes = self.quarantined_bytes
         for shard in shards:
             state = shard.state
-            if shard.kind == "param" and state is R.EMPTY:
+            if shard.kind == "param" and state is R.EMPTY and \
+                    shard.entry.index not in self.uninitialised:
                 problems.append(f"{shard.id}: a parameter shard has no valid copy")
             if state.in_flight != (shard.pending is not None):
                 problems.append(f"{shard.id}: {state.name} with "

@@ -19,7 +19,7 @@ must keep the Parameter objects it registered, so they are never replaced.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -103,19 +103,29 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
 
 def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
     """Overwrites a parameter's values in every tier it lives in."""
+    flat = value.detach().reshape(-1).to(entry.dtype)
+    write_entry_pieces(store, entry, lambda shard: flat[shard.start:shard.start + shard.numel])
+
+
+def write_entry_pieces(store: Any, entry: Any,
+                       piece_of: Callable[[Any], torch.Tensor]) -> None:
+    """Overwrites a parameter's values shard by shard, each from ``piece_of(shard)`` (its
+    flat range, any dtype), so a caller reading from a file holds one shard's worth at a
+    time."""
     placement = store.placement
     placement.drop_device(entry, force=True)
-    flat = value.detach().reshape(-1).to(entry.dtype)
     for shard in entry.shards:
+        piece = piece_of(shard).reshape(-1).to(shard.dtype)
         # The whole value is replaced: no need to read the old one (which may be the very
         # corrupted or stale extent a checkpoint load is healing).
         placement.prepare_overwrite(shard)
         if shard.state is R.HOST_STORING:
             placement.reap(shard, wait=True)
-        shard.host.copy_(flat[shard.start:shard.start + shard.numel])
+        shard.host.copy_(piece)
         store.registry.set_state(shard, R.HOST)
         shard.version += 1
         if placement.nvme:
             placement.store_async(shard)
+    placement.uninitialised.discard(entry.index)
     if entry.index in placement.persistent:
         placement.gather(entry, hold=False)

@@ -133,8 +133,13 @@ class TieredStore(Stepping):
         return self.config.offload_param == "none"
 
     # -- attach -------------------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               initialise: bool = True
                ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
+        """Takes over ``model``'s parameters (and wraps ``optimizer``). Parameters on the meta
+        device are initialised module by module with ``reset_parameters()``; with
+        ``initialise=False`` (their values will come from ``load_pretrained`` or
+        ``load_state_dict``) none is, and nothing is allocated or written for them until then."""
         if self._closed:
             raise AttachError("this store is closed; create a new TieredStore")
         if self.model is not None:
@@ -145,6 +150,13 @@ class TieredStore(Stepping):
                               f"the model (a torch.nn.Module) and then its optimizer")
         self._check_optimizer(model, optimizer)
         self._check_single_rank()
+        for name, buffer in model.named_buffers():
+            if buffer.is_meta:
+                raise AttachError(
+                    f"buffer '{name}' is on the meta device: the store takes over parameters, "
+                    f"not buffers, so it would have no values in forward. Build the model with "
+                    f"only its parameters on the meta device (accelerate.init_empty_weights(), "
+                    f"whose default leaves buffers real), or give the buffers values first")
         config = self.config
         if config.offload_param == "none" and config.offload_optimizer == "none" and \
                 self.compute_dtype is None:
@@ -161,7 +173,7 @@ class TieredStore(Stepping):
         # cleanup before the first swap file can exist; _teardown disarms it.
         lifecycle.register(self, model)
         try:
-            self._attach(model, optimizer)
+            self._attach(model, optimizer, initialise)
         except BaseException:
             self._teardown(restore=True)
             raise
@@ -198,7 +210,8 @@ class TieredStore(Stepping):
                         f"{tuple(param.shape)} that is not part of the attached model: build "
                         f"the optimizer from model.parameters()")
 
-    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                initialise: bool = True) -> None:
         config = self.config
         nvme = self._master_tier == "nvme" or config.offload_optimizer == "nvme"
         if config.host_budget is not None:
@@ -254,7 +267,7 @@ class TieredStore(Stepping):
         if self.scaler is not None:
             self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
-        self._initialise(model)
+        self._initialise(model, initialise)
         log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
                  "device budget %d, host budget %d", len(self.registry.entries),
                  len(self.registry.shards), total / 1e6, time.perf_counter() - started,
@@ -283,12 +296,14 @@ class TieredStore(Stepping):
         self.access = ParamAccess(self)
         self.access.install()
 
-    def _initialise(self, model: nn.Module) -> None:
+    def _initialise(self, model: nn.Module, initialise: bool = True) -> None:
         """Moves every parameter's values into the store and leaves a placeholder behind.
 
         Parameters on the meta device (a model built under ``torch.device("meta")``) are
         materialised one module at a time with the module's ``reset_parameters()``, so a model
-        larger than host memory never exists in memory whole."""
+        larger than host memory never exists in memory whole. Those of a module without one
+        (``LlamaRMSNorm``) are left without values, allocating nothing, until a checkpoint load
+        writes them (``load_pretrained``, ``load_state_dict``)."""
         placement = self.placement
         done: set[int] = set()
 
@@ -309,11 +324,22 @@ class TieredStore(Stepping):
             own = [(n, p) for n, p in module._parameters.items() if p is not None]
             if not any(p.is_meta for _, p in own):
                 continue
-            if not callable(getattr(module, "reset_parameters", None)):
-                raise AttachError(
-                    f"module '{module_name}' ({type(module).__name__}) has parameters on the meta "
-                    f"device but no reset_parameters() to initialise them: give it one, or "
-                    f"build the model on the CPU")
+            if not initialise or not callable(getattr(module, "reset_parameters", None)):
+                for name, param in own:
+                    if param.is_meta:
+                        entry = self.registry.entry_of(param)
+                        # Shape and dtype come from the device tensor adopt() gives it.
+                        real = nn.Parameter(torch.empty(0, dtype=param.dtype),
+                                            requires_grad=param.requires_grad)
+                        for owner, owner_name in references.pop(id(param), []):
+                            owner._parameters[owner_name] = real
+                        self.registry.rebind(entry, real)
+                        placement.adopt(entry, self.device)
+                        placement.uninitialised.add(entry.index)
+                        done.add(entry.index)
+                log.debug("module '%s' (%s): parameters on the meta device left without values "
+                          "until a checkpoint is loaded", module_name, type(module).__name__)
+                continue
             for name, param in own:
                 entry = self.registry.entry_of(param)
                 if param.is_meta:
@@ -477,6 +503,17 @@ class TieredStore(Stepping):
         with self.access.gathered(params, modify):
             yield
 
+    def load_pretrained(self, path: str | Path) -> Any:
+        """Streams Hugging Face safetensors weights (a file, or a directory with
+        ``model.safetensors`` or ``model.safetensors.index.json``) into the attached model's
+        parameters, one shard at a time, never the whole model in memory; keys are the model's
+        own names. Returns ``(missing_keys, unexpected_keys)`` as ``load_state_dict`` does.
+        See :mod:`infinity.pretrained`."""
+        if self.model is None or self.placement is None:
+            raise AttachError("load_pretrained() needs an attached model: call attach() first")
+        from infinity.pretrained import load_pretrained
+        return load_pretrained(self, Path(path))
+
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
         self._unfinished_step = None  # a new forward moves on from a step that failed
@@ -607,7 +644,9 @@ class TieredStore(Stepping):
                     self.access.remove()  # the parameters are plain again
                 if restore:
                     for entry in self.registry.entries:
-                        if entry.shards and entry.shards[0].state is not R.EMPTY:
+                        if entry.index in placement.uninitialised:
+                            self._back_to_meta(entry)
+                        elif entry.shards and entry.shards[0].state is not R.EMPTY:
                             try:
                                 entry.param.data = self.materialize(entry).to(self.device)
                             except Exception as exc:  # noqa: BLE001 - restore the others
@@ -635,6 +674,16 @@ class TieredStore(Stepping):
                 self._temp_dir = None
             lifecycle.unregister(self)  # its files are gone; releases the model
         return failure
+
+    def _back_to_meta(self, entry: ParamEntry) -> None:
+        """A parameter that never got values goes back to the meta device at close, as it came:
+        honest about having none, and no empty storage left behind."""
+        meta = nn.Parameter(torch.empty(entry.shape, dtype=entry.dtype, device="meta"),
+                            requires_grad=entry.param.requires_grad)
+        for module in self.model.modules():
+            for name, param in module._parameters.items():
+                if param is entry.param:
+                    module._parameters[name] = meta
 
     def __enter__(self) -> "TieredStore":
         return self

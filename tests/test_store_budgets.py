@@ -172,7 +172,10 @@ def test_meta_device_model_is_materialised_module_by_module(tmp_path):
     store.close()
 
 
-def test_meta_module_without_reset_parameters_is_refused(tmp_path):
+def test_meta_module_without_reset_parameters_waits_for_a_checkpoint(tmp_path):
+    """Its parameters stay without values (nothing allocated): a forward says so, naming the
+    parameter; a checkpoint load fills them; one never filled is on the meta device again
+    after close."""
     from torch import nn
 
     class Raw(nn.Module):
@@ -184,10 +187,21 @@ def test_meta_module_without_reset_parameters_is_refused(tmp_path):
             return x @ self.weight
 
     with torch.device("meta"):
-        model = Raw()
+        model, never = Raw(), Raw()
     store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path)))
-    with pytest.raises(infinity.AttachError, match="reset_parameters"):
-        store.attach(model)
+    model, _ = store.attach(model)
+    assert store.placement.audit() == []
+    with pytest.raises(infinity.ParameterAccessError, match="'weight' has no values yet"):
+        model(torch.ones(2, 4))
+    values = torch.arange(16.0).view(4, 4)
+    model.load_state_dict({"weight": values})
+    assert torch.equal(model(torch.ones(2, 4)), torch.ones(2, 4) @ values)
+    store.close()
+    assert torch.equal(model.weight.detach(), values)
+    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path)))
+    never, _ = store.attach(never)
+    store.close()
+    assert never.weight.is_meta and never.weight.shape == (4, 4)
     assert os.listdir(tmp_path) == []
 
 
