@@ -15,7 +15,8 @@ RSS is its own, repeats interleaved:
     gradient completes), unless ``--modes`` leaves it out;
 and the swap engine's read and write bandwidth on the same path. It prints the pure I/O time of
 the attached step's bytes at that bandwidth and the overlap efficiency
-max(compute, io) / attached step (1.0 = the I/O is fully hidden), and each configuration's median
+max(compute, io) / attached step (1.0 = the I/O is fully hidden), the step's ratio to its floor
+max(compute + device-tier copies, io), and each configuration's median
 forward, backward and optimizer-step seconds (where an attached step spends what it loses),
 with the seconds of device-tier copies among them: without a GPU these are memory copies on
 the cores that also compute, which a GPU's copy engine would take off them.
@@ -300,6 +301,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{'on' if r['heap_reuse'] else 'off'}")
         print(f"  overlap efficiency {efficiency:.2f} (max(compute {compute_s:.3f}, io "
               f"{io_s:.3f}) / attached {r['step_s']:.3f}; target >= 0.85)")
+        # The step cannot beat the larger of the compute with the device-tier copies it needs
+        # (on the cores without a GPU) and its bytes at the engine's bandwidth, reads and
+        # writes sharing the disk.
+        floor = max(compute_s + r["device_copy_s"], io_s)
+        summary[name].update(floor_s=floor, step_vs_floor=r["step_s"] / floor)
+        print(f"  floor {floor:.3f} s (max(compute + device copies {compute_s:.3f} + "
+              f"{r['device_copy_s']:.3f}, I/O {io_s:.3f})): step {r['step_s'] / floor:.2f}x the "
+              f"floor (goal <= 1.3x)")
         print(f"  device tier: {r['to_device_bytes'] / 1e9:.2f} GB in, "
               f"{r['from_device_bytes'] / 1e9:.2f} GB out per step, "
               f"{r['device_copy_s']:.3f} s of copies on the training thread "
