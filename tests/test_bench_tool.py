@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 from swap import BufferPool, EngineSettings
 from swap.probe import choose_backend
-from tools import bench
+from tools import aiofiles_baseline, bench
 from tools.aggregate import harmonic_mean, summarize
 from tools.fio import FioError, FioJob, parse_fio_json
 from tools.gil_probe import measure_interference
 from tools.recommend import (AIO_KEYS, CONFIG_KEYS, Candidate, check_config, choose_buffers,
                              choose_point, config_dict, recommend, write_config)
+from tools.report import aiofiles_lines
 from tools.sweep import Point, PointResult, Sample, fill_pattern
 from tools.units import format_size, parse_size
 
@@ -259,9 +261,31 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert report["fio"]["jobs"] or report["fio"]["note"]
     assert report["leftover_files"] == []
     assert report["machine"]["cpu_count"] >= 1
+    baseline = report["aiofiles"]
+    assert baseline["available"] and baseline["block_size"] == MIB and baseline["size"] == 8 * MIB
+    for direction in ("write", "read"):
+        assert baseline["summary"][direction]["gbps"] > 0
+        assert baseline["summary"][direction]["cpu_s_per_gib"] > 0
+        assert baseline["ratio"][direction] > 0
+    assert "  aiofiles  write " in stdout and "ours/aiofiles write " in stdout
     assert set(json.loads(config.read_text())) == set(CONFIG_KEYS)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert list(data.iterdir()) == []  # swap run dir and fio's file are gone
+    assert list(data.iterdir()) == []  # swap run dir, fio's and aiofiles' files are gone
+
+
+def test_aiofiles_baseline_missing_and_cleanup(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("aiofiles")
+    entry = aiofiles_baseline.measure(tmp_path, 2 * MIB, 256 << 10, 2)
+    assert entry["available"] and len(entry["repeats"]) == 2 and not entry["note"]
+    assert entry["repeats"][0]["read"]["nbytes"] == 2 * MIB
+    assert list(tmp_path.iterdir()) == []
+    lines = aiofiles_lines({"uring": {"read": {"gbps": 1.0}}}, entry)
+    assert lines[0].startswith("  aiofiles  write ") and "8 outstanding" in lines[1]
+    monkeypatch.setitem(sys.modules, "aiofiles", None)  # import fails as if not installed
+    entry = aiofiles_baseline.measure(tmp_path, 2 * MIB, 256 << 10, 1)
+    assert not entry["available"] and entry["repeats"] == []
+    assert aiofiles_lines({}, entry) == ["  aiofiles not installed (pip install aiofiles)"]
 
 
 def test_overlap_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,9 @@ Each grid point (backend x block size x queue depth [x threads]) moves ``--size`
 ``--buffers`` pool buffers in flight, writing then reading back with O_DIRECT so the page cache
 is out of the way. The disk is noisy, so every point is repeated and the repeats are interleaved:
 each round visits every point (engine and fio) once in a shuffled order, and the report gives
-medians with min and max. Everything written under ``--path`` is removed at the end.
+medians with min and max. After the grid, ``aiofiles`` (the obvious Python choice) moves the same
+bytes at the recommended block size as a baseline (tools/aiofiles_baseline.py). Everything
+written under ``--path`` is removed at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from swap.errors import SwapError
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import describe, find_leftovers
 from swap.probe import choose_backend
-from tools import report
+from tools import aiofiles_baseline, report
 from tools.fio import FioError, FioJob, FioRunner, find_fio
 from tools.gil_probe import InterferenceResult, measure_fio_interference, measure_interference
 from tools.machine import DiskCounters, machine_info
@@ -164,6 +166,7 @@ class Run:
     interference: list[InterferenceResult] = field(default_factory=list)
     recommendation: Recommendation | None = None
     disk: DiskCounters | None = None
+    aiofiles: dict | None = None
 
 
 def candidates(results: list[PointResult]) -> list[Candidate]:
@@ -287,6 +290,8 @@ def to_json(run: Run, info: dict, started: float, leftovers: list[str],
         "transfer_sweep": run.sweep.as_dict() if run.sweep else None,
         "interference": [r.as_dict() for r in run.interference],
         "best": best, "fio_best": fio_best, "ratio_to_fio": ratios,
+        "aiofiles": run.aiofiles and {
+            **run.aiofiles, "ratio": report.ratios_to(best, run.aiofiles["summary"])},
         "recommendation": None if rec is None else {
             "config": config, "reason": rec.reason, "point": vars(rec.candidate),
             "score_gbps": rec.candidate.score},
@@ -357,6 +362,10 @@ def execute(args: argparse.Namespace, path: Path) -> int:
         run_sweep(run, choice, bar)
         run.recommendation = recommend(usable, run.sweep.medians() if run.sweep else None,
                                        choice=choice)
+        # The obvious Python baseline, at the recommended point's request size and --size bytes.
+        bar.set_postfix_str("aiofiles baseline")
+        run.aiofiles = aiofiles_baseline.measure(run.path, args.size, choice.block_size,
+                                                 args.repeats)
         if args.interference:
             run_interference(run, pool, fio, bar)
     finally:
@@ -377,7 +386,7 @@ def output(run: Run, info: dict, started: float, leftovers: list[str]) -> None:
     args = run.args
     best = report.best_by_backend(run.points)
     fio_best = report.best_fio(run.fio_points)
-    ratios = report.ratios_to_fio(best, fio_best)
+    ratios = report.ratios_to(best, fio_best)
     config = run.recommendation.config() if run.recommendation else None
     mount = info.get("mount", {})
     device = info.get("block_device", {}).get("name", "?")
@@ -399,7 +408,7 @@ def output(run: Run, info: dict, started: float, leftovers: list[str]) -> None:
                 for s, m in medians.items()))
     print()
     print("\n".join(report.summary_lines(best, fio_best, run.fio_note, ratios, run.interference,
-                                         run.recommendation, config)))
+                                         run.recommendation, config, run.aiofiles)))
     if config:
         print(f"  config: {json.dumps(config)}")
     if args.json:

@@ -154,12 +154,13 @@ def best_fio(points: list[FioPoint]) -> dict[str, dict]:
     return out
 
 
-def ratios_to_fio(best: dict[str, dict], fio_best: dict[str, dict]) -> dict[str, float]:
+def ratios_to(best: dict[str, dict], reference: dict[str, dict]) -> dict[str, float]:
+    """Our best GB/s over a reference's (fio's, aiofiles') per direction."""
     out = {}
     for direction in DIRECTIONS:
         ours = max((b[direction]["gbps"] for b in best.values() if direction in b), default=0.0)
-        if ours and direction in fio_best:
-            out[direction] = ours / fio_best[direction]["gbps"]
+        if ours and direction in reference:
+            out[direction] = ours / reference[direction]["gbps"]
     return out
 
 
@@ -184,9 +185,25 @@ def request_size_notes(best: dict[str, dict], fio_best: dict[str, dict]) -> list
     return notes
 
 
+def aiofiles_lines(best: dict[str, dict], aiofiles: dict) -> list[str]:
+    """The aiofiles baseline (tools/aiofiles_baseline.py) and our best over it."""
+    if not aiofiles["available"]:
+        return [f"  {aiofiles['note']}"]
+    summary = aiofiles["summary"]
+    parts = [f"{d} {summary[d]['gbps']:.2f} GB/s ({summary[d]['cpu_s_per_gib']:.3f} CPU s/GiB)"
+             for d in DIRECTIONS if d in summary]
+    lines = ["  aiofiles  " + "; ".join(parts), f"    ({aiofiles['label']})",
+             "  ours/aiofiles " + "; ".join(f"{d} {r:.2f}"
+                                            for d, r in ratios_to(best, summary).items())]
+    if aiofiles["note"]:
+        lines.append(f"    note: {aiofiles['note']}")
+    return lines
+
+
 def summary_lines(best: dict[str, dict], fio_best: dict[str, dict], fio_note: str,
                   ratios: dict[str, float], interference: list[InterferenceResult],
-                  recommendation: Recommendation | None, config: dict | None) -> list[str]:
+                  recommendation: Recommendation | None, config: dict | None,
+                  aiofiles: dict | None = None) -> list[str]:
     lines = ["Summary (medians)"]
     for backend, entry in best.items():
         parts = []
@@ -205,6 +222,8 @@ def summary_lines(best: dict[str, dict], fio_best: dict[str, dict], fio_note: st
         lines.extend(request_size_notes(best, fio_best))
     else:
         lines.append(f"  fio       not measured: {fio_note}")
+    if aiofiles is not None:
+        lines.extend(aiofiles_lines(best, aiofiles))
     if interference:
         lines.append("  interference: pure-Python loop speed during the I/O / idle (target >= "
                      f"{TARGET_RATIO}); [on-CPU: the same over the time the loop had a CPU, "
