@@ -114,9 +114,8 @@ class GradView(torch.Tensor):
         """Stores ``value`` as this gradient (an in-place op's result); the view stays current."""
         self.check_current()
         entry = self._infinity_entry
-        generation = entry.grad_generation
-        self._placement.replace_grad(entry, value.detach().to(device="cpu", dtype=entry.dtype))
-        entry.grad_generation = generation  # the same gradient, changed: not a new one
+        self._placement.replace_grad(entry, value.detach().to(device="cpu", dtype=entry.dtype),
+                                     same_gradient=True)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return repr(self.materialize())

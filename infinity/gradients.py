@@ -112,13 +112,18 @@ class CompanionsAndGradients:
                 piece.mul_(shard.grad_scale)
         return out
 
-    def replace_grad(self, entry: ParamEntry, value: torch.Tensor | None) -> None:
+    def replace_grad(self, entry: ParamEntry, value: torch.Tensor | None,
+                     same_gradient: bool = False) -> None:
         """Makes ``value`` (a host tensor of the parameter's shape that the store may keep, or
-        None) the entry's gradient, as assigning ``p.grad`` does."""
+        None) the entry's gradient, as assigning ``p.grad`` does. ``same_gradient``: the result
+        of an in-place op on the gradient, so views of it stay current."""
+        generation = entry.grad_generation
         for shard in entry.shards:
             self.drop_grad(shard)
         if value is not None:
             self.take_grad(entry, value, unscale=False)
+        if same_gradient:
+            entry.grad_generation = generation
 
     def apply_grad_multiplier(self, shard: Shard, grad: torch.Tensor, multiplier: float) -> None:
         """Multiplies the host gradient ``grad`` of ``shard`` in place by ``multiplier`` times

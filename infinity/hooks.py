@@ -230,6 +230,7 @@ class HookSet:
                 grad = param.grad
                 if grad is not None:
                     param.grad = None  # first: a refused gradient must not stay to be added to
+            if grad is not None:
                 self.store._grad_arriving(entry)
                 self.placement.take_grad(entry, grad)
             self._release_backward(entry)

@@ -16,7 +16,7 @@ an in-place method ends in ``_`` (``add_``, ``_foreach_mul_``), augmented assign
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -118,10 +118,12 @@ def written(func: Callable, name: str, args: tuple, kwargs: dict) -> list[Tensor
     return out
 
 
-def tensors_in(args: tuple, kwargs: dict) -> Iterator[Tensor]:
-    for value in tree_flatten((args, kwargs))[0]:
-        if isinstance(value, Tensor):
-            yield value
+def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
+    # Most calls (every op of a forward on a parameter) pass flat positional arguments: a
+    # pytree walk there would cost more than the op.
+    if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
+        return [a for a in args if isinstance(a, Tensor)]
+    return [value for value in tree_flatten((args, kwargs))[0] if isinstance(value, Tensor)]
 
 
 def conversion_is_noop(name: str, tensor: Tensor, args: tuple, kwargs: dict) -> bool:

@@ -84,17 +84,21 @@ class ParamAccess:
         self.modifying: dict[int, int] = {}
         self.closed = False
         self._warned_consumed = False
-        access = self
+        #: ``p.data`` and ``p.detach()``: an alias that stays tied to the parameter
+        self.alias_class: type = self._new_alias_class(self)
+        #: the alias class and the attached parameters' classes
+        self._own_types: set[type] = {self.alias_class}
 
+    @staticmethod
+    def _new_alias_class(access: "ParamAccess") -> type:
         def alias_function(cls: type, func: Callable, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
             return access.handle(func, args, kwargs)
-        #: ``p.data`` and ``p.detach()``: an alias that stays tied to the parameter
-        self.alias_class: type = type("OffloadedTensor", (torch.Tensor,), {
+        return type("OffloadedTensor", (torch.Tensor,), {
             "__torch_function__": classmethod(alias_function),
             "__module__": __name__,
             "__reduce_ex__": lambda t, protocol: access._reduce(t, protocol),
-            "__deepcopy__": lambda t, memo: access._values(access._entry_of(t)).clone(),
+            "__deepcopy__": lambda t, memo: access._values(access._entry_of(t)),
         })
 
     # -- install and remove -------------------------------------------------------------------
@@ -131,7 +135,7 @@ class ParamAccess:
             def deepcopy(param: nn.Parameter, memo: dict) -> nn.Parameter:
                 # A copy is an ordinary parameter of the original class, with the values now.
                 entry = access._entry_of(param)
-                copy = cls(access._values(entry).clone(), requires_grad=param.requires_grad)
+                copy = cls(access._values(entry), requires_grad=param.requires_grad)
                 memo[id(param)] = copy
                 return copy
             found = type(f"Attached{cls.__name__}", (cls,), {
@@ -141,6 +145,7 @@ class ParamAccess:
                 "__module__": __name__,
             })
             self._classes[cls] = found
+            self._own_types.add(found)
         return found
 
     # -- every operation --------------------------------------------------------------------------
@@ -182,7 +187,7 @@ class ParamAccess:
         return mark_snapshots(result, values.values(), f"parameter '{', '.join(names)}'")
 
     def _ours(self, tensor: torch.Tensor) -> bool:
-        return isinstance(tensor, self.alias_class) or type(tensor) in self._classes.values()
+        return type(tensor) in self._own_types
 
     def _entry_of(self, tensor: torch.Tensor) -> ParamEntry | None:
         if isinstance(tensor, self.alias_class):
@@ -276,11 +281,9 @@ class ParamAccess:
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:
         entry = self._entry_of(target)
-        if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == \
-                entry.device_tensor.untyped_storage().data_ptr() and \
-                value.untyped_storage().nbytes() == entry.device_tensor.untyped_storage().nbytes():
-            if value.shape == entry.shape:
-                return  # p.data = p (Module.to when nothing changes)
+        if isinstance(value, torch.Tensor) and value.shape == entry.shape and \
+                _same_storage(value, entry.device_tensor):
+            return  # p.data = p (Module.to when nothing changes)
         if isinstance(target, self.alias_class):
             raise ParameterAccessError(
                 f"assigning .data of a tensor taken from parameter '{entry.name}' (p.data or "
@@ -356,7 +359,7 @@ class ParamAccess:
         param = entry.param
         current = param.data
         device = entry.device_tensor
-        if current.untyped_storage().data_ptr() == device.untyped_storage().data_ptr():
+        if _same_storage(current, device):
             return current.detach().to("cpu", copy=True)
         param.data = device  # shares the device storage again
         if current.shape != entry.shape:
@@ -382,3 +385,8 @@ class ParamAccess:
             new = torch.where(changed, value.to(entry.dtype), master)
         write_entry(self.store, entry, new)
         log.debug("gathered(modify=True): wrote back %s", entry.name)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same storage object (not merely the same address: every empty storage has 0)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
