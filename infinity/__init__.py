@@ -12,12 +12,13 @@ The public API is this module's names::
 
 from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
 from infinity.errors import (AttachError, BudgetError, ConfigError, InfinityError,
-                             ParameterAccessError)
+                             ParameterAccessError, RankError)
 from infinity.residency import Residency, ResidencyError
 from infinity.store import TieredStore
 
 __all__ = [
     "AioConfig", "AttachError", "BatchConfig", "BudgetError", "ConfigError", "InfinityError",
-    "OffloadConfig", "ParameterAccessError", "PrecisionConfig", "Residency", "ResidencyError",
+    "OffloadConfig", "ParameterAccessError", "PrecisionConfig", "RankError", "Residency",
+    "ResidencyError",
     "TieredStore",
 ]

@@ -434,6 +434,17 @@ class OffloadConfig(_Validated):
         hyper-parameters in ``param_groups`` at backward time are the ones used, and no
         gradient clipping or fp16 loss scaling (both need every gradient first). Memory: saves
         up to the gradients' bytes (4 bytes/param in fp32) of host or NVMe traffic.
+    zero_stage: what is partitioned across data-parallel ranks under torch.distributed (no
+        effect in one process): 3 = parameters, gradients and optimizer state (each rank holds
+        and swaps 1/N of everything; a module's parameters are all-gathered while it runs);
+        2 = gradients and optimizer state, with every parameter whole on each rank's device
+        (needs offload_param='none'); 1 = optimizer state (gradients all-reduced whole).
+        Memory per rank: about 16/N bytes/param of training state at stage 3 (plus the
+        gathered modules), 2-4 bytes/param more on the device at stages 1 and 2.
+    overlap_comm: across ranks, let gradient reductions run while backward computes (up to
+        reduce_bucket_size bytes of them under way) instead of completing each at once.
+    reduce_bucket_size: bytes of gradient reductions under way at once with overlap_comm.
+        Memory: up to this much host (or, with NCCL, device) memory for gradients in flight.
     aio, precision, batch: see AioConfig, PrecisionConfig, BatchConfig.
     """
 
@@ -465,6 +476,12 @@ class OffloadConfig(_Validated):
     verify_checksums: bool = field(default=True, metadata=_rule(kind="bool"))
     fused_optimizer: bool = field(default=True, metadata=_rule(kind="bool"))
     step_in_backward: bool = field(default=False, metadata=_rule(kind="bool"))
+    overlap_comm: bool = field(default=True, metadata=_rule(kind="bool"))
+    reduce_bucket_size: int = field(default=64 << 20, metadata=_rule(
+        kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"))
+    zero_stage: int = field(default=3, metadata=_rule(
+        kind="int", lo=1, hi=3, fix="use 3 (parameters, gradients and optimizer state "
+        "partitioned), 2 (gradients and optimizer state) or 1 (optimizer state)"))
     aio: AioConfig = field(default_factory=AioConfig, metadata=_rule(kind="section"))
     precision: PrecisionConfig = field(default_factory=PrecisionConfig,
                                        metadata=_rule(kind="section"))

@@ -38,3 +38,9 @@ class ParameterAccessError(InfinityError, RuntimeError):
     """An operation on an attached parameter or its gradient that the store cannot honour where
     it was called (an in-place write outside ``store.gathered(..., modify=True)``). The message
     names the parameter and the way to do it."""
+
+
+class RankError(InfinityError, RuntimeError):
+    """A collective across data-parallel ranks failed (a rank died or stopped, the process
+    group's timeout passed) or the ranks disagree on what they attached. The message names the
+    operation and this rank."""

@@ -103,7 +103,7 @@ class GradView(torch.Tensor):
             placement.track_grad_norms = True
             log.info("the training loop reads gradient norms: per-shard norms are kept from "
                      "now on")
-        return math.sqrt(math.fsum(placement.grad_sq_norm(s) for s in self._infinity_entry.shards))
+        return math.sqrt(placement.global_sq_norms([self._infinity_entry.shards])[0])
 
     def scale(self, factor: float) -> None:
         self.check_current()
@@ -183,8 +183,11 @@ def _norm(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         if not any(isinstance(t, GradView) for t in tensors) or \
                 not _whole_two_norm(func, name, tensors[0], order):
             return NotImplemented
-        return [_norm_tensor(t, dtype) if isinstance(t, GradView)
-                else torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+        views = [t for t in tensors if isinstance(t, GradView)]
+        norms = iter(_norm_values(views))  # one collective for all of them across ranks
+        return [torch.tensor(next(norms), dtype=dtype or t.dtype, device=t.device)
+                if isinstance(t, GradView) else torch.linalg.vector_norm(t, dtype=dtype)
+                for t in tensors]
     if name not in _NORMS or not args or not isinstance(args[0], GradView):
         return NotImplemented
     default = 2 if name == "linalg_vector_norm" else None
@@ -195,6 +198,18 @@ def _norm(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
             not _whole_two_norm(func, name, args[0], order):
         return NotImplemented
     return _norm_tensor(args[0], kwargs.get("dtype"))
+
+
+def _norm_values(views: list[GradView]) -> list[float]:
+    for view in views:
+        view.check_current()
+    if not views:
+        return []
+    placement = views[0]._placement
+    if not placement.track_grad_norms:
+        views[0].norm_value()  # turns tracking on (and says so)
+    return [math.sqrt(v) for v in
+            placement.global_sq_norms([v._infinity_entry.shards for v in views])]
 
 
 def _norm_tensor(view: GradView, dtype: torch.dtype | None) -> torch.Tensor:

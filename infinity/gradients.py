@@ -8,6 +8,7 @@ registry, and keeps no state of its own beyond the placement's attributes.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -46,47 +47,88 @@ class CompanionsAndGradients:
         self.registry.set_state(shard, R.EMPTY)
 
     # -- gradients ----------------------------------------------------------------------------
-    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True) -> None:
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True,
+                  reduce: bool = True) -> None:
         """Moves a finished device gradient into the entry's shards' host accumulators (fp32
         master dtype), dividing out the loss scale (``unscale``: it came from backward) and
         keeping each shard's squared norm when norms are tracked (clipping, overflow checks,
-        a loop that reads gradient norms)."""
+        a loop that reads gradient norms). Across several ranks the gradient is this rank's
+        and is averaged over the ranks (``reduce``) before this rank keeps its slices; without
+        ``reduce`` it is already the average (a gradient the loop assigned)."""
         scale = self.loss_scale if unscale else 1.0
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
         for shard in entry.shards:
-            piece = flat[shard.start:shard.start + shard.numel]
-            if scale != 1.0:
-                piece = piece.to(shard.dtype) / scale  # unscale before accumulating
-            if shard.grad_scale != 1.0 and self.has_grad(shard):
-                # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
-                self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
-            if not self.grads_on_nvme or self._updated_right_away(shard, piece):
-                if shard.grad is None and piece.device.type == "cpu" and \
-                        piece.dtype == shard.dtype and piece.is_contiguous():
-                    # A gradient computed in host memory (no GPU) already is a host tensor:
-                    # keep it instead of copying it (the hook drops param.grad right after).
-                    self._hold_grad(shard, piece)
-                elif shard.grad is None:
-                    self._hold_grad(shard, torch.empty(shard.numel, dtype=shard.dtype,
-                                                       pin_memory=self.host.pin))
-                    self.device.copy_out(shard.grad, piece)
-                else:
-                    shard.grad.add_(self._on_host(piece, shard.grad.dtype))
-                target = shard.grad
-            else:
-                target = self._grad_companion_for_write(shard)
-                if target is None:
-                    holder = self.companion(shard, "grad", shard.numel, shard.dtype)
-                    target = self.fill(holder)
-                    self.device.copy_out(target, piece)
-                else:
-                    target.add_(self._on_host(piece, target.dtype))
-            shard.grad_scale = 1.0
-            shard.grad_sq_norm = _sq_norm(target) if self.track_grad_norms else None
+            if shard.piece is not None and reduce:
+                # Averaged over the ranks in the background (overlap_comm); accumulated once
+                # the reduction completes, in the order the reductions started.
+                start, numel = shard.piece
+                self.partition.start_reduce(
+                    flat[start:start + numel], shard.numel, shard.dtype,
+                    lambda piece, shard=shard: self._accumulate_grad(shard, piece, scale))
+                continue
+            self._accumulate_grad(shard, self._own_part(flat, shard), scale)
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
 
+    def finish_reductions(self) -> None:
+        """Completes the gradient reductions under way across ranks (end of backward, and
+        before anything reads a gradient)."""
+        if self.partition is not None:
+            self.partition.finish_reductions()
+
+    def _accumulate_grad(self, shard: Shard, piece: torch.Tensor, scale: float) -> None:
+        """Adds ``piece`` (the shard's part of a new gradient, times ``scale``) to its
+        accumulated gradient."""
+        if scale != 1.0:
+            piece = piece.to(shard.dtype) / scale  # unscale before accumulating
+        if shard.grad_scale != 1.0 and self.has_grad(shard):
+            # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
+            self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
+        if not self.grads_on_nvme or self._updated_right_away(shard, piece):
+            if shard.grad is None and piece.device.type == "cpu" and \
+                    piece.dtype == shard.dtype and piece.is_contiguous():
+                # A gradient computed in host memory (no GPU) already is a host tensor:
+                # keep it instead of copying it (the hook drops param.grad right after).
+                self._hold_grad(shard, piece)
+            elif shard.grad is None:
+                self._hold_grad(shard, torch.empty(shard.numel, dtype=shard.dtype,
+                                                   pin_memory=self.host.pin))
+                self.device.copy_out(shard.grad, piece)
+            else:
+                shard.grad.add_(self._on_host(piece, shard.grad.dtype))
+            target = shard.grad
+        else:
+            target = self._grad_companion_for_write(shard)
+            if target is None:
+                holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+                target = self.fill(holder)
+                self.device.copy_out(target, piece)
+            else:
+                target.add_(self._on_host(piece, target.dtype))
+        shard.grad_scale = 1.0
+        shard.grad_sq_norm = _sq_norm(target) if self.track_grad_norms else None
+
+    @staticmethod
+    def _own_part(flat: torch.Tensor, shard: Shard) -> torch.Tensor:
+        """``shard``'s part of the flat gradient ``flat``: its range, or, partitioned across
+        ranks, its slice of ``flat`` padded with zeros (a gradient that is already the
+        average over the ranks)."""
+        if shard.piece is None:
+            return flat[shard.start:shard.start + shard.numel]
+        padded = torch.zeros(shard.numel, dtype=flat.dtype, device=flat.device)
+        padded[:shard.real_numel].copy_(shard.part_of(flat))
+        return padded
+
     # -- what the user's loop sees of a gradient (infinity.grad_view) ---------------------------
+    def global_sq_norms(self, groups: list[list[Shard]]) -> list[float]:
+        """For each group of shards, the squared norm of their gradients as the loop sees them,
+        over every rank's slices (one collective for all groups)."""
+        self.finish_reductions()
+        local = [math.fsum(self.grad_sq_norm(s) for s in group) for group in groups]
+        if self.partition is None:
+            return local
+        return self.partition.sum_across(local)
+
     def grad_sq_norm(self, shard: Shard) -> float:
         """The squared L2 norm of the shard's gradient as the loop sees it (its recorded factor
         applied); computed from the gradient, read back if need be, when it was not tracked."""
@@ -99,9 +141,20 @@ class CompanionsAndGradients:
     def read_grad(self, entry: ParamEntry) -> torch.Tensor:
         """The entry's gradient as a new host tensor of the parameter's shape (master dtype),
         read through the tiers, with the recorded factor applied."""
+        self.finish_reductions()
         out = torch.zeros(entry.shape, dtype=entry.dtype)
         flat = out.view(-1)
         for shard in entry.shards:
+            if shard.piece is not None:
+                # Every rank holds a slice: assemble the whole (a collective, on every rank).
+                local = torch.zeros(shard.numel, dtype=entry.dtype)
+                if self.has_grad(shard) and shard.grad_scale != 0.0:
+                    local.copy_(self._grad_for_read(shard))
+                    if shard.grad_scale != 1.0:
+                        local.mul_(shard.grad_scale)
+                start, numel = shard.piece
+                flat[start:start + numel].copy_(self.partition.gather_flat(local, numel))
+                continue
             if not self.has_grad(shard):
                 continue
             piece = flat[shard.start:shard.start + shard.numel]
@@ -117,11 +170,12 @@ class CompanionsAndGradients:
         """Makes ``value`` (a host tensor of the parameter's shape that the store may keep, or
         None) the entry's gradient, as assigning ``p.grad`` does. ``same_gradient``: the result
         of an in-place op on the gradient, so views of it stay current."""
+        self.finish_reductions()
         generation = entry.grad_generation
         for shard in entry.shards:
             self.drop_grad(shard)
         if value is not None:
-            self.take_grad(entry, value, unscale=False)
+            self.take_grad(entry, value, unscale=False, reduce=False)
         if same_gradient:
             entry.grad_generation = generation
 
@@ -241,6 +295,7 @@ class CompanionsAndGradients:
                 self.discard(holder)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
+        self.finish_reductions()
         for shard in self.registry.shards.values():
             self._forget_grad(shard)
             if self.grads_on_nvme:

@@ -257,6 +257,9 @@ class HookSet:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        # Across ranks, the gradient reductions still under way complete now: the loop reads
+        # gradients after backward (clipping, norms) and the step consumes them.
+        self.placement.finish_reductions()
         self._callback_queued = False
         self._pass_task = None
         self._backward_pass += 1

@@ -221,7 +221,10 @@ class OffloadedOptimizer(Optimizer):
                     # A copy now: the next read may reuse this slot.
                     value = companion.host.view(_step_shape(shard)).clone()
                 if isinstance(value, torch.Tensor) and value.shape == _step_shape(shard):
-                    pieces.setdefault(key, []).append(value.detach().reshape(-1))
+                    flat = value.detach().reshape(-1)
+                    if shard.piece is not None:  # every rank's slice (a collective)
+                        flat = placement.partition.gather_flat(flat, shard.piece[1])
+                    pieces.setdefault(key, []).append(flat)
                     merged.setdefault(key, None)  # keeps the optimizer's key order
                 elif key not in merged:
                     merged[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -347,6 +350,8 @@ def _step_shape(shard: Shard) -> torch.Size:
     """A whole parameter keeps its shape (optimizers like Adafactor depend on it); a piece of
     one is a flat range."""
     entry = shard.entry
+    if shard.piece is not None:
+        return torch.Size([shard.numel])  # this rank's slice of a piece, across ranks
     return entry.shape if len(entry.shards) == 1 else torch.Size([shard.numel])
 
 
@@ -356,8 +361,10 @@ def _split_state(state: dict[str, Any], entry: Any, shard: Shard) -> dict[str, A
     moved = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.shape == entry.shape:
-            piece = value.detach().reshape(-1)[shard.start:shard.start + shard.numel]
-            moved[key] = piece.to("cpu").clone().view(_step_shape(shard))
+            piece = shard.part_of(value.detach().reshape(-1)).to("cpu")
+            if piece.numel() != shard.numel:  # this rank's slice, padded with zeros
+                piece = torch.cat([piece, piece.new_zeros(shard.numel - piece.numel())])
+            moved[key] = piece.clone().view(_step_shape(shard))
         elif isinstance(value, torch.Tensor):
             moved[key] = value.detach().to("cpu").clone()
         else:

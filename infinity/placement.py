@@ -109,6 +109,8 @@ class Placement(Completions, CompanionsAndGradients):
         #: write-backs eviction had to start during forward/backward, and those started ahead
         self.forced_pass_writes = 0
         self.writes_ahead = 0
+        #: this rank's place among data-parallel ranks (infinity.partition); None: one process
+        self.partition = None
         #: attempts of a transfer after its first failure (see the module docstring)
         self.max_retries = MAX_RETRIES
         #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
@@ -131,15 +133,15 @@ class Placement(Completions, CompanionsAndGradients):
         """Takes the parameter's values into the host tier (and NVMe): EMPTY -> HOST(...)."""
         flat = source.detach().reshape(-1)
         for shard in entry.shards:
-            piece = flat[shard.start:shard.start + shard.numel]
+            piece = shard.part_of(flat)
             if self.nvme:
                 self._host_slot(shard, protect=(), horizon=0.0)
-                shard.host.copy_(piece)
+                shard.fill_from(piece)
                 self.registry.set_state(shard, R.HOST)
                 self.store_async(shard)
             else:
                 shard.host = self.host.allocate(shard.numel, shard.dtype)
-                shard.host.copy_(piece)
+                shard.fill_from(piece)
                 self.registry.set_state(shard, R.HOST)
 
     # -- host slots ---------------------------------------------------------------------------
@@ -530,19 +532,31 @@ class Placement(Completions, CompanionsAndGradients):
             events = []
             waiting = list(entry.shards)
             moved: list[Shard] = []
+            assembling = []  # all-gathers under way (several ranks)
             try:
                 with torch.no_grad():
                     for shard in entry.shards:
+                        if assembling and not shard.state.on_host:
+                            # Its read may evict the slices the all-gathers under way read.
+                            for pending in assembling:
+                                pending.wait()
+                            assembling.clear()
                         self.ensure_host(shard, protect=waiting)
                         waiting.remove(shard)
                         if shard.state is R.HOST_STORING:
                             self.reap(shard, wait=True)  # copy from a settled state
-                        event = self.device.copy_in(flat[shard.start:shard.start + shard.numel],
-                                                    shard.host)
+                        if shard.piece is None:
+                            event = self.device.copy_in(
+                                flat[shard.start:shard.start + shard.numel], shard.host)
+                        else:
+                            event, pending = self._assemble(flat, shard)
+                            assembling.append(pending)
                         shard.copy_event = event
                         events.append(event)
                         self.registry.set_state(shard, _TO_DEVICE[shard.state])
                         moved.append(shard)
+                    for pending in assembling:
+                        pending.wait()
             except BaseException:
                 # A shard could not be read: the device copy is incomplete, so none of it
                 # counts. The shards copied so far keep their host/NVMe copies.
@@ -560,11 +574,37 @@ class Placement(Completions, CompanionsAndGradients):
         if hold:
             entry.holds += 1
 
+    def _assemble(self, flat: torch.Tensor, shard: Shard) -> tuple[object, object]:
+        """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
+        every rank's slice. Returns the copy's event and the collective's handle."""
+        partition = self.partition
+        start, numel = shard.piece
+        out = flat[start:start + numel]
+        local = shard.host
+        event = None
+        if local.dtype != out.dtype or (partition.on_device and local.device != out.device):
+            # Compute dtype (mixed precision) and, under NCCL, on the device: a device copy.
+            staged = torch.empty(shard.numel, dtype=out.dtype,
+                                 device=out.device if partition.on_device else "cpu")
+            event = self.device.copy_in(staged, local)
+            self.device.wait(event)
+            local = staged
+        elif not partition.on_device and out.device.type != "cpu":
+            raise RuntimeError("a gloo process group cannot gather into device memory: use "
+                               "the nccl backend with CUDA")
+        return event, partition.gather_into(out, local)
+
     def release(self, entry: ParamEntry) -> None:
         """Drops a hold. The device copy stays cached until eviction needs its bytes."""
         if entry.holds <= 0:
             raise RuntimeError(f"release of {entry.name} without a matching gather")
         entry.holds -= 1
+        if self.partition is not None and not entry.holds:
+            # Across ranks a gather is a collective, so whether a copy is cached must be the
+            # same on every rank; eviction under arena pressure is not (it follows each rank's
+            # I/O). So the gathered copy goes when its last use does (ZeRO-3's reshard after
+            # forward: backward gathers again), unless it is persistent.
+            self.drop_device(entry)
 
     def drop_device(self, entry: ParamEntry, force: bool = False) -> None:
         """Frees the device copy's bytes. The parameter keeps its tensor and storage object,

@@ -113,14 +113,16 @@ def _stream(store: Any, entry: Any, view: Any, key: str, file: Path) -> None:
                               f"{tuple(entry.shape)}: this checkpoint is for another model")
     if not shape:
         value = view[:]
-        write_entry_pieces(store, entry, lambda shard: value.reshape(-1))
+        write_entry_pieces(store, entry, lambda shard: shard.part_of(value.reshape(-1)))
         return
     row = math.prod(shape[1:])  # elements per first-dimension index
 
     def piece(shard: Any) -> torch.Tensor:
+        if not shard.real_numel:  # this rank's slice is all padding
+            return torch.empty(0)
         first = shard.start // row
-        last = -(-(shard.start + shard.numel) // row)
+        last = -(-(shard.start + shard.real_numel) // row)
         rows = view[first:last].reshape(-1)  # one shard's worth (and up to a row each side)
         offset = shard.start - first * row
-        return rows[offset:offset + shard.numel]
+        return rows[offset:offset + shard.real_numel]
     write_entry_pieces(store, entry, piece)

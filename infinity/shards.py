@@ -15,6 +15,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,10 +62,35 @@ class Shard:
     #: CUDA event marking the end of the last copy out of ``host`` (the slot is busy until then)
     copy_event: object | None = None
     version: int = 0
+    #: partitioned across ranks (infinity.partition): (start, numel) of the whole piece that
+    #: every rank's slice makes up; ``start``/``numel`` are then this rank's slice, padded so
+    #: that all slices are equally long, of which the first ``real`` elements are parameter
+    #: elements and the rest padding (zeros)
+    piece: tuple[int, int] | None = None
+    real: int | None = None
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def real_numel(self) -> int:
+        """Elements of the parameter this shard holds (its length less any padding)."""
+        return self.numel if self.real is None else self.real
+
+    def part_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The elements of the flattened parameter ``flat`` that this shard holds."""
+        return flat[self.start:self.start + self.real_numel]
+
+    def fill_from(self, values: torch.Tensor) -> None:
+        """Sets the host copy to ``values`` (``real_numel`` elements, any dtype); padding is
+        zero."""
+        host = self.host
+        if self.real is None or self.real == self.numel:
+            host.copy_(values)
+            return
+        host[:self.real].copy_(values)
+        host[self.real:].zero_()
 
     def __repr__(self) -> str:
         return f"Shard({self.id}, {self.numel} x {self.dtype}, {self.state.name})"
@@ -116,9 +142,11 @@ class ShardRegistry:
         self._by_param: dict[int, ParamEntry] = {}
 
     def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int,
-                  compute_dtype: torch.dtype | None = None) -> ParamEntry:
+                  compute_dtype: torch.dtype | None = None, partition: Any = None
+                  ) -> ParamEntry:
         """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
-        masters are fp32 and the device copy is ``compute_dtype``."""
+        masters are fp32 and the device copy is ``compute_dtype``. With a ``partition``
+        (several data-parallel ranks) each shard is this rank's slice of its piece."""
         master = param.dtype
         compute = param.dtype
         if compute_dtype is not None and param.is_floating_point():
@@ -127,12 +155,20 @@ class ShardRegistry:
                            index=len(self.entries), compute_dtype=compute)
         itemsize = master.itemsize
         per_shard = max(1, max_shard_bytes // itemsize)
+        if partition is not None:
+            per_shard *= partition.world  # each rank's slice of a piece fills at most a buffer
         numel = param.numel()
         count = max(1, -(-numel // per_shard))
         for k in range(count):
             start = k * per_shard
             shard_id = name if count == 1 else f"{name}#{k}"
-            shard = Shard(shard_id, entry, start, min(per_shard, numel - start), master)
+            length = min(per_shard, numel - start)
+            if partition is None:
+                shard = Shard(shard_id, entry, start, length, master)
+            else:
+                first, per_rank, real = partition.slice_of(start, length)
+                shard = Shard(shard_id, entry, first, per_rank, master, piece=(start, length),
+                              real=real)
             entry.shards.append(shard)
             self.shards[shard_id] = shard
         self.entries.append(entry)

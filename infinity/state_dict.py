@@ -104,7 +104,12 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
 def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
     """Overwrites a parameter's values in every tier it lives in."""
     flat = value.detach().reshape(-1).to(entry.dtype)
-    write_entry_pieces(store, entry, lambda shard: flat[shard.start:shard.start + shard.numel])
+    write_entry_pieces(store, entry, shard_part(flat))
+
+
+def shard_part(flat: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """``piece_of`` for :func:`write_entry_pieces` from a whole flat value."""
+    return lambda shard: shard.part_of(flat)
 
 
 def write_entry_pieces(store: Any, entry: Any,
@@ -121,7 +126,7 @@ def write_entry_pieces(store: Any, entry: Any,
         placement.prepare_overwrite(shard)
         if shard.state is R.HOST_STORING:
             placement.reap(shard, wait=True)
-        shard.host.copy_(piece)
+        shard.fill_from(piece)
         store.registry.set_state(shard, R.HOST)
         shard.version += 1
         if placement.nvme:

@@ -31,6 +31,7 @@ class Stepping:
     def _step(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
         assert placement is not None
+        placement.finish_reductions()
         placement.pass_finished()
         todo = [s for s in optimizer.shards if placement.has_grad(s)]
         for entry in {s.entry for s in todo}:
@@ -45,7 +46,7 @@ class Stepping:
             todo = [s for s in todo if s.id not in done]
         else:
             done = set()
-            norm = global_norm([placement.grad_sq_norm(s) for s in todo]) \
+            norm = global_norm(placement.global_sq_norms([todo])) \
                 if placement.track_grad_norms else math.nan
             self.last_grad_norm = norm
             if self.scaler is not None:
@@ -81,7 +82,7 @@ class Stepping:
             finally:
                 placement.step_finished()
             self._unfinished_step = None
-        for entry in updated:
+        for entry in sorted(updated, key=lambda e: e.index):  # the same order on every rank
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1

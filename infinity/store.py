@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -29,6 +31,7 @@ from infinity.hooks import HookSet
 from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
 from infinity.optimizer import OffloadedOptimizer
 from infinity.param_access import ParamAccess
+from infinity.partition import Partition
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
 from infinity.precision import COMPUTE_DTYPES, LossScaler
@@ -83,6 +86,8 @@ class TieredStore(Stepping):
         self.registry = ShardRegistry()
         self.follower = TraceFollower()
         self.placement: Placement | None = None
+        #: this rank's share across data-parallel ranks (infinity.partition); None: one process
+        self.partition: Partition | None = None
         #: what serves operations on attached parameters outside the hooks (p.grad, reads,
         #: store.gathered)
         self.access: ParamAccess | None = None
@@ -130,16 +135,26 @@ class TieredStore(Stepping):
 
     @property
     def _params_stay_on_device(self) -> bool:
-        return self.config.offload_param == "none"
+        """Every parameter whole on the device between uses: ``offload_param='none'``, except
+        under ZeRO stage 3 across ranks, where the device holds a module's gathered copy only
+        while it runs."""
+        partition = self.partition
+        return self.config.offload_param == "none" and (partition is None or
+                                                        partition.stage < 3)
 
     # -- attach -------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               initialise: bool = True
+               initialise: bool = True, process_group: Any = None
                ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
         """Takes over ``model``'s parameters (and wraps ``optimizer``). Parameters on the meta
         device are initialised module by module with ``reset_parameters()``; with
         ``initialise=False`` (their values will come from ``load_pretrained`` or
-        ``load_state_dict``) none is, and nothing is allocated or written for them until then."""
+        ``load_state_dict``) none is, and nothing is allocated or written for them until then.
+
+        Under torch.distributed with several ranks (``process_group``, default the whole world)
+        the training state is partitioned across the ranks as ZeRO stage ``config.zero_stage``
+        does (see :mod:`infinity.partition`); every rank must call ``attach`` with the same
+        model and config. Initial values are rank 0's."""
         if self._closed:
             raise AttachError("this store is closed; create a new TieredStore")
         if self.model is not None:
@@ -149,7 +164,7 @@ class TieredStore(Stepping):
             raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
                               f"the model (a torch.nn.Module) and then its optimizer")
         self._check_optimizer(model, optimizer)
-        self._check_single_rank()
+        self.partition = self._join_ranks(process_group)
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
                 raise AttachError(
@@ -159,7 +174,7 @@ class TieredStore(Stepping):
                     f"whose default leaves buffers real), or give the buffers values first")
         config = self.config
         if config.offload_param == "none" and config.offload_optimizer == "none" and \
-                self.compute_dtype is None:
+                self.compute_dtype is None and self.partition is None:
             log.info("offload_param and offload_optimizer are 'none' and precision is fp32: "
                      "parameters and optimizer stay on %s and the store only reports",
                      self.device)
@@ -179,17 +194,37 @@ class TieredStore(Stepping):
             raise
         return model, self.optimizer
 
-    @staticmethod
-    def _check_single_rank() -> None:
-        """The store does not partition across data-parallel ranks yet: under a process group
-        of several ranks each would train its own copy, unsynchronised, without a word."""
+    def _join_ranks(self, process_group: Any) -> Partition | None:
+        """This rank's partition under a process group of several ranks (None otherwise), after
+        refusing what cannot run across ranks."""
         import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise AttachError("attach(process_group=...) needs torch.distributed initialised: "
+                              "call dist.init_process_group() first")
+        partition = Partition.of(process_group, self.config.zero_stage)
+        if partition is None:
+            return None
+        config = self.config
+        where = partition.describe()
+        if config.step_in_backward:
             raise AttachError(
-                f"this process is rank {dist.get_rank()} of {dist.get_world_size()} in a "
-                f"torch.distributed process group, and the store does not partition the "
-                f"model across ranks yet: each rank would train its own unsynchronised copy. "
-                f"Run one process (world size 1), or attach in a process group of one rank")
+                f"{where}: step_in_backward=True is not supported across ranks (its updates "
+                f"would need a collective per parameter at times that differ between ranks): "
+                f"set step_in_backward=False")
+        if partition.stage < 3 and config.offload_param != "none":
+            raise AttachError(
+                f"{where}: zero_stage={partition.stage} keeps every parameter whole on each "
+                f"rank's device, so offload_param={config.offload_param!r} cannot apply: use "
+                f"zero_stage=3 to partition and offload parameters, or offload_param='none' "
+                f"(masters and optimizer state stay partitioned, on offload_optimizer's tier)")
+        if self.device.type == "cuda" and partition.backend != "nccl":
+            raise AttachError(f"{where}: compute on {self.device} needs the nccl backend; "
+                              f"init_process_group('nccl')")
+        if self.device.type == "cpu" and partition.on_device:
+            raise AttachError(f"{where}: device='cpu' needs a process group on the gloo backend")
+        partition.bucket_bytes = config.reduce_bucket_size if config.overlap_comm else 0
+        log.info("%s: each rank holds 1/%d of the training state", where, partition.world)
+        return partition
 
     @staticmethod
     def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
@@ -224,9 +259,17 @@ class TieredStore(Stepping):
             process_bytes = max(resident_bytes() - model_bytes, 0)
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
-                                    compute_dtype=self.compute_dtype)
+                                    compute_dtype=self.compute_dtype, partition=self.partition)
         if not self.registry.entries:
             raise AttachError("the model has no parameters to offload")
+        if self.partition is not None:
+            layout = [(e.name, tuple(e.shape), str(e.dtype), e.requires_grad)
+                      for e in self.registry.entries]
+            self.partition.agree("the model's parameters (names, shapes, dtypes)",
+                                 _digest(layout))
+            # What decides the shards and the collectives; drives and host memory may differ.
+            shared = {k: v for k, v in config.to_dict().items() if k in _SAME_ON_EVERY_RANK}
+            self.partition.agree(f"the config ({', '.join(sorted(shared))})", _digest(shared))
         module_entries = []
         for module_name, module in model.named_modules():
             entries = []
@@ -252,6 +295,7 @@ class TieredStore(Stepping):
                                    grads_on_nvme=config.offload_optimizer == "nvme",
                                    timeline=self.timeline)
         self.placement.module_names = [name for name, _, _ in module_entries]
+        self.placement.partition = self.partition
         # During the step, the shards about to be evicted are written back ahead of the reads
         # that need their room (Placement.clean_ahead); when the arena caches everything nothing
         # is evicted, and dirty shards are written only at close with keep_swap_files.
@@ -308,6 +352,10 @@ class TieredStore(Stepping):
         done: set[int] = set()
 
         def take(entry: ParamEntry) -> None:
+            if self.partition is not None:
+                # Every rank starts from rank 0's values, as DistributedDataParallel makes sure.
+                with torch.no_grad():
+                    self.partition.broadcast(entry.param.data)
             if entry.index in done:
                 write_entry(self, entry, entry.param.data)  # re-initialised by a later module
             else:
@@ -372,6 +420,9 @@ class TieredStore(Stepping):
             device_budget = min(device_total, int(free * 0.5))
         else:
             device_budget = device_total
+        if self.partition is not None and config.device_budget is None:
+            # Every rank must make the same device-tier decisions: their gathers are collectives.
+            device_budget = self.partition.min_across(device_budget)
         if self._params_stay_on_device:
             if config.device_budget is not None and device_budget < device_total:
                 raise BudgetError(
@@ -451,6 +502,10 @@ class TieredStore(Stepping):
         # Unusable directories (missing, a file, read-only) are named as such before the
         # free-space preflight, which would otherwise misreport them as full.
         paths = [check_directory(Path(p)) for p in paths]
+        label = ""
+        if self.partition is not None:
+            paths = _drives_of_rank(paths, self.partition)
+            label = f"rank{self.partition.rank}-"
         stripe = config.aio.block_size
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
         needed = (shard_bytes if self._master_tier == "nvme" else 0) + \
@@ -480,7 +535,8 @@ class TieredStore(Stepping):
             backend = self._backend_wrapper(make_backend(
                 name, settings.queue_depth * len(roots), settings.thread_count,
                 settings.close_timeout))
-        return SwapEngine(paths, settings, keep_files=config.keep_swap_files, backend=backend)
+        return SwapEngine(paths, settings, keep_files=config.keep_swap_files, backend=backend,
+                          label=label)
 
     # -- parameters outside forward ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -593,7 +649,21 @@ class TieredStore(Stepping):
             "integrity_errors": engine_stats.integrity_errors if engine_stats else 0,
             # arena bytes held back because a timed-out read may still write into them
             "quarantined_bytes": placement.quarantined_bytes if placement else 0,
+            # across data-parallel ranks (None in one process): bytes this rank sent into
+            # all-gathers (its slices) and reductions (whole gradients), and the seconds the
+            # training thread waited for them
+            "comm": self._comm_stats(),
         }
+
+    def _comm_stats(self) -> dict[str, Any] | None:
+        partition = self.partition
+        if partition is None:
+            return None
+        stats = partition.stats
+        return {"rank": partition.rank, "world": partition.world, "stage": partition.stage,
+                "backend": partition.backend, "gathered_bytes": stats.gathered_bytes,
+                "reduced_bytes": stats.reduced_bytes, "gather_seconds": stats.gather_seconds,
+                "reduce_seconds": stats.reduce_seconds, "collectives": stats.collectives}
 
     # -- teardown -------------------------------------------------------------------------------
     def materialize(self, entry: ParamEntry) -> torch.Tensor:
@@ -607,7 +677,11 @@ class TieredStore(Stepping):
             return out
         for shard in entry.shards:
             placement.ensure_host(shard)
-            flat[shard.start:shard.start + shard.numel].copy_(shard.host)
+            if shard.piece is None:
+                flat[shard.start:shard.start + shard.numel].copy_(shard.host)
+            else:  # every rank's slice: a collective, on every rank
+                start, numel = shard.piece
+                flat[start:start + numel].copy_(self.partition.gather_flat(shard.host, numel))
         return out
 
     def close(self, restore_params: bool = True) -> None:
@@ -630,6 +704,8 @@ class TieredStore(Stepping):
         """Releases everything; returns the first I/O failure met on the way, if any."""
         placement = self.placement
         failure: BaseException | None = None
+        if self.partition is not None and self.partition.failed:
+            restore = False  # gathering the values would wait for ranks that are gone
         try:
             if placement is not None:
                 if self.config.keep_swap_files:
@@ -690,3 +766,28 @@ class TieredStore(Stepping):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drives_of_rank(paths: list[Path], partition: Partition) -> list[Path]:
+    """The swap directories one rank uses: with at least as many as ranks on this node, its
+    own share of them (ranks do not compete for a drive); with fewer, all of them, starting
+    from a different one on each rank, so the stripes of the ranks begin on different drives."""
+    import os
+    local_rank = int(os.environ.get("LOCAL_RANK", partition.rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", partition.world))
+    if len(paths) >= local_world > 1:
+        return paths[local_rank % local_world::local_world]
+    first = local_rank % len(paths)
+    return paths[first:] + paths[:first]
+
+
+#: config fields every rank must share: they decide the shards and when collectives happen
+_SAME_ON_EVERY_RANK = frozenset({
+    "device_budget", "buffer_size", "param_persistence_threshold", "offload_param",
+    "offload_optimizer", "precision", "gradient_clipping", "zero_stage", "step_in_backward"})
+
+
+def _digest(value: Any) -> str:
+    """A short digest of ``repr(value)`` that is the same in every process (``hash`` of a str
+    is salted per process)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]

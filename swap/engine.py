@@ -93,7 +93,9 @@ class SwapEngine(TimeoutsMixin):
 
     def __init__(self, paths: Sequence[Path | str] | Path | str,
                  settings: EngineSettings | None = None, *, keep_files: bool = False,
-                 backend: IOBackend | None = None) -> None:
+                 backend: IOBackend | None = None, label: str = "") -> None:
+        """``label`` goes into the run directories' names (``infinity-swap-<label>...``): a
+        rank number, so that one rank's files are recognisable next to another's."""
         if isinstance(paths, (str, Path)):
             paths = [paths]
         self.settings = settings or EngineSettings()
@@ -111,7 +113,8 @@ class SwapEngine(TimeoutsMixin):
         self.drive_depth = min(self.settings.queue_depth, self.window)
         try:
             self.space = SwapSpace(roots, direct=backend.direct, file_size=self.settings.file_size,
-                                   stripe_size=max(self.settings.block_size, ALIGNMENT))
+                                   stripe_size=max(self.settings.block_size, ALIGNMENT),
+                                   label=label)
         except BaseException:
             backend.close()
             raise

@@ -198,12 +198,14 @@ class RangeAllocator:
 class _DriveSpace:
     """The run directory on one drive and its swap files."""
 
-    def __init__(self, root: Path, direct: bool, file_size: int, index: int) -> None:
+    def __init__(self, root: Path, direct: bool, file_size: int, index: int,
+                 label: str = "") -> None:
         self.root = root
         self.direct = direct
         self.file_size = file_size
         self.index = index
-        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=root))  # 0700, exclusive
+        # 0700, exclusive; the label (a rank) makes it recognisable, the prefix reclaimable
+        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX + label, dir=root))
         if stat.S_IMODE(self.run_dir.stat().st_mode) != 0o700:
             os.chmod(self.run_dir, 0o700)
         try:
@@ -253,7 +255,8 @@ class SwapSpace:
     """
 
     def __init__(self, paths: list[Path] | tuple[Path, ...], *, direct: bool,
-                 file_size: int = 1 << 30, stripe_size: int = 1 << 20) -> None:
+                 file_size: int = 1 << 30, stripe_size: int = 1 << 20,
+                 label: str = "") -> None:
         if not paths:
             raise NvmePathError("nvme_path lists no directory")
         if stripe_size % ALIGNMENT:
@@ -269,7 +272,7 @@ class SwapSpace:
         self._drives: list[_DriveSpace] = []
         try:
             for i, root in enumerate(roots):
-                self._drives.append(_DriveSpace(root, direct, self.file_size, i))
+                self._drives.append(_DriveSpace(root, direct, self.file_size, i, label))
         except OSError as exc:
             self.close(keep=False)
             raise NvmePathError(f"cannot create a swap directory in {root}: {exc}. Point nvme_path "

@@ -1,59 +1,44 @@
-"""Under torch.distributed with several ranks the store refuses to attach (it does not partition
-across ranks yet) instead of training unsynchronised copies; a group of one rank works."""
+"""Attaching under torch.distributed: what cannot run across ranks is refused on every rank
+with the reason, and ranks that attach different models or configs are stopped before they
+exchange anything; a group of one rank runs as a single process."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import infinity
+from tests.dist_helpers import run_ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _attach_on_rank(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _attach(rank: int, world: int, config: dict, per_rank: dict) -> str:
+    width = per_rank.get(rank, 4)
+    model = torch.nn.Linear(width, 4)
+    store = infinity.TieredStore(infinity.OffloadConfig(device="cpu", **config))
     try:
-        model = torch.nn.Linear(4, 4)
-        store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
-        try:
-            store.attach(model, torch.optim.AdamW(model.parameters()))
-            results.put((rank, "attached"))
-        except infinity.AttachError as exc:
-            results.put((rank, str(exc)))
-        finally:
-            store.close()
+        store.attach(model, torch.optim.AdamW(model.parameters()))
+        return "attached" + (" (partitioned)" if store.partition is not None else "")
+    except infinity.InfinityError as exc:
+        return f"{type(exc).__name__}: {exc}"
     finally:
-        dist.destroy_process_group()
+        store.close()
 
 
-@pytest.mark.parametrize("world", [2, 1])
-def test_attach_under_several_ranks_is_refused(world):
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=_attach_on_rank, args=(rank, world, port, results))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-        assert process.exitcode == 0
-    outcome = dict(results.get(timeout=10) for _ in processes)
-    if world == 1:
-        assert outcome == {0: "attached"}
-    else:
-        for rank in range(world):
-            assert f"rank {rank} of {world}" in outcome[rank] and "one process" in outcome[rank]
+@pytest.mark.parametrize("config, per_rank, expected", [
+    ({"offload_param": "cpu"}, {}, "attached (partitioned)"),
+    ({"offload_param": "nvme", "zero_stage": 2}, {},
+     "zero_stage=2 keeps every parameter whole"),
+    ({"offload_param": "cpu", "step_in_backward": True}, {},
+     "step_in_backward=True is not supported across ranks"),
+    ({"offload_param": "cpu"}, {1: 5}, "RankError: ranks disagree on the model's parameters"),
+])
+def test_attach_across_two_ranks(config, per_rank, expected):
+    outcome = run_ranks(_attach, 2, config, per_rank, timeout=120)
+    for rank in range(2):
+        assert expected in outcome[rank], outcome[rank]
+        if not expected.startswith("attached") and "RankError" not in expected:
+            assert f"rank {rank} of 2" in outcome[rank]
+
+
+def test_a_group_of_one_rank_runs_as_one_process():
+    assert run_ranks(_attach, 1, {"offload_param": "cpu"}, {}, timeout=120) == {0: "attached"}

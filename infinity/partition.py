@@ -1,0 +1,278 @@
+"""ZeRO across data-parallel ranks: this rank's slice of every shard, and the collectives that
+assemble a module's parameters from the slices and reduce gradients back into them.
+
+Every shard (a flat piece of a parameter, at most ``buffer_size`` bytes) is padded to a multiple
+of the world size; rank ``r`` owns the ``r``-th of ``world`` equal, contiguous slices. The
+registry keeps only that slice as the shard (``Shard.start``/``numel``, with ``Shard.piece``
+naming the whole piece), so the tiers, the swap files and the optimizer step see nothing but
+this rank's bytes: each rank holds and swaps 1/N of the training state.
+
+- **Fetch** (``gather``): the slice comes up the tiers as before (NVMe -> arena -> device), then
+  ``all_gather_into_tensor`` assembles the whole piece in the parameter's device copy.
+- **Gradients** (``start_reduce``): the whole gradient of a piece is reduce-scattered (stage
+  2 and 3) or all-reduced (stage 1) in the masters' dtype and averaged; each rank keeps its slice.
+- **Norms** (``sum_across``): per-slice squared norms are summed over the ranks.
+- **Stages**: 3 partitions parameters, gradients and optimizer state; 1 and 2 keep every
+  parameter whole on each rank's device (the working copies are persistent), while masters,
+  gradients and optimizer state stay partitioned and the updated slices are all-gathered into
+  the working copies after the step.
+
+Collectives are issued in the same order on every rank because the decisions that trigger them
+are the same everywhere: the module order, the device tier's budget and eviction (a function of
+the trace and the budget, identical on all ranks), the autograd order of gradient hooks and the
+entry order of the step. Only torch.distributed collectives are used (gloo on CPU, NCCL on
+CUDA). A collective that fails (a rank died, the process group's timeout passed) raises
+:class:`~infinity.errors.RankError` naming the operation; the store's exit cleanup removes this
+rank's swap files.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from infinity.errors import RankError
+
+log = logging.getLogger(__name__)
+
+# torch 2.13 names them *_single (the *_tensor names are deprecated there); older torch has
+# only the *_tensor ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes each rank sent into collectives, and the seconds the training thread waited."""
+    gathered_bytes: int = 0
+    reduced_bytes: int = 0
+    gather_seconds: float = 0.0
+    reduce_seconds: float = 0.0
+    collectives: int = 0
+
+
+class Partition:
+    """This rank's place in the data-parallel group; see the module docstring."""
+
+    def __init__(self, group: Any, stage: int) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.stage = stage
+        #: the global rank that broadcasts initial values (the group's rank 0)
+        self.source = dist.get_global_rank(group, 0) if group is not None else 0
+        self.backend = dist.get_backend(group)
+        #: collectives on CUDA tensors under NCCL; host tensors under gloo
+        self.on_device = self.backend == "nccl"
+        self.stats = CommStats()
+        #: gradient reductions under way, oldest first, and their bytes
+        self._reducing: deque[_Reduction] = deque()
+        self._reducing_bytes = 0
+        #: bytes of gradient reductions left under way while compute goes on (overlap_comm)
+        self.bucket_bytes = 0
+        #: a collective failed: the other ranks cannot be relied on any more (close() then
+        #: gives nothing back, which would need them)
+        self.failed = False
+
+    @classmethod
+    def of(cls, group: Any, stage: int) -> "Partition | None":
+        """The partition for ``group`` (None: the default group), or None when there is no
+        process group or it has one rank (everything then runs as a single process)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(group) <= 1:
+            return None
+        return cls(group, stage)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} of {self.world} ({self.backend}, ZeRO stage {self.stage})"
+
+    # -- geometry -------------------------------------------------------------------------------
+    def slice_of(self, start: int, numel: int) -> tuple[int, int, int]:
+        """For the piece ``[start, start + numel)`` of a flat parameter: this rank's slice as
+        (first element, slice length with padding, real elements in it)."""
+        per_rank = -(-numel // self.world)
+        first = start + self.rank * per_rank
+        real = max(0, min(per_rank, start + numel - first))
+        return first, per_rank, real
+
+    # -- collectives ----------------------------------------------------------------------------
+    def gather_into(self, out: torch.Tensor, local: torch.Tensor) -> Any:
+        """Starts assembling a piece: every rank's ``local`` slice (equal lengths) end to end,
+        the first ``out.numel()`` elements into ``out``. Returns a handle whose ``wait()``
+        completes it."""
+        whole = local.numel() * self.world
+        target = out if out.numel() == whole else torch.empty(whole, dtype=out.dtype,
+                                                             device=out.device)
+        started = time.perf_counter()
+        work = self._call("all_gather", _ALL_GATHER, target, local.contiguous(),
+                          group=self.group, async_op=True)
+        self.stats.gathered_bytes += local.numel() * local.element_size()
+        self.stats.collectives += 1
+        return _Pending(self, work, "all_gather", started,
+                        None if target is out else (out, target))
+
+    def gather_flat(self, local: torch.Tensor, numel: int) -> torch.Tensor:
+        """The whole piece of ``numel`` elements from every rank's slice, blocking."""
+        out = torch.empty(numel, dtype=local.dtype, device=local.device)
+        self.gather_into(out, local).wait()
+        return out
+
+    def start_reduce(self, piece: torch.Tensor, per_rank: int, dtype: torch.dtype,
+                     done: Callable[[torch.Tensor], None]) -> None:
+        """Starts averaging ``piece`` (one piece's whole gradient, here) over the ranks;
+        ``done`` gets this rank's slice (``per_rank`` elements in ``dtype``) once it completes,
+        in the order the reductions started. Reductions stay under way while compute goes on,
+        up to ``bucket_bytes`` of them (``overlap_comm``; 0: each completes at once)."""
+        whole = per_rank * self.world
+        device = piece.device if self.on_device else torch.device("cpu")
+        if piece.numel() == whole and piece.dtype == dtype and piece.device == device and \
+                piece.is_contiguous():
+            padded = piece
+        else:
+            padded = torch.zeros(whole, dtype=dtype, device=device)
+            padded[:piece.numel()].copy_(piece)
+        nbytes = padded.numel() * padded.element_size()
+        if self.stage == 1:
+            # Stage 1 keeps whole gradients: all-reduce, then keep this rank's slice.
+            out = padded
+            work = self._call("all_reduce", dist.all_reduce, padded, group=self.group,
+                              async_op=True)
+        else:
+            out = torch.empty(per_rank, dtype=dtype, device=device)
+            work = self._call("reduce_scatter", _REDUCE_SCATTER, out, padded, group=self.group,
+                              async_op=True)
+        self.stats.reduced_bytes += nbytes
+        self.stats.collectives += 1
+        self._reducing.append(_Reduction(work, padded, out, per_rank, done, nbytes))
+        self._reducing_bytes += nbytes
+        while self._reducing and self._reducing_bytes > self.bucket_bytes:
+            self._finish_oldest()
+
+    def finish_reductions(self) -> None:
+        """Completes every reduction under way (end of backward, before gradients are read)."""
+        while self._reducing:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        reduction = self._reducing.popleft()
+        self._reducing_bytes -= reduction.nbytes
+        waited = time.perf_counter()
+        try:
+            reduction.work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise several types
+            self._reducing.clear()
+            self._reducing_bytes = 0
+            raise _rank_error(self, "reduce_scatter" if self.stage > 1 else "all_reduce",
+                              exc) from exc
+        self.stats.reduce_seconds += time.perf_counter() - waited
+        out = reduction.out
+        if self.stage == 1:
+            per_rank = reduction.per_rank
+            out = out[self.rank * per_rank:(self.rank + 1) * per_rank].clone()
+        reduction.done(out.div_(self.world))
+
+    def sum_across(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (float64)."""
+        if not values:
+            return []
+        device = "cuda" if self.on_device else "cpu"
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        self._call("all_reduce", dist.all_reduce, tensor, group=self.group)
+        return tensor.tolist()
+
+    def min_across(self, value: int) -> int:
+        device = "cuda" if self.on_device else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        self._call("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Overwrites ``tensor`` with the source rank's values (initial parameters: every rank
+        starts from the same model, as DistributedDataParallel makes sure)."""
+        if self.on_device and tensor.device.type != "cuda":
+            moved = tensor.cuda()
+            self._call("broadcast", dist.broadcast, moved, src=self.source, group=self.group)
+            tensor.copy_(moved)
+        else:
+            self._call("broadcast", dist.broadcast, tensor, src=self.source, group=self.group)
+
+    def agree(self, what: str, value: Any) -> None:
+        """Refuses to go on when ranks disagree on ``value`` (the model's layout): every rank
+        must register the same shards, or their collectives would not match."""
+        values: list[Any] = [None] * self.world
+        self._call("all_gather_object", dist.all_gather_object, values, value,
+                   group=self.group)
+        if any(v != values[0] for v in values):
+            ranks = [r for r, v in enumerate(values) if v != values[0]]
+            raise RankError(f"ranks disagree on {what}: rank(s) {ranks} differ from rank 0. "
+                            f"Every rank must attach the same model with the same config")
+
+    def _call(self, name: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except RankError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise several types
+            raise _rank_error(self, name, exc) from exc
+
+
+@dataclass
+class _Reduction:
+    work: Any
+    padded: torch.Tensor  # kept alive until the collective is done with it
+    out: torch.Tensor
+    per_rank: int
+    done: Callable[[torch.Tensor], None]
+    nbytes: int
+
+
+class _Pending:
+    """An all-gather under way; ``wait()`` completes it (and copies out of a padded buffer)."""
+
+    def __init__(self, partition: Partition, work: Any, name: str, started: float,
+                 copy: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.partition = partition
+        self.work = work
+        self.name = name
+        self.started = started
+        self.copy = copy
+
+    def wait(self) -> None:
+        partition = self.partition
+        waited = time.perf_counter()
+        try:
+            self.work.wait()
+        except Exception as exc:  # noqa: BLE001
+            raise _rank_error(partition, self.name, exc) from exc
+        if self.copy is not None:
+            out, target = self.copy
+            out.copy_(target[:out.numel()])
+        partition.stats.gather_seconds += time.perf_counter() - waited
+
+
+def _rank_error(partition: Partition, name: str, exc: BaseException) -> RankError:
+    partition.failed = True
+    timeout = _group_timeout(partition.group)
+    return RankError(
+        f"{name} failed on {partition.describe()}: {type(exc).__name__}: {exc}. Another rank "
+        f"has most likely died or stopped (look at its output first){timeout}; this rank "
+        f"stops too, and its swap files are removed when the process exits")
+
+
+def _group_timeout(group: Any) -> str:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group
+        timeout = (group or _get_default_group()).options._timeout  # type: ignore[attr-defined]
+        if isinstance(timeout, datetime.timedelta):
+            return f", or the process group's timeout of {timeout.total_seconds():g} s passed"
+    except Exception:  # noqa: BLE001 - only for the message
+        pass
+    return ""

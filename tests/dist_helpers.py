@@ -1,0 +1,82 @@
+"""Runs a function on several gloo ranks (spawned processes) for the multi-rank tests, with a
+timeout, and collects what each rank returns."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, function: Callable, args: tuple,
+           results: Any, timeout: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two cores, several ranks
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        results.put((rank, "ok", _portable(function(rank, world, *args))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _portable(value: Any) -> Any:
+    """``value`` with tensors as numpy arrays: a tensor sent through a queue is shared by a
+    file descriptor that dies with its process."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v) for v in value)
+    return value
+
+
+def run_ranks(function: Callable, world: int, *args: Any, timeout: float = 120.0,
+              collective_timeout: float = 60.0) -> dict[int, Any]:
+    """``function(rank, world, *args)`` on ``world`` spawned ranks (a module-level function:
+    it is pickled); returns {rank: result}, tensors in it as numpy arrays. A rank that raised fails the call with its
+    traceback; one that does not finish within ``timeout`` seconds is killed."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_entry, args=(rank, world, port, function, args,
+                                                      results, collective_timeout))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    try:
+        for _ in processes:
+            rank, status, value = results.get(timeout=timeout)
+            outcome[rank] = (status, value)
+    except queue.Empty:
+        pass
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if errors:
+        raise AssertionError("\n".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
+    missing = [r for r in range(world) if r not in outcome]
+    if missing:
+        raise AssertionError(f"ranks {missing} did not finish within {timeout} s")
+    return {r: v for r, (_, v) in outcome.items()}
