@@ -55,8 +55,17 @@ TOP_LEVEL_KEYS = frozenset(_MAPPED_TOP + _OTHER_TOP)
 _ZERO_MAPPED = (
     "stage", "offload_param", "offload_optimizer", "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold", "cpu_offload", "cpu_offload_param",
-    "cpu_offload_use_pin_memory",
+    "cpu_offload_use_pin_memory", "overlap_comm", "reduce_bucket_size",
 )
+# Communication settings with a fixed answer here: what each would mean, why it does not.
+_ZERO_COMM_FIXED = {
+    "contiguous_gradients": "gradients always go into one contiguous slice per shard",
+    "reduce_scatter": "gradients are reduce-scattered at stages 2 and 3 and all-reduced at "
+                      "stage 1, whatever this says",
+    "allgather_bucket_size": "each shard (at most buffer_size per rank) is gathered by one "
+                             "all-gather as its module needs it",
+    "allgather_partitions": "parameters are always assembled with all-gathers",
+}
 # Accepted, with what they mean in DeepSpeed and why they do nothing here.
 _ZERO_NOT_USED = {
     "stage3_max_live_parameters": "DeepSpeed's cap on parameter elements resident on the GPU; "
@@ -69,8 +78,7 @@ _ZERO_NOT_USED = {
 }
 # Multi-GPU communication, partitioning and checkpoint-gathering switches.
 _ZERO_DISTRIBUTED = (
-    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-    "allgather_bucket_size", "allgather_partitions", "load_from_fp32_weights", "elastic_checkpoint",
+    "load_from_fp32_weights", "elastic_checkpoint",
     "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
     "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather",
@@ -176,7 +184,8 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str]) -> Offloa
 
     m = _Mapper()
     zero = _section(data, "zero_optimization", "zero_optimization")
-    check_keys(zero, _ZERO_MAPPED + tuple(_ZERO_NOT_USED) + _ZERO_DISTRIBUTED, "zero_optimization")
+    check_keys(zero, _ZERO_MAPPED + tuple(_ZERO_NOT_USED) + tuple(_ZERO_COMM_FIXED) +
+               _ZERO_DISTRIBUTED, "zero_optimization")
     param = _section(zero, "offload_param", "zero_optimization.offload_param")
     check_keys(param, _PARAM_KEYS, "offload_param")
     optim = _section(zero, "offload_optimizer", "zero_optimization.offload_optimizer")
@@ -201,6 +210,18 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str]) -> Offloa
 
     _map_precision(m, fp16, bf16, bf16_key)
     _map_offload(m, zero, param, optim, stage)
+    # What is partitioned across ranks (no effect in one process). Stage 0 (plain data
+    # parallel) becomes stage 1: the same results, the optimizer state partitioned.
+    if "stage" in zero:
+        m.put("zero_stage", max(stage, 1), "zero_optimization.stage")
+    if stage == 0 and "stage" in zero:
+        m.notes.append("zero_optimization.stage=0 runs as zero_stage=1 across ranks (optimizer "
+                       "state partitioned, gradients all-reduced: the same results)")
+    m.take(zero, "overlap_comm", "overlap_comm", "zero_optimization")
+    bucket = m.get(zero, "reduce_bucket_size", "zero_optimization.reduce_bucket_size")
+    if bucket is not _ABSENT:
+        m.elements.append(("reduce_bucket_size", "zero_optimization.reduce_bucket_size",
+                           bucket))
     _map_aio(m, aio)
     m.take(data, "gradient_clipping", "gradient_clipping", "")
     m.take(data, "train_batch_size", "batch.train_batch_size", "")
@@ -229,8 +250,12 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str]) -> Offloa
     if other:
         log.info("DeepSpeed keys for features other than offloading, ignored: %s", ", ".join(other))
     if ignored_zero:
-        log.info("zero_optimization keys for multi-GPU communication or partitioning, ignored by "
-                 "this single-process runtime: %s", ", ".join(ignored_zero))
+        log.info("zero_optimization keys for DeepSpeed features this runtime does not have, "
+                 "ignored: %s", ", ".join(ignored_zero))
+    fixed = [f"{k} ({_ZERO_COMM_FIXED[k]})" for k in zero if k in _ZERO_COMM_FIXED]
+    if fixed:
+        log.info("zero_optimization communication keys with a fixed answer here: %s",
+                 "; ".join(fixed))
     not_used = [f"{k} ({_ZERO_NOT_USED[k]})" for k in zero if k in _ZERO_NOT_USED]
     if not_used:
         log.info("zero_optimization keys accepted but not used: %s", "; ".join(not_used))

@@ -403,10 +403,11 @@ def test_seed_zero3_nvme(caplog: pytest.LogCaptureFixture) -> None:
     assert c.batch == BatchConfig(train_batch_size=256, gradient_accumulation_steps=4)
     assert c.aio == AioConfig() and c.gradient_clipping == 0.0
     only_one(caplog, "buffer_size 100000000 -> buffer_size 200000000")
-    ignored = only_one(caplog, "ignored by this single-process runtime")
-    for key in ("contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-                "allgather_bucket_size"):
-        assert key in ignored
+    fixed = only_one(caplog, "fixed answer here")
+    for key in ("contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
+        assert key in fixed
+    assert c.zero_stage == 3 and c.overlap_comm is True
+    assert c.reduce_bucket_size == 1_000_000_000  # 5e8 fp16 elements
     only_one(caplog, "DeepSpeed config mapped: ZeRO stage 3, offload_param=nvme, "
                      "offload_optimizer=cpu, dtype=fp16")
     assert not [m for m in messages(caplog) if "other than offloading" in m]
@@ -514,7 +515,26 @@ def test_deepspeed_stage3_keys_ignored_below_stage_3(caplog: pytest.LogCaptureFi
     caplog.set_level(logging.INFO, logger="infinity.config")
     c = OffloadConfig.from_deepspeed(ds({"stage": 2, "stage3_prefetch_bucket_size": 100}))
     assert c.prefetch_bytes is None
-    assert "stage3_prefetch_bucket_size" in only_one(caplog, "single-process runtime")
+    assert "stage3_prefetch_bucket_size" in only_one(caplog, "does not have, ignored")
+    assert c.zero_stage == 2
+
+
+def test_deepspeed_communication_keys(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="infinity.config")
+    c = OffloadConfig.from_deepspeed(ds({
+        "stage": 3, "overlap_comm": False, "reduce_bucket_size": 5e7, "contiguous_gradients":
+        True, "reduce_scatter": True, "allgather_bucket_size": 5e8,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "sub_group_size": 1e9}))
+    assert c.zero_stage == 3 and c.overlap_comm is False
+    assert c.reduce_bucket_size == 200_000_000  # elements at fp32
+    line = only_one(caplog, "fixed answer here")
+    for key in ("contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
+        assert key in line
+    line = only_one(caplog, "accepted but not used")
+    for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
+        assert key in line
+    assert OffloadConfig.from_deepspeed(ds({"stage": 0})).zero_stage == 1
 
 
 def test_deepspeed_aio_and_legacy_thread_count(caplog: pytest.LogCaptureFixture) -> None:
