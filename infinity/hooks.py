@@ -153,6 +153,7 @@ class HookSet:
                 for entry in entries:
                     self.placement.gather(entry)
                     gathered.append(entry)
+                self.placement.assemble_ahead()
             self.store.watch_heap()
 
         def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -193,6 +194,7 @@ class HookSet:
             for entry in entries:
                 self.placement.gather(entry)
                 self.backward_holds[entry] = self.backward_holds.get(entry, 0) + 1
+            self.placement.assemble_ahead()
             self.store.watch_heap()
 
         for tensor in tensors:

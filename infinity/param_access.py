@@ -216,6 +216,7 @@ class ParamAccess:
     def _values(self, entry: ParamEntry) -> torch.Tensor:
         """The parameter's current values as a new tensor on its device, in its dtype."""
         if entry.resident:
+            self.store.placement.settle(entry)  # a look-ahead's all-gathers may be under way
             return entry.device_tensor.clone()
         host = self.store.materialize(entry)
         return host.to(device=entry.device_tensor.device, dtype=entry.compute_dtype)

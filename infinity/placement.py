@@ -111,6 +111,11 @@ class Placement(Completions, CompanionsAndGradients):
         self.writes_ahead = 0
         #: this rank's place among data-parallel ranks (infinity.partition); None: one process
         self.partition = None
+        #: entry index -> all-gathers a look-ahead left under way for its device copy
+        self.assembling: dict[int, list] = {}
+        #: start the next module's all-gathers while this one computes (stage 3 across ranks)
+        self.assemble_ahead_enabled = True
+        self.assembled_ahead = 0
         #: attempts of a transfer after its first failure (see the module docstring)
         self.max_retries = MAX_RETRIES
         #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
@@ -518,65 +523,107 @@ class Placement(Completions, CompanionsAndGradients):
         masters) and takes a hold on it."""
         self.clock += 1
         self.last_used[entry.index] = self.clock
+        self.settle(entry)
         if not entry.resident:
             self._make_device_room(entry)
-            if self.nvme:
-                # Start every load the arena allows at once, so the reads overlap.
-                for shard in entry.shards:
-                    self.reap(shard)
-                    if shard.state is R.NVME:
-                        self.load_async(shard, protect=entry.shards, horizon=0.5)
-            tensor = entry.device_tensor
-            self.device.fill(tensor)
-            flat = tensor.view(-1)
-            events = []
-            waiting = list(entry.shards)
-            moved: list[Shard] = []
-            assembling = []  # all-gathers under way (several ranks)
-            try:
-                with torch.no_grad():
-                    for shard in entry.shards:
-                        if assembling and not shard.state.on_host:
-                            # Its read may evict the slices the all-gathers under way read.
-                            for pending in assembling:
-                                pending.wait()
-                            assembling.clear()
-                        self.ensure_host(shard, protect=waiting)
-                        waiting.remove(shard)
-                        if shard.state is R.HOST_STORING:
-                            self.reap(shard, wait=True)  # copy from a settled state
-                        if shard.piece is None:
-                            event = self.device.copy_in(
-                                flat[shard.start:shard.start + shard.numel], shard.host)
-                        else:
-                            event, pending = self._assemble(flat, shard)
-                            assembling.append(pending)
-                        shard.copy_event = event
-                        events.append(event)
-                        self.registry.set_state(shard, _TO_DEVICE[shard.state])
-                        moved.append(shard)
-                    for pending in assembling:
-                        pending.wait()
-            except BaseException:
-                # A shard could not be read: the device copy is incomplete, so none of it
-                # counts. The shards copied so far keep their host/NVMe copies.
-                for shard in moved:
-                    self.registry.set_state(shard, _FROM_DEVICE[shard.state])
-                for event in events:
-                    if event is not None:
-                        event.synchronize()
-                self.device.empty(tensor)
-                raise
-            for event in events:
-                self.device.wait(event)
-            entry.resident = True
-            self.on_device.add(entry)
+            self._fill_device(entry)
         if hold:
             entry.holds += 1
 
-    def _assemble(self, flat: torch.Tensor, shard: Shard) -> tuple[object, object]:
+    def settle(self, entry: ParamEntry) -> None:
+        """Completes the all-gathers a look-ahead started for ``entry``'s device copy (across
+        ranks); before that its bytes are not all there."""
+        pending = self.assembling.pop(entry.index, None)
+        if pending:
+            for handle in pending:
+                handle.wait()
+
+    def assemble_ahead(self) -> None:
+        """ZeRO stage 3 across ranks, after a module's gathers: starts the all-gathers of the
+        next module's parameters (the trace's next event), so they run while this module
+        computes. Only into free device room, never evicting: every rank then decides the same,
+        which a collective needs. Its slices are read from NVMe first where they are not on the
+        host yet (the trace-driven prefetch started those reads further ahead)."""
+        partition = self.partition
+        if partition is None or partition.stage < 3 or not self.assemble_ahead_enabled or \
+                self.follower.trace is None:
+            return
+        upcoming = self.follower.upcoming(1)
+        if not upcoming:
+            return
+        for index in upcoming[0].entries:
+            entry = self.registry.entries[index]
+            if entry.resident or index in self.uninitialised:
+                continue
+            if not self.device.fits(entry.device_bytes):
+                return
+            self._fill_device(entry, defer=True)
+            self.assembled_ahead += 1
+
+    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
+        """Fills the entry's device copy from its host masters (across ranks: assembled from
+        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+        if self.nvme:
+            # Start every load the arena allows at once, so the reads overlap.
+            for shard in entry.shards:
+                self.reap(shard)
+                if shard.state is R.NVME:
+                    self.load_async(shard, protect=entry.shards, horizon=0.5)
+        tensor = entry.device_tensor
+        self.device.fill(tensor)
+        flat = tensor.view(-1)
+        events = []
+        waiting = list(entry.shards)
+        moved: list[Shard] = []
+        assembling = []  # all-gathers under way (several ranks)
+        try:
+            with torch.no_grad():
+                for shard in entry.shards:
+                    if assembling and not defer and not shard.state.on_host:
+                        # Its read may evict the slices the all-gathers under way read.
+                        for pending in assembling:
+                            pending.wait()
+                        assembling.clear()
+                    self.ensure_host(shard, protect=waiting)
+                    waiting.remove(shard)
+                    if shard.state is R.HOST_STORING:
+                        self.reap(shard, wait=True)  # copy from a settled state
+                    if shard.piece is None:
+                        event = self.device.copy_in(
+                            flat[shard.start:shard.start + shard.numel], shard.host)
+                    else:
+                        event, pending = self._assemble(flat, shard, own_input=defer)
+                        assembling.append(pending)
+                    shard.copy_event = event
+                    events.append(event)
+                    self.registry.set_state(shard, _TO_DEVICE[shard.state])
+                    moved.append(shard)
+                if defer:
+                    self.assembling[entry.index] = assembling
+                else:
+                    for pending in assembling:
+                        pending.wait()
+        except BaseException:
+            # A shard could not be read: the device copy is incomplete, so none of it
+            # counts. The shards copied so far keep their host/NVMe copies.
+            for shard in moved:
+                self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+            for event in events:
+                if event is not None:
+                    event.synchronize()
+            self.device.empty(tensor)
+            raise
+        for event in events:
+            self.device.wait(event)
+        entry.resident = True
+        self.on_device.add(entry)
+
+    def _assemble(self, flat: torch.Tensor, shard: Shard,
+                  own_input: bool = False) -> tuple[object, object]:
         """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
-        every rank's slice. Returns the copy's event and the collective's handle."""
+        every rank's slice. Returns the copy's event and the collective's handle.
+        ``own_input``: the collective reads a copy of the slice, not the arena slot, which may
+        be evicted before it completes."""
         partition = self.partition
         start, numel = shard.piece
         out = flat[start:start + numel]
@@ -589,6 +636,8 @@ class Placement(Completions, CompanionsAndGradients):
             event = self.device.copy_in(staged, local)
             self.device.wait(event)
             local = staged
+        elif own_input:
+            local = local.clone()
         elif not partition.on_device and out.device.type != "cpu":
             raise RuntimeError("a gloo process group cannot gather into device memory: use "
                                "the nccl backend with CUDA")
@@ -613,6 +662,7 @@ class Placement(Completions, CompanionsAndGradients):
         the same storage, instead of keeping a stale copy alive."""
         if not entry.resident or (entry.index in self.persistent and not force):
             return
+        self.settle(entry)
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
         self.device.empty(entry.device_tensor)

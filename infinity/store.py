@@ -663,7 +663,9 @@ class TieredStore(Stepping):
         return {"rank": partition.rank, "world": partition.world, "stage": partition.stage,
                 "backend": partition.backend, "gathered_bytes": stats.gathered_bytes,
                 "reduced_bytes": stats.reduced_bytes, "gather_seconds": stats.gather_seconds,
-                "reduce_seconds": stats.reduce_seconds, "collectives": stats.collectives}
+                "reduce_seconds": stats.reduce_seconds, "collectives": stats.collectives,
+                # device copies whose all-gathers started while the module before computed
+                "assembled_ahead": self.placement.assembled_ahead if self.placement else 0}
 
     # -- teardown -------------------------------------------------------------------------------
     def materialize(self, entry: ParamEntry) -> torch.Tensor:
@@ -673,6 +675,7 @@ class TieredStore(Stepping):
         out = torch.empty(entry.shape, dtype=entry.dtype)
         flat = out.view(-1)
         if entry.resident:
+            placement.settle(entry)
             flat.copy_(entry.device_tensor.reshape(-1))
             return out
         for shard in entry.shards:
