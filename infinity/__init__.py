@@ -11,13 +11,14 @@ The public API is this module's names::
 """
 
 from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
-from infinity.errors import (AttachError, BudgetError, ConfigError, InfinityError,
-                             ParameterAccessError, RankError)
+from infinity.errors import (AttachError, BudgetError, CheckpointError, ConfigError,
+                             InfinityError, ParameterAccessError, RankError)
 from infinity.residency import Residency, ResidencyError
 from infinity.store import TieredStore
 
 __all__ = [
-    "AioConfig", "AttachError", "BatchConfig", "BudgetError", "ConfigError", "InfinityError",
+    "AioConfig", "AttachError", "BatchConfig", "BudgetError", "CheckpointError", "ConfigError",
+    "InfinityError",
     "OffloadConfig", "ParameterAccessError", "PrecisionConfig", "RankError", "Residency",
     "ResidencyError",
     "TieredStore",

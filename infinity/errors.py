@@ -44,3 +44,9 @@ class RankError(InfinityError, RuntimeError):
     """A collective across data-parallel ranks failed (a rank died or stopped, the process
     group's timeout passed) or the ranks disagree on what they attached. The message names the
     operation and this rank."""
+
+
+class CheckpointError(InfinityError):
+    """A checkpoint that cannot be saved or loaded as given (missing file, bad index, corrupt or
+    truncated data, a tensor whose shape does not match the model). The message names the
+    file."""

@@ -271,9 +271,10 @@ class OffloadedOptimizer(Optimizer):
             for shard in self.shards:
                 self._stash_loaded_state(shard)
 
-    def _stash_loaded_state(self, shard: Shard) -> None:
+    def _stash_loaded_state(self, shard: Shard, keep_others: bool = False) -> None:
         """Moves loaded per-element state into the shard's companions (overwriting what they
-        held, without reading it) and drops companions the loaded state has no value for."""
+        held, without reading it) and drops companions the loaded state has no value for
+        (unless ``keep_others``: a checkpoint load brings one key at a time)."""
         placement = self.store.placement
         registry = self.store.registry
         state = self.inner.state.get(shard.step_param, {})
@@ -296,6 +297,8 @@ class OffloadedOptimizer(Optimizer):
             companion.version += 1
             state[key] = torch.empty(0, dtype=value.dtype)
             loaded.add(kind)
+        if keep_others:
+            return
         for kind, companion in list(shard.companions.items()):
             if kind.startswith(OPTIM_PREFIX) and kind not in loaded:
                 placement.discard(companion)

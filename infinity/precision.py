@@ -65,6 +65,17 @@ class LossScaler:
             self._clean_steps = 0
             self._tolerance = self.hysteresis
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps to resume the same scaling."""
+        return {"scale": self.scale, "tolerance": self._tolerance,
+                "clean_steps": self._clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self._tolerance = int(state["tolerance"])
+        self._clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
     def install(self, root: nn.Module) -> Any:
         """Scales the gradient entering the root module's outputs during backward."""
         def scale_outputs(module: nn.Module, args: Any, output: Any) -> None:

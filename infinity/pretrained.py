@@ -25,18 +25,13 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from infinity.errors import InfinityError
+from infinity.errors import CheckpointError
 from infinity.state_dict import write_entry_pieces
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-class CheckpointError(InfinityError):
-    """A pretrained checkpoint that cannot be loaded as given (missing file, bad index,
-    a tensor whose shape does not match the model)."""
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from infinity import lifecycle
 from infinity.config import OffloadConfig
-from infinity.errors import AttachError, BudgetError, ConfigError
+from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
 from infinity.hooks import HookSet
 from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
 from infinity.optimizer import OffloadedOptimizer
@@ -88,6 +88,8 @@ class TieredStore(Stepping):
         self.placement: Placement | None = None
         #: this rank's share across data-parallel ranks (infinity.partition); None: one process
         self.partition: Partition | None = None
+        #: saves and loads checkpoints (infinity.checkpoint), made on first use
+        self._checkpoints: Any = None
         #: what serves operations on attached parameters outside the hooks (p.grad, reads,
         #: store.gathered)
         self.access: ParamAccess | None = None
@@ -569,6 +571,37 @@ class TieredStore(Stepping):
             raise AttachError("load_pretrained() needs an attached model: call attach() first")
         from infinity.pretrained import load_pretrained
         return load_pretrained(self, Path(path))
+
+    def save_checkpoint(self, path: str | Path, extra: Any = None,
+                        async_save: bool = False) -> None:
+        """Saves the training state (masters, optimizer state, loss scaler, step counts, RNG
+        states and ``extra``: anything JSON-able or small tensors, such as a scheduler's
+        state_dict and the data position) to the directory ``path``, on every rank together,
+        shard by shard (see :mod:`infinity.checkpoint`). A crash during the save leaves the
+        previous checkpoint at ``path`` intact."""
+        checkpointer = self._checkpointer("save_checkpoint")
+        if async_save:
+            raise CheckpointError("async_save=True is not available yet: save with "
+                                  "async_save=False (the step waits for the save)")
+        checkpointer.save(Path(path), extra)
+
+    def load_checkpoint(self, path: str | Path) -> Any:
+        """Restores what :meth:`save_checkpoint` wrote (after ``attach``, on every rank
+        together; any number of ranks, whatever the saving run had) and returns its
+        ``extra``."""
+        return self._checkpointer("load_checkpoint").load(Path(path))
+
+    def _checkpointer(self, what: str) -> Any:
+        if self._closed:
+            raise AttachError("this store is closed; create a new TieredStore")
+        if self.model is None or self.placement is None:
+            raise AttachError(f"{what}() needs a model attached with something offloaded: call "
+                              f"attach() first (a store that only reports leaves the model as "
+                              f"it is: checkpoint it with torch.distributed.checkpoint)")
+        if self._checkpoints is None:
+            from infinity.checkpoint import Checkpointer
+            self._checkpoints = Checkpointer(self)
+        return self._checkpoints
 
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:

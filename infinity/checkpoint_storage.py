@@ -1,0 +1,298 @@
+"""A storage layer for torch.distributed.checkpoint (DCP) that never unpickles: tensor bytes in
+raw files, everything else in JSON.
+
+DCP's own ``FileSystemReader`` unpickles its ``.metadata`` file, and loading a pickle runs
+whatever code it names: a checkpoint from someone else must not. Here the checkpoint directory
+holds, per writing rank, ``data-<r>.bin`` (tensor chunks end to end, each the little-endian bytes
+of a contiguous tensor) and one ``metadata.json`` with every tensor's global size, dtype and
+chunks (DCP's ``Metadata``, so DCP's planner reshards on load) and where each chunk's bytes are,
+with their xxh3-64 checksum. Each chunk is verified when read: a flipped byte or a truncated
+file is an error naming the file and the tensor, never a silently wrong model.
+
+A save writes into ``<path>.partial`` and the coordinator renames it to ``<path>`` once every
+file and the metadata are written and fsynced (the previous checkpoint, if any, is replaced
+only then): a process killed during a save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from infinity.errors import CheckpointError
+
+METADATA_NAME = "metadata.json"
+FORMAT = "infinity-checkpoint-1"
+PARTIAL_SUFFIX = ".partial"
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    file: str
+    offset: int
+    length: int
+    checksum: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unsupported dtype {name!r} in checkpoint metadata") from None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The little-endian bytes of ``tensor`` (made contiguous, on the host)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+
+
+def tensor_from(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
+    return raw.view(dtype).reshape(shape)
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class InfinityStorageWriter(StorageWriter):
+    """Writes each rank's chunks to its own raw file in ``<path>.partial``; the coordinator
+    writes the JSON metadata and renames the directory into place (see the module docstring).
+    ``extra_files`` (name -> text) are written by the coordinator beside the metadata."""
+
+    def __init__(self, path: Path, extra_files: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.extra_files = extra_files or {}
+        self.is_coordinator = False
+        self.bytes_written = 0
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [SavePlan(p.items, storage_data={"file": f"data-{i}.bin"},
+                         planner_data=p.planner_data) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = plan.storage_data["file"]
+        results = []
+        offset = 0
+        with open(self.partial / name, "wb") as file:
+            for item in plan.items:
+                if item.type is WriteItemType.BYTE_IO:
+                    raise CheckpointError(f"{item.index.fqn}: this storage keeps tensors only")
+                data = tensor_bytes(planner.resolve_data(item))
+                file.write(data)
+                location = ChunkLocation(name, offset, len(data), xxhash.xxh3_64_hexdigest(data))
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data),
+                                           storage_data=location))
+                offset += len(data)
+            file.flush()
+            os.fsync(file.fileno())
+        self.bytes_written += offset
+        future: Future[list[WriteResult]] = Future()  # DCP waits on a torch future
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = {}
+        for rank_results in results:
+            for result in rank_results:
+                location: ChunkLocation = result.storage_data
+                storage[_index_key(result.index)] = location.__dict__
+        tensors = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"{fqn}: this storage keeps tensors only")
+            tensors[fqn] = {"dtype": dtype_name(md.properties.dtype), "size": list(md.size),
+                            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)}
+                                       for c in md.chunks]}
+        document = {"format": FORMAT, "tensors": tensors, "storage": storage}
+        for name, text in self.extra_files.items():
+            _write_synced(self.partial / name, text)
+        _write_synced(self.partial / METADATA_NAME, json.dumps(document))
+        fsync_directory(self.partial)
+        publish(self.partial, self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def storage_meta(self) -> Any:
+        return None
+
+
+def publish(partial: Path, path: Path) -> None:
+    """Puts the finished ``partial`` directory at ``path``; an older checkpoint there is
+    removed only after the new one is in place under its name."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(partial, path)
+    fsync_directory(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _index_key(index: MetadataIndex) -> str:
+    return index.fqn + "@" + ",".join(str(o) for o in index.offset)
+
+
+def read_metadata_document(path: Path) -> dict:
+    """The checkpoint's metadata.json, checked to be ours."""
+    path = Path(path)
+    file = path / METADATA_NAME
+    if not file.is_file():
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        hint = (f" ({partial} is a save that did not finish)" if partial.exists() else "")
+        raise CheckpointError(f"{path} is not a checkpoint: {METADATA_NAME} is missing{hint}")
+    try:
+        document = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is corrupt: {exc}") from exc
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not an infinity checkpoint's metadata (format "
+                              f"{document.get('format') if isinstance(document, dict) else '?'}"
+                              f", expected {FORMAT})")
+    return document
+
+
+class ChunkReader:
+    """Reads and verifies chunks of a checkpoint directory, one at a time."""
+
+    def __init__(self, path: Path, document: dict) -> None:
+        self.path = Path(path)
+        self.tensors = document["tensors"]
+        self.storage = document["storage"]
+        self._cached: tuple[str, torch.Tensor] | None = None
+        self.bytes_read = 0
+
+    def chunk(self, fqn: str, offsets: list[int] | tuple[int, ...]) -> torch.Tensor:
+        key = fqn + "@" + ",".join(str(o) for o in offsets)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        try:
+            location = self.storage[key]
+            info = self.tensors[fqn]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no chunk of {fqn} at {list(offsets)} in the "
+                                  f"metadata") from None
+        sizes = next(c["sizes"] for c in info["chunks"] if c["offsets"] == list(offsets))
+        file = self.path / location["file"]
+        try:
+            with open(file, "rb") as handle:
+                handle.seek(location["offset"])
+                data = handle.read(location["length"])
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}") from exc
+        if len(data) != location["length"]:
+            raise CheckpointError(f"{file} is truncated: {fqn} needs bytes "
+                                  f"{location['offset']}..{location['offset'] + location['length']}"
+                                  f", the file ends before")
+        if xxhash.xxh3_64_hexdigest(data) != location["checksum"]:
+            raise CheckpointError(f"{file} is corrupt: the bytes of {fqn} (offset "
+                                  f"{location['offset']}, {location['length']} bytes) do not "
+                                  f"match their checksum")
+        self.bytes_read += len(data)
+        tensor = tensor_from(data, dtype_of(info["dtype"]), tuple(sizes))
+        self._cached = (key, tensor)
+        return tensor
+
+
+class InfinityStorageReader(StorageReader):
+    """Reads what :class:`InfinityStorageWriter` wrote, verifying every chunk."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.document = read_metadata_document(self.path)
+        self.chunks = ChunkReader(self.path, self.document)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        state: dict[str, TensorStorageMetadata] = {}
+        for fqn, info in self.document["tensors"].items():
+            state[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype_of(info["dtype"])),
+                size=torch.Size(info["size"]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]),
+                                             sizes=torch.Size(c["sizes"]))
+                        for c in info["chunks"]])
+        return Metadata(state_dict_metadata=state)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # In checkpoint order, so each chunk is read (and verified) once.
+        items = sorted(plan.items, key=lambda r: (r.storage_index.fqn,
+                                                  tuple(r.storage_index.offset)))
+        for item in items:
+            chunk = self.chunks.chunk(item.storage_index.fqn, item.storage_index.offset)
+            source = chunk
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                source = source.narrow(dim, start, length)
+            target = planner.resolve_tensor(item)
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
