@@ -79,7 +79,18 @@ class Checkpointer:
                 shutil.rmtree(partial)  # a save that did not finish
             partial.mkdir()
         _barrier()
-        store.placement.finish_reductions()
+        placement = store.placement
+        placement.finish_reductions()
+        # Masters are read from the host or NVMe, never from a device copy (which may be in
+        # a lower precision, and whose host slot may be gone): device copies go first, and the
+        # persistent ones come back after (in entry order: across ranks they are gathers).
+        held = [e.name for e in store.registry.entries if e.holds]
+        if held:
+            raise CheckpointError(f"save_checkpoint() while {held[0]} is in use (a forward, a "
+                                  f"backward or store.gathered()): save between steps")
+        dropped = [e for e in store.registry.entries if e.resident]
+        for entry in dropped:
+            placement.drop_device(entry, force=True)
         files = {STATE_NAME: json.dumps(self._state(extra))}
         config = getattr(store.model, "config", None)
         if hasattr(config, "to_json_string"):
@@ -92,6 +103,9 @@ class Checkpointer:
         except CheckpointException as exc:
             raise _unwrapped(exc, f"saving the checkpoint {path}") from None
         _barrier()
+        for entry in dropped:
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)
         self.last = {"save_seconds": time.perf_counter() - started,
                      "bytes_written": writer.bytes_written}
         log.info("checkpoint %s saved: %d bytes from this rank in %.2f s", path,

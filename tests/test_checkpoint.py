@@ -247,3 +247,39 @@ def test_extra_takes_json_and_tensors_but_nothing_pickled(tmp_path):
         assert torch.equal(back["t"], extra["t"]) and back["nan"] != back["nan"]
         with pytest.raises(infinity.CheckpointError, match="cannot go into a checkpoint"):
             store.save_checkpoint(tmp_path / "ckpt2", extra={"f": lambda: 1})
+
+
+def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tools.export import main as export_main
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    store = infinity.TieredStore(infinity.OffloadConfig(
+        offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,
+        nvme_path=str(tmp_path)))
+    with store:
+        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for _ in range(2):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            trained = model(input_ids=tokens).logits
+        store.save_checkpoint(tmp_path / "ckpt")
+    # Small output files, so the export is sharded with an index.
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                        "--max-shard-size", "20KB"]) == 0
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "out" / "config.json").exists()
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=tokens).logits, trained)
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "half"), "--dtype", "bf16"]) == 0
+    half = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "half",
+                                                         torch_dtype=torch.bfloat16)
+    assert next(half.parameters()).dtype == torch.bfloat16
