@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-full bench-scale soak venv clean
+.PHONY: demo demo-dist test bench bench-full bench-scale bench-dist soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m tools.demo
+
+# The demo on 2 data-parallel ranks (torchrun, gloo), ZeRO stage 3: each rank swaps 1/2 of the state.
+demo-dist: $(STAMP)
+	$(PY) -m tools.demo_dist
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -41,6 +45,11 @@ bench-full: $(STAMP)
 # Long: moves tens of GB through the disk (a 500M-parameter model under a 2 GiB host budget).
 bench-scale: $(STAMP)
 	$(PY) -m tools.bench_scale
+
+# 2 ranks (torchrun, gloo): ZeRO-3 with NVMe offload against FSDP2 (and DeepSpeed, where the peer
+# harness's venv is installed; else its quoted figures), step time and peak RSS per rank.
+bench-dist: $(STAMP)
+	$(PY) -m tools.bench_dist
 
 soak: $(STAMP)
 	$(PY) -m tools.soak --minutes 10
