@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadIte
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from infinity.async_save import AsyncSave
 from infinity.checkpoint_storage import (PARTIAL_SUFFIX, InfinityStorageReader,
                                          InfinityStorageWriter)
 from infinity.errors import CheckpointError, InfinityError
@@ -65,9 +66,15 @@ class Checkpointer:
         self.store = store
         #: figures of the last save / load (seconds, bytes), for tools and logs
         self.last: dict[str, float] = {}
+        #: an asynchronous save under way
+        self.pending: AsyncSave | None = None
+        self._group: Any = None
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, path: Path, extra: Any = None) -> None:
+    def save(self, path: Path, extra: Any = None, async_save: bool = False) -> None:
+        """Saves now; with ``async_save`` the files are written by a background thread while
+        training goes on (:mod:`infinity.async_save`), and :meth:`wait` completes it."""
+        self.wait()  # one save at a time: the previous one first
         store = self.store
         path = Path(path)
         started = time.perf_counter()
@@ -96,20 +103,82 @@ class Checkpointer:
         if hasattr(config, "to_json_string"):
             files["config.json"] = config.to_json_string()
         writer = InfinityStorageWriter(path, extra_files=files if coordinator else None)
-        try:
-            with _single_process_quiet():
-                dcp.save({}, storage_writer=writer, planner=_SavePlanner(store),
-                         process_group=_group(store), no_dist=not _distributed())
-        except CheckpointException as exc:
-            raise _unwrapped(exc, f"saving the checkpoint {path}") from None
-        _barrier()
+        planner = _SavePlanner(store)
+        planner.prepare()
+        if async_save:
+            pending = AsyncSave(
+                [((key, shard.start), (shard, state_key))
+                 for key, shard, state_key in _chunks(store)],
+                lambda source: planner.read(*source),
+                cap_bytes=store.config.checkpoint_staging)
+            planner.source = pending
+            group = self._checkpoint_group()
+
+            def write() -> None:
+                self._run_save(path, writer, planner, group)
+                self.last = {"save_seconds": time.perf_counter() - started,
+                             "bytes_written": writer.bytes_written,
+                             "copied_before_change": pending.copied_before_change,
+                             "step_wait_seconds": pending.wait_seconds}
+            pending.start(write)
+            self.pending = pending
+            pending.advance()
+        else:
+            self._run_save(path, writer, planner, _group(store))
+            _barrier()
+            self.last = {"save_seconds": time.perf_counter() - started,
+                         "bytes_written": writer.bytes_written}
         for entry in dropped:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)
-        self.last = {"save_seconds": time.perf_counter() - started,
-                     "bytes_written": writer.bytes_written}
-        log.info("checkpoint %s saved: %d bytes from this rank in %.2f s", path,
-                 writer.bytes_written, self.last["save_seconds"])
+        if not async_save:
+            log.info("checkpoint %s saved: %d bytes from this rank in %.2f s", path,
+                     writer.bytes_written, self.last["save_seconds"])
+
+    @staticmethod
+    def _run_save(path: Path, writer: InfinityStorageWriter, planner: "_SavePlanner",
+                  group: Any) -> None:
+        try:
+            with _single_process_quiet():
+                dcp.save({}, storage_writer=writer, planner=planner, process_group=group,
+                         no_dist=not _distributed())
+        except CheckpointException as exc:
+            raise _unwrapped(exc, f"saving the checkpoint {path}") from None
+
+    def _checkpoint_group(self) -> Any:
+        """A process group of its own for saves in the background: collectives of two threads
+        on one group would interleave differently on each rank."""
+        if not _distributed():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(ranks=dist.get_process_group_ranks(
+                _group(self.store) or dist.group.WORLD), backend="gloo")
+        return self._group
+
+    # -- an asynchronous save under way -----------------------------------------------------------
+    def progress(self) -> None:
+        """Copies a little more of a save under way out of the tiers (module hooks)."""
+        if self.pending is not None:
+            self.pending.advance()
+            if not self.pending.active:
+                self.wait()
+
+    def before_change(self, shards: Any) -> None:
+        """Before ``shards`` change (a step, a write): what a save under way still needs of
+        them is copied first."""
+        if self.pending is not None:
+            self.pending.before_change(shards)
+
+    def wait(self) -> None:
+        """Completes a save under way (copying out what is left), raising its failure."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.finish()
+        log.info("checkpoint saved in the background: %d bytes from this rank in %.2f s, %d "
+                 "chunks copied before a change, the training waited %.3f s",
+                 self.last.get("bytes_written", 0), self.last.get("save_seconds", 0.0),
+                 pending.copied_before_change, pending.wait_seconds)
 
     def _state(self, extra: Any) -> dict:
         store = self.store
@@ -152,6 +221,7 @@ class Checkpointer:
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, path: Path) -> Any:
+        self.wait()  # a save under way reads what the load would overwrite
         store = self.store
         path = Path(path)
         started = time.perf_counter()
@@ -276,12 +346,19 @@ class _SavePlanner(SavePlanner):
     def __init__(self, store: Any) -> None:
         self.store = store
         self.sources: dict[tuple[str, int], tuple[Any, str | None]] = {}
+        #: an asynchronous save's staging queue (None: read on demand, in this thread)
+        self.source: AsyncSave | None = None
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        # Built by prepare() on the training thread: an asynchronous save's writer thread must
+        # not walk the optimizer's state while the step changes it.
+        return self.plan
+
+    def prepare(self) -> None:
         items = []
         for key, shard, state_key in _chunks(self.store):
             dtype = shard.dtype if state_key is None else self._state_dtype(shard, state_key)
@@ -295,7 +372,6 @@ class _SavePlanner(SavePlanner):
                     size=torch.Size([shard.entry.numel]))))
             self.sources[(key, shard.start)] = (shard, state_key)
         self.plan = SavePlan(items)
-        return self.plan
 
     def _state_dtype(self, shard: Any, key: str) -> torch.dtype:
         companion = state_companions(shard).get(key)
@@ -313,7 +389,18 @@ class _SavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        shard, state_key = self.sources[(write_item.index.fqn, write_item.index.offset[0])]
+        return self.read(*self.sources[(write_item.index.fqn, write_item.index.offset[0])])
+
+    def stream(self, items: list[WriteItem]) -> Any:
+        """(item, tensor) pairs: in plan order, or, for an asynchronous save, as the training
+        thread copies the chunks out."""
+        if self.source is None:
+            return ((item, self.resolve_data(item)) for item in items)
+        by_key = {(i.index.fqn, i.index.offset[0]): i for i in items}
+        return ((by_key[key], tensor) for key, tensor in self.source.stream(set(by_key)))
+
+    def read(self, shard: Any, state_key: str | None) -> torch.Tensor:
+        """A copy of this rank's chunk of ``shard`` (its master, or an optimizer state)."""
         placement = self.store.placement
         real = shard.real_numel
         if state_key is None:

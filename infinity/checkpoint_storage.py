@@ -113,11 +113,17 @@ class InfinityStorageWriter(StorageWriter):
         name = plan.storage_data["file"]
         results = []
         offset = 0
+        for item in plan.items:
+            if item.type is WriteItemType.BYTE_IO:
+                raise CheckpointError(f"{item.index.fqn}: this storage keeps tensors only")
+        # A planner may hand the chunks over in its own order (an asynchronous save gets them
+        # as the training thread copies them out): ``stream(items)`` yields (item, tensor).
+        stream = getattr(planner, "stream", None)
+        chunks = stream(plan.items) if stream is not None else \
+            ((item, planner.resolve_data(item)) for item in plan.items)
         with open(self.partial / name, "wb") as file:
-            for item in plan.items:
-                if item.type is WriteItemType.BYTE_IO:
-                    raise CheckpointError(f"{item.index.fqn}: this storage keeps tensors only")
-                data = tensor_bytes(planner.resolve_data(item))
+            for item, tensor in chunks:
+                data = tensor_bytes(tensor)
                 file.write(data)
                 location = ChunkLocation(name, offset, len(data), xxhash.xxh3_64_hexdigest(data))
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data),

@@ -445,6 +445,9 @@ class OffloadConfig(_Validated):
         reduce_bucket_size bytes of them under way) instead of completing each at once.
     reduce_bucket_size: bytes of gradient reductions under way at once with overlap_comm.
         Memory: up to this much host (or, with NCCL, device) memory for gradients in flight.
+    checkpoint_staging: bytes of chunks an asynchronous checkpoint save keeps copied out of
+        the tiers, waiting for its writer. Memory: up to this much host RAM, plus the chunks a
+        step copies out before it changes them (one tile).
     aio, precision, batch: see AioConfig, PrecisionConfig, BatchConfig.
     """
 
@@ -479,6 +482,8 @@ class OffloadConfig(_Validated):
     overlap_comm: bool = field(default=True, metadata=_rule(kind="bool"))
     reduce_bucket_size: int = field(default=64 << 20, metadata=_rule(
         kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"))
+    checkpoint_staging: int = field(default=64 << 20, metadata=_rule(
+        kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"))
     zero_stage: int = field(default=3, metadata=_rule(
         kind="int", lo=1, hi=3, fix="use 3 (parameters, gradients and optimizer state "
         "partitioned), 2 (gradients and optimizer state) or 1 (optimizer state)"))

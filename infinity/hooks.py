@@ -154,6 +154,7 @@ class HookSet:
                     self.placement.gather(entry)
                     gathered.append(entry)
                 self.placement.assemble_ahead()
+            self.store._checkpoint_progress()
             self.store.watch_heap()
 
         def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:

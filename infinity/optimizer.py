@@ -108,6 +108,7 @@ class OffloadedOptimizer(Optimizer):
         swapped) optimizer-state companions are on the host. Returns the optimizer-state
         companions it filled or changed, for the caller to write back."""
         placement = self.store.placement
+        self.store._before_state_change(tile)  # a checkpoint being saved copies them first
         bound: list[tuple[Shard, dict[str, Shard]]] = []
         for shard in tile:
             view = shard.host.view(_step_shape(shard))
@@ -235,6 +236,7 @@ class OffloadedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict in the user's optimizer's layout (from :meth:`state_dict`, or
         from the same optimizer class trained without the store)."""
+        self.store.wait_for_checkpoint()  # a save under way still reads the old state
         saved_groups = state_dict["param_groups"]
         own_groups = self._group_entries()
         if len(saved_groups) != len(own_groups) or any(

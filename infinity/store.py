@@ -578,12 +578,26 @@ class TieredStore(Stepping):
         states and ``extra``: anything JSON-able or small tensors, such as a scheduler's
         state_dict and the data position) to the directory ``path``, on every rank together,
         shard by shard (see :mod:`infinity.checkpoint`). A crash during the save leaves the
-        previous checkpoint at ``path`` intact."""
-        checkpointer = self._checkpointer("save_checkpoint")
-        if async_save:
-            raise CheckpointError("async_save=True is not available yet: save with "
-                                  "async_save=False (the step waits for the save)")
-        checkpointer.save(Path(path), extra)
+        previous checkpoint at ``path`` intact. With ``async_save`` the call returns once the
+        save has started and training goes on; the checkpoint is still exactly the state at the
+        call (what a step would change is copied out first): see :mod:`infinity.async_save`."""
+        self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Completes a save started with ``async_save=True`` (copying out what is left of the
+        state at its call), raising its failure. The next save, a load and ``close()`` wait
+        for it too."""
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
+
+    def _before_state_change(self, shards: Any) -> None:
+        """Called before masters or optimizer state of ``shards`` change."""
+        if self._checkpoints is not None:
+            self._checkpoints.before_change(shards)
+
+    def _checkpoint_progress(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.progress()
 
     def load_checkpoint(self, path: str | Path) -> Any:
         """Restores what :meth:`save_checkpoint` wrote (after ``attach``, on every rank
@@ -729,6 +743,9 @@ class TieredStore(Stepping):
         afterwards."""
         if self._closed:
             return
+        if self._checkpoints is not None and self._checkpoints.pending is not None and \
+                not (self.partition is not None and self.partition.failed):
+            self._checkpoints.wait()  # a save under way needs the tiers until it is done
         try:
             failure = self._teardown(restore_params)
         finally:

@@ -60,9 +60,10 @@ def _train(kind: str, swap: str, checkpoint: str, mode: str, rank: int = 0,
     losses = []
     share = 4 // world
     for step in range(first, STEPS):
-        if mode == "whole" and step == SAVED_AT:
+        if mode.startswith("whole") and step == SAVED_AT:
             store.save_checkpoint(checkpoint, extra={"scheduler": scheduler.state_dict(),
-                                                     "step": step})
+                                                     "step": step},
+                                  async_save=mode == "whole-async")
         total = torch.zeros(())
         for tokens, targets in batches[step]:
             tokens = tokens[rank * share:(rank + 1) * share]
@@ -108,15 +109,17 @@ def _ranks_train(rank: int, world: int, swap: str, checkpoint: str, mode: str) -
                   seed=rank)
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [(2, 2), (2, 1), (1, 2)])
-def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by, tmp_path):
+@pytest.mark.parametrize("saved_by, resumed_by, mode", [
+    (2, 2, "whole"), (2, 2, "whole-async"), (2, 1, "whole"), (1, 2, "whole")])
+def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by, mode,
+                                                            tmp_path):
     checkpoint = str(tmp_path / "ckpt")
     for rank in range(2):
         (tmp_path / f"r{rank}").mkdir()
     if saved_by == 1:
-        whole = _train("nvme", str(tmp_path / "r0"), checkpoint, "whole")
+        whole = _train("nvme", str(tmp_path / "r0"), checkpoint, mode)
     else:
-        whole = run_ranks(_ranks_train, saved_by, str(tmp_path), checkpoint, "whole",
+        whole = run_ranks(_ranks_train, saved_by, str(tmp_path), checkpoint, mode,
                           timeout=240)[0]
     assert len(list(Path(checkpoint).glob("data-*.bin"))) == saved_by
     if resumed_by == 1:
@@ -283,3 +286,45 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
     half = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "half",
                                                          torch_dtype=torch.bfloat16)
     assert next(half.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["nvme", "cpu"])
+def test_an_async_save_is_the_state_at_the_call_while_training_goes_on(kind, tmp_path):
+    """Saved asynchronously, then three more steps before it finishes: the checkpoint still
+    resumes into exactly the losses of the uninterrupted run."""
+    data = synthetic_batches(SMALL, 4, seed=1)
+    batches = [next(data) for _ in range(6)]
+
+    def run(store, model, optimizer, steps):
+        losses = []
+        for tokens, targets in steps:
+            loss = model(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model = make_model()
+    # A staging cap of a few chunks: most are copied out during the next forward, the rest by
+    # the step, just before it changes them.
+    config = _config(kind, str(tmp_path)).replace(checkpoint_staging=16 << 10)
+    with infinity.TieredStore(config) as store:
+        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        run(store, model, optimizer, batches[:3])
+        # Saved between backward and step: the step changes every shard right away, so what
+        # the save has not copied out yet is copied just before each tile's update.
+        loss = model(*batches[3])
+        loss.backward()
+        store.save_checkpoint(tmp_path / "ckpt", extra={"at": 3}, async_save=True)
+        optimizer.step()
+        optimizer.zero_grad()
+        whole = [loss.item()] + run(store, model, optimizer, batches[4:])
+        store.wait_for_checkpoint()
+        figures = store._checkpoints.last
+    assert figures["bytes_written"] > 0 and figures["copied_before_change"] > 0
+    model = make_model(seed=4)
+    with infinity.TieredStore(_config(kind, str(tmp_path))) as store:
+        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        assert store.load_checkpoint(tmp_path / "ckpt") == {"at": 3}
+        assert run(store, model, optimizer, batches[3:]) == whole
