@@ -395,23 +395,61 @@ class _SavePlanner(SavePlanner):
         """(item, tensor) pairs: in plan order, or, for an asynchronous save, as the training
         thread copies the chunks out."""
         if self.source is None:
-            return ((item, self.resolve_data(item)) for item in items)
+            return self._read_ahead(items)
         by_key = {(i.index.fqn, i.index.offset[0]): i for i in items}
         return ((by_key[key], tensor) for key, tensor in self.source.stream(set(by_key)))
 
-    def read(self, shard: Any, state_key: str | None) -> torch.Tensor:
-        """A copy of this rank's chunk of ``shard`` (its master, or an optimizer state)."""
+    def _read_ahead(self, items: list[WriteItem]) -> Iterator[tuple[WriteItem, torch.Tensor]]:
+        """The chunks in plan order, with the NVMe reads of the next ones (up to a third of
+        the arena) under way while the writer writes this one."""
         placement = self.store.placement
+        parts = [self._part(*self.sources[(i.index.fqn, i.index.offset[0])]) for i in items]
+        window = placement.host.arena_bytes // 3
+        started: dict[int, int] = {}  # item index -> bytes whose read is under way
+        ahead = 0
+        for i, item in enumerate(items):
+            ahead = max(ahead, i)
+            while placement.engine is not None and ahead < len(items) and \
+                    (ahead == i or sum(started.values()) < window):
+                part = parts[ahead]
+                if part is not None:
+                    placement.reap(part)
+                    if part.state is R.NVME:
+                        protect = {p for p in parts[i:ahead + 1] if p is not None}
+                        if not placement.load_async(part, protect=protect):
+                            break
+                        started[ahead] = part.nbytes
+                ahead += 1
+            # No copy: the writer copies the bytes into its buffers before the next read.
+            tensor = self.read(*self.sources[(item.index.fqn, item.index.offset[0])], copy=False)
+            started.pop(i, None)
+            yield item, tensor
+
+    def _part(self, shard: Any, state_key: str | None) -> Any:
+        """The shard whose bytes hold a chunk (the master, or its state's companion); None
+        for state that lives in memory."""
+        if state_key is None:
+            return shard if self.store.placement.nvme else None
+        return state_companions(shard).get(state_key)
+
+    def read(self, shard: Any, state_key: str | None, copy: bool = True) -> torch.Tensor:
+        """This rank's chunk of ``shard`` (its master, or an optimizer state): a copy, or
+        (``copy=False``) a view valid until the tiers next move something."""
+        placement = self.store.placement
+        out = self._view(placement, shard, state_key)
+        return out.clone() if copy else out
+
+    def _view(self, placement: Any, shard: Any, state_key: str | None) -> torch.Tensor:
         real = shard.real_numel
         if state_key is None:
             placement.ensure_host(shard)
-            return shard.host[:real].clone()
+            return shard.host[:real]
         companion = state_companions(shard).get(state_key)
         if companion is not None:
             placement.ensure_host(companion)
-            return companion.host[:real].clone()
+            return companion.host[:real]
         value = self.store.optimizer.inner.state[shard.step_param][state_key]
-        return value.detach().reshape(-1)[:real].clone()
+        return value.detach().reshape(-1)[:real]
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         raise CheckpointError("this checkpoint format keeps tensors only")

@@ -21,7 +21,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from infinity.errors import CheckpointError
+from swap.stream_file import StreamWriter, read_pieces
 
 METADATA_NAME = "metadata.json"
 FORMAT = "infinity-checkpoint-1"
@@ -64,14 +65,20 @@ def dtype_of(name: str) -> torch.dtype:
         raise CheckpointError(f"unsupported dtype {name!r} in checkpoint metadata") from None
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The little-endian bytes of ``tensor`` (made contiguous, on the host)."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The little-endian bytes of ``tensor`` (made contiguous, on the host), without a copy
+    when it already is both."""
     tensor = tensor.detach().to("cpu").contiguous()
-    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    if not tensor.numel():
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def tensor_from(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    raw = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
+def tensor_from(data: bytes | bytearray, dtype: torch.dtype,
+                shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``data`` (a bytearray is used in place; bytes are copied)."""
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    raw = torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
     return raw.view(dtype).reshape(shape)
 
 
@@ -121,17 +128,16 @@ class InfinityStorageWriter(StorageWriter):
         stream = getattr(planner, "stream", None)
         chunks = stream(plan.items) if stream is not None else \
             ((item, planner.resolve_data(item)) for item in plan.items)
-        with open(self.partial / name, "wb") as file:
+        # Through the swap backends (O_DIRECT): the page cache's writeback is far slower.
+        with StreamWriter(self.partial / name) as file:
             for item, tensor in chunks:
                 data = tensor_bytes(tensor)
-                file.write(data)
-                location = ChunkLocation(name, offset, len(data), xxhash.xxh3_64_hexdigest(data))
+                checksum = xxhash.xxh3_64_hexdigest(data)
+                offset = file.write(data)
+                location = ChunkLocation(name, offset, len(data), checksum)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data),
                                            storage_data=location))
-                offset += len(data)
-            file.flush()
-            os.fsync(file.fileno())
-        self.bytes_written += offset
+                self.bytes_written += len(data)
         future: Future[list[WriteResult]] = Future()  # DCP waits on a torch future
         future.set_result(results)
         return future
@@ -215,39 +221,60 @@ class ChunkReader:
         self.path = Path(path)
         self.tensors = document["tensors"]
         self.storage = document["storage"]
-        self._cached: tuple[str, torch.Tensor] | None = None
+        self._cached: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self.bytes_read = 0
 
     def chunk(self, fqn: str, offsets: list[int] | tuple[int, ...]) -> torch.Tensor:
-        key = fqn + "@" + ",".join(str(o) for o in offsets)
+        """One chunk, verified."""
+        key = (fqn, tuple(offsets))
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        try:
-            location = self.storage[key]
-            info = self.tensors[fqn]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: no chunk of {fqn} at {list(offsets)} in the "
-                                  f"metadata") from None
-        sizes = next(c["sizes"] for c in info["chunks"] if c["offsets"] == list(offsets))
-        file = self.path / location["file"]
-        try:
-            with open(file, "rb") as handle:
-                handle.seek(location["offset"])
-                data = handle.read(location["length"])
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {file}: {exc}") from exc
-        if len(data) != location["length"]:
+        for _, tensor in self.chunks([key]):
+            self._cached = (key, tensor)
+            return tensor
+        raise AssertionError("unreachable")
+
+    def chunks(self, keys: list[tuple[str, tuple[int, ...]]]
+               ) -> Iterator[tuple[tuple[str, tuple[int, ...]], torch.Tensor]]:
+        """The chunks ``keys`` ((tensor name, offsets)), verified, in file order, with the
+        reads of the next ones in flight while each is handed out."""
+        by_file: dict[str, list[tuple[tuple[str, tuple[int, ...]], dict, list[int]]]] = {}
+        for fqn, offsets in keys:
+            name = fqn + "@" + ",".join(str(o) for o in offsets)
+            try:
+                location = self.storage[name]
+                info = self.tensors[fqn]
+            except KeyError:
+                raise CheckpointError(f"{self.path}: no chunk of {fqn} at {list(offsets)} in "
+                                      f"the metadata") from None
+            sizes = next(c["sizes"] for c in info["chunks"]
+                         if c["offsets"] == list(offsets))
+            by_file.setdefault(location["file"], []).append(((fqn, tuple(offsets)), location,
+                                                             sizes))
+        for file_name, wanted in sorted(by_file.items()):
+            file = self.path / file_name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
+            pieces = [(location["offset"], location["length"]) for _, location, _ in wanted]
+            try:
+                for index, data in read_pieces(file, pieces):
+                    key, location, sizes = wanted[index]
+                    yield key, self._verified(file, key[0], location, sizes, data)
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {file}: {exc}") from exc
+
+    def _verified(self, file: Path, fqn: str, location: dict, sizes: list[int],
+                  data: torch.Tensor) -> torch.Tensor:
+        if data.numel() != location["length"]:
             raise CheckpointError(f"{file} is truncated: {fqn} needs bytes "
                                   f"{location['offset']}..{location['offset'] + location['length']}"
                                   f", the file ends before")
-        if xxhash.xxh3_64_hexdigest(data) != location["checksum"]:
+        if xxhash.xxh3_64_hexdigest(memoryview(data.numpy())) != location["checksum"]:
             raise CheckpointError(f"{file} is corrupt: the bytes of {fqn} (offset "
                                   f"{location['offset']}, {location['length']} bytes) do not "
                                   f"match their checksum")
-        self.bytes_read += len(data)
-        tensor = tensor_from(data, dtype_of(info["dtype"]), tuple(sizes))
-        self._cached = (key, tensor)
-        return tensor
+        self.bytes_read += data.numel()
+        return data.view(dtype_of(self.tensors[fqn]["dtype"])).reshape(tuple(sizes))
 
 
 class InfinityStorageReader(StorageReader):
@@ -284,17 +311,19 @@ class InfinityStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # In checkpoint order, so each chunk is read (and verified) once.
-        items = sorted(plan.items, key=lambda r: (r.storage_index.fqn,
-                                                  tuple(r.storage_index.offset)))
-        for item in items:
-            chunk = self.chunks.chunk(item.storage_index.fqn, item.storage_index.offset)
-            source = chunk
-            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                source = source.narrow(dim, start, length)
-            target = planner.resolve_tensor(item)
-            target.copy_(source)
-            planner.commit_tensor(item, target)
+        # Each chunk is read (and verified) once, in file order, the next ones in flight.
+        by_chunk: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+        for item in plan.items:
+            key = (item.storage_index.fqn, tuple(item.storage_index.offset))
+            by_chunk.setdefault(key, []).append(item)
+        for key, chunk in self.chunks.chunks(list(by_chunk)):
+            for item in by_chunk[key]:
+                source = chunk
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    source = source.narrow(dim, start, length)
+                target = planner.resolve_tensor(item)
+                target.copy_(source)
+                planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -200,12 +200,15 @@ def test_a_flipped_byte_or_a_truncated_file_is_detected(tmp_path):
     checkpoint = _saved(tmp_path)
     data = checkpoint / "data-0.bin"
     original = data.read_bytes()
+    # A byte inside a chunk (pieces start at multiples of 4096, with padding between).
+    location = max(json.loads((checkpoint / "metadata.json").read_text())["storage"].values(),
+                   key=lambda loc: loc["offset"])
     flipped = bytearray(original)
-    flipped[len(flipped) // 2] ^= 0x10
+    flipped[location["offset"] + location["length"] // 2] ^= 0x10
     data.write_bytes(bytes(flipped))
     with pytest.raises(infinity.CheckpointError, match="data-0.bin is corrupt"):
         _load(checkpoint)
-    data.write_bytes(original[:len(original) // 2])
+    data.write_bytes(original[:location["offset"] + location["length"] // 2])
     with pytest.raises(infinity.CheckpointError, match="data-0.bin is truncated"):
         _load(checkpoint)
     data.write_bytes(original)
