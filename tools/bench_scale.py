@@ -37,13 +37,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_scale_arguments(parser: argparse.ArgumentParser, steps_help: str = "") -> None:
+    """The scale model and its budgets (shared with the checkpoint benchmark)."""
     parser.add_argument("--params", type=lambda v: int(float(v.rstrip("Mm")) * 1e6),
                         default=500_000_000, help="parameter count, e.g. 500M")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help=steps_help or None)
     parser.add_argument("--host-budget", type=lambda v: parse_size(v, name="--host-budget"),
                         default=2 << 30)
     parser.add_argument("--device-budget", type=lambda v: parse_size(v, name="--device-budget"),
@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=64 << 20)
     parser.add_argument("--nvme-path", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_scale_arguments(parser)
     args = parser.parse_args(argv)
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-scale-"))
     # Python + torch with its runtime initialised (thread pools, kernels), before any model
