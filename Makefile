@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dist test bench bench-full bench-scale bench-dist soak venv clean
+.PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-full: $(STAMP)
 	$(PY) -m tools.bench_overlap
 	$(PY) -m tools.bench_clip
 	$(PY) -m tools.bench_step
+
+# Long: save and load of the scale model's checkpoint (tens of GB through the disk).
+bench-checkpoint: $(STAMP)
+	$(PY) -m tools.bench_checkpoint
 
 # Long: moves tens of GB through the disk (a 500M-parameter model under a 2 GiB host budget).
 bench-scale: $(STAMP)

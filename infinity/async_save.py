@@ -33,13 +33,16 @@ class AsyncSave:
     """One save under way; see the module docstring."""
 
     def __init__(self, chunks: list[tuple[ChunkKey, Any]], read: Callable[[Any], torch.Tensor],
-                 cap_bytes: int) -> None:
+                 cap_bytes: int, readable: Callable[[Any], bool] = lambda source: True) -> None:
         #: chunks not yet copied out, in plan order: key -> source (given to ``read``)
         self.pending: OrderedDict[ChunkKey, Any] = OrderedDict(chunks)
         self.of_shard: dict[str, list[ChunkKey]] = {}
         for key, source in chunks:
             self.of_shard.setdefault(_shard_id(source), []).append(key)
         self.read = read
+        #: whether a chunk can be copied out now (a master whose only host copy is gone while
+        #: its module computes cannot: it is left for later)
+        self.readable = readable
         self.cap = cap_bytes
         self.staged: queue.Queue[tuple[ChunkKey, torch.Tensor] | None] = queue.Queue()
         self.staged_bytes = 0
@@ -70,9 +73,12 @@ class AsyncSave:
 
     def advance(self) -> None:
         """Copies chunks out in plan order while the queue is under its cap."""
-        while self.pending and self.staged_bytes < self.cap and self.error is None:
-            key, source = self.pending.popitem(last=False)
-            self._stage(key, source)
+        for key, source in list(self.pending.items()):
+            if self.staged_bytes >= self.cap or self.error is not None:
+                return
+            if self.readable(source):
+                del self.pending[key]
+                self._stage(key, source)
 
     def before_change(self, shards: Iterable[Any]) -> None:
         """Copies out what is still due of ``shards`` before they change; waits while the queue
@@ -88,7 +94,11 @@ class AsyncSave:
     def finish(self) -> None:
         """Copies out everything left and waits for the writer; raises its failure."""
         while self.pending and self.error is None:
+            before = len(self.pending)
             self.advance()
+            if len(self.pending) == before and self.staged_bytes < self.cap:
+                raise CheckpointError(f"{before} chunks of the asynchronous save cannot be "
+                                      f"read (their masters are in use on the device)")
             self._wait_under_cap()
         if self.thread is not None:
             self.thread.join()

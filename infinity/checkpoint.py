@@ -91,13 +91,7 @@ class Checkpointer:
         # Masters are read from the host or NVMe, never from a device copy (which may be in
         # a lower precision, and whose host slot may be gone): device copies go first, and the
         # persistent ones come back after (in entry order: across ranks they are gathers).
-        held = [e.name for e in store.registry.entries if e.holds]
-        if held:
-            raise CheckpointError(f"save_checkpoint() while {held[0]} is in use (a forward, a "
-                                  f"backward or store.gathered()): save between steps")
-        dropped = [e for e in store.registry.entries if e.resident]
-        for entry in dropped:
-            placement.drop_device(entry, force=True)
+        dropped = self._drop_device_copies("save_checkpoint()")
         files = {STATE_NAME: json.dumps(self._state(extra))}
         config = getattr(store.model, "config", None)
         if hasattr(config, "to_json_string"):
@@ -110,7 +104,9 @@ class Checkpointer:
                 [((key, shard.start), (shard, state_key))
                  for key, shard, state_key in _chunks(store)],
                 lambda source: planner.read(*source),
-                cap_bytes=store.config.checkpoint_staging)
+                cap_bytes=store.config.checkpoint_staging,
+                readable=lambda source: source[1] is not None or
+                source[0].state is not R.DEVICE_NVME)
             planner.source = pending
             group = self._checkpoint_group()
 
@@ -128,12 +124,31 @@ class Checkpointer:
             _barrier()
             self.last = {"save_seconds": time.perf_counter() - started,
                          "bytes_written": writer.bytes_written}
-        for entry in dropped:
-            if entry.index in placement.persistent:
-                placement.gather(entry, hold=False)
+        self._restore_device_copies(dropped)
         if not async_save:
             log.info("checkpoint %s saved: %d bytes from this rank in %.2f s", path,
                      writer.bytes_written, self.last["save_seconds"])
+
+    def _drop_device_copies(self, what: str) -> list[Any]:
+        """Masters are read from the host or NVMe, never from a device copy (which may be in a
+        lower precision, and whose host slot may be gone): device copies go first. Called at
+        the same point on every rank (across ranks, what comes back is gathered)."""
+        store = self.store
+        held = [e.name for e in store.registry.entries if e.holds]
+        if held:
+            raise CheckpointError(f"{what} while {held[0]} is in use (a forward, a backward or "
+                                  f"store.gathered()): call it between steps")
+        dropped = [e for e in store.registry.entries if e.resident]
+        for entry in dropped:
+            store.placement.drop_device(entry, force=True)
+        return dropped
+
+    def _restore_device_copies(self, dropped: list[Any]) -> None:
+        """Persistent device copies come back (in entry order: across ranks, gathers)."""
+        placement = self.store.placement
+        for entry in dropped:
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)
 
     @staticmethod
     def _run_save(path: Path, writer: InfinityStorageWriter, planner: "_SavePlanner",
@@ -160,8 +175,8 @@ class Checkpointer:
         """Copies a little more of a save under way out of the tiers (module hooks)."""
         if self.pending is not None:
             self.pending.advance()
-            if not self.pending.active:
-                self.wait()
+            if not self.pending.active:  # the writer is done: every chunk was copied out
+                self.wait(between_steps=False)
 
     def before_change(self, shards: Any) -> None:
         """Before ``shards`` change (a step, a write): what a save under way still needs of
@@ -169,12 +184,21 @@ class Checkpointer:
         if self.pending is not None:
             self.pending.before_change(shards)
 
-    def wait(self) -> None:
-        """Completes a save under way (copying out what is left), raising its failure."""
+    def wait(self, between_steps: bool = True) -> None:
+        """Completes a save under way (copying out what is left), raising its failure.
+        ``between_steps``: called at the same point on every rank, outside forward and
+        backward."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        pending.finish()
+        # What is left may include masters whose host copies went while their device copies
+        # were cached: device copies go first, as in a save (on every rank alike, whatever
+        # this rank's writer has done: across ranks their return is a collective).
+        dropped = self._drop_device_copies("wait_for_checkpoint()") if between_steps else []
+        try:
+            pending.finish()
+        finally:
+            self._restore_device_copies(dropped)
         log.info("checkpoint saved in the background: %d bytes from this rank in %.2f s, %d "
                  "chunks copied before a change, the training waited %.3f s",
                  self.last.get("bytes_written", 0), self.last.get("save_seconds", 0.0),
@@ -548,8 +572,11 @@ class _LoadPlanner(LoadPlanner):
 
     def _write_state(self, shard: Any, key: str, values: torch.Tensor) -> None:
         optimizer = self.store.optimizer
-        padded = torch.zeros(shard.numel, dtype=values.dtype)
-        padded[:shard.real_numel].copy_(values)
+        if shard.real_numel == shard.numel:
+            padded = values  # the planner's buffer, ours now: no copy
+        else:  # this rank's slice ends in padding
+            padded = torch.zeros(shard.numel, dtype=values.dtype)
+            padded[:shard.real_numel].copy_(values)
         state = optimizer.inner.state.setdefault(shard.step_param, {})
         state[key] = padded.view(_step_shape(shard))
         if optimizer.swap_state:

@@ -118,8 +118,8 @@ def write_entry_pieces(store: Any, entry: Any,
     flat range, any dtype), so a caller reading from a file holds one shard's worth at a
     time."""
     placement = store.placement
-    store._before_state_change(entry.shards)  # a checkpoint being saved copies them first
     placement.drop_device(entry, force=True)
+    store._before_state_change(entry.shards)  # a checkpoint being saved copies them first
     for shard in entry.shards:
         piece = piece_of(shard).reshape(-1).to(shard.dtype)
         # The whole value is replaced: no need to read the old one (which may be the very

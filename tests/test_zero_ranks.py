@@ -69,6 +69,12 @@ def _train_rank(rank: int, world: int, config: dict, micro_batches: int, clip: f
     losses = _loop(model, optimizer, world, rank, micro_batches, clip, mean_over_ranks)
     stats = store.stats()
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    # The optimizer's state in the plain layout, whole tensors assembled from every rank, and
+    # loaded back (each rank keeps its slices) without changing a value.
+    optim_state = optimizer.state_dict()
+    optimizer.load_state_dict(optim_state)
+    assert_same_optimizer_state(optimizer.state_dict(), optim_state)
+    optim_moments = {i: s["exp_avg"] for i, s in optim_state["state"].items()}
     # This rank's training state: master slices and their gradient and optimizer-state
     # companions, wherever they live (host or NVMe).
     held = sum(s.nbytes + sum(c.nbytes for c in s.companions.values())
@@ -76,20 +82,32 @@ def _train_rank(rank: int, world: int, config: dict, micro_batches: int, clip: f
     run_dirs = [str(d) for d in store.engine.space.run_dirs] if store.engine else []
     store.close()
     return {"losses": losses, "state": state, "stats": stats, "held": held,
-            "run_dirs": run_dirs, "grad_norm": store.last_grad_norm}
+            "run_dirs": run_dirs, "grad_norm": store.last_grad_norm,
+            "moments": optim_moments}
 
 
-def _reference(world: int, micro_batches: int, clip: float) -> tuple[list[float], dict]:
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for index, values in a["state"].items():
+        for key, value in values.items():
+            assert torch.equal(value, b["state"][index][key]), (index, key)
+
+
+def _reference(world: int, micro_batches: int, clip: float) -> tuple[list[float], dict, dict]:
     model = make_model(seed=0)
     optimizer = fused_adamw(model.parameters())
     losses = _loop(model, optimizer, world, None, micro_batches, clip, lambda loss: loss.item())
-    return losses, model.state_dict()
+    moments = {i: s["exp_avg"] for i, s in optimizer.state_dict()["state"].items()}
+    return losses, model.state_dict(), moments
 
 
 def _check(results: dict, world: int, micro_batches: int = 1, clip: float = 0.0,
            loss_tol: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    losses, state = _reference(world, micro_batches, clip)
+    losses, state, moments = _reference(world, micro_batches, clip)
     for rank, result in results.items():
+        for index, moment in moments.items():
+            torch.testing.assert_close(torch.as_tensor(result["moments"][index]), moment,
+                                       rtol=rtol, atol=atol)
         for step, (a, b) in enumerate(zip(losses, result["losses"])):
             assert abs(a - b) <= loss_tol, f"rank {rank} step {step}: {b} vs plain {a}"
         for key, value in state.items():
