@@ -117,8 +117,7 @@ class Checkpointer:
                              "copied_before_change": pending.copied_before_change,
                              "step_wait_seconds": pending.wait_seconds}
             pending.start(write)
-            self.pending = pending
-            pending.advance()
+            self.pending = pending  # copied out from the next module hook or change on
         else:
             self._run_save(path, writer, planner, _group(store))
             _barrier()
@@ -544,6 +543,18 @@ class _LoadPlanner(LoadPlanner):
             dtype = self.metadata.state_dict_metadata[target[0]].properties.dtype
             buffer = self.buffers[target] = torch.empty(shard.real_numel, dtype=dtype)
         return buffer.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+    def adopt(self, read_item: ReadItem, source: torch.Tensor) -> bool:
+        """Takes ``source`` (the checkpoint's bytes, read for this item) as the whole of its
+        destination when it is: one read, no buffer of ours and no copy into it."""
+        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        shard, _ = self.targets[target]
+        if self.waiting[target] != 1 or target in self.buffers or \
+                read_item.lengths[0] != shard.real_numel:
+            return False
+        self.buffers[target] = source
+        self.commit_tensor(read_item, source)
+        return True
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])

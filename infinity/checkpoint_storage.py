@@ -316,11 +316,15 @@ class InfinityStorageReader(StorageReader):
         for item in plan.items:
             key = (item.storage_index.fqn, tuple(item.storage_index.offset))
             by_chunk.setdefault(key, []).append(item)
+        # A planner that can take a read's bytes as they are (``adopt``) is spared a copy.
+        adopt = getattr(planner, "adopt", None)
         for key, chunk in self.chunks.chunks(list(by_chunk)):
             for item in by_chunk[key]:
                 source = chunk
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                     source = source.narrow(dim, start, length)
+                if adopt is not None and adopt(item, source):
+                    continue
                 target = planner.resolve_tensor(item)
                 target.copy_(source)
                 planner.commit_tensor(item, target)
