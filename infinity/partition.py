@@ -29,16 +29,19 @@ rank's swap files.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from infinity.errors import RankError
+from infinity.errors import AttachError, RankError
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,58 @@ class Partition:
         if dist.get_world_size(group) <= 1:
             return None
         return cls(group, stage)
+
+    @classmethod
+    def join(cls, process_group: Any, config: Any, device: torch.device) -> "Partition | None":
+        """This rank's partition under a process group of several ranks (None otherwise), after
+        refusing what cannot run across ranks."""
+        if process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise AttachError("attach(process_group=...) needs torch.distributed initialised: "
+                              "call dist.init_process_group() first")
+        partition = cls.of(process_group, config.zero_stage)
+        if partition is None:
+            return None
+        where = partition.describe()
+        if config.step_in_backward:
+            raise AttachError(
+                f"{where}: step_in_backward=True is not supported across ranks (its updates "
+                f"would need a collective per parameter at times that differ between ranks): "
+                f"set step_in_backward=False")
+        if partition.stage < 3 and config.offload_param != "none":
+            raise AttachError(
+                f"{where}: zero_stage={partition.stage} keeps every parameter whole on each "
+                f"rank's device, so offload_param={config.offload_param!r} cannot apply: use "
+                f"zero_stage=3 to partition and offload parameters, or offload_param='none' "
+                f"(masters and optimizer state stay partitioned, on offload_optimizer's tier)")
+        if device.type == "cuda" and partition.backend != "nccl":
+            raise AttachError(f"{where}: compute on {device} needs the nccl backend; "
+                              f"init_process_group('nccl')")
+        if device.type == "cpu" and partition.on_device:
+            raise AttachError(f"{where}: device='cpu' needs a process group on the gloo backend")
+        partition.bucket_bytes = config.reduce_bucket_size if config.overlap_comm else 0
+        log.info("%s: each rank holds 1/%d of the training state", where, partition.world)
+        return partition
+
+    def check_same_model(self, entries: list[Any], config: Any) -> None:
+        """Stops ranks that registered different parameters, or differ in the settings that
+        decide the shards and when collectives happen, before their first collective."""
+        layout = [(e.name, tuple(e.shape), str(e.dtype), e.requires_grad) for e in entries]
+        self.agree("the model's parameters (names, shapes, dtypes)", _digest(layout))
+        # Drives and host memory may differ between ranks; these may not.
+        shared = {k: v for k, v in config.to_dict().items() if k in _SAME_ON_EVERY_RANK}
+        self.agree(f"the config ({', '.join(sorted(shared))})", _digest(shared))
+
+    def drives(self, paths: list[Path]) -> list[Path]:
+        """The swap directories this rank uses: with at least as many as ranks on this node,
+        its own share of them (ranks do not compete for a drive); with fewer, all of them,
+        starting from a different one on each rank, so their stripes begin on different
+        drives."""
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if len(paths) >= local_world > 1:
+            return paths[local_rank % local_world::local_world]
+        first = local_rank % len(paths)
+        return paths[first:] + paths[:first]
 
     def describe(self) -> str:
         return f"rank {self.rank} of {self.world} ({self.backend}, ZeRO stage {self.stage})"
@@ -276,3 +331,15 @@ def _group_timeout(group: Any) -> str:
     except Exception:  # noqa: BLE001 - only for the message
         pass
     return ""
+
+
+#: config fields every rank must share: they decide the shards and when collectives happen
+_SAME_ON_EVERY_RANK = frozenset({
+    "device_budget", "buffer_size", "param_persistence_threshold", "offload_param",
+    "offload_optimizer", "precision", "gradient_clipping", "zero_stage", "step_in_backward"})
+
+
+def _digest(value: Any) -> str:
+    """A short digest of ``repr(value)`` that is the same in every process (``hash`` of a str
+    is salted per process)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]

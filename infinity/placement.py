@@ -33,7 +33,7 @@ from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
 from infinity.trace import FORWARD, Event, Trace, TraceFollower
-from swap import SwapEngine, align_up
+from swap import SwapEngine
 
 log = logging.getLogger(__name__)
 
@@ -765,56 +765,6 @@ class Placement(Completions, CompanionsAndGradients):
 
     # -- self-check -----------------------------------------------------------------------------
     def audit(self) -> list[str]:
-        """Checks the bookkeeping against itself (tests, the soak tool, debugging): every state
-        legal and backed by what it claims, every tier's byte count equal to what its holders
-        add up to and within budget, arena ranges disjoint. Returns the problems found.
-        Call it on the training thread, between operations."""
-        problems: list[str] = []
-        shards = [s for p in self.registry.shards.values() for s in (p, *p.companions.values())]
-        ranges: list[tuple[int, int, str]] = []
-        host_bytes = self.quarantined_bytes
-        for shard in shards:
-            state = shard.state
-            if shard.kind == "param" and state is R.EMPTY and \
-                    shard.entry.index not in self.uninitialised:
-                problems.append(f"{shard.id}: a parameter shard has no valid copy")
-            if state.in_flight != (shard.pending is not None):
-                problems.append(f"{shard.id}: {state.name} with "
-                                f"{'a' if shard.pending is not None else 'no'} transfer pending")
-            if state.on_nvme and shard.extent is None:
-                problems.append(f"{shard.id}: {state.name} without an NVMe extent")
-            arena_backed = self.params_on_nvme if shard.kind == "param" else True
-            wants_slot = arena_backed and (state.on_host or state is R.NVME_LOADING)
-            if wants_slot != (shard in self.in_arena):
-                problems.append(f"{shard.id}: {state.name} but "
-                                f"{'in' if shard in self.in_arena else 'not in'} the arena")
-            if shard in self.in_arena:
-                if shard.arena_offset is None or shard.host is None:
-                    problems.append(f"{shard.id}: in the arena without a slot")
-                else:
-                    size = align_up(max(shard.nbytes, 1))
-                    ranges.append((shard.arena_offset, shard.arena_offset + size, shard.id))
-                    host_bytes += size
-            elif shard.kind == "param" and not arena_backed and state.on_host:
-                host_bytes += shard.nbytes  # a standalone host tensor
-            if shard.kind == "param" and state.on_device != shard.entry.resident:
-                problems.append(f"{shard.id}: {state.name} but the entry is "
-                                f"{'' if shard.entry.resident else 'not '}resident")
-        ranges += [(o, o + align_up(max(n, 1)), f"quarantine({i})") for o, n, i in self.quarantine]
-        ranges.sort()
-        for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
-            if start < end:
-                problems.append(f"arena ranges of {a} and {b} overlap")
-        resident = {e for e in self.registry.entries if e.resident}
-        if resident != self.on_device:
-            problems.append("the entries marked resident are not the ones listed on the device")
-        device_bytes = sum(e.device_bytes for e in self.on_device)
-        for name, tier, expected in (("device", self.device, device_bytes),
-                                     ("host", self.host, host_bytes)):
-            if tier.usage.current != expected:
-                problems.append(f"{name} tier counts {tier.usage.current} bytes, its holders "
-                                f"add up to {expected}")
-            if tier.usage.current > tier.budget:
-                problems.append(f"{name} tier holds {tier.usage.current} bytes over its budget "
-                                f"of {tier.budget}")
-        return problems
+        """Checks the bookkeeping against itself; see :func:`infinity.audit.audit`."""
+        from infinity.audit import audit
+        return audit(self)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
-import os
 import shutil
 import tempfile
 import threading
@@ -166,7 +164,7 @@ class TieredStore(Stepping):
             raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
                               f"the model (a torch.nn.Module) and then its optimizer")
         self._check_optimizer(model, optimizer)
-        self.partition = self._join_ranks(process_group)
+        self.partition = Partition.join(process_group, self.config, self.device)
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
                 raise AttachError(
@@ -195,38 +193,6 @@ class TieredStore(Stepping):
             self._teardown(restore=True)
             raise
         return model, self.optimizer
-
-    def _join_ranks(self, process_group: Any) -> Partition | None:
-        """This rank's partition under a process group of several ranks (None otherwise), after
-        refusing what cannot run across ranks."""
-        import torch.distributed as dist
-        if process_group is not None and not (dist.is_available() and dist.is_initialized()):
-            raise AttachError("attach(process_group=...) needs torch.distributed initialised: "
-                              "call dist.init_process_group() first")
-        partition = Partition.of(process_group, self.config.zero_stage)
-        if partition is None:
-            return None
-        config = self.config
-        where = partition.describe()
-        if config.step_in_backward:
-            raise AttachError(
-                f"{where}: step_in_backward=True is not supported across ranks (its updates "
-                f"would need a collective per parameter at times that differ between ranks): "
-                f"set step_in_backward=False")
-        if partition.stage < 3 and config.offload_param != "none":
-            raise AttachError(
-                f"{where}: zero_stage={partition.stage} keeps every parameter whole on each "
-                f"rank's device, so offload_param={config.offload_param!r} cannot apply: use "
-                f"zero_stage=3 to partition and offload parameters, or offload_param='none' "
-                f"(masters and optimizer state stay partitioned, on offload_optimizer's tier)")
-        if self.device.type == "cuda" and partition.backend != "nccl":
-            raise AttachError(f"{where}: compute on {self.device} needs the nccl backend; "
-                              f"init_process_group('nccl')")
-        if self.device.type == "cpu" and partition.on_device:
-            raise AttachError(f"{where}: device='cpu' needs a process group on the gloo backend")
-        partition.bucket_bytes = config.reduce_bucket_size if config.overlap_comm else 0
-        log.info("%s: each rank holds 1/%d of the training state", where, partition.world)
-        return partition
 
     @staticmethod
     def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
@@ -265,13 +231,7 @@ class TieredStore(Stepping):
         if not self.registry.entries:
             raise AttachError("the model has no parameters to offload")
         if self.partition is not None:
-            layout = [(e.name, tuple(e.shape), str(e.dtype), e.requires_grad)
-                      for e in self.registry.entries]
-            self.partition.agree("the model's parameters (names, shapes, dtypes)",
-                                 _digest(layout))
-            # What decides the shards and the collectives; drives and host memory may differ.
-            shared = {k: v for k, v in config.to_dict().items() if k in _SAME_ON_EVERY_RANK}
-            self.partition.agree(f"the config ({', '.join(sorted(shared))})", _digest(shared))
+            self.partition.check_same_model(self.registry.entries, config)
         module_entries = []
         for module_name, module in model.named_modules():
             entries = []
@@ -506,7 +466,7 @@ class TieredStore(Stepping):
         paths = [check_directory(Path(p)) for p in paths]
         label = ""
         if self.partition is not None:
-            paths = _drives_of_rank(paths, self.partition)
+            paths = self.partition.drives(paths)
             label = f"rank{self.partition.rank}-"
         stripe = config.aio.block_size
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
@@ -819,28 +779,3 @@ class TieredStore(Stepping):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _drives_of_rank(paths: list[Path], partition: Partition) -> list[Path]:
-    """The swap directories one rank uses: with at least as many as ranks on this node, its
-    own share of them (ranks do not compete for a drive); with fewer, all of them, starting
-    from a different one on each rank, so the stripes of the ranks begin on different drives."""
-    import os
-    local_rank = int(os.environ.get("LOCAL_RANK", partition.rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", partition.world))
-    if len(paths) >= local_world > 1:
-        return paths[local_rank % local_world::local_world]
-    first = local_rank % len(paths)
-    return paths[first:] + paths[:first]
-
-
-#: config fields every rank must share: they decide the shards and when collectives happen
-_SAME_ON_EVERY_RANK = frozenset({
-    "device_budget", "buffer_size", "param_persistence_threshold", "offload_param",
-    "offload_optimizer", "precision", "gradient_clipping", "zero_stage", "step_in_backward"})
-
-
-def _digest(value: Any) -> str:
-    """A short digest of ``repr(value)`` that is the same in every process (``hash`` of a str
-    is salted per process)."""
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
