@@ -83,13 +83,14 @@ class HookSet:
 
         def root_pre_forward(module: nn.Module, args: Any) -> None:
             hooks._root_pre_forward(module, args)
-        self.handles.append(self.root.register_forward_pre_hook(root_pre_forward))
+        self.handles.append(self.root.register_forward_pre_hook(_opaque(root_pre_forward)))
         for index, (module, entries) in enumerate(self.modules):
             pre_forward, post_forward = self._make_hooks(index, module, entries)
-            self.handles.append(module.register_forward_pre_hook(pre_forward))
+            self.handles.append(module.register_forward_pre_hook(_opaque(pre_forward)))
             # always_call: activation checkpointing stops a recomputation early by raising out
             # of a module's forward, and the holds taken by its pre-hook must still be released.
-            self.handles.append(module.register_forward_hook(post_forward, always_call=True,
+            self.handles.append(module.register_forward_hook(_opaque(post_forward),
+                                                             always_call=True,
                                                              with_kwargs=True))
         for _, entries in self.modules:
             self._hook_grads(entries)
@@ -102,7 +103,7 @@ class HookSet:
             if entry.index not in self._grad_hooked and entry.param.requires_grad:
                 self._grad_hooked.add(entry.index)
                 self.handles.append(entry.param.register_post_accumulate_grad_hook(
-                    self._make_grad_hook(entry)))
+                    _opaque(self._make_grad_hook(entry))))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -153,6 +154,7 @@ class HookSet:
                 for entry in entries:
                     self.placement.gather(entry)
                     gathered.append(entry)
+                self._computing(gathered, True)
                 self.placement.assemble_ahead()
             self.store._checkpoint_progress()
             self.store.watch_heap()
@@ -168,7 +170,7 @@ class HookSet:
             gathered = calls.pop() if calls else []
             with _normal_tensors():
                 for entry in gathered:
-                    self.placement.release(entry)
+                    self._release(entry)
             if torch.is_grad_enabled():
                 self._hook_outputs(flat, backward_event, entries)
                 self._hook_inputs((args, kwargs), entries)
@@ -195,11 +197,12 @@ class HookSet:
             for entry in entries:
                 self.placement.gather(entry)
                 self.backward_holds[entry] = self.backward_holds.get(entry, 0) + 1
+            self._computing(entries, True)
             self.placement.assemble_ahead()
             self.store.watch_heap()
 
         for tensor in tensors:
-            tensor.register_hook(pre_backward)
+            tensor.register_hook(_opaque(pre_backward))
 
     def _hook_inputs(self, inputs: Any, entries: list[ParamEntry]) -> None:
         """Frozen parameters get no gradient hook to drop their backward holds; without this
@@ -222,9 +225,9 @@ class HookSet:
                         del self.backward_holds[entry]
                     else:
                         self.backward_holds[entry] = count - 1
-                    self.placement.release(entry)
+                    self._release(entry)
 
-        torch.autograd.graph.register_multi_grad_hook(tensors, inputs_done, mode="all")
+        torch.autograd.graph.register_multi_grad_hook(tensors, _opaque(inputs_done), mode="all")
 
     def _make_grad_hook(self, entry: ParamEntry) -> Callable:
         def grad_ready(param: torch.Tensor) -> None:
@@ -250,7 +253,18 @@ class HookSet:
     def _release_backward(self, entry: ParamEntry) -> None:
         count = self.backward_holds.pop(entry, 0)
         for _ in range(count):
-            self.placement.release(entry)
+            self._release(entry)
+
+    def _release(self, entry: ParamEntry) -> None:
+        self.placement.release(entry)
+        if not entry.holds:
+            self._computing([entry], False)
+
+    def _computing(self, entries: list[ParamEntry], live: bool) -> None:
+        """See ParamAccess.computing (the access exists once attach has finished)."""
+        access = self.store.access
+        if access is not None:
+            access.computing(entries, live)
 
     def _queue_end_of_backward(self) -> None:
         if self._callback_queued:
@@ -268,6 +282,12 @@ class HookSet:
         self._backward_pass += 1
         for entry in list(self.backward_holds):
             self._release_backward(entry)
+
+
+def _opaque(hook: Callable) -> Callable:
+    """``hook`` run as Python, never traced by torch.compile: it moves bytes between the tiers
+    and keeps the store's books, which a compiled graph would freeze (a graph break)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _graph_task() -> int | None:

@@ -29,7 +29,7 @@ _METADATA_ATTRIBUTES = (
     "shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad_fn", "ndim",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
     "names", "output_nr", "_version", "_base", "itemsize", "nbytes", "retains_grad", "name",
-    "_backward_hooks", "_post_accumulate_grad_hooks",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "grad_dtype",
 )
 _METADATA_METHODS = (
     "size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous",
@@ -98,7 +98,7 @@ def name_of(func: Callable) -> str:
 def is_inplace(name: str) -> bool:
     if name in ("__setitem__", "data.__set__", "grad.__set__"):
         return True
-    if name.startswith("__"):
+    if name.startswith("__") or "." in name:  # dunders; other properties' accessors
         return False
     return name.endswith("_") and name not in _INPLACE_METADATA
 

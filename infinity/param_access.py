@@ -123,6 +123,21 @@ class ParamAccess:
                 entry.param.__class__ = cls
         self.closed = True
 
+    def computing(self, entries: Iterable[ParamEntry], live: bool) -> None:
+        """While a forward or backward computes with them, parameters are instances of their
+        own class again: every operation then runs on the device copy, which they hold, without
+        a ``__torch_function__`` in the way (torch.compile traces the module as it would without
+        the store, instead of tracing the store's handler). Once the last hold is gone they are
+        attached again (``live=False``)."""
+        for entry in entries:
+            cls = self._original.get(entry.index)
+            if cls is None:
+                continue
+            if live:
+                entry.param.__class__ = cls
+            elif not entry.holds:
+                entry.param.__class__ = self._classes[cls]
+
     def _class_for(self, cls: type) -> type:
         found = self._classes.get(cls)
         if found is None:
@@ -202,8 +217,8 @@ class ParamAccess:
     def _check_write(self, entry: ParamEntry, name: str) -> None:
         if self.modifying.get(entry.index):
             return
-        where = ("inside a forward or backward pass, where a write to the device copy would be "
-                 "lost at its next eviction" if self._live(entry) else
+        where = ("inside store.gathered() without modify=True, where a write to the device "
+                 "copy would be lost at its next eviction" if self._live(entry) else
                  "here: between uses its values live in the store's tiers, not in this tensor")
         raise ParameterAccessError(
             f"parameter '{entry.name}' is attached to a TieredStore and cannot be written in "
@@ -334,6 +349,7 @@ class ParamAccess:
                     if not self.modifying[entry.index]:
                         del self.modifying[entry.index]
                 placement.release(entry)
+            self.computing(entries, False)  # a forward inside the block left them plain
             for entry, value in edited:
                 self._write_back(entry, value)
 
