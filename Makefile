@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint soak venv clean
+.PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint \
+	bench-compile soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,10 @@ bench-full: $(STAMP)
 	$(PY) -m tools.bench_overlap
 	$(PY) -m tools.bench_clip
 	$(PY) -m tools.bench_step
+
+# torch.compile's gain on the demo's GPT, plain and attached (each block compiled).
+bench-compile: $(STAMP)
+	$(PY) -m tools.bench_compile
 
 # Long: save and load of the scale model's checkpoint (tens of GB through the disk).
 bench-checkpoint: $(STAMP)
