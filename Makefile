@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile soak venv clean
+	bench-compile gpu-check soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ bench-full: $(STAMP)
 	$(PY) -m tools.bench_overlap
 	$(PY) -m tools.bench_clip
 	$(PY) -m tools.bench_step
+
+# The CUDA path on a GPU machine: no venv and no network there (the repository on PYTHONPATH,
+# the machine's own torch); the CUDA tests, then a short benchmark. Figures go to $$OUT.
+# Here (no GPU) it says so and fails.
+GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
+gpu-check:
+	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check
 
 # torch.compile's gain on the demo's GPT, plain and attached (each block compiled).
 bench-compile: $(STAMP)
