@@ -30,15 +30,17 @@ ChunkKey = tuple[str, int]
 
 
 class AsyncSave:
-    """One save under way; see the module docstring."""
+    """One save under way; see the module docstring. ``chunks``: (key, source) in plan order,
+    a source being (shard, optimizer state key or None), which ``read`` copies out."""
 
-    def __init__(self, chunks: list[tuple[ChunkKey, Any]], read: Callable[[Any], torch.Tensor],
+    def __init__(self, chunks: list[tuple[ChunkKey, tuple[Any, ...]]],
+                 read: Callable[[Any], torch.Tensor],
                  cap_bytes: int, readable: Callable[[Any], bool] = lambda source: True) -> None:
         #: chunks not yet copied out, in plan order: key -> source (given to ``read``)
         self.pending: OrderedDict[ChunkKey, Any] = OrderedDict(chunks)
         self.of_shard: dict[str, list[ChunkKey]] = {}
         for key, source in chunks:
-            self.of_shard.setdefault(_shard_id(source), []).append(key)
+            self.of_shard.setdefault(source[0].id, []).append(key)
         self.read = read
         #: whether a chunk can be copied out now (a master whose only host copy is gone while
         #: its module computes cannot: it is left for later)
@@ -73,12 +75,19 @@ class AsyncSave:
 
     def advance(self) -> None:
         """Copies chunks out in plan order while the queue is under its cap."""
-        for key, source in list(self.pending.items()):
-            if self.staged_bytes >= self.cap or self.error is not None:
-                return
-            if self.readable(source):
+        # Called at every module's forward while a save is under way: walk only as far as the
+        # cap allows, without copying the list of what is due.
+        taken = []
+        try:
+            for key, source in self.pending.items():
+                if self.staged_bytes >= self.cap or self.error is not None:
+                    break
+                if self.readable(source):
+                    taken.append(key)
+                    self._stage(key, source)
+        finally:
+            for key in taken:
                 del self.pending[key]
-                self._stage(key, source)
 
     def before_change(self, shards: Iterable[Any]) -> None:
         """Copies out what is still due of ``shards`` before they change; waits while the queue
@@ -136,7 +145,3 @@ class AsyncSave:
             left.discard(key)
             yield key, tensor
 
-
-def _shard_id(source: Any) -> str:
-    shard = source[0] if isinstance(source, tuple) else source
-    return shard.id

@@ -266,8 +266,9 @@ class Checkpointer:
             self._load_optimizer_scalars(state["optimizer"])
         placement = store.placement
         placement.finish_reductions()
-        for entry in store.registry.entries:
-            placement.drop_device(entry, force=True)
+        # Every value is overwritten: no device copy may outlive it (the persistent ones come
+        # back in planner.finish()).
+        self._drop_device_copies("load_checkpoint()")
         planner = _LoadPlanner(store, load_optimizer=optimizer is not None and
                                state["optimizer"] is not None)
         try:
@@ -583,13 +584,9 @@ class _LoadPlanner(LoadPlanner):
 
     def _write_state(self, shard: Any, key: str, values: torch.Tensor) -> None:
         optimizer = self.store.optimizer
-        if shard.real_numel == shard.numel:
-            padded = values  # the planner's buffer, ours now: no copy
-        else:  # this rank's slice ends in padding
-            padded = torch.zeros(shard.numel, dtype=values.dtype)
-            padded[:shard.real_numel].copy_(values)
         state = optimizer.inner.state.setdefault(shard.step_param, {})
-        state[key] = padded.view(_step_shape(shard))
+        # Without padding, the planner's buffer itself (ours now): no copy.
+        state[key] = shard.padded(values).view(_step_shape(shard))
         if optimizer.swap_state:
             # Into its companion now: per-element state is never all in memory at once.
             optimizer._stash_loaded_state(shard, keep_others=True)

@@ -115,9 +115,7 @@ class CompanionsAndGradients:
         average over the ranks)."""
         if shard.piece is None:
             return flat[shard.start:shard.start + shard.numel]
-        padded = torch.zeros(shard.numel, dtype=flat.dtype, device=flat.device)
-        padded[:shard.real_numel].copy_(shard.part_of(flat))
-        return padded
+        return shard.padded(shard.part_of(flat))
 
     # -- what the user's loop sees of a gradient (infinity.grad_view) ---------------------------
     def global_sq_norms(self, groups: list[list[Shard]]) -> list[float]:

@@ -366,9 +366,7 @@ def _split_state(state: dict[str, Any], entry: Any, shard: Shard) -> dict[str, A
     moved = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.shape == entry.shape:
-            piece = shard.part_of(value.detach().reshape(-1)).to("cpu")
-            if piece.numel() != shard.numel:  # this rank's slice, padded with zeros
-                piece = torch.cat([piece, piece.new_zeros(shard.numel - piece.numel())])
+            piece = shard.padded(shard.part_of(value.detach().reshape(-1)).to("cpu"))
             moved[key] = piece.clone().view(_step_shape(shard))
         elif isinstance(value, torch.Tensor):
             moved[key] = value.detach().to("cpu").clone()

@@ -82,6 +82,15 @@ class Shard:
         """The elements of the flattened parameter ``flat`` that this shard holds."""
         return flat[self.start:self.start + self.real_numel]
 
+    def padded(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (``real_numel`` elements) as ``numel`` elements, the padding zero: the
+        tensor itself when there is no padding, else a new one."""
+        if values.numel() == self.numel:
+            return values
+        out = torch.zeros(self.numel, dtype=values.dtype, device=values.device)
+        out[:values.numel()].copy_(values)
+        return out
+
     def fill_from(self, values: torch.Tensor) -> None:
         """Sets the host copy to ``values`` (``real_numel`` elements, any dtype); padding is
         zero."""
