@@ -76,7 +76,10 @@ def _short_length(length: int) -> int:
 
 class FaultInjectingBackend(IOBackend):
     """Wraps ``inner``; see the module docstring. ``seed`` makes probabilistic rules and random
-    mode reproducible. ``injected`` counts the faults injected per kind."""
+    mode reproducible. ``injected`` counts the faults injected per kind.
+
+    It takes chains of one request (``max_chain`` stays 1): an engine over it submits request by
+    request, each with its own fault decision, and a hung request holds only its own slot."""
 
     def __init__(self, inner: IOBackend, seed: int = 0) -> None:
         super().__init__(inner.queue_depth, inner.close_timeout)

@@ -19,6 +19,7 @@ class EngineStats:
     write_requests: int = 0
     read_transfers: int = 0
     write_transfers: int = 0
+    #: the most queue slots in use at once (a chain of requests holds one)
     inflight_peak: int = 0
     cpu_seconds: float = 0.0
     errors: int = 0
@@ -95,13 +96,15 @@ class StatsRecorder:
             self.bytes[op] += nbytes
             self.clocks[op].stop(time.perf_counter())
 
-    def request_submitted(self, op: str) -> None:
+    def request_submitted(self, op: str, count: int = 1) -> None:
+        """``count`` requests submitted as one chain: they hold one queue slot."""
         with self.lock:
-            self.requests[op] += 1
+            self.requests[op] += count
             self.inflight += 1
             self.inflight_peak = max(self.inflight_peak, self.inflight)
 
     def request_done(self) -> None:
+        """The last request of a chain completed: its slot is free."""
         with self.lock:
             self.inflight -= 1
 

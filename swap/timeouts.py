@@ -74,7 +74,11 @@ class TimeoutsMixin:
         piece.timed_out = True
         self._flying.discard(piece)
         self._zombies += 1
-        self._drive_zombies[piece.file.drive] += 1
+        chain = piece.chain
+        if chain is not None and not chain.stalled:
+            chain.stalled = True
+            self._stalled += 1
+            self._drive_stalled[chain.drive] += 1
         transfer.outstanding -= 1
         start = piece.address - transfer.buffer.address
         record = Quarantined(transfer.op.value, piece.file.path, piece.offset, piece.length,
@@ -117,16 +121,16 @@ class TimeoutsMixin:
     def _fail_stalled_locked(self: "SwapEngine") -> None:
         """Fails the queued transfers of a drive whose every slot is held by a hung request:
         nothing would ever start them, so waiting would be a hang."""
-        stalled_all = self._zombies >= self.window
+        stalled_all = self._stalled >= self.window
         for drive, drive_queue in enumerate(self._queues):
-            zombies = self._drive_zombies[drive]
-            if not drive_queue or not (stalled_all or zombies >= self.drive_depth):
+            stalled = self._drive_stalled[drive]
+            if not drive_queue or not (stalled_all or stalled >= self.drive_depth):
                 continue
             for transfer in list(dict.fromkeys(p.transfer for p in drive_queue)):
                 piece = next(p for p in drive_queue if p.transfer is transfer)
                 self._fail_transfer_locked(transfer, TransferTimeoutError(
                     f"{transfer.op.value} of {transfer.nbytes} bytes at offset {piece.offset} in "
-                    f"{piece.file.path} cannot start: all {zombies or self._zombies} request "
+                    f"{piece.file.path} cannot start: all {stalled or self._stalled} request "
                     f"slots are held by requests that exceeded request_timeout="
                     f"{self.settings.request_timeout:g} s (device hung)",
                     path=piece.file.path, offset=piece.offset,
@@ -136,7 +140,6 @@ class TimeoutsMixin:
         """A request that timed out completed after all: its slot and quarantine are released,
         unless the backend only gave up on it (then it may still run)."""
         self._zombies -= 1
-        self._drive_zombies[piece.file.drive] -= 1
         if isinstance(error, BackendAbandonedError):
             self._abandon_locked(piece)
         else:

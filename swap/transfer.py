@@ -63,6 +63,17 @@ class TransferFuture(Future):
         return self._transfer.error
 
 
+class Chain:
+    """Requests of one transfer submitted together (``IOBackend.submit_chain``): they hold one
+    queue slot of their drive until the last of them completes."""
+    __slots__ = ("drive", "left", "stalled")
+
+    def __init__(self, drive: int, left: int) -> None:
+        self.drive = drive
+        self.left = left  # requests not completed yet, timed out ones included
+        self.stalled = False  # one of them timed out: the slot may never free up
+
+
 @dataclass(slots=True, eq=False)  # identity hashing: pieces live in sets
 class Piece:
     """One request: at most block_size bytes inside one integrity chunk and one stripe unit."""
@@ -74,6 +85,13 @@ class Piece:
     chunk: Chunk | None = None  # the covered integrity chunk this request is part of
     started: float = 0.0  # monotonic time of the submit
     timed_out: bool = False
+    chain: Chain | None = None  # set at the submit
+
+    def continued_by(self, other: "Piece") -> bool:
+        """Whether ``other`` starts where this ends, in the file and in memory."""
+        return (other.transfer is self.transfer and other.file is self.file
+                and other.offset == self.offset + self.length
+                and other.address == self.address + self.length)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ContextManager
+from typing import ContextManager, Sequence
 
 
 class Op(str, Enum):
@@ -68,6 +68,8 @@ class IOBackend(ABC):
     name: str = "base"
     #: whether files for this backend are opened with O_DIRECT
     direct: bool = True
+    #: the most requests ``submit_chain`` takes at once; 1: the backend has no chains
+    max_chain: int = 1
 
     def __init__(self, queue_depth: int, close_timeout: float = 30.0) -> None:
         if not isinstance(queue_depth, int) or isinstance(queue_depth, bool) or queue_depth < 1:
@@ -81,6 +83,18 @@ class IOBackend(ABC):
     @abstractmethod
     def submit(self, request: IORequest) -> "Future[int]":
         """Starts ``request``; the future resolves to bytes moved or raises ``OSError``."""
+
+    def submit_chain(self, requests: Sequence[IORequest]) -> "list[Future[int]]":
+        """Starts ``requests`` (at most ``max_chain``, each continuing the one before it in the
+        same file and memory) as one queue slot, and returns their futures in order. The
+        backend moves them without the interpreter in between: the engine's completion path
+        can wait for the GIL behind a busy training thread for a whole switch interval, and a
+        chain keeps the drive busy meanwhile. Each request still gets its own outcome, as if
+        it had run alone; the slot is busy until the last one completes."""
+        if len(requests) != 1:
+            raise ValueError(f"{type(self).__name__} takes chains of one request, got "
+                             f"{len(requests)}")
+        return [self.submit(requests[0])]
 
     def plugged(self) -> ContextManager[None]:
         """Within this context, requests submitted by the calling thread may be held back and
