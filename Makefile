@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile gpu-check soak venv clean
+	bench-compile bench-infer bench-activations gpu-check soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,17 @@ gpu-check:
 # torch.compile's gain on the demo's GPT, plain and attached (each block compiled).
 bench-compile: $(STAMP)
 	$(PY) -m tools.bench_compile
+
+# Inference: a 219.7M-param Llama streamed from NVMe (attached, no optimizer) against the model
+# in RAM and accelerate's disk_offload (page cache dropped), each in its own process,
+# interleaved; then generate throughput at batch 1, 8 and 32. Drops the page cache (as root).
+bench-infer: $(STAMP)
+	$(PY) -m tools.bench_infer
+
+# A GPT with a long sequence (activations most of the memory): activations kept, checkpointed,
+# offloaded to host memory and to NVMe (offload_activations); step time and device-tier peak.
+bench-activations: $(STAMP)
+	$(PY) -m tools.bench_activations
 
 # Long: save and load of the scale model's checkpoint (tens of GB through the disk).
 bench-checkpoint: $(STAMP)

@@ -50,6 +50,15 @@ class SlotArena:
         self._small[slot] = ranges
         return slot * self.slot_size + ranges.take(size)
 
+    def take_slot_at(self, offset: int) -> bool:
+        """Takes the whole slot starting at ``offset`` if it is free (a shard placed right
+        after the one before it, so that the two are contiguous)."""
+        slot, within = divmod(offset, self.slot_size)
+        if within or slot >= self.count or slot not in self._free_slots:
+            return False
+        self._free_slots.remove(slot)
+        return True
+
     def give(self, offset: int, nbytes: int) -> None:
         size = align_up(max(nbytes, 1))
         slot, within = divmod(offset, self.slot_size)

@@ -323,6 +323,12 @@ class PrecisionConfig(_Validated):
     loss_scale_window: overflow-free steps before the dynamic scale is doubled (>= 1).
     hysteresis: overflows tolerated before the dynamic scale is halved (>= 1).
     min_loss_scale: floor of the dynamic scale (> 0).
+    storage_dtype: dtype offloaded parameters are kept in between uses (host cache, swap
+        files), converted to the compute dtype on their way to the device: ``auto`` (the
+        masters': the model's, fp32 under mixed precision) or ``fp32``/``bf16``/``fp16``. For
+        inference only (a store attached without an optimizer): ``bf16`` halves the bytes each
+        forward reads from NVMe, at bf16's precision of the weights. Memory: 2 bytes/param for
+        bf16/fp16 wherever the params live between uses.
     """
 
     _section: ClassVar[str] = "precision"
@@ -335,6 +341,8 @@ class PrecisionConfig(_Validated):
     hysteresis: int = field(default=2, metadata=_rule(kind="int", lo=1))
     min_loss_scale: float = field(default=1.0, metadata=_rule(
         kind="float", lo=0, fix="use a positive scale such as 1"))
+    storage_dtype: str = field(default="auto", metadata=_rule(kind="choice",
+                                                               choices=("auto",) + DTYPES))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -394,6 +402,17 @@ class OffloadConfig(_Validated):
         With ``offload_param='none'`` and this offloaded (ZeRO-Offload), every parameter stays
         on the device and its fp32 master moves with the optimizer state.
         Memory: Adam keeps about 12 bytes/param (fp32 master, momentum, variance) on that tier.
+    offload_activations: where the tensors autograd saves in forward (activations) wait for
+        backward: ``none`` (the device, as without the store), ``cpu`` (host RAM) or ``nvme``
+        (swap files, written through the swap engine). Each module's saved tensors leave the
+        device after its forward and are read back ahead of its backward, newest first,
+        ``prefetch_depth`` modules ahead; parameters and tensors under 64 KiB stay. With
+        activation checkpointing only the checkpoints' inputs are saved, so only they move.
+        Memory: the device holds a few modules' activations instead of all of them; ``cpu``
+        holds every saved activation in host RAM (pinned with CUDA; within what an explicit
+        host_budget leaves after the arena and CPU-held parameters), ``nvme`` 4 x 16 MiB of
+        staging buffers and the activations' bytes on disk. Costs a copy out and back per
+        saved byte (and the disk's write and read for ``nvme``).
     nvme_path: swap directories, one per drive (requests are striped over them); a str, Path
         or list of them. () = a private temporary directory made by the store. Disk: the
         offloaded params/state, plus preallocation slack.
@@ -411,8 +430,9 @@ class OffloadConfig(_Validated):
         buffers; None = derived from free memory by the store and reported.
     host_budget: bytes of host RAM the runtime may use (swap buffers, caches, CPU-offloaded
         state); None = derived by the store and reported.
-    prefetch_depth: modules fetched ahead of the one computing (0 = no prefetch). Memory: the
-        params of that many modules on the device and in flight.
+    prefetch_depth: modules fetched ahead of the one computing (0 = no prefetch). Without
+        autograd (inference) the whole arena is read ahead instead, into the next forward.
+        Memory: the params of that many modules on the device and in flight.
     prefetch_bytes: cap on bytes being prefetched at once; None = bounded only by
         prefetch_depth and the budgets.
     param_persistence_threshold: params with <= this many elements never leave the device
@@ -456,6 +476,8 @@ class OffloadConfig(_Validated):
                                                               choices=OFFLOAD_TARGETS))
     offload_optimizer: str = field(default="none", metadata=_rule(kind="choice",
                                                                   choices=OFFLOAD_TARGETS))
+    offload_activations: str = field(default="none", metadata=_rule(kind="choice",
+                                                                    choices=OFFLOAD_TARGETS))
     nvme_path: tuple[Path, ...] = field(default=(), metadata=_rule(kind="paths"))
     buffer_count: int = field(default=5, metadata=_rule(
         kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"))
@@ -562,7 +584,8 @@ class OffloadConfig(_Validated):
         """A short multi-line summary for logs and demos."""
         p, a = self.precision, self.aio
         where = ", ".join(str(x) for x in self.nvme_path) or "a private temporary directory"
-        uses_nvme = "nvme" in (self.offload_param, self.offload_optimizer)
+        uses_nvme = "nvme" in (self.offload_param, self.offload_optimizer,
+                               self.offload_activations)
         if p.dtype == "fp16":
             scale = (f"static loss scale {p.loss_scale:g}" if p.loss_scale
                      else f"dynamic loss scale from 2**{p.initial_scale_power}, window "
@@ -601,6 +624,8 @@ class OffloadConfig(_Validated):
         ]
         if self.gradient_clipping:
             lines.append(f"  gradient clipping {self.gradient_clipping:g}")
+        if self.offload_activations != "none":
+            lines.append(f"  activations       {self._tier(self.offload_activations)}")
         if self.step_in_backward:
             lines.append("  optimizer update  in backward, as each gradient completes")
         if self.param_persistence_threshold:

@@ -91,8 +91,7 @@ class CompanionsAndGradients:
                 # keep it instead of copying it (the hook drops param.grad right after).
                 self._hold_grad(shard, piece)
             elif shard.grad is None:
-                self._hold_grad(shard, torch.empty(shard.numel, dtype=shard.dtype,
-                                                   pin_memory=self.host.pin))
+                self._hold_grad(shard, self.host.scratch(shard.numel, shard.dtype))
                 self.device.copy_out(shard.grad, piece)
             else:
                 shard.grad.add_(self._on_host(piece, shard.grad.dtype))
@@ -229,7 +228,7 @@ class CompanionsAndGradients:
         """``piece`` as a host tensor of ``dtype`` to accumulate from (copied off a GPU)."""
         if piece.device.type == "cpu":
             return piece.to(dtype)
-        out = torch.empty(piece.shape, dtype=dtype, pin_memory=self.host.pin)
+        out = self.host.scratch(tuple(piece.shape), dtype)
         self.device.copy_out(out, piece)
         return out
 

@@ -147,12 +147,16 @@ class HookSet:
             if module is not owner:
                 return  # a deep copy of the module: its parameters are its own, plain ones
             self._hook_grads(entries)
-            self.placement.on_event(forward_event)
             gathered: list[ParamEntry] = []
             calls.append(gathered)
+            # Read before leaving inference mode, which turns grad mode back on.
+            lend = not torch.is_grad_enabled()
             with _normal_tensors():
+                # Prefetch makes host views of the arena too: normal tensors, which training
+                # writes into later (and a lent device copy is one of them).
+                self.placement.on_event(forward_event)
                 for entry in entries:
-                    self.placement.gather(entry)
+                    self.placement.gather(entry, lend=lend)
                     gathered.append(entry)
                 self._computing(gathered, True)
                 self.placement.assemble_ahead()
@@ -171,6 +175,9 @@ class HookSet:
             with _normal_tensors():
                 for entry in gathered:
                     self._release(entry)
+            if not torch.is_grad_enabled():
+                with _normal_tensors():
+                    self.placement.iteration_done()
             if torch.is_grad_enabled():
                 self._hook_outputs(flat, backward_event, entries)
                 self._hook_inputs((args, kwargs), entries)
@@ -236,6 +243,7 @@ class HookSet:
                 grad = param.grad
                 if grad is not None:
                     param.grad = None  # first: a refused gradient must not stay to be added to
+            self.placement.follower.grad_ready(entry.index)
             if grad is not None:
                 self.store._grad_arriving(entry)
                 self.placement.take_grad(entry, grad)

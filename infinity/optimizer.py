@@ -14,6 +14,7 @@ the inner optimizer's own objects, so LR schedulers and code that edits ``param_
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -27,8 +28,8 @@ from infinity.shards import Shard
 log = logging.getLogger(__name__)
 
 
-def _empty(shard: Shard) -> torch.Tensor:
-    return torch.empty(0, dtype=shard.dtype)
+def _empty(shard: Shard, device: str = "cpu") -> torch.Tensor:
+    return torch.empty(0, dtype=shard.dtype, device=device)
 
 
 class OffloadedOptimizer(Optimizer):
@@ -52,6 +53,13 @@ class OffloadedOptimizer(Optimizer):
         self.param_groups = inner.param_groups
         #: per-element optimizer state lives in NVMe-backed companions, not in memory
         self.swap_state = store.config.offload_optimizer == "nvme"
+        #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
+        self._host_device = "meta" if store.placement.host.meta else "cpu"
+        #: the inner optimizer's own time, the elements it updated, and the steps' time less
+        #: their waits and copies (for the planner)
+        self.update_seconds = 0.0
+        self.updated_elements = 0
+        self.step_seconds = 0.0
         #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
         #: have overridden inside: checkpoints carry the user's, loads keep the store's
         self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
@@ -59,6 +67,7 @@ class OffloadedOptimizer(Optimizer):
     @classmethod
     def wrap(cls, store: Any, optimizer: Optimizer) -> "OffloadedOptimizer":
         registry = store.registry
+        device = "meta" if store.placement.host.meta else "cpu"
         groups = []
         shards: list[Shard] = []
         seen: set[int] = set()
@@ -79,7 +88,7 @@ class OffloadedOptimizer(Optimizer):
                     # while full_like of it still allocates a real, dense tensor.
                     shape = _step_shape(shard)
                     shard.step_param = torch.nn.Parameter(
-                        torch.zeros((), dtype=shard.dtype).expand(shape),
+                        torch.zeros((), dtype=shard.dtype, device=device).expand(shape),
                         requires_grad=entry.requires_grad)
                     params.append(shard.step_param)
                     shards.append(shard)
@@ -88,7 +97,7 @@ class OffloadedOptimizer(Optimizer):
         inner = _construct_like(optimizer, groups, store.config.fused_optimizer)
         _migrate_state(optimizer, inner, registry)
         for shard in shards:
-            shard.step_param.data = _empty(shard)
+            shard.step_param.data = _empty(shard, device)
         kernels = [{k: group[k] for k in _KERNEL_KEYS if k in group}
                    for group in optimizer.param_groups]
         return cls(store, inner, shards, kernels)
@@ -100,7 +109,12 @@ class OffloadedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        placement = self.store.placement
+        started, busy = time.perf_counter(), placement.busy_seconds
         self.store._run_step(self)
+        # The step's own work (updates, and the pipeline's bookkeeping around them), without
+        # its waits for the disk and its device copies: what the planner charges per element.
+        self.step_seconds += time.perf_counter() - started - (placement.busy_seconds - busy)
         return loss
 
     def update(self, tile: list[Shard], grad_multiplier: float = 1.0) -> list[Shard]:
@@ -126,16 +140,19 @@ class OffloadedOptimizer(Optimizer):
                 for key, companion in companions.items():
                     state[key] = companion.host.view(_step_shape(shard))
             bound.append((shard, companions))
+        started = time.perf_counter()
         try:
             self.inner.step()
         finally:
+            self.update_seconds += time.perf_counter() - started
+            self.updated_elements += sum(shard.numel for shard in tile)
             changed = []
             for shard, companions in bound:
                 param = shard.step_param
                 if self.swap_state:
                     changed += self._stash_state(shard, companions)
                 param.grad = None
-                param.data = _empty(shard)
+                param.data = _empty(shard, self._host_device)
         return changed
 
     def _stash_state(self, shard: Shard, companions: dict[str, Shard]) -> list[Shard]:
@@ -159,7 +176,7 @@ class OffloadedOptimizer(Optimizer):
             view = companion.host.view(value.shape)
             if value is not view:
                 view.copy_(value)  # new state, or the optimizer replaced the tensor
-            state[key] = torch.empty(0, dtype=value.dtype)
+            state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
             if companion.state is not R.HOST:
                 self.store.registry.set_state(companion, R.HOST)
             changed.append(companion)
@@ -297,7 +314,7 @@ class OffloadedOptimizer(Optimizer):
                 if companion.state is not R.HOST:
                     registry.set_state(companion, R.HOST)
             companion.version += 1
-            state[key] = torch.empty(0, dtype=value.dtype)
+            state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
             loaded.add(kind)
         if keep_others:
             return

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
@@ -28,11 +28,12 @@ from infinity.completions import MAX_RETRIES, Completions, retryable
 from infinity.errors import BudgetError, ParameterAccessError
 from infinity.gradients import CompanionsAndGradients
 from infinity.policies import EvictionPolicy, PrefetchPolicy
+from infinity.prefetching import TracePrefetching
 from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard, ShardRegistry
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
-from infinity.trace import FORWARD, Event, Trace, TraceFollower
+from infinity.trace import TraceFollower
 from swap import SwapEngine
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,15 @@ def _tag(shard: Shard) -> list:
     another version's bytes fails verification instead of being trained on."""
     return [shard.id, shard.version]
 
+def _registry_order(shard: Shard) -> tuple[int, str, int]:
+    return shard.entry.index, shard.kind, shard.start
+
+
 _TO_DEVICE = {R.HOST: R.DEVICE_HOST, R.HOST_NVME: R.DEVICE_HOST_NVME}
 _FROM_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE_NVME: R.NVME}
 
 
-class Placement(Completions, CompanionsAndGradients):
+class Placement(Completions, CompanionsAndGradients, TracePrefetching):
     def __init__(self, registry: ShardRegistry, device: DeviceTier, host: HostTier,
                  engine: SwapEngine | None, follower: TraceFollower, eviction: EvictionPolicy,
                  prefetch: PrefetchPolicy, *, params_on_nvme: bool, grads_on_nvme: bool,
@@ -116,6 +121,8 @@ class Placement(Completions, CompanionsAndGradients):
         #: start the next module's all-gathers while this one computes (stage 3 across ranks)
         self.assemble_ahead_enabled = True
         self.assembled_ahead = 0
+        #: device copies lent by the host copy instead of copied (see can_lend)
+        self.lent_gathers = 0
         #: attempts of a transfer after its first failure (see the module docstring)
         self.max_retries = MAX_RETRIES
         #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
@@ -132,6 +139,11 @@ class Placement(Completions, CompanionsAndGradients):
     @property
     def nvme(self) -> bool:
         return self.params_on_nvme
+
+    @property
+    def busy_seconds(self) -> float:
+        """The training thread's seconds in the store's waits and device copies so far."""
+        return self.stall_seconds + self.device.copy_seconds
 
     # -- initialisation ---------------------------------------------------------------------
     def initialise(self, entry: ParamEntry, source: torch.Tensor) -> None:
@@ -155,7 +167,9 @@ class Placement(Completions, CompanionsAndGradients):
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
         if self.quarantine:
             self._reclaim_quarantine()
-        offset = self.host.take_arena(shard.nbytes)
+        offset = self._after_previous(shard)
+        if offset is None:
+            offset = self.host.take_arena(shard.nbytes)
         if offset is None:
             offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon,
                                            strict and horizon > 0)
@@ -165,6 +179,22 @@ class Placement(Completions, CompanionsAndGradients):
         shard.host = self.host.arena_view(offset, shard.dtype, shard.numel)
         self.in_arena.add(shard)
         return True
+
+    def _after_previous(self, shard: Shard) -> int | None:
+        """The slot right after the previous shard of the same parameter, when that one fills
+        a whole slot and the next slot is free: the two are then one contiguous range, which a
+        CPU device can compute on without a copy (see can_lend)."""
+        if shard.kind != "param" or self.device.cuda:
+            return None
+        shards = shard.entry.shards
+        k = shards.index(shard) if len(shards) > 1 else 0
+        if k == 0:
+            return None
+        previous = shards[k - 1]
+        if previous.arena_offset is None or previous.nbytes != self.host.slot_size:
+            return None
+        offset = previous.arena_offset + previous.nbytes
+        return offset if self.host.take_arena_at(offset, shard.nbytes) else None
 
     def _free_slot(self, shard: Shard) -> None:
         if shard.copy_event is not None:
@@ -216,13 +246,18 @@ class Placement(Completions, CompanionsAndGradients):
     def _evictable(shard: Shard) -> bool:
         if shard.kind != "param":
             return True
+        if shard.entry.placeholder is not None:  # lent: the host copy is the device copy
+            return shard.entry.holds == 0
         return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
 
     def _arena_victims(self, protect: set[Shard],
                        next_use: Callable[[Shard], float] | None) -> list[Shard]:
         """Arena shards that may be evicted now, in the order the policy would evict them."""
-        candidates = [s for s in self.in_arena
-                      if s not in protect and s not in self.pinned and self._evictable(s)]
+        # In registry order, so that ties (a shard's companions share its next use) break the
+        # same way in every run, and in the planner's replay of it.
+        candidates = sorted((s for s in self.in_arena
+                             if s not in protect and s not in self.pinned and self._evictable(s)),
+                            key=_registry_order)
         return self.eviction.order(candidates, next_use,
                                    lambda s: self.last_used.get(s.entry.index, -1))
 
@@ -340,23 +375,6 @@ class Placement(Completions, CompanionsAndGradients):
         self.stepped.clear()
         self.masters_due = False
 
-    def write_ahead(self, share: float) -> None:
-        """Starts the write-backs the last pass had to wait for, ``share`` of them per call
-        (called at each forward event, while the disk would otherwise idle under compute):
-        the shards are mostly the same every iteration (parameters and optimizer state the step
-        made dirty), and nothing changes them before the step, so their eviction in backward
-        finds them clean at the cost of the same write. One that this pass ends up not evicting
-        is written again after the step (a few percent more bytes on a small GPT)."""
-        last = self._forced_last
-        stop = min(len(last), self._prewritten + max(1, round(share * len(last))))
-        while self._prewritten < stop:
-            shard = last[self._prewritten]
-            self._prewritten += 1
-            self.reap(shard)
-            if shard.state is R.HOST and shard in self.in_arena and shard not in self.pinned:
-                self.store_async(shard)
-                self.writes_ahead += 1
-
     def clean_ahead(self, reserve: int, protect: Iterable[Shard] = (),
                     horizon: float = 0.0) -> None:
         """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
@@ -387,6 +405,8 @@ class Placement(Completions, CompanionsAndGradients):
     def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
         """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
         its slot), then tries to take ``nbytes``."""
+        if shard.kind == "param" and shard.entry.placeholder is not None:
+            self.drop_device(shard.entry)  # a lent device copy goes with the host copy
         if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
             self._evict_host(shard)
         elif shard in self.in_arena:
@@ -518,17 +538,84 @@ class Placement(Completions, CompanionsAndGradients):
         self.registry.set_state(shard, R.HOST)
 
     # -- device copies ------------------------------------------------------------------------
-    def gather(self, entry: ParamEntry, hold: bool = True) -> None:
+    def gather(self, entry: ParamEntry, hold: bool = True, lend: bool = False) -> None:
         """Makes the parameter's device copy resident (filling its storage from the host
-        masters) and takes a hold on it."""
+        masters) and takes a hold on it. ``lend`` (the caller runs without autograd): where the
+        host copy can serve as the device copy (see :meth:`can_lend`), use it instead of
+        copying."""
         self.clock += 1
         self.last_used[entry.index] = self.clock
         self.settle(entry)
+        lend = lend and self.can_lend(entry)
+        if entry.placeholder is not None and not lend:
+            self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
         if not entry.resident:
             self._make_device_room(entry)
-            self._fill_device(entry)
+            if not (lend and self._lend(entry)):
+                self._fill_device(entry)
         if hold:
             entry.holds += 1
+
+    def can_lend(self, entry: ParamEntry) -> bool:
+        """Whether the device copy may be the host copy itself: a CPU device (both are host
+        memory, so the copy would be a memcpy on the cores that compute), the parameter in its
+        compute dtype in one range of host memory (one shard, or shards in adjacent arena slots:
+        see _after_previous), and one process. Only without autograd (the caller's word,
+        ``gather(lend=True)``): backward may use views of the weights saved in forward after
+        their host copy was evicted and its slot reused; a copy of its own keeps them valid
+        (see drop_device)."""
+        return (not self.device.cuda and self.partition is None
+                and entry.compute_dtype == entry.dtype and entry.index not in self.persistent)
+
+    def _contiguous(self, entry: ParamEntry) -> bool:
+        """Whether the entry's host copies form one range (checked once they are on the
+        host)."""
+        shards = entry.shards
+        if len(shards) == 1:
+            return True
+        return all(a.arena_offset is not None and b.arena_offset == a.arena_offset + a.nbytes
+                   for a, b in zip(shards, shards[1:]))
+
+    def _lend(self, entry: ParamEntry) -> bool:
+        """The device copy becomes a view of the host copy: no bytes move. The host copies
+        then stay until the device copy is dropped (``_evictable``), and eviction of one drops
+        the device copy first. False (nothing lent) when the shards did not land in one range
+        of the arena."""
+        shards = entry.shards
+        if self.nvme:
+            for shard in shards:  # every read at once, so they overlap
+                self.reap(shard)
+                if shard.state is R.NVME:
+                    self.load_async(shard, protect=shards, horizon=0.5)
+        waiting = list(shards)
+        for shard in shards:
+            self.ensure_host(shard, protect=waiting)
+            waiting.remove(shard)
+            if shard.state is R.HOST_STORING:
+                self.reap(shard, wait=True)  # a settled state to move from
+        if not self._contiguous(entry):
+            return False
+        self.device.charge(entry.device_bytes)
+        first = shards[0]
+        view = (first.host if len(shards) == 1 else
+                self.host.arena_view(first.arena_offset, entry.dtype, entry.numel))
+        view = view.view(entry.shape)
+        entry.placeholder = entry.device_tensor
+        entry.device_tensor = view
+        with torch._C.DisableTorchFunctionSubclass():
+            entry.param.data = view
+        for shard in shards:
+            self.registry.set_state(shard, _TO_DEVICE[shard.state])
+        entry.resident = True
+        self.on_device.add(entry)
+        self.lent_gathers += 1
+        return True
+
+    def return_lent(self) -> None:
+        """Drops every lent device copy (before the host tier's memory goes away)."""
+        for entry in [e for e in self.on_device if e.placeholder is not None]:
+            entry.holds = 0
+            self.drop_device(entry, force=True)
 
     def settle(self, entry: ParamEntry) -> None:
         """Completes the all-gathers a look-ahead started for ``entry``'s device copy (across
@@ -665,7 +752,14 @@ class Placement(Completions, CompanionsAndGradients):
         self.settle(entry)
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
-        self.device.empty(entry.device_tensor)
+        placeholder = entry.placeholder
+        if placeholder is not None:  # lent by the host copy: give the parameter its own back
+            entry.device_tensor, entry.placeholder = placeholder, None
+            with torch._C.DisableTorchFunctionSubclass():
+                entry.param.data = placeholder
+            self.device.usage.sub(entry.device_bytes)
+        else:
+            self.device.empty(entry.device_tensor)
         entry.resident = False
         self.on_device.discard(entry)
         for shard in entry.shards:
@@ -686,8 +780,9 @@ class Placement(Completions, CompanionsAndGradients):
         trace = self.follower.trace
         position = self.follower.position
         next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
-        candidates = [e for e in self.on_device
-                      if e.holds == 0 and e is not entry and e.index not in self.persistent]
+        candidates = sorted((e for e in self.on_device
+                             if e.holds == 0 and e is not entry and e.index not in self.persistent),
+                            key=lambda e: e.index)
         for victim in self.eviction.order(candidates, next_use,
                                           lambda e: self.last_used.get(e.index, -1)):
             self.drop_device(victim)
@@ -699,69 +794,6 @@ class Placement(Completions, CompanionsAndGradients):
             f"({entry.device_bytes} bytes) next to the {len(held)} parameters in use "
             f"({self.device.usage.current} bytes, largest: "
             f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget")
-
-    # -- trace-driven prefetch ----------------------------------------------------------------
-    def on_event(self, event: Event) -> None:
-        self.follower.observe(event)
-        if self.timeline.enabled:
-            names = self.module_names
-            self.timeline.event(event.kind, names[event.module] if event.module < len(names)
-                                else str(event.module))
-        if not self.nvme or self.follower.trace is None:
-            return
-        trace = self.follower.trace
-        position = self.follower.position
-        if event.kind == FORWARD and self.write_ahead_enabled and \
-                self._prewritten < len(self._forced_last):
-            self.write_ahead(1.0 / max(1, trace.forward_events))
-        budget = self.prefetch_bytes
-        if budget is not None:
-            budget -= sum(s.nbytes for s in self.in_arena if s.state is R.NVME_LOADING)
-        wanted = ((shard, trace.next_use(index, position) + 0.5)
-                  for index in self.prefetcher.wanted(self.follower)
-                  for shard in self.registry.entries[index].shards)
-        budget = self._prefetch(wanted, budget)
-        if budget is not None and self.update_in_backward and event.kind != FORWARD:
-            # Only once backward runs: in forward, the room for the state of the first updates
-            # comes from masters and state that this backward needs later, each read twice.
-            # Strict: it reads far ahead, and what a read evicts out of order must be read
-            # again (without it, half as many bytes again were read at bench_overlap's smallest arena).
-            self._prefetch(self._state_wanted(trace, position), budget, strict=True)
-
-    def _prefetch(self, wanted: Iterable[tuple[Shard, float]], budget: int | None,
-                  strict: bool = False) -> int | None:
-        """Starts the reads of ``wanted`` (shard, horizon) in order, each evicting only what is
-        needed after its horizon. Returns the ``prefetch_bytes`` left (``math.inf`` without a
-        cap), or None once a read found no room or the cap was reached: prefetch less, never
-        over-commit."""
-        left = math.inf if budget is None else budget
-        for shard, horizon in wanted:
-            self.reap(shard)
-            if shard.state is not R.NVME:
-                continue
-            if left < shard.nbytes or not self.load_async(shard, horizon=horizon,
-                                                          prefetch=True, strict=strict):
-                return None
-            left -= shard.nbytes
-        return left
-
-    def _state_wanted(self, trace: Trace, position: int) -> Iterator[tuple[Shard, float]]:
-        """With updates in backward: the optimizer state of the entries to be updated next,
-        in the order backward will update them, with their horizons, up to a third of the
-        arena. Further ahead, a read would make its shard the one needed last in the arena,
-        which the next gradient's slot evicts: the same bytes read again and again."""
-        window = self.host.arena_bytes // 3
-        for update, index in trace.updates_from(position):
-            if index in self.stepped:
-                continue
-            for shard in self.registry.entries[index].shards:
-                for kind, companion in shard.companions.items():
-                    if kind == "grad":
-                        continue
-                    window -= self.host.slot_cost(companion.nbytes)
-                    if window < 0:
-                        return
-                    yield companion, update - position + 1.0
 
     # -- self-check -----------------------------------------------------------------------------
     def audit(self) -> list[str]:

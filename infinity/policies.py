@@ -49,14 +49,26 @@ class PrefetchPolicy(ABC):
 
 
 class LookaheadPrefetch(PrefetchPolicy):
-    """The entries of the next ``depth`` events of the trace."""
+    """The entries of the next ``depth`` events of the trace.
 
-    def __init__(self, depth: int) -> None:
+    ``stream_inference``: in an iteration without autograd, the whole trace ahead, wrapping into
+    the next iteration. Such an iteration only reads weights, each once, in an order that repeats
+    token after token, so the arena is best spent as a window running ahead of compute (the store
+    bounds it: a read may only evict what is needed after it). In training the arena also holds
+    gradients and optimizer state, which a deep prefetch would push out."""
+
+    def __init__(self, depth: int, stream_inference: bool = True) -> None:
         self.depth = depth
+        self.stream_inference = stream_inference
 
     def wanted(self, follower: TraceFollower) -> Iterable[int]:
         seen: set[int] = set()
-        for event in follower.upcoming(self.depth):
+        trace = follower.trace
+        if self.stream_inference and self.depth and trace is not None and follower.inference:
+            upcoming = follower.upcoming(len(trace), wrap=True)
+        else:
+            upcoming = follower.upcoming(self.depth)
+        for event in upcoming:
             for entry in event.entries:
                 if entry not in seen:
                     seen.add(entry)

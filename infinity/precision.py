@@ -27,6 +27,9 @@ from infinity.config import PrecisionConfig
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: precision.storage_dtype -> the dtype offloaded parameters are kept in (None: the masters')
+STORAGE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16,
+                  "fp16": torch.float16}
 
 
 class LossScaler:

@@ -126,6 +126,12 @@ class ParamEntry:
     grad_generation: int = 0
     #: reasons the device copy must stay: active modules and pending backward uses
     holds: int = 0
+    #: the parameter's dtype when attached: what it gets back at close
+    given_dtype: torch.dtype | None = None
+    #: set while the device copy is lent by the host copy (a CPU device in inference, see
+    #: Placement.lend): ``device_tensor`` is then a view of the host master, and this is the
+    #: empty placeholder the parameter goes back to when the copy is dropped
+    placeholder: torch.Tensor | None = None
     index: int = 0
 
     @property
@@ -151,17 +157,22 @@ class ShardRegistry:
         self._by_param: dict[int, ParamEntry] = {}
 
     def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int,
-                  compute_dtype: torch.dtype | None = None, partition: Any = None
-                  ) -> ParamEntry:
+                  compute_dtype: torch.dtype | None = None, partition: Any = None,
+                  storage_dtype: torch.dtype | None = None) -> ParamEntry:
         """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
-        masters are fp32 and the device copy is ``compute_dtype``. With a ``partition``
-        (several data-parallel ranks) each shard is this rank's slice of its piece."""
+        masters are fp32 and the device copy is ``compute_dtype``; with ``storage_dtype``
+        (inference) its floating-point values are kept in that dtype instead. With a
+        ``partition`` (several data-parallel ranks) each shard is this rank's slice of its
+        piece."""
         master = param.dtype
         compute = param.dtype
         if compute_dtype is not None and param.is_floating_point():
             master, compute = torch.float32, compute_dtype
+        if storage_dtype is not None and param.is_floating_point():
+            master = storage_dtype
         entry = ParamEntry(name, param, param.shape, master, param.requires_grad,
-                           index=len(self.entries), compute_dtype=compute)
+                           index=len(self.entries), compute_dtype=compute,
+                           given_dtype=param.dtype)
         itemsize = master.itemsize
         per_shard = max(1, max_shard_bytes // itemsize)
         if partition is not None:

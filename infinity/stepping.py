@@ -31,6 +31,7 @@ class Stepping:
     def _step(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
         assert placement is not None
+        placement.follower.pause(placement.busy_seconds)
         placement.finish_reductions()
         placement.pass_finished()
         todo = [s for s in optimizer.shards if placement.has_grad(s)]

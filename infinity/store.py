@@ -32,7 +32,8 @@ from infinity.param_access import ParamAccess
 from infinity.partition import Partition
 from infinity.placement import Placement
 from infinity.policies import BeladyEviction, LookaheadPrefetch
-from infinity.precision import COMPUTE_DTYPES, LossScaler
+from infinity.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
+from infinity.reporting import store_stats
 from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, ShardRegistry
 from infinity.state_dict import install_state_dict_hooks, write_entry
@@ -92,6 +93,10 @@ class TieredStore(Stepping):
         #: store.gathered)
         self.access: ParamAccess | None = None
         self.engine: SwapEngine | None = None
+        #: moves saved activations off the device (offload_activations; infinity.activations)
+        self.activations: Any = None
+        #: the engine activations use when nothing else of the model is on NVMe
+        self._activation_engine: SwapEngine | None = None
         self.hooks: HookSet | None = None
         self.optimizer: OffloadedOptimizer | None = None
         self.model: nn.Module | None = None
@@ -105,6 +110,7 @@ class TieredStore(Stepping):
         self._rss_peak = 0
         precision = self.config.precision
         self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
+        self.storage_dtype = STORAGE_DTYPES[precision.storage_dtype]
         self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
         self.skipped_steps = 0
         #: global gradient norm of the last step; computed only where something needs it
@@ -164,6 +170,12 @@ class TieredStore(Stepping):
             raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
                               f"the model (a torch.nn.Module) and then its optimizer")
         self._check_optimizer(model, optimizer)
+        if self.storage_dtype is not None and optimizer is not None:
+            raise AttachError(
+                f"precision.storage_dtype={self.config.precision.storage_dtype!r} keeps the "
+                f"weights in that dtype between uses, which is for inference: an optimizer's "
+                f"updates need the masters' precision. Attach without an optimizer, or leave "
+                f"storage_dtype 'auto' (mixed precision: precision.dtype)")
         self.partition = Partition.join(process_group, self.config, self.device)
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
@@ -174,11 +186,19 @@ class TieredStore(Stepping):
                     f"whose default leaves buffers real), or give the buffers values first")
         config = self.config
         if config.offload_param == "none" and config.offload_optimizer == "none" and \
-                self.compute_dtype is None and self.partition is None:
+                self.compute_dtype is None and self.storage_dtype is None and \
+                self.partition is None:
             log.info("offload_param and offload_optimizer are 'none' and precision is fp32: "
                      "parameters and optimizer stay on %s and the store only reports",
                      self.device)
             self.model = model.to(self.device)
+            if config.offload_activations != "none":
+                lifecycle.register(self, model)  # swap files may exist from here on
+                try:
+                    self._attach_activations(model)
+                except BaseException:
+                    self._teardown(restore=False)
+                    raise
             return model, optimizer
         if config.buffer_count == 1 and "nvme" in (config.offload_param,
                                                    config.offload_optimizer):
@@ -227,7 +247,8 @@ class TieredStore(Stepping):
             process_bytes = max(resident_bytes() - model_bytes, 0)
         for name, param in model.named_parameters():
             self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
-                                    compute_dtype=self.compute_dtype, partition=self.partition)
+                                    compute_dtype=self.compute_dtype, partition=self.partition,
+                                    storage_dtype=self.storage_dtype)
         if not self.registry.entries:
             raise AttachError("the model has no parameters to offload")
         if self.partition is not None:
@@ -244,10 +265,7 @@ class TieredStore(Stepping):
         total = sum(e.nbytes for e in self.registry.entries)
         self._set_budgets(total, module_entries)
         self.model = model
-        device_tier = DeviceTier(self.device, self.budgets["device"])
-        arena = self.budgets["arena"]
-        self._host_tier = HostTier(self.budgets["host"], arena, config.pin_memory,
-                                   slot_size=config.buffer_size)
+        device_tier, self._host_tier = self._make_tiers()
         if nvme:
             self.engine = self._open_engine()
         self.placement = Placement(self.registry, device_tier, self._host_tier, self.engine,
@@ -301,6 +319,20 @@ class TieredStore(Stepping):
         # Last: from here on every operation on a parameter goes through the store.
         self.access = ParamAccess(self)
         self.access.install()
+        self._attach_activations(model)  # its hooks run after the store's, which gather
+
+    def _attach_activations(self, model: nn.Module) -> None:
+        """Creates the activation offload (``offload_activations``) and hooks it on ``model``."""
+        if self.config.offload_activations != "none":
+            from infinity.activations import offload_for_store
+            self.activations = offload_for_store(self, model)
+
+    def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
+        """The device and host tiers under the budgets (the planner's simulation makes its own,
+        holding no bytes)."""
+        return (DeviceTier(self.device, self.budgets["device"]),
+                HostTier(self.budgets["host"], self.budgets["arena"], self.config.pin_memory,
+                         slot_size=self.config.buffer_size))
 
     def _initialise(self, model: nn.Module, initialise: bool = True) -> None:
         """Moves every parameter's values into the store and leaves a placeholder behind.
@@ -339,8 +371,10 @@ class TieredStore(Stepping):
                     if param.is_meta:
                         entry = self.registry.entry_of(param)
                         # Shape and dtype come from the device tensor adopt() gives it.
-                        real = nn.Parameter(torch.empty(0, dtype=param.dtype),
-                                            requires_grad=param.requires_grad)
+                        # (On the planner's meta device the placeholder is meta too.)
+                        real = nn.Parameter(torch.empty(0, dtype=param.dtype, device=(
+                            self.device if self.device.type == "meta" else None)),
+                            requires_grad=param.requires_grad)
                         for owner, owner_name in references.pop(id(param), []):
                             owner._parameters[owner_name] = real
                         self.registry.rebind(entry, real)
@@ -577,6 +611,20 @@ class TieredStore(Stepping):
             self._checkpoints = Checkpointer(self)
         return self._checkpoints
 
+    def predict(self, disk: Any = None, device: Any = None, **overrides: Any) -> dict[str, Any]:
+        """What this model's iteration would cost with the config's fields replaced by
+        ``overrides`` (``host_budget``, ``device_budget``, ``buffer_count``, ``buffer_size``,
+        ``prefetch_depth``, ``offload_param``, ``offload_optimizer``, ``precision``, ...), on
+        ``disk`` (an :class:`infinity.planner.DiskProfile`; default: this run's disk as its
+        engine saw it) and ``device`` (a :class:`~infinity.planner.DeviceProfile`; default this
+        machine). Needs two recorded iterations. Returns ``step_seconds``, ``phase_seconds``
+        (forward, backward, step), ``bytes_read``/``bytes_written`` per iteration,
+        ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds`` and ``fits`` (False
+        with the ``error`` that attach or the first gather would raise). Runs the store's own
+        placement over tensors that hold no bytes: see :mod:`infinity.planner`."""
+        from infinity.planner import predict
+        return predict(self, overrides, disk=disk, device=device)
+
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
         self._unfinished_step = None  # a new forward moves on from a step that failed
@@ -603,76 +651,10 @@ class TieredStore(Stepping):
         return engine.space.allocated_bytes if engine is not None else 0
 
     def stats(self) -> dict[str, Any]:
-        """Bytes per tier (current and peak), I/O totals and timings, steps."""
+        """Bytes per tier (current and peak), I/O totals and timings, steps; see
+        :func:`infinity.reporting.store_stats` for each key."""
         self._sample_memory()
-        placement = self.placement
-        engine = self.engine  # read once: close() may clear it from the training thread
-        engine_stats = engine.stats() if engine is not None else None
-        device = placement.device.usage if placement else None
-        host = placement.host.usage if placement else None
-        return {
-            "current_bytes": {"device": device.current if device else 0,
-                              "host": host.current if host else 0,
-                              "nvme": self._nvme_bytes()},
-            "peak_bytes": {"device": device.peak if device else 0,
-                           "host": host.peak if host else 0,
-                           "nvme": self._nvme_peak},
-            "budgets": dict(self.budgets),
-            "bytes_read": engine_stats.bytes_read if engine_stats else 0,
-            "bytes_written": engine_stats.bytes_written if engine_stats else 0,
-            "io_seconds": (engine_stats.read_seconds + engine_stats.write_seconds)
-            if engine_stats else 0.0,
-            "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
-            "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
-            "stall_seconds": placement.stall_seconds if placement else 0.0,
-            # traffic between the device and host tiers; the seconds are the training thread's
-            # own synchronous copies (all of them without a GPU: the share of a step that a
-            # GPU's copy engine would take off the cores)
-            "bytes_to_device": placement.device.bytes_in if placement else 0,
-            "bytes_from_device": placement.device.bytes_out if placement else 0,
-            "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
-            "steps": self.steps,
-            "prefetched_loads": placement.prefetched_loads if placement else 0,
-            "demand_loads": placement.demand_loads if placement else 0,
-            "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,
-            # write-backs eviction had to start (and wait for) during forward and backward,
-            # and those started ahead, during forward, from what the last pass had to wait for
-            "forced_pass_writes": placement.forced_pass_writes if placement else 0,
-            "write_ahead_writes": placement.writes_ahead if placement else 0,
-            "grad_bytes": placement.grad_bytes if placement else 0,
-            "pinned_bytes": placement.host.pinned_bytes if placement else 0,
-            "rss_peak_bytes": self._rss_peak,
-            # freed heap blocks reused (a host budget left room for it; infinity.memory)
-            "heap_reuse": bool(self._heap_watch and self._heap_watch.active),
-            "trace_departures": self.follower.diverged_iterations,
-            "backend": engine.backend_name if engine is not None else None,
-            # failed transfers: each failed attempt, re-issues, transfers that succeeded after
-            # failing, and failures that outlasted the retries (see infinity.placement)
-            "io_errors": placement.io_errors if placement else 0,
-            "io_retries": placement.io_retries if placement else 0,
-            "io_recoveries": placement.io_recoveries if placement else 0,
-            "io_failures": placement.io_failures if placement else 0,
-            "io_timeouts": engine_stats.timeouts if engine_stats else 0,
-            "integrity_errors": engine_stats.integrity_errors if engine_stats else 0,
-            # arena bytes held back because a timed-out read may still write into them
-            "quarantined_bytes": placement.quarantined_bytes if placement else 0,
-            # across data-parallel ranks (None in one process): bytes this rank sent into
-            # all-gathers (its slices) and reductions (whole gradients), and the seconds the
-            # training thread waited for them
-            "comm": self._comm_stats(),
-        }
-
-    def _comm_stats(self) -> dict[str, Any] | None:
-        partition = self.partition
-        if partition is None:
-            return None
-        stats = partition.stats
-        return {"rank": partition.rank, "world": partition.world, "stage": partition.stage,
-                "backend": partition.backend, "gathered_bytes": stats.gathered_bytes,
-                "reduced_bytes": stats.reduced_bytes, "gather_seconds": stats.gather_seconds,
-                "reduce_seconds": stats.reduce_seconds, "collectives": stats.collectives,
-                # device copies whose all-gathers started while the module before computed
-                "assembled_ahead": self.placement.assembled_ahead if self.placement else 0}
+        return store_stats(self)
 
     # -- teardown -------------------------------------------------------------------------------
     def materialize(self, entry: ParamEntry) -> torch.Tensor:
@@ -729,6 +711,7 @@ class TieredStore(Stepping):
                         failure = exc
                 # Failed write-backs do not matter here: the host copies stay valid.
                 placement.drain()
+                placement.return_lent()  # before the parameters get their values back
                 if self.access is not None:
                     self.access.remove()  # the parameters are plain again
                 if restore:
@@ -737,12 +720,18 @@ class TieredStore(Stepping):
                             self._back_to_meta(entry)
                         elif entry.shards and entry.shards[0].state is not R.EMPTY:
                             try:
-                                entry.param.data = self.materialize(entry).to(self.device)
+                                entry.param.data = self.materialize(entry).to(
+                                    self.device, entry.given_dtype or entry.dtype)
                             except Exception as exc:  # noqa: BLE001 - restore the others
                                 log.error("close: %s could not be restored: %s", entry.name,
                                           exc)
                                 failure = failure or exc
         finally:
+            if self.activations is not None:
+                self.activations.close()  # before the engine its transfers use
+            if self._activation_engine is not None:
+                self._activation_engine.close()
+                self._activation_engine = None
             if self._heap_watch is not None:
                 self._heap_watch.stop()  # the next store in this process starts bounded again
             if self.hooks is not None:
@@ -753,6 +742,8 @@ class TieredStore(Stepping):
             if self.engine is not None:
                 self.engine.close()
                 self.engine = None
+            if placement is not None:
+                placement.return_lent()  # they would view the host memory closed next
             if self._host_tier is not None:
                 self._host_tier.close()
             if self._temp_dir is not None:

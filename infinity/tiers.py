@@ -67,10 +67,18 @@ class DeviceTier:
                               f"{self.budget} in use)")
         storage = tensor.untyped_storage()
         storage.resize_(nbytes)
-        if not self.cuda:
+        if self.device.type == "cpu":
             # A fresh mapping for every gather (see infinity.memory): with 4 KiB pages, filling
             # it costs about as much in page faults as in copying.
             advise_huge_pages(storage.data_ptr(), nbytes)
+        self.usage.add(nbytes)
+
+    def charge(self, nbytes: int) -> None:
+        """Counts a working copy that takes no new memory (one lent by the host tier) against
+        the budget, so the working set is bounded the same way with or without copies."""
+        if not self.fits(nbytes):
+            raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
+                              f"{self.budget} in use)")
         self.usage.add(nbytes)
 
     def empty(self, tensor: torch.Tensor) -> None:
@@ -112,7 +120,11 @@ class DeviceTier:
 class HostTier:
     """Master copies on the host: the staging arena plus standalone tensors, under one budget."""
 
-    def __init__(self, budget: int, arena_bytes: int, pin: bool, slot_size: int = 0) -> None:
+    def __init__(self, budget: int, arena_bytes: int, pin: bool, slot_size: int = 0,
+                 meta: bool = False) -> None:
+        """``meta``: hold no bytes (every tensor on the meta device), for the planner's
+        simulation of the same placement decisions."""
+        self.meta = meta
         self.budget = budget
         self.usage = TierUsage()
         self.pin = pin and torch.cuda.is_available()
@@ -125,6 +137,9 @@ class HostTier:
             slot = min(align_up(slot_size or arena_bytes), align_up(arena_bytes))
             self._ranges = SlotArena(slot, max(1, arena_bytes // slot))
             self.arena_bytes = self._ranges.nbytes
+            if meta:
+                self.arena = _MetaBuffer(self.arena_bytes)
+                return
             # Not pre-faulted: the arena fills while attach frees the model's own parameter
             # memory, so faulting it all first would count both at once in the peak RSS.
             self._pool = BufferPool(1, self.arena_bytes, pin_memory=self.pin, name="staging arena",
@@ -142,6 +157,17 @@ class HostTier:
             if offset is not None:
                 self.usage.add(size)
             return offset
+
+    def take_arena_at(self, offset: int, nbytes: int) -> bool:
+        """The whole slot at ``offset`` for a range of ``nbytes``, if it is free."""
+        size = align_up(max(nbytes, 1))
+        with self.lock:
+            if self._ranges is None or not self._ranges.whole(size) or \
+                    self.usage.current + size > self.budget or \
+                    not self._ranges.take_slot_at(offset):
+                return False
+            self.usage.add(size)
+            return True
 
     def give_arena(self, offset: int, nbytes: int) -> None:
         size = align_up(max(nbytes, 1))
@@ -162,7 +188,16 @@ class HostTier:
                 raise BudgetError(f"host tier: {nbytes} more bytes exceed the host budget of "
                                   f"{self.budget} ({self.usage.current} in use)")
             self.usage.add(nbytes)
+        if self.meta:
+            return torch.empty(numel, dtype=dtype, device="meta")
         return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+
+    def scratch(self, shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor outside the budget's accounting (a gradient the caller accounts for),
+        pinned with CUDA; a meta tensor in the planner's simulation."""
+        if self.meta:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
 
     def free(self, tensor: torch.Tensor) -> None:
         with self.lock:
@@ -190,6 +225,16 @@ class HostTier:
             self.arena = None
             self._pool.close()
             self._pool = None
+
+
+class _MetaBuffer:
+    """An arena that holds no bytes: views of it are meta tensors (see HostTier's ``meta``)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def view(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="meta")
 
 
 __all__ = ["DeviceTier", "HostTier", "TierUsage"]

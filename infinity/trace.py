@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,19 @@ class Trace:
     #: entry index -> position of the last backward event that uses it (after which its
     #: gradient is complete)
     last_backward: dict[int, int] = field(default_factory=dict)
+    #: seconds the training thread spent after each event until the next one (or the step),
+    #: less the store's stalls and device copies: the module's compute and the loop's own
+    #: work, measured in the last iteration that followed this trace (for the planner)
+    compute: list[float] = field(default_factory=list)
+    #: (events observed so far, entry index) for each gradient completed in backward, in the
+    #: order autograd completed them (not always right after the entry's last event)
+    grads: list[tuple[int, int]] = field(default_factory=list)
     _updates: tuple[int, list[tuple[int, int]]] | None = field(default=None, repr=False)
 
     def append(self, event: Event) -> None:
         position = len(self.events)
         self.events.append(event)
+        self.compute.append(0.0)
         self.forward_events += event.kind == FORWARD
         for entry in event.entries:
             self.uses.setdefault(entry, []).append(position)
@@ -86,9 +95,12 @@ class TraceFollower:
         self.following: Trace | None = None
         self.diverged_iterations = 0
         self._warned = False
+        #: (time, the store's busy seconds then) at the last event of a followed iteration
+        self._mark: tuple[float, float] | None = None
 
     def start_iteration(self, mode: object) -> None:
         self._finish_iteration()
+        self._mark = None  # the time since the last iteration's end is the loop's, not a module's
         self.mode = mode
         self.position = 0
         trace = self.traces.get(mode)
@@ -108,8 +120,11 @@ class TraceFollower:
                 self.traces[self.mode] = self.recording
         self.recording = None
 
-    def observe(self, event: Event) -> None:
-        """Advances past ``event``; notices a departure from the trace."""
+    def observe(self, event: Event, busy: float = 0.0) -> None:
+        """Advances past ``event``; notices a departure from the trace. ``busy``: the store's
+        stall and copy seconds so far, which the compute measured since the last event
+        excludes."""
+        self._clock(busy)
         if self.following is not None:
             expected = (self.following.events[self.position]
                         if self.position < len(self.following) else None)
@@ -124,6 +139,26 @@ class TraceFollower:
         if self.recording is not None:
             self.recording.append(event)
         self.position += 1
+
+    def grad_ready(self, entry: int) -> None:
+        """Records that ``entry``'s gradient is complete, at this point of the iteration."""
+        if self.recording is not None:
+            self.recording.grads.append((self.position, entry))
+
+    def pause(self, busy: float = 0.0) -> None:
+        """The iteration's events are over (the optimizer step begins): the last event's
+        compute ends here."""
+        self._clock(busy)
+        self._mark = None
+
+    def _clock(self, busy: float) -> None:
+        now = time.perf_counter()
+        following = self.following
+        if following is not None and self._mark is not None and \
+                0 < self.position <= len(following):
+            then, busy_then = self._mark
+            following.compute[self.position - 1] = max(0.0, now - then - (busy - busy_then))
+        self._mark = (now, busy) if following is not None else None
 
     def _diverged(self, why: str) -> None:
         self.diverged_iterations += 1
@@ -140,10 +175,21 @@ class TraceFollower:
         """The trace being followed, or None while recording or after a departure."""
         return self.following
 
-    def upcoming(self, depth: int) -> list[Event]:
+    def upcoming(self, depth: int, wrap: bool = False) -> list[Event]:
+        """The next ``depth`` events; ``wrap``: past this iteration's end into the next one's
+        start (an iteration that repeats, as a decode step does token after token)."""
         if self.following is None:
             return []
-        return self.following.events[self.position:self.position + depth]
+        events = self.following.events
+        ahead = events[self.position:self.position + depth]
+        if wrap and len(ahead) < depth:
+            ahead = ahead + events[:min(depth - len(ahead), self.position)]
+        return ahead
+
+    @property
+    def inference(self) -> bool:
+        """Whether the iteration under way runs without autograd (no backward, no step)."""
+        return isinstance(self.mode, tuple) and not self.mode[0]
 
 
 def _name(event: Event) -> str:

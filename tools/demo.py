@@ -29,12 +29,13 @@ import torch
 from tqdm import tqdm
 
 from infinity import OffloadConfig, TieredStore
-from infinity.config import format_size, load_json, parse_size
+from infinity.config import format_size, load_json
 from infinity.errors import AttachError, BudgetError, ConfigError
 from swap import (BufferPool, EngineSettings, NvmePathError, SwapConfigError, SwapEngine,
-                  SwapError, SwapSpaceError)
+                  SwapSpaceError)
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import describe, find_leftovers
+from tools.cli import config_size, guarded, parse, positive
 from tools.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
 log = logging.getLogger("tools.demo")
@@ -77,23 +78,6 @@ class DemoResult:
 
 # ---------------------------------------------------------------------------- arguments
 
-def _positive(kind: type) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return value
-    return convert
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text, name="size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,19 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
              "config's, else a fresh temporary directory, removed at the end)")
     add("--config", type=Path, metavar="FILE", help="a DeepSpeed ds_config.json or a native "
         "infinity JSON config; the flags below override it")
-    add("--steps", type=_positive(int), default=40, help="training steps (%(default)s)")
-    add("--layers", type=_positive(int), default=8, help="transformer blocks (%(default)s)")
-    add("--width", type=_positive(int), default=256,
+    add("--steps", type=positive(int), default=40, help="training steps (%(default)s)")
+    add("--layers", type=positive(int), default=8, help="transformer blocks (%(default)s)")
+    add("--width", type=positive(int), default=256,
         help=f"model width, a multiple of {HEADS} (%(default)s)")
-    add("--vocab", type=_positive(int), default=512, help="vocabulary size (%(default)s)")
-    add("--context", type=_positive(int), default=64, help="tokens per sequence (%(default)s)")
-    add("--batch", type=_positive(int), default=8, help="sequences per step (%(default)s)")
-    add("--lr", type=_positive(float), help=f"AdamW learning rate (default: the DeepSpeed "
+    add("--vocab", type=positive(int), default=512, help="vocabulary size (%(default)s)")
+    add("--context", type=positive(int), default=64, help="tokens per sequence (%(default)s)")
+    add("--batch", type=positive(int), default=8, help="sequences per step (%(default)s)")
+    add("--lr", type=positive(float), help=f"AdamW learning rate (default: the DeepSpeed "
         f"config's optimizer lr, else {DEMO_LR:g})")
-    add("--device-budget", type=_size, metavar="SIZE", help="e.g. 8MiB (default: the config's, "
-        "else a quarter of the parameter bytes)")
-    add("--host-budget", type=_size, metavar="SIZE", help="e.g. 32MiB (default: the config's, "
-        "else a quarter of params + grads + Adam state)")
+    add("--device-budget", type=config_size, metavar="SIZE",
+        help="e.g. 8MiB (default: the config's, else a quarter of the parameter bytes)")
+    add("--host-budget", type=config_size, metavar="SIZE",
+        help="e.g. 32MiB (default: the config's, else a quarter of params + grads + Adam state)")
     add("--bf16", action="store_true", help="bf16 working parameters and compute")
     add("--out", type=Path, default=Path("demo-output"), metavar="DIR",
         help="where the Chrome trace and timeline plot go (%(default)s)")
@@ -385,23 +369,13 @@ def table(result: DemoResult) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse has printed the message; return, so tests can check
-        return int(exc.code or 0)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        result = run(args)
-    except USER_ERRORS as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except SwapError as exc:  # the disk failed mid-run: its message names file and cause
-        print(f"{parser.prog}: swap I/O failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted; swap files removed", file=sys.stderr)
-        return 130
+    args = parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    code, result = guarded(parser.prog, lambda: run(args), USER_ERRORS,
+                           "interrupted; swap files removed")
+    if code:
+        return code
     print()
     print("\n".join(result.table))
     if result.leftovers:

@@ -1,0 +1,188 @@
+"""infinity-generate (tools/generate.py) on tiny Hugging Face models, and bench_infer's CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tools import bench_infer, generate  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 6
+#: budgets well below the tiny models' ~0.1-0.4 MB, so every forward reads from the swap files
+BUDGETS = ["--host-budget", "128KiB", "--buffer-size", "16KiB", "--device-budget", "96KiB"]
+
+
+def _llama() -> torch.nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0))
+
+
+def _gpt2() -> torch.nn.Module:
+    # A wide initialisation, so greedy decoding does not just repeat the last token. The
+    # embeddings are tied (GPT-2's lm_head is wte): the checkpoint holds one copy.
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5,
+        bos_token_id=1, eos_token_id=2))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    models = {}
+    for name, build in (("llama", _llama), ("gpt2", _gpt2)):
+        torch.manual_seed(0)
+        model = build().eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        models[name] = (model, path)
+    return models
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = generate.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("rows", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 10, 11, 12]]],
+                         ids=["batch1", "batch2"])
+def test_greedy_ids_equal_plain_generate(tmp_path, capsys, saved, name, rows):
+    model, path = saved[name]
+    ids = torch.tensor(rows)
+    pad = generate.pad_token_id(model.generation_config)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=NEW_TOKENS, pad_token_id=pad)
+    argv = ["--model", str(path), "--nvme-path", str(tmp_path), "--device", "cpu",
+            "--max-new-tokens", str(NEW_TOKENS), "--disk-gbps", "1", "--json", *BUDGETS]
+    for row in rows:
+        argv += ["--token-ids", ",".join(map(str, row))]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["sequences"] == expected.tolist()
+    assert summary["new_token_ids"] == expected[:, 4:].tolist()
+    assert summary["batch"] == len(rows) and summary["new_tokens"] == NEW_TOKENS
+    assert summary["forwards"] == NEW_TOKENS
+    assert summary["bytes_read"] > 0  # the weights really came from the swap files
+    assert summary["tokens_per_second"] > 0 and 0 <= summary["stall_share"] <= 1
+    assert list(tmp_path.iterdir()) == []  # the store removed its swap files
+
+
+def test_bf16_compute_equals_the_plain_model_in_bf16(tmp_path, capsys, saved):
+    model, path = saved["llama"]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = transformers.LlamaForCausalLM(model.config).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = plain.to(torch.bfloat16).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    code, out, err = _run(capsys, "--model", str(path), "--nvme-path", str(tmp_path),
+                          "--token-ids", "5,6,7,8", "--dtype", "bf16", "--max-new-tokens",
+                          str(NEW_TOKENS), "--disk-gbps", "1", "--json", *BUDGETS)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["dtype"] == "bfloat16"
+    assert summary["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
+    assert summary["sequences"] == expected.tolist()
+
+
+def test_sampling_is_seeded(tmp_path, capsys, saved):
+    _, path = saved["llama"]
+    argv = ["--model", str(path), "--nvme-path", str(tmp_path), "--token-ids", "5,6,7,8",
+            "--sample", "--temperature", "2", "--max-new-tokens", "8", "--disk-gbps", "1",
+            "--json"]
+    runs = []
+    for seed in ("1", "1", "2"):
+        code, out, err = _run(capsys, *argv, "--seed", seed)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["sampling"] == "sample"
+    assert runs[0]["sequences"] == runs[1]["sequences"] != runs[2]["sequences"]
+
+
+def test_batch_size_repeats_the_prompt_and_prints_a_summary(tmp_path, capsys, saved):
+    _, path = saved["llama"]
+    code, out, err = _run(capsys, "--model", str(path), "--nvme-path", str(tmp_path),
+                          "--token-ids", "5,6,7", "--batch-size", "3", "--max-new-tokens", "4",
+                          "--disk-gbps", "2.5", "--ignore-eos", *BUDGETS)
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(rows) == 3 and len(set(row[4:] for row in rows)) == 1
+    for label in ("tokens/s", "prefill", "decode", "bytes read", "disk reads 2.50 GB/s",
+                  "stalls"):
+        assert label in out
+
+
+def test_prompt_with_a_tokenizer(tmp_path, capsys, saved):
+    tokenizers = pytest.importorskip("tokenizers")
+    model, path = saved["llama"]
+    words = ["<pad>", "<s>", "</s>", "[UNK]", "hello", "world", "again"]
+    vocab = {word: i for i, word in enumerate(words)}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", pad_token="<pad>", eos_token="</s>")
+    with_tokenizer = tmp_path / "with-tokenizer"
+    model.save_pretrained(with_tokenizer)
+    tokenizer.save_pretrained(with_tokenizer)
+    code, out, err = _run(capsys, "--model", str(with_tokenizer), "--nvme-path", str(tmp_path),
+                          "--prompt", "hello world", "--max-new-tokens", "3", "--disk-gbps", "1",
+                          "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["sequences"][0][:2] == [4, 5]
+    assert summary["texts"][0].startswith("hello world")
+
+
+@pytest.mark.parametrize("case, fix", [
+    ("missing", "does not exist"),
+    ("empty", "config.json"),
+    ("no-weights", "safetensors"),
+])
+def test_bad_model_directory_is_one_line(tmp_path, capsys, case, fix):
+    path = tmp_path / case
+    if case != "missing":
+        path.mkdir()
+    if case == "no-weights":
+        (path / "config.json").write_text(json.dumps(_llama().config.to_dict()))
+    code, out, err = _run(capsys, "--model", str(path), "--token-ids", "1,2")
+    assert code == 2
+    assert fix in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_prompt_without_tokenizer_names_token_ids(tmp_path, capsys, saved):
+    _, path = saved["llama"]
+    code, _, err = _run(capsys, "--model", str(path), "--nvme-path", str(tmp_path),
+                        "--prompt", "hello")
+    assert code == 2 and "--token-ids" in err and "tokenizer" in err
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["--nvme-path", "/nonexistent/swap"], "mkdir -p"),
+    (["--token-ids", "1,x"], "comma-separated integers"),
+    (["--token-ids", "1,999"], "outside the vocabulary"),
+])
+def test_bad_flags_are_one_line(capsys, saved, argv, fix):
+    _, path = saved["llama"]
+    code, _, err = _run(capsys, "--model", str(path), "--token-ids", "1,2", "--disk-gbps", "1",
+                        *argv)
+    assert code == 2 and fix in err and "Traceback" not in err
+
+
+def test_bench_infer_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_infer.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--quick" in capsys.readouterr().out

@@ -1,0 +1,64 @@
+"""What the command-line tools share: argparse types, and one way of reporting failures (a
+line naming the cause and exit code 2 for bad input, 1 for a failed disk, 130 when
+interrupted) instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Callable, Sequence
+
+from swap import SwapError
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int, float) of a value > 0."""
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return convert
+
+
+def config_size(text: str) -> int:
+    """An argparse type: a byte count as the config reads it ('256MiB', '1GB', 4096)."""
+    from infinity.config import parse_size as parse_config_size
+    from infinity.errors import ConfigError
+    try:
+        return parse_config_size(text, name="size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+          ) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit code argparse chose (it has printed its message):
+    returned, not raised, so tests can check it. Sets up logging (``--verbose``: INFO)."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args
+
+
+def guarded(prog: str, action: Callable[[], Any], user_errors: tuple[type, ...],
+            interrupted: str = "interrupted") -> tuple[int, Any]:
+    """Runs ``action``: (0, its result), or the exit code after one line on stderr."""
+    try:
+        return 0, action()
+    except user_errors as exc:
+        print(f"{prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2, None
+    except SwapError as exc:  # the disk failed mid-run: its message names file and cause
+        print(f"{prog}: swap I/O failed: {exc}", file=sys.stderr)
+        return 1, None
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130, None
