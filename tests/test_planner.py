@@ -1,0 +1,162 @@
+"""store.predict(): the recorded trace replayed through the store's own placement over tensors
+that hold no bytes.
+
+Bytes and peak bytes per tier are decided by the same code as in the real store, so for the same
+configuration they must be equal, provided the two see transfers complete at the same moments:
+the real store's engine here completes every transfer before returning it (a test-only wrapper),
+and the simulated disk is fast enough that every transfer is done at once. Predictions for other
+budgets are checked against real runs with those budgets the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import infinity
+from infinity.planner import DiskProfile, PlanError, device_profile
+from tests.store_helpers import SMALL, make_model
+from tools.tiny_gpt import synthetic_batches
+
+SHARD = 1 << 14
+INSTANT = DiskProfile(read_gbps=math.inf, write_gbps=math.inf)  # done when issued
+
+
+def _synchronous(store: infinity.TieredStore) -> None:
+    """Makes every swap transfer complete before it is handed back, as the instant simulated
+    disk does, so that no decision depends on when a transfer finishes."""
+    engine = store.engine
+    read, write = engine.read, engine.write
+
+    def read_done(*args: Any, **kwargs: Any) -> Any:
+        future = read(*args, **kwargs)
+        future.result()
+        return future
+
+    def write_done(*args: Any, **kwargs: Any) -> Any:
+        future = write(*args, **kwargs)
+        future.result()
+        return future
+    engine.read, engine.write = read_done, write_done
+
+
+def _config(**changes: Any) -> infinity.OffloadConfig:
+    base = dict(device="cpu", offload_param="nvme", offload_optimizer="nvme",
+                buffer_size=SHARD, buffer_count=16, host_budget=16 * SHARD,
+                verify_checksums=False, fused_optimizer=False)
+    return infinity.OffloadConfig(**{**base, **changes})
+
+
+def _run(config: infinity.OffloadConfig, steps: int = 3
+         ) -> tuple[infinity.TieredStore, dict[str, int], torch.nn.Module]:
+    """Trains the small GPT ``steps`` steps with a synchronous engine; returns the open store
+    and the bytes the last step moved."""
+    model = make_model()
+    store = infinity.TieredStore(config)
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _synchronous(store)
+    data = synthetic_batches(SMALL, 4, seed=1)
+    moved = {}
+    for _ in range(steps):
+        before = store.stats()
+        tokens, targets = next(data)
+        model(tokens, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = store.stats()
+        moved = {"bytes_read": after["bytes_read"] - before["bytes_read"],
+                 "bytes_written": after["bytes_written"] - before["bytes_written"]}
+    return store, moved, model
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"offload_optimizer": "cpu", "host_budget": 64 * SHARD},
+    {"buffer_count": 24, "host_budget": 24 * SHARD, "prefetch_depth": 4},
+], ids=["nvme-tight", "optimizer-on-cpu", "wider-arena"])
+def test_prediction_equals_the_store_for_the_same_config(changes: dict) -> None:
+    store, moved, _ = _run(_config(**changes))
+    try:
+        prediction = store.predict(disk=INSTANT)
+        stats = store.stats()
+    finally:
+        store.close()
+    assert prediction["fits"]
+    assert prediction["bytes_read"] == moved["bytes_read"] > 0
+    assert prediction["bytes_written"] == moved["bytes_written"]
+    assert prediction["peak_bytes"]["host"] == stats["peak_bytes"]["host"]
+    assert prediction["peak_bytes"]["device"] == stats["peak_bytes"]["device"]
+    assert prediction["budgets"] == stats["budgets"]
+
+
+def test_prediction_for_other_budgets_equals_runs_with_them() -> None:
+    """Recorded at one arena, predicted at two others: each equals a real run there."""
+    store, _, _ = _run(_config())
+    try:
+        predictions = {count: store.predict(disk=INSTANT, buffer_count=count,
+                                             host_budget=count * SHARD)
+                       for count in (12, 28)}
+    finally:
+        store.close()
+    for count, prediction in predictions.items():
+        other, moved, _ = _run(_config(buffer_count=count, host_budget=count * SHARD))
+        stats = other.stats()
+        other.close()
+        assert (prediction["bytes_read"], prediction["bytes_written"]) == \
+            (moved["bytes_read"], moved["bytes_written"]), count
+        assert prediction["peak_bytes"]["host"] == stats["peak_bytes"]["host"], count
+    assert predictions[12]["bytes_read"] > predictions[28]["bytes_read"]
+
+
+def test_time_follows_the_disk_and_the_device() -> None:
+    store, _, _ = _run(_config(), steps=2)
+    try:
+        slow = store.predict(disk=DiskProfile(1e-4, 1e-4))
+        fast = store.predict(disk=DiskProfile(100.0, 100.0))
+        quicker = store.predict(disk=DiskProfile(100.0, 100.0),
+                                device=device_profile("H100", here_tflops=0.1))
+    finally:
+        store.close()
+    # At 100 kB/s the step's megabytes take half a minute, most of it waiting for the disk.
+    moved = slow["bytes_read"] + slow["bytes_written"]
+    assert slow["step_seconds"] >= moved / 1e5 * 0.99
+    assert slow["stall_seconds"] > 0.5 * slow["step_seconds"]
+    assert fast["step_seconds"] < slow["step_seconds"]
+    # A faster device shortens forward and backward; the step's CPU update is the same.
+    assert quicker["phase_seconds"]["forward"] < fast["phase_seconds"]["forward"]
+    assert set(fast["phase_seconds"]) == {"forward", "backward", "step"}
+    assert math.isclose(sum(fast["phase_seconds"].values()), fast["step_seconds"], rel_tol=1e-9)
+
+
+def test_a_budget_that_cannot_hold_one_module_does_not_fit() -> None:
+    store, _, _ = _run(_config(), steps=2)
+    try:
+        prediction = store.predict(disk=INSTANT, device_budget=1024)
+    finally:
+        store.close()
+    assert not prediction["fits"]
+    assert "device_budget of 1024 bytes cannot hold module 'blocks.0.fc'" in prediction["error"]
+    assert "set device_budget to at least" in prediction["error"]
+
+
+def test_predict_needs_a_followed_iteration() -> None:
+    model = make_model()
+    with infinity.TieredStore(_config()) as store:
+        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
+        with pytest.raises(PlanError, match="two training steps"):
+            store.predict(disk=INSTANT)
+
+
+def test_disk_profile_from_bench_json(tmp_path) -> None:
+    path = tmp_path / "bench.json"
+    path.write_text('{"best": {"uring": {"read": {"gbps": 2.5}, "write": {"gbps": 3.5}}, '
+                    '"threads": {"read": {"gbps": 2.0}}}}')
+    disk = DiskProfile.from_bench_json(path)
+    assert (disk.read_gbps, disk.write_gbps, disk.shared) == (2.5, 3.5, True)
+    assert disk.scaled(4).read_gbps == 10.0
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(PlanError, match="infinity-bench --json"):
+        DiskProfile.from_bench_json(tmp_path / "bad.json")
