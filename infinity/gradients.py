@@ -85,7 +85,7 @@ class CompanionsAndGradients:
             # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
             self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
         if not self.grads_on_nvme or self._updated_right_away(shard, piece):
-            if shard.grad is None and piece.device.type == "cpu" and \
+            if shard.grad is None and self.device.host_memory and \
                     piece.dtype == shard.dtype and piece.is_contiguous():
                 # A gradient computed in host memory (no GPU) already is a host tensor:
                 # keep it instead of copying it (the hook drops param.grad right after).
@@ -212,7 +212,7 @@ class CompanionsAndGradients:
         memory (no GPU) with no part already in the companion: copying it into a companion
         would only pay if the update had to wait (then park_grads moves it there)."""
         return self.update_in_backward and shard.step_param is not None and \
-            piece.device.type == "cpu" and not self._has_grad_companion(shard)
+            self.device.host_memory and not self._has_grad_companion(shard)
 
     def _hold_grad(self, shard: Shard, tensor: torch.Tensor) -> None:
         shard.grad = tensor
@@ -226,7 +226,7 @@ class CompanionsAndGradients:
 
     def _on_host(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``piece`` as a host tensor of ``dtype`` to accumulate from (copied off a GPU)."""
-        if piece.device.type == "cpu":
+        if self.device.host_memory:
             return piece.to(dtype)
         out = self.host.scratch(tuple(piece.shape), dtype)
         self.device.copy_out(out, piece)

@@ -13,7 +13,9 @@ the inner optimizer's own objects, so LR schedulers and code that edits ``param_
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -55,11 +57,15 @@ class OffloadedOptimizer(Optimizer):
         self.swap_state = store.config.offload_optimizer == "nvme"
         #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
         self._host_device = "meta" if store.placement.host.meta else "cpu"
-        #: the inner optimizer's own time, the elements it updated, and the steps' time less
-        #: their waits and copies (for the planner)
+        #: the inner optimizer's own time and the elements it updated; the steps' time less
+        #: their waits and copies per element updated; the last iteration's device copies
+        #: (bytes, seconds): what the planner replays (infinity.planner)
         self.update_seconds = 0.0
         self.updated_elements = 0
-        self.step_seconds = 0.0
+        self.step_seconds_per_element = 0.0  # the median of the last steps'
+        self._step_rates: collections.deque[float] = collections.deque(maxlen=5)
+        self.last_copies: tuple[int, float] | None = None
+        self._copies_mark: tuple[int, float] | None = None
         #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
         #: have overridden inside: checkpoints carry the user's, loads keep the store's
         self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
@@ -111,10 +117,23 @@ class OffloadedOptimizer(Optimizer):
                 loss = closure()
         placement = self.store.placement
         started, busy = time.perf_counter(), placement.busy_seconds
+        elements = self.updated_elements
         self.store._run_step(self)
-        # The step's own work (updates, and the pipeline's bookkeeping around them), without
-        # its waits for the disk and its device copies: what the planner charges per element.
-        self.step_seconds += time.perf_counter() - started - (placement.busy_seconds - busy)
+        # For the planner: the step's own work (updates, and the pipeline's bookkeeping around
+        # them) without its waits for the disk and its device copies, per element it updated
+        # (the median of the last steps: the first are slower, creating state and faulting
+        # memory in); and the last iteration's device copies (bytes, seconds).
+        seconds = time.perf_counter() - started - (placement.busy_seconds - busy)
+        updated = self.updated_elements - elements
+        if updated:
+            self._step_rates.append(seconds / updated)
+            self.step_seconds_per_element = statistics.median(self._step_rates)
+        device = placement.device
+        copies = (device.bytes_in + device.bytes_out, device.copy_seconds)
+        if self._copies_mark is not None:
+            self.last_copies = (copies[0] - self._copies_mark[0],
+                                copies[1] - self._copies_mark[1])
+        self._copies_mark = copies
         return loss
 
     def update(self, tile: list[Shard], grad_multiplier: float = 1.0) -> list[Shard]:

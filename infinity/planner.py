@@ -251,10 +251,11 @@ class _Engine:
 class _DeviceTier(DeviceTier):
     """The device tier on the meta device; a copy takes simulated time."""
 
-    def __init__(self, budget: int, clock: _Clock, copy_gbps: float) -> None:
+    def __init__(self, budget: int, clock: _Clock, copy_gbps: float, host_memory: bool) -> None:
         super().__init__(torch.device("meta"), budget)
         self.clock = clock
         self.copy_gbps = copy_gbps
+        self.host_memory = host_memory  # a CPU device: gradients are host tensors already
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
@@ -305,21 +306,34 @@ def recording_of(store: Any) -> Recording:
     per_element = 0.0
     optimizer_class, options = None, {}
     if optimizer is not None:
-        if optimizer.updated_elements:
-            per_element = optimizer.step_seconds / optimizer.updated_elements
+        per_element = optimizer.step_seconds_per_element
         inner = optimizer.inner
         optimizer_class = type(inner)
         accepted = inspect.signature(optimizer_class.__init__).parameters
         options = {k: v for k, v in inner.defaults.items() if k in accepted and
                    k not in ("fused", "foreach", "capturable", "differentiable")}
     device = store.placement.device
-    copy_gbps = (device.bytes_in + device.bytes_out) / device.copy_seconds / GB \
-        if device.copy_seconds > 0 else 10.0
+    copied, seconds = device.bytes_in + device.bytes_out, device.copy_seconds
+    if optimizer is not None and optimizer.last_copies is not None and optimizer.last_copies[1]:
+        copied, seconds = optimizer.last_copies  # the last iteration's: the first ones fault
+    copy_gbps = copied / seconds / GB if seconds > 0 else 10.0
     stats = store.stats()
     tiers = stats["peak_bytes"]["host"] + (stats["peak_bytes"]["device"]
                                            if store.device.type == "cpu" else 0)
-    return Recording(trace, training, per_element, copy_gbps,
-                     max(0, stats["rss_peak_bytes"] - tiers), optimizer_class, options)
+    # The store samples RSS where the heap grows, and can miss the peak between samples; the
+    # process's own peak is exact, but may be older than the store (then the prediction errs
+    # high, the safe side for a memory plan).
+    rss = max(stats["rss_peak_bytes"], _process_peak_rss())
+    return Recording(trace, training, per_element, copy_gbps, max(0, rss - tiers),
+                     optimizer_class, options)
+
+
+def _process_peak_rss() -> int:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _clone(model: nn.Module, entries: list[ParamEntry]) -> nn.Module:
@@ -393,7 +407,8 @@ def simulate(model: nn.Module, recording: Recording, config: OffloadConfig,
             return _Engine(clock, disk)
 
         def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
-            return (_DeviceTier(self.budgets["device"], clock, copy_gbps),
+            return (_DeviceTier(self.budgets["device"], clock, copy_gbps,
+                                host_memory=device.link_gbps is None),
                     HostTier(self.budgets["host"], self.budgets["arena"], False,
                              slot_size=self.config.buffer_size, meta=True))
 

@@ -11,7 +11,9 @@ the trace for the rest of that iteration and records a fresh one.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -41,8 +43,9 @@ class Trace:
     last_backward: dict[int, int] = field(default_factory=dict)
     #: seconds the training thread spent after each event until the next one (or the step),
     #: less the store's stalls and device copies: the module's compute and the loop's own
-    #: work, measured in the last iteration that followed this trace (for the planner)
+    #: work, the median of the last iterations that followed this trace (for the planner)
     compute: list[float] = field(default_factory=list)
+    _samples: dict[int, collections.deque] = field(default_factory=dict, repr=False)
     #: (events observed so far, entry index) for each gradient completed in backward, in the
     #: order autograd completed them (not always right after the entry's last event)
     grads: list[tuple[int, int]] = field(default_factory=list)
@@ -157,7 +160,11 @@ class TraceFollower:
         if following is not None and self._mark is not None and \
                 0 < self.position <= len(following):
             then, busy_then = self._mark
-            following.compute[self.position - 1] = max(0.0, now - then - (busy - busy_then))
+            position = self.position - 1
+            samples = following._samples.setdefault(position, collections.deque(maxlen=5))
+            samples.append(max(0.0, now - then - (busy - busy_then)))
+            # One iteration on a busy machine can be far off; the median of a few is not.
+            following.compute[position] = statistics.median(samples)
         self._mark = (now, busy) if following is not None else None
 
     def _diverged(self, why: str) -> None:
