@@ -50,6 +50,16 @@ class SlotArena:
         self._small[slot] = ranges
         return slot * self.slot_size + ranges.take(size)
 
+    def take_run(self, count: int) -> int | None:
+        """The offset of the first free slot followed by ``count - 1`` more free ones, taking
+        only that first slot (the next ones are for the shards placed after it), or None."""
+        free = set(self._free_slots)
+        for slot in sorted(free):
+            if all(slot + k in free for k in range(1, count)):
+                self._free_slots.remove(slot)
+                return slot * self.slot_size
+        return None
+
     def take_slot_at(self, offset: int) -> bool:
         """Takes the whole slot starting at ``offset`` if it is free (a shard placed right
         after the one before it, so that the two are contiguous)."""

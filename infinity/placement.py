@@ -182,14 +182,17 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching):
 
     def _after_previous(self, shard: Shard) -> int | None:
         """The slot right after the previous shard of the same parameter, when that one fills
-        a whole slot and the next slot is free: the two are then one contiguous range, which a
-        CPU device can compute on without a copy (see can_lend)."""
+        a whole slot and the next slot is free (for the first shard, a slot with free ones
+        after it): the shards are then one contiguous range, which a CPU device can compute on
+        without a copy (see can_lend)."""
         if shard.kind != "param" or self.device.cuda:
             return None
         shards = shard.entry.shards
         k = shards.index(shard) if len(shards) > 1 else 0
         if k == 0:
-            return None
+            # The first of several: where the others can follow, if such a run is free.
+            return self.host.take_arena_run(shard.nbytes, len(shards)) if len(shards) > 1 \
+                else None
         previous = shards[k - 1]
         if previous.arena_offset is None or previous.nbytes != self.host.slot_size:
             return None

@@ -48,6 +48,9 @@ class DeviceTier:
         self.budget = budget
         self.usage = TierUsage()
         self.cuda = device.type == "cuda"
+        #: whether working copies are host memory (a CPU device): a gradient computed there
+        #: is already a host tensor (the planner's meta tier says what it simulates)
+        self.host_memory = device.type == "cpu"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         # Traffic between the tiers, for stats(). Seconds count only copies the training
         # thread performs itself: without a GPU every copy is a memcpy on the cores that also
@@ -154,6 +157,18 @@ class HostTier:
             if self._ranges is None or self.usage.current + size > self.budget:
                 return None
             offset = self._ranges.take(size)
+            if offset is not None:
+                self.usage.add(size)
+            return offset
+
+    def take_arena_run(self, nbytes: int, count: int) -> int | None:
+        """A whole slot for a range of ``nbytes`` with ``count - 1`` free slots after it."""
+        size = align_up(max(nbytes, 1))
+        with self.lock:
+            if self._ranges is None or not self._ranges.whole(size) or \
+                    self.usage.current + size > self.budget:
+                return None
+            offset = self._ranges.take_run(count)
             if offset is not None:
                 self.usage.add(size)
             return offset
