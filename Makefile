@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile bench-infer bench-activations gpu-check soak venv clean
+	bench-compile bench-infer bench-activations bench-plan gpu-check soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ bench-infer: $(STAMP)
 # offloaded to host memory and to NVMe (offload_activations); step time and device-tier peak.
 bench-activations: $(STAMP)
 	$(PY) -m tools.bench_activations
+
+# The planner's predictions for three budgets against runs with them (the 100.7M MLP).
+bench-plan: $(STAMP)
+	$(PY) -m tools.bench_plan
 
 # Long: save and load of the scale model's checkpoint (tens of GB through the disk).
 bench-checkpoint: $(STAMP)
