@@ -249,7 +249,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching):
     def _evictable(shard: Shard) -> bool:
         if shard.kind != "param":
             return True
-        if shard.entry.placeholder is not None:  # lent: the host copy is the device copy
+        if shard.entry.lent:  # the host copy is the device copy
             return shard.entry.holds == 0
         return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
 
@@ -408,7 +408,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching):
     def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
         """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
         its slot), then tries to take ``nbytes``."""
-        if shard.kind == "param" and shard.entry.placeholder is not None:
+        if shard.kind == "param" and shard.entry.lent:
             self.drop_device(shard.entry)  # a lent device copy goes with the host copy
         if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
             self._evict_host(shard)
@@ -554,7 +554,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching):
             self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
         if not entry.resident:
             self._make_device_room(entry)
-            if not (lend and self._lend(entry)):
+            if not (lend and (self._lend(entry) or self._stage(entry))):
                 self._fill_device(entry)
         if hold:
             entry.holds += 1
@@ -612,6 +612,42 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching):
         entry.resident = True
         self.on_device.add(entry)
         self.lent_gathers += 1
+        return True
+
+    def _stage(self, entry: ParamEntry) -> bool:
+        """Without autograd on a CPU device, where the host copy cannot be lent (its shards are
+        not one range): the device copy is a range of the device tier's reusable slab, so the
+        copy faults no fresh pages. False (nothing done) where the slab has no room."""
+        if self.device.cuda or self.partition is not None:
+            return False
+        offset = self.device.slab_take(entry.device_bytes)
+        if offset is None:
+            return False
+        flat = self.device.slab_view(offset, entry.compute_dtype, entry.numel)
+        waiting = list(entry.shards)
+        moved: list[Shard] = []
+        try:
+            for shard in entry.shards:
+                self.ensure_host(shard, protect=waiting)
+                waiting.remove(shard)
+                if shard.state is R.HOST_STORING:
+                    self.reap(shard, wait=True)  # a settled state to move from
+                self.device.copy_in(flat[shard.start:shard.start + shard.numel], shard.host)
+                # On the device now: the next shard's read may evict this host copy.
+                self.registry.set_state(shard, _TO_DEVICE[shard.state])
+                moved.append(shard)
+        except BaseException:
+            for shard in moved:
+                self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+            self.device.slab_give(offset, entry.device_bytes)
+            raise
+        view = flat.view(entry.shape)
+        entry.placeholder, entry.device_tensor, entry.slab_offset = \
+            entry.device_tensor, view, offset
+        with torch._C.DisableTorchFunctionSubclass():
+            entry.param.data = view
+        entry.resident = True
+        self.on_device.add(entry)
         return True
 
     def return_lent(self) -> None:
@@ -756,11 +792,15 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching):
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
         placeholder = entry.placeholder
-        if placeholder is not None:  # lent by the host copy: give the parameter its own back
+        if placeholder is not None:  # lent, or staged: give the parameter its own back
             entry.device_tensor, entry.placeholder = placeholder, None
             with torch._C.DisableTorchFunctionSubclass():
                 entry.param.data = placeholder
-            self.device.usage.sub(entry.device_bytes)
+            if entry.slab_offset is not None:
+                self.device.slab_give(entry.slab_offset, entry.device_bytes)
+                entry.slab_offset = None
+            else:
+                self.device.usage.sub(entry.device_bytes)
         else:
             self.device.empty(entry.device_tensor)
         entry.resident = False

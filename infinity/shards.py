@@ -132,6 +132,14 @@ class ParamEntry:
     #: Placement.lend): ``device_tensor`` is then a view of the host master, and this is the
     #: empty placeholder the parameter goes back to when the copy is dropped
     placeholder: torch.Tensor | None = None
+    #: set while the device copy is a range of the device tier's reusable slab (a CPU device in
+    #: inference, when the host copy cannot be lent: see Placement._stage): its byte offset
+    slab_offset: int | None = None
+
+    @property
+    def lent(self) -> bool:
+        """Whether the device copy is the host copy itself (so the two go together)."""
+        return self.placeholder is not None and self.slab_offset is None
     index: int = 0
 
     @property

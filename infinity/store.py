@@ -744,6 +744,7 @@ class TieredStore(Stepping):
                 self.engine = None
             if placement is not None:
                 placement.return_lent()  # they would view the host memory closed next
+                placement.device.close()
             if self._host_tier is not None:
                 self._host_tier.close()
             if self._temp_dir is not None:

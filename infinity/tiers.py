@@ -21,6 +21,7 @@ import torch
 
 from infinity.errors import BudgetError
 from swap import BufferPool, HostBuffer, advise_huge_pages, align_up
+from swap.files import RangeAllocator
 from infinity.arena import SlotArena
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class DeviceTier:
         self.bytes_in = 0
         self.bytes_out = 0
         self.copy_seconds = 0.0
+        #: reusable memory for inference's device copies on a CPU device (slab_take)
+        self._slab: HostBuffer | None = None
+        self._slab_pool: BufferPool | None = None
+        self._slab_ranges: RangeAllocator | None = None
 
     def fits(self, nbytes: int) -> bool:
         return self.usage.current + nbytes <= self.budget
@@ -75,6 +80,36 @@ class DeviceTier:
             # it costs about as much in page faults as in copying.
             advise_huge_pages(storage.data_ptr(), nbytes)
         self.usage.add(nbytes)
+
+    def slab_take(self, nbytes: int) -> int | None:
+        """A range of ``nbytes`` in a region of host memory the tier keeps (a CPU device only),
+        charged to the budget; None when it does not fit. The region is faulted in once and
+        reused, where a fresh allocation per gather faults every page again (0.24-0.28 s
+        instead of 0.04 s for a 131 MB copy here, with huge pages not always at hand)."""
+        if self.device.type != "cpu" or not self.fits(nbytes):
+            return None
+        if self._slab is None:
+            self._slab_pool = BufferPool(1, align_up(self.budget), pin_memory=False,
+                                         name="device slab", prefault=False)
+            self._slab = self._slab_pool.acquire(holder="device tier")
+            self._slab_ranges = RangeAllocator(self._slab.nbytes)
+        offset = self._slab_ranges.take(align_up(nbytes))
+        if offset is not None:
+            self.usage.add(nbytes)
+        return offset
+
+    def slab_view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self._slab.view(dtype, numel, offset)
+
+    def slab_give(self, offset: int, nbytes: int) -> None:
+        self._slab_ranges.give(offset, align_up(nbytes))
+        self.usage.sub(nbytes)
+
+    def close(self) -> None:
+        if self._slab is not None:
+            self._slab_pool.release(self._slab)
+            self._slab_pool.close()
+            self._slab = self._slab_pool = None
 
     def charge(self, nbytes: int) -> None:
         """Counts a working copy that takes no new memory (one lent by the host tier) against
