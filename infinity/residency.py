@@ -112,6 +112,11 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
 }
 
 
+#: a device copy made (a valid host copy becomes shared with the device) and dropped
+ON_TO_DEVICE = {R.HOST: R.DEVICE_HOST, R.HOST_NVME: R.DEVICE_HOST_NVME}
+OFF_THE_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE_NVME: R.NVME}
+
+
 class ResidencyError(RuntimeError):
     """A state change that the transition table does not allow."""
 
