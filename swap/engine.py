@@ -448,6 +448,9 @@ class SwapEngine(TimeoutsMixin):
         elif error is not None and not getattr(error, "errno", 0):
             detail = f"{type(error).__name__}: {error}"
         with self._lock:
+            if piece.settled:
+                return
+            piece.settled = True
             self._inflight -= 1
             chain = piece.chain
             assert chain is not None

@@ -241,3 +241,41 @@ def test_hung_chain_fails_queued_transfers_instead_of_hanging(make_engine, disk_
     while engine.quarantined() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.quarantined() == []  # the late completions released slot and buffers
+
+
+def test_a_signal_during_the_submit_settles_each_request_once(make_engine, disk_dir, buffers):
+    """A signal handler's exception (KeyboardInterrupt) can surface inside
+    ``add_done_callback`` after the backend's future has taken the callback: the interrupted
+    submit then hands the same request its callback again. Each request's outcome must still be
+    applied once, or the in-flight count goes below zero and close() waits out its timeout for
+    a request that does not exist (a SIGINT in the middle of a step hung its process)."""
+    engine = make_engine(disk_dir, "threads", block_size=BLOCK, queue_depth=2)
+    real_submit = engine.backend.submit_chain
+    interrupted = []
+
+    def submit_then_interrupt(requests):
+        futures = real_submit(requests)
+        if not interrupted:
+            interrupted.append(True)
+            first = futures[0]
+            register = first.add_done_callback
+
+            def register_then_raise(callback):
+                register(callback)
+                first.add_done_callback = register  # once
+                raise KeyboardInterrupt
+            first.add_done_callback = register_then_raise
+        return futures
+
+    engine.backend.submit_chain = submit_then_interrupt
+    extent = engine.allocate(BLOCKS * BLOCK)
+    with pytest.raises(KeyboardInterrupt):
+        engine.write(extent, buffers[0])
+    deadline = time.monotonic() + TIMEOUT
+    while engine._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._inflight == 0 and engine._slots == 0
+    engine.write(extent, buffers[0]).result(TIMEOUT)  # the engine still works
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5
