@@ -16,7 +16,6 @@ import torch
 
 from infinity.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.residency import ON_TO_DEVICE as _TO_DEVICE
-from infinity.residency import Residency as R
 from infinity.shards import ParamEntry, Shard
 
 
@@ -69,17 +68,10 @@ class HostLending:
         the device copy first. False (nothing lent) when the shards did not land in one range
         of the arena."""
         shards = entry.shards
-        if self.nvme:
-            for shard in shards:  # every read at once, so they overlap
-                self.reap(shard)
-                if shard.state is R.NVME:
-                    self.load_async(shard, protect=shards, horizon=0.5)
+        self._start_reads(entry)
         waiting = list(shards)
         for shard in shards:
-            self.ensure_host(shard, protect=waiting)
-            waiting.remove(shard)
-            if shard.state is R.HOST_STORING:
-                self.reap(shard, wait=True)  # a settled state to move from
+            self._settled_on_host(shard, waiting)
         if not self._contiguous(entry):
             return False
         self.device.charge(entry.device_bytes)
@@ -108,14 +100,12 @@ class HostLending:
         if offset is None:
             return False
         flat = self.device.slab_view(offset, entry.compute_dtype, entry.numel)
+        self._start_reads(entry)
         waiting = list(entry.shards)
         moved: list[Shard] = []
         try:
             for shard in entry.shards:
-                self.ensure_host(shard, protect=waiting)
-                waiting.remove(shard)
-                if shard.state is R.HOST_STORING:
-                    self.reap(shard, wait=True)  # a settled state to move from
+                self._settled_on_host(shard, waiting)
                 self.device.copy_in(flat[shard.start:shard.start + shard.numel], shard.host)
                 # On the device now: the next shard's read may evict this host copy.
                 self.registry.set_state(shard, _TO_DEVICE[shard.state])

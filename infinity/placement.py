@@ -571,15 +571,26 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             self._fill_device(entry, defer=True)
             self.assembled_ahead += 1
 
-    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
-        """Fills the entry's device copy from its host masters (across ranks: assembled from
-        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+    def _start_reads(self, entry: ParamEntry) -> None:
+        """Starts every read of the entry's shards the arena allows at once, so they overlap."""
         if self.nvme:
-            # Start every load the arena allows at once, so the reads overlap.
             for shard in entry.shards:
                 self.reap(shard)
                 if shard.state is R.NVME:
                     self.load_async(shard, protect=entry.shards, horizon=0.5)
+
+    def _settled_on_host(self, shard: Shard, waiting: list[Shard]) -> None:
+        """``shard``'s host copy, valid and in a settled state to move from (no write under
+        way), protecting the entry's shards still ``waiting``; removes it from them."""
+        self.ensure_host(shard, protect=waiting)
+        waiting.remove(shard)
+        if shard.state is R.HOST_STORING:
+            self.reap(shard, wait=True)
+
+    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
+        """Fills the entry's device copy from its host masters (across ranks: assembled from
+        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+        self._start_reads(entry)
         tensor = entry.device_tensor
         self.device.fill(tensor)
         flat = tensor.view(-1)
@@ -595,10 +606,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                         for pending in assembling:
                             pending.wait()
                         assembling.clear()
-                    self.ensure_host(shard, protect=waiting)
-                    waiting.remove(shard)
-                    if shard.state is R.HOST_STORING:
-                        self.reap(shard, wait=True)  # copy from a settled state
+                    self._settled_on_host(shard, waiting)
                     if shard.piece is None:
                         event = self.device.copy_in(
                             flat[shard.start:shard.start + shard.numel], shard.host)

@@ -498,8 +498,8 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
             if event.kind == FORWARD:
                 for entry in used:
                     placement.release(entry)
-                if not recorded.training:
-                    placement.iteration_done()
+                if placement.inference_iteration_over:
+                    placement.prefetch_ahead()
                 continue
             for entry in used:
                 holds[entry] = holds.get(entry, 0) + 1

@@ -88,14 +88,15 @@ class TracePrefetching:
                         yield shard, horizon
         return self._prefetch(wanted(), budget, protect=protect)
 
-    def iteration_done(self) -> None:
-        """The iteration's last module released its parameters. Without autograd, nothing
+    @property
+    def inference_iteration_over(self) -> bool:
+        """Whether a followed iteration without autograd has run its last module. Nothing
         else runs until the next iteration's first module (a decode step's sampling, the
-        caller's loop), so the room just freed goes to the next iteration's first reads."""
+        caller's loop), so the room its release freed should go to the next iteration's first
+        reads at once (``prefetch_ahead``)."""
         follower = self.follower
-        if follower.inference and follower.trace is not None and \
-                follower.position == len(follower.trace):
-            self.prefetch_ahead()
+        return follower.inference and follower.trace is not None and \
+            follower.position == len(follower.trace)
 
     def _prefetch(self, wanted: Iterable[tuple[Shard, float]], budget: int | None,
                   strict: bool = False, protect: set[Shard] | frozenset = frozenset()

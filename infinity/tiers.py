@@ -70,16 +70,17 @@ class DeviceTier:
     def fill(self, tensor: torch.Tensor) -> None:
         """Gives ``tensor``'s (empty) storage its bytes, within the budget."""
         nbytes = tensor.numel() * tensor.element_size()
-        if not self.fits(nbytes):
-            raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
-                              f"{self.budget} in use)")
+        self.charge(nbytes)
         storage = tensor.untyped_storage()
-        storage.resize_(nbytes)
+        try:
+            storage.resize_(nbytes)
+        except BaseException:
+            self.usage.sub(nbytes)
+            raise
         if self.device.type == "cpu":
             # A fresh mapping for every gather (see infinity.memory): with 4 KiB pages, filling
             # it costs about as much in page faults as in copying.
             advise_huge_pages(storage.data_ptr(), nbytes)
-        self.usage.add(nbytes)
 
     def slab_take(self, nbytes: int) -> int | None:
         """A range of ``nbytes`` in a region of host memory the tier keeps (a CPU device only),
@@ -112,8 +113,9 @@ class DeviceTier:
             self._slab = self._slab_pool = None
 
     def charge(self, nbytes: int) -> None:
-        """Counts a working copy that takes no new memory (one lent by the host tier) against
-        the budget, so the working set is bounded the same way with or without copies."""
+        """Counts ``nbytes`` of working copies against the budget (``fill``'s, and those of a
+        copy lent by the host tier, which takes no new memory: the working set is bounded the
+        same way with or without copies)."""
         if not self.fits(nbytes):
             raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
                               f"{self.budget} in use)")
