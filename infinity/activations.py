@@ -118,7 +118,9 @@ class _Packed:
 
 
 class _Use:
-    """A staging buffer while it moves one chunk. ``poll`` advances it; True once finished."""
+    """A staging buffer while it moves one chunk. ``poll`` advances it; True once finished,
+    and from then on without doing anything again (a read's copy into the restored storage
+    happens once, though a caller that waited for the use may poll it again)."""
 
     def __init__(self, owner: "ActivationOffload", buf: HostBuffer, stored: _Stored,
                  offset: int, nbytes: int) -> None:
@@ -126,6 +128,15 @@ class _Use:
         self.offset, self.nbytes = offset, nbytes
         self.future: Any = None
         self.event: Any = None
+        self.finished = False
+
+    def poll(self, wait: bool) -> bool:
+        if not self.finished:
+            self.finished = self._advance(wait)
+        return self.finished
+
+    def _advance(self, wait: bool) -> bool:
+        raise NotImplementedError
 
     def _event_done(self, wait: bool) -> bool:
         if self.event is None:
@@ -138,7 +149,7 @@ class _Use:
 class _WriteUse(_Use):
     """device bytes -> staging buffer (copy, an event on CUDA) -> extent (an engine write)."""
 
-    def poll(self, wait: bool) -> bool:
+    def _advance(self, wait: bool) -> bool:
         if self.future is None:
             if not self._event_done(wait):
                 return False
@@ -158,7 +169,7 @@ class _WriteUse(_Use):
 class _ReadUse(_Use):
     """extent -> staging buffer (an engine read) -> the restored storage (copy, an event)."""
 
-    def poll(self, wait: bool) -> bool:
+    def _advance(self, wait: bool) -> bool:
         if self.event is None:
             if not wait and not self.future.done():
                 return False
@@ -210,7 +221,9 @@ class ActivationOffload:
         self._tier_bytes = device_bytes
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.handles: list[Any] = []
-        self._lock = threading.Lock()  # the counters finalizers change from autograd threads
+        # The counters finalizers change: from autograd threads, or from this thread when a
+        # collection runs inside a locked block (so it must be reentrant).
+        self._lock = threading.RLock()
         # -- forward
         self._depth = 0                      # nested root forwards
         self._hooks: Any = None              # the saved_tensors_hooks context while entered

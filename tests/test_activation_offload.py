@@ -115,10 +115,15 @@ def run(model: nn.Module, kind: str, tmp_path, steps: int = STEPS, micro: int = 
 def assert_bit_equal(reference, result) -> None:
     losses, grads, params, _ = result
     ref_losses, ref_grads, ref_params, _ = reference
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)), (ref_losses, losses)
+    differ = [(i, (b - a).item()) for i, (a, b) in enumerate(zip(ref_losses, losses))
+              if not torch.equal(a, b)]
+    # the first step's grads first: they tell a forward that differs from a backward that does
     for step, (ref_step, step_grads) in enumerate(zip(ref_grads, grads)):
         for index, (a, b) in enumerate(zip(ref_step, step_grads)):
-            assert torch.equal(a, b), f"step {step}: grad {index} differs"
+            assert torch.equal(a, b), (f"step {step}: grad {index} differs by up to "
+                                       f"{(a - b).abs().max().item():.3g}; losses differing "
+                                       f"(micro-batch, difference): {differ}")
+    assert not differ, f"losses differ (micro-batch, difference): {differ}"
     assert ref_params.keys() == params.keys()
     for key in ref_params:
         assert torch.equal(ref_params[key], params[key]), key
@@ -139,8 +144,9 @@ def test_offloaded_training_is_bit_equal(tmp_path, kind, ckpt, param):
         assert stats["fetched_bytes"] == stats["offloaded_bytes"]
         assert stats["current_device_bytes"] == 0
         if target == "nvme":  # the bytes went through the disk
-            assert stats["bytes_written"] >= stats["offloaded_bytes"]
-            assert stats["bytes_read"] >= stats["offloaded_bytes"]
+            # each byte once each way (a chunk's copy back is not repeated when polled again)
+            assert stats["bytes_written"] == stats["offloaded_bytes"]
+            assert stats["bytes_read"] == stats["offloaded_bytes"]
         else:
             assert stats["bytes_written"] == 0 and stats["peak_host_bytes"] > 0
 
