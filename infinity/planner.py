@@ -49,6 +49,14 @@ from swap import EngineStats
 log = logging.getLogger(__name__)
 
 GB = 1e9
+#: iterations a prediction replays, and the first ones it leaves out of its means (the first
+#: records a trace, the second is the first one prefetch follows). Which shards the step
+#: writes back depends on which reads have landed when a tile is formed, so the bytes written
+#: vary from one iteration to the next by +-20% on bench_plan's model, in a run and in its
+#: simulation alike: a mean over several steady iterations is what a measured run's mean
+#: over its steps is compared with.
+ITERATIONS = 12
+WARMUP = 2
 
 
 class PlanError(InfinityError, ValueError):
@@ -372,7 +380,8 @@ def tree_with(model: nn.Module, param_for: Callable[[nn.Parameter], nn.Parameter
 
 
 def predict(store: Any, overrides: dict[str, Any], disk: DiskProfile | None = None,
-            device: DeviceProfile | None = None, iterations: int = 3) -> dict[str, Any]:
+            device: DeviceProfile | None = None, iterations: int = ITERATIONS
+            ) -> dict[str, Any]:
     """See :meth:`TieredStore.predict`."""
     recording = recording_of(store)
     config = store.config.replace(**overrides) if overrides else store.config
@@ -382,11 +391,12 @@ def predict(store: Any, overrides: dict[str, Any], disk: DiskProfile | None = No
 
 
 def simulate(model: nn.Module, recording: Recording, config: OffloadConfig,
-             disk: DiskProfile, device: DeviceProfile | None = None, iterations: int = 3,
-             cpu_memory: bool = True) -> dict[str, Any]:
+             disk: DiskProfile, device: DeviceProfile | None = None,
+             iterations: int = ITERATIONS, cpu_memory: bool = True) -> dict[str, Any]:
     """Attaches a store for ``config`` to ``model`` (its parameters on the meta device, in the
     order the recording's trace numbers them), replays ``iterations`` of the recorded trace
-    through it, and reports the last (see :meth:`TieredStore.predict` for the keys).
+    through it, and reports the mean of those after the first :data:`WARMUP` (at least the
+    last; see :meth:`TieredStore.predict` for the keys).
     ``cpu_memory``: the device tier's bytes are host memory (they count in the RSS)."""
     from infinity.store import TieredStore  # the simulated store is one
     if recording.training and recording.optimizer_class is not None and \
@@ -477,7 +487,7 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
                           * recorded.step_seconds_per_element)
             return inner_step(*args, **kwargs)
         optimizer.inner.step = timed_step  # the simulation's own optimizer instance
-    phases: dict[str, Any] = {}
+    measured: list[dict[str, Any]] = []
     for iteration in range(iterations):
         engine_before = sim.engine.stats() if sim.engine is not None else EngineStats()
         start, stalled = clock.now, clock.stalled
@@ -520,7 +530,7 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
             optimizer.zero_grad()
         end = clock.now
         engine_after = sim.engine.stats() if sim.engine is not None else EngineStats()
-        phases = {
+        measured.append({
             "step_seconds": end - start,
             "phase_seconds": {"forward": marks["forward"] - start,
                               "backward": marks["backward"] - marks["forward"],
@@ -528,9 +538,28 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
             "stall_seconds": clock.stalled - stalled,
             "bytes_read": engine_after.bytes_read - engine_before.bytes_read,
             "bytes_written": engine_after.bytes_written - engine_before.bytes_written,
-            "iteration": iteration + 1,
-        }
-    return phases
+        })
+    return _mean_of(measured[min(WARMUP, iterations - 1):], iterations)
+
+
+def _mean_of(steady: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
+    """The iterations' mean: seconds as floats, bytes rounded to whole bytes; with each
+    iteration's bytes, to show how much they vary."""
+    count = len(steady)
+
+    def mean(key: str) -> float:
+        return sum(it[key] for it in steady) / count
+    return {
+        "step_seconds": mean("step_seconds"),
+        "phase_seconds": {phase: sum(it["phase_seconds"][phase] for it in steady) / count
+                          for phase in ("forward", "backward", "step")},
+        "stall_seconds": mean("stall_seconds"),
+        "bytes_read": round(mean("bytes_read")),
+        "bytes_written": round(mean("bytes_written")),
+        "iterations": {"replayed": iterations, "averaged": count,
+                       "bytes_read": [it["bytes_read"] for it in steady],
+                       "bytes_written": [it["bytes_written"] for it in steady]},
+    }
 
 
 def _close(sim: Any) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import infinity
+from infinity import planner
 from infinity.planner import DiskProfile, PlanError, device_profile
 from tests.store_helpers import SMALL, make_model
 from tools.tiny_gpt import synthetic_batches
@@ -50,25 +51,29 @@ def _config(**changes: Any) -> infinity.OffloadConfig:
     return infinity.OffloadConfig(**{**base, **changes})
 
 
-def _run(config: infinity.OffloadConfig, steps: int = 3
-         ) -> tuple[infinity.TieredStore, dict[str, int], torch.nn.Module]:
+def _run(config: infinity.OffloadConfig, steps: int = planner.ITERATIONS
+         ) -> tuple[infinity.TieredStore, dict[str, Any], torch.nn.Module]:
     """Trains the small GPT ``steps`` steps with a synchronous engine; returns the open store
-    and the bytes the last step moved."""
+    and the bytes each step after the first ``planner.WARMUP`` moved (what a prediction
+    averages), as lists, and as their means rounded to whole bytes."""
     model = make_model()
     store = infinity.TieredStore(config)
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     _synchronous(store)
     data = synthetic_batches(SMALL, 4, seed=1)
-    moved = {}
-    for _ in range(steps):
+    per_step: dict[str, list[int]] = {"bytes_read": [], "bytes_written": []}
+    for step in range(steps):
         before = store.stats()
         tokens, targets = next(data)
         model(tokens, targets).backward()
         optimizer.step()
         optimizer.zero_grad()
         after = store.stats()
-        moved = {"bytes_read": after["bytes_read"] - before["bytes_read"],
-                 "bytes_written": after["bytes_written"] - before["bytes_written"]}
+        if step >= planner.WARMUP:
+            for key in per_step:
+                per_step[key].append(after[key] - before[key])
+    moved: dict[str, Any] = {key: round(sum(v) / len(v)) for key, v in per_step.items() if v}
+    moved["per_step"] = per_step
     return store, moved, model
 
 
@@ -85,6 +90,9 @@ def test_prediction_equals_the_store_for_the_same_config(changes: dict) -> None:
     finally:
         store.close()
     assert prediction["fits"]
+    # each replayed iteration moves what the same step of the run moved
+    assert prediction["iterations"]["bytes_read"] == moved["per_step"]["bytes_read"]
+    assert prediction["iterations"]["bytes_written"] == moved["per_step"]["bytes_written"]
     assert prediction["bytes_read"] == moved["bytes_read"] > 0
     assert prediction["bytes_written"] == moved["bytes_written"]
     assert prediction["peak_bytes"]["host"] == stats["peak_bytes"]["host"]
@@ -107,6 +115,8 @@ def test_prediction_for_other_budgets_equals_runs_with_them() -> None:
         other.close()
         assert (prediction["bytes_read"], prediction["bytes_written"]) == \
             (moved["bytes_read"], moved["bytes_written"]), count
+        assert prediction["iterations"]["bytes_written"] == \
+            moved["per_step"]["bytes_written"], count
         assert prediction["peak_bytes"]["host"] == stats["peak_bytes"]["host"], count
     assert predictions[12]["bytes_read"] > predictions[28]["bytes_read"]
 

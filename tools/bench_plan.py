@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--layers", type=int, default=24)
     add("--width", type=int, default=2048)
     add("--batch", type=int, default=16)
-    add("--steps", type=int, default=5, help="timed steps after the warm-up")
+    add("--steps", type=int, default=10, help="timed steps after the warm-up")
     add("--warmup", type=int, default=3)
     add("--repeats", type=int, default=2, help="measured runs per predicted arena")
     add("--host-budget", type=float, default=DEFAULT_HOST_BUDGET, help="GiB")
