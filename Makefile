@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile bench-infer bench-activations bench-plan gpu-check soak venv clean
+	bench-compile bench-infer bench-activations bench-plan bench-budget gpu-check soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,11 @@ bench-activations: $(STAMP)
 # The planner's predictions for three budgets against runs with them (the 100.7M MLP).
 bench-plan: $(STAMP)
 	$(PY) -m tools.bench_plan
+
+# Tight host budgets (1.0 and 0.7 GiB): each step against its floor, per phase, 20 steps each,
+# with DeepSpeed measured next to it where the peer harness is installed.
+bench-budget: $(STAMP)
+	$(PY) -m tools.bench_budget
 
 # Long: save and load of the scale model's checkpoint (tens of GB through the disk).
 bench-checkpoint: $(STAMP)

@@ -24,6 +24,12 @@ def store_stats(store: Any) -> dict[str, Any]:
         "budgets": dict(store.budgets),
         "bytes_read": engine_stats.bytes_read if engine_stats else 0,
         "bytes_written": engine_stats.bytes_written if engine_stats else 0,
+        # writes whose NVMe copy was never read: superseded by a newer update of the host copy,
+        # or discarded, before any read needed it (cost without use)
+        "unread_writes": store.registry.unread_writes,
+        "unread_write_bytes": store.registry.unread_write_bytes,
+        # the drives busy: a transfer of either direction in flight
+        "disk_busy_seconds": engine_stats.busy_seconds if engine_stats else 0.0,
         "io_seconds": (engine_stats.read_seconds + engine_stats.write_seconds)
         if engine_stats else 0.0,
         "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,

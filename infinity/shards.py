@@ -163,6 +163,12 @@ class ShardRegistry:
         self.shards: dict[str, Shard] = {}
         self.entries: list[ParamEntry] = []
         self._by_param: dict[int, ParamEntry] = {}
+        #: ids of shards whose NVMe copy was written and has not been read since: a write
+        #: earns its cost only if that copy is read back (after an eviction); one superseded
+        #: (the host copy updated again) or discarded unread was not needed
+        self._written_unread: set[str] = set()
+        self.unread_writes = 0
+        self.unread_write_bytes = 0
 
     def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int,
                   compute_dtype: torch.dtype | None = None, partition: Any = None,
@@ -215,7 +221,16 @@ class ShardRegistry:
     def set_state(self, shard: Shard, new: Residency) -> None:
         with self.lock:
             check_transition(shard.id, shard.state, new)
-            shard.state = new
+            old, shard.state = shard.state, new
+            if old is Residency.HOST_STORING and new is Residency.HOST_NVME:
+                self._written_unread.add(shard.id)
+            elif shard.id in self._written_unread:
+                if old is Residency.NVME_LOADING and new is Residency.HOST_NVME:
+                    self._written_unread.discard(shard.id)  # read back: the write was needed
+                elif new in (Residency.HOST, Residency.EMPTY):
+                    self._written_unread.discard(shard.id)
+                    self.unread_writes += 1
+                    self.unread_write_bytes += shard.nbytes
 
     def snapshot(self) -> dict[str, dict]:
         """A JSON-able description of every shard (for checkpoints and debugging)."""

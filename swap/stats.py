@@ -15,6 +15,9 @@ class EngineStats:
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
+    #: wall seconds during which a transfer of either direction was in flight (the drives'
+    #: busy time: read_seconds + write_seconds counts time with both in flight twice)
+    busy_seconds: float = 0.0
     read_requests: int = 0
     write_requests: int = 0
     read_transfers: int = 0
@@ -80,6 +83,7 @@ class StatsRecorder:
         self.requests = {"read": 0, "write": 0}
         self.transfers = {"read": 0, "write": 0}
         self.clocks = {"read": _BusyClock(), "write": _BusyClock()}
+        self.busy = _BusyClock()  # either direction
         self.inflight = 0
         self.inflight_peak = 0
         self.errors = 0
@@ -89,12 +93,16 @@ class StatsRecorder:
     def transfer_started(self, op: str) -> None:
         with self.lock:
             self.transfers[op] += 1
-            self.clocks[op].start(time.perf_counter())
+            now = time.perf_counter()
+            self.clocks[op].start(now)
+            self.busy.start(now)
 
     def transfer_finished(self, op: str, nbytes: int) -> None:
         with self.lock:
             self.bytes[op] += nbytes
-            self.clocks[op].stop(time.perf_counter())
+            now = time.perf_counter()
+            self.clocks[op].stop(now)
+            self.busy.stop(now)
 
     def request_submitted(self, op: str, count: int = 1) -> None:
         """``count`` requests submitted as one chain: they hold one queue slot."""
@@ -128,6 +136,7 @@ class StatsRecorder:
                 bytes_read=self.bytes["read"], bytes_written=self.bytes["write"],
                 read_seconds=self.clocks["read"].elapsed(now),
                 write_seconds=self.clocks["write"].elapsed(now),
+                busy_seconds=self.busy.elapsed(now),
                 read_requests=self.requests["read"], write_requests=self.requests["write"],
                 read_transfers=self.transfers["read"], write_transfers=self.transfers["write"],
                 inflight_peak=self.inflight_peak, cpu_seconds=cpu_seconds, errors=self.errors,

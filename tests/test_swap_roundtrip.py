@@ -231,3 +231,31 @@ def test_striping_puts_bytes_in_every_directory(make_engine, tmp_path, count):
         buffer.array[:] = 0
         engine.read_sync(extent, buffer)
         assert torch.equal(contents(buffer, size), data)
+
+
+def test_busy_seconds_count_overlapping_directions_once(make_engine, disk_dir):
+    """busy_seconds is the time either direction had a transfer in flight: each direction's
+    own seconds with nothing overlapping, less than their sum when a read and a write ran
+    together, never less than either."""
+    engine = make_engine(disk_dir, file_size=16 << 20)
+    size = 4 << 20
+    with BufferPool(2, size, name="busy") as buffers:
+        first, second = buffers.acquire(), buffers.acquire()
+        extents = [engine.allocate(size), engine.allocate(size)]
+        engine.write(extents[0], first).result(timeout=30)
+        engine.read(extents[0], first).result(timeout=30)
+        alone = engine.stats()
+        assert alone.busy_seconds == pytest.approx(alone.read_seconds + alone.write_seconds,
+                                                   rel=1e-6)
+        # a write and a read of another extent, in flight together
+        futures = [engine.write(extents[1], second), engine.read(extents[0], first)]
+        for future in futures:
+            future.result(timeout=30)
+        both = engine.stats()
+        busy = both.busy_seconds - alone.busy_seconds
+        reading = both.read_seconds - alone.read_seconds
+        writing = both.write_seconds - alone.write_seconds
+        assert max(reading, writing) <= busy + 1e-9
+        assert busy < reading + writing
+        first.release()
+        second.release()

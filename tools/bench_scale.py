@@ -9,6 +9,11 @@ is built, plus two of the largest parameter's size for the transient buffers aut
 backward (a weight's gradient and the input gradient being computed next to it) before the store
 moves them away. Neither term grows with the number of layers.
 
+Each step prints its seconds per phase, the bytes it read and wrote and the share of each phase
+the disk was busy; at the end, the step against its floor as ``tools.bench_budget`` computes it
+(max(compute + device copies, the step's bytes at the disk's combined read+write GB/s), the
+compute timed on one layer in memory and multiplied by the layers).
+
     python -m tools.bench_scale [--params 500M --host-budget 2GiB --steps 3]
 
 Run it in the background: the default moves tens of GB through the disk.
@@ -30,11 +35,29 @@ from torch import nn
 
 import infinity
 from infinity.config import parse_size
+from tools.bench_budget import PHASES, disk_bandwidth, instrumented_steps, summarise
 from tools.bench_overlap import mlp
 
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def layer_compute_seconds(width: int, batch: int, repeats: int = 5) -> float:
+    """Seconds of one Linear(width) layer's forward, backward and AdamW update in memory
+    (the median of ``repeats``): the floor's compute is this times the layers."""
+    layer = nn.Linear(width, width)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-5)
+    x = torch.randn(batch, width)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        layer(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    del layer, optimizer
+    return sorted(times[1:])[repeats // 2]
 
 
 def add_scale_arguments(parser: argparse.ArgumentParser, steps_help: str = "") -> None:
@@ -83,35 +106,43 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     attach_s = time.perf_counter() - started
     print(f"attached in {attach_s:.1f} s; peak RSS so far {peak_rss() / 2**30:.2f} GiB")
-    generator = torch.Generator().manual_seed(0)
-    times, losses = [], []
+    measured = []
     for step in range(args.steps):
-        x = torch.randn(args.batch, args.width, generator=generator)
-        started = time.perf_counter()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - started)
-        losses.append(loss.item())
-        stats = store.stats()
-        print(f"step {step + 1}: {times[-1]:.1f} s, loss {losses[-1]:.5f}, read "
-              f"{stats['bytes_read'] / 1e9:.1f} GB, written {stats['bytes_written'] / 1e9:.1f} GB "
-              f"so far, peak RSS {peak_rss() / 2**30:.2f} GiB")
+        measured += instrumented_steps(model, optimizer, store, 1, args.batch, args.width,
+                                       seed=step)
+        last = measured[-1]
+        phases = "/".join(f"{last['phase_s'][p]:.1f}" for p in PHASES)
+        busy = "/".join(f"{last['busy_s'][p] / max(last['phase_s'][p], 1e-9):.0%}"
+                        for p in PHASES)
+        print(f"step {step + 1}: {last['step_s']:.1f} s ({phases} forward/backward/step), read "
+              f"{last['bytes_read'] / 1e9:.2f} GB, written {last['bytes_written'] / 1e9:.2f} GB, "
+              f"disk busy {busy}, peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
+    times = [m["step_s"] for m in measured]
     stats = store.stats()
     store.close(restore_params=False)
+    peak = peak_rss()  # before the disk measurement's own buffers
+    disk = disk_bandwidth(root, 1 << 30, config)
+    compute_s = layers * layer_compute_seconds(args.width, args.batch)
+    steady = measured[1:] or measured  # the first step creates the optimizer state
+    summary = summarise(steady, compute_s, disk["combined"])
+    print(f"floor {summary['floor_s']:.2f} s ({summary['bound']}: compute {compute_s:.2f} "
+          f"(one layer timed in memory, x {layers}) + device copies {summary['copy_s']:.2f}, "
+          f"I/O {summary['io_s']:.2f} for {summary['bytes_read'] / 1e9:.2f} GB in + "
+          f"{summary['bytes_written'] / 1e9:.2f} GB out at {disk['combined'] / 1e9:.2f} GB/s "
+          f"combined); step {summary['step_s']:.2f} s (median of steps 2-{len(measured)}) = "
+          f"{summary['vs_floor']:.2f}x the floor")
     transient = 2 * args.width * args.width * 4
     limit = args.host_budget + args.device_budget + overhead + transient
     result = {
         "params": params, "training_state_bytes": state, "host_budget": args.host_budget,
         "device_budget": args.device_budget, "fixed_overhead_rss": overhead,
         "transient_bytes": transient,
-        "peak_rss": peak_rss(), "limit": limit, "within_limit": peak_rss() <= limit,
-        "attach_s": attach_s, "step_s": times, "losses": losses,
+        "peak_rss": peak, "limit": limit, "within_limit": peak <= limit,
+        "attach_s": attach_s, "step_s": times, "steps": measured, "floor": summary,
         "peak_bytes": stats["peak_bytes"], "bytes_read": stats["bytes_read"],
         "bytes_written": stats["bytes_written"],
     }
-    print(f"peak RSS {peak_rss() / 2**30:.2f} GiB vs host budget {args.host_budget / 2**30:.2f} "
+    print(f"peak RSS {peak / 2**30:.2f} GiB vs host budget {args.host_budget / 2**30:.2f} "
           f"+ device budget {args.device_budget / 2**30:.2f} + fixed overhead "
           f"{overhead / 2**30:.2f} (process) + {transient / 2**30:.2f} (backward buffers) = "
           f"{limit / 2**30:.2f} GiB: "

@@ -1,0 +1,63 @@
+"""The registry counts writes whose NVMe copy was never read: a write is only worth its cost
+if the copy it leaves is read back (after an eviction)."""
+
+from __future__ import annotations
+
+import torch
+
+import infinity
+from infinity.residency import Residency as R
+from infinity.shards import ShardRegistry
+
+
+def _shard():
+    registry = ShardRegistry()
+    entry = registry.add_param("w", torch.nn.Parameter(torch.zeros(1024)), 1 << 20)
+    shard = entry.shards[0]
+    registry.set_state(shard, R.HOST)
+    return registry, shard
+
+
+def _walk(registry, shard, *states) -> None:
+    for state in states:
+        registry.set_state(shard, state)
+
+
+def test_a_write_superseded_or_discarded_unread_is_counted():
+    registry, shard = _shard()
+    _walk(registry, shard, R.HOST_STORING, R.HOST_NVME, R.HOST)  # updated again, never read
+    assert (registry.unread_writes, registry.unread_write_bytes) == (1, 4096)
+    _walk(registry, shard, R.HOST_STORING, R.HOST_NVME, R.NVME, R.EMPTY)  # discarded unread
+    assert (registry.unread_writes, registry.unread_write_bytes) == (2, 8192)
+
+
+def test_a_write_read_back_is_not_counted():
+    registry, shard = _shard()
+    _walk(registry, shard, R.HOST_STORING, R.HOST_NVME, R.NVME, R.NVME_LOADING, R.HOST_NVME,
+          R.HOST)  # evicted, read back, then updated: the write was needed
+    _walk(registry, shard, R.HOST_STORING, R.HOST)  # a failed write is not a write
+    _walk(registry, shard, R.HOST_STORING, R.HOST_NVME, R.DEVICE_HOST_NVME, R.DEVICE_NVME,
+          R.NVME, R.NVME_LOADING, R.HOST_NVME)
+    assert registry.unread_writes == 0
+
+
+def test_updates_in_optimizer_step_write_nothing_they_do_not_read(tmp_path):
+    """Under a budget that streams the state every step, updates in optimizer.step() write
+    back only what is read back later: the step's write-backs go to shards that eviction drops
+    before their next update."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    store = infinity.TieredStore(infinity.OffloadConfig(
+        offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
+        buffer_size=1 << 18, buffer_count=8, host_budget=2 << 20))
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(6):
+        model(torch.randn(8, 256)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            before = store.stats()
+    after = store.stats()
+    store.close()
+    assert after["bytes_written"] - before["bytes_written"] > 4 * (1 << 20)  # it streams
+    assert after["unread_write_bytes"] == before["unread_write_bytes"]
