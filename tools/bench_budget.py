@@ -46,9 +46,9 @@ from torch import nn
 
 import infinity
 from infinity.memory import resident_bytes
-from swap import BufferPool, SwapEngine
-from tools.bench_overlap import (DEEPSPEED_PEAK_RSS_GIB, DEEPSPEED_STEP_S, engine_settings, mlp,
-                                 nvme_config, timed_steps)
+from tools.bench_overlap import (DEEPSPEED_PEAK_RSS_GIB, DEEPSPEED_STEP_S, engine_bandwidth,
+                                 mlp, nvme_config, timed_steps)
+from tools.cli import spawn_child
 
 log = logging.getLogger("tools.bench_budget")
 
@@ -97,38 +97,6 @@ def instrumented_steps(model: nn.Module, optimizer: Any, store: Any, steps: int,
                     "bytes_written": written1 - written0, "copy_s": copies1 - copies0,
                     "rss": resident_bytes()})
     return out
-
-
-def disk_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) -> dict[str, float]:
-    """Bytes per second through the swap engine on ``path``: writing ``nbytes``, reading them,
-    and reading them back while writing as many elsewhere (``combined``: bytes of both
-    directions over the time both took, what a step that reads and writes at once gets)."""
-    chunk = 64 << 20
-    count = max(1, nbytes // chunk)
-    result: dict[str, float] = {}
-    with BufferPool(8, chunk, name="bench disk") as pool, \
-            SwapEngine([path], engine_settings(config)) as engine:
-        first = [engine.allocate(chunk) for _ in range(count)]
-        second = [engine.allocate(chunk) for _ in range(count)]
-        buffers = pool.buffers
-
-        def run(calls: list) -> float:
-            started = time.perf_counter()
-            futures = []
-            for i, (call, extent) in enumerate(calls):
-                if len(futures) >= len(buffers):
-                    futures.pop(0).result()
-                futures.append(call(extent, buffers[i % len(buffers)]))
-            for future in futures:
-                future.result()
-            return time.perf_counter() - started
-
-        result["write"] = count * chunk / run([(engine.write, e) for e in first])
-        result["read"] = count * chunk / run([(engine.read, e) for e in first])
-        mixed = [pair for r, w in zip(first, second)
-                 for pair in ((engine.read, r), (engine.write, w))]
-        result["combined"] = 2 * count * chunk / run(mixed)
-    return result
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -273,23 +241,15 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
         s, run, key = best[1.0]
         step_ratio = s["step_s"] / deepspeed["step_s"]
         rss_ratio = run["peak_rss"] / deepspeed["peak_rss"]
+        met = step_ratio <= GOALS["deepspeed_step"] and rss_ratio <= GOALS["deepspeed_rss"]
         lines.append(f"goal at 1.0 GiB ({key}, the faster mode): at most "
                      f"{GOALS['deepspeed_step']}x DeepSpeed's step and "
                      f"{GOALS['deepspeed_rss']}x its peak RSS: "
-                     f"{'met' if step_ratio <= GOALS['deepspeed_step'] and rss_ratio <= GOALS['deepspeed_rss'] else 'not met'}"
-                     f" ({step_ratio:.2f}x, {rss_ratio:.2f}x)")
+                     f"{'met' if met else 'not met'} ({step_ratio:.2f}x, {rss_ratio:.2f}x)")
     return lines
 
 
 # -- driving ------------------------------------------------------------------------------------
-def _spawn(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    command = [sys.executable, "-m", "tools.bench_budget", *args.forward, *extra]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(extra)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bench_budget",
                                      description=__doc__.split("\n\n")[0])
@@ -338,14 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         probe = nvme_config(args.nvme_path, max(args.budgets), max(args.budgets),
                             args.device_budget, args.buffer_size)
-        disk = disk_bandwidth(args.nvme_path, args.disk_bytes, probe)
+        disk = engine_bandwidth(args.nvme_path, args.disk_bytes, probe, combined=True)
         print(f"disk: read {disk['read'] / 1e9:.2f}, write {disk['write'] / 1e9:.2f}, "
               f"combined {disk['combined'] / 1e9:.2f} GB/s", flush=True)
-        results = {"plain": _spawn(args, ["--child=plain"])}
+        results = {"plain": spawn_child("tools.bench_budget", args.forward, ["--child=plain"])}
         for budget in args.budgets:
             for mode in args.modes:
                 key = f"{mode}@{budget}"
-                results[key] = _spawn(args, [f"--child={mode}", f"--budget={budget}"])
+                results[key] = spawn_child("tools.bench_budget", args.forward,
+                                           [f"--child={mode}", f"--budget={budget}"])
                 step = statistics.median(s["step_s"] for s in results[key]["steps"])
                 print(f"  {key}: {step:.3f} s/step", flush=True)
         deepspeed = run_deepspeed(args)

@@ -121,8 +121,11 @@ def store_deltas(before: dict, after: dict, steps: int) -> dict:
             "device_copy_s": per_step("device_copy_seconds")}
 
 
-def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) -> dict:
-    """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``."""
+def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
+                     combined: bool = False) -> dict:
+    """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``;
+    with ``combined``, also reading them back while writing as many elsewhere (bytes of both
+    directions over the time both took: what a step that reads and writes at once gets)."""
     chunk = 64 << 20
     pool = BufferPool(4, chunk)
     settings = engine_settings(config)
@@ -130,17 +133,25 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig) ->
     with SwapEngine([path], settings) as engine:
         extents = [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
         buffers = pool.buffers
-        for op in ("write", "read"):
+
+        def run(calls: list) -> float:
             started = time.perf_counter()
             futures = []
-            for i, extent in enumerate(extents):
+            for i, (call, extent) in enumerate(calls):
                 if len(futures) >= len(buffers):
                     futures.pop(0).result()
-                call = engine.write if op == "write" else engine.read
                 futures.append(call(extent, buffers[i % len(buffers)]))
             for future in futures:
                 future.result()
-            result[op] = nbytes / (time.perf_counter() - started)
+            return time.perf_counter() - started
+
+        result["write"] = nbytes / run([(engine.write, e) for e in extents])
+        result["read"] = nbytes / run([(engine.read, e) for e in extents])
+        if combined:
+            others = [engine.allocate(e.nbytes) for e in extents]
+            mixed = [pair for r, w in zip(extents, others)
+                     for pair in ((engine.read, r), (engine.write, w))]
+            result["combined"] = 2 * nbytes / run(mixed)
     pool.close()
     return result
 

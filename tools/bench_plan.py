@@ -19,7 +19,6 @@ import logging
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +29,7 @@ import infinity
 from infinity.planner import DiskProfile
 from tools.bench_overlap import (DEFAULT_HOST_BUDGET, engine_bandwidth, mlp, nvme_config,
                                  store_deltas, timed_steps)
+from tools.cli import spawn_child
 
 log = logging.getLogger("tools.bench_plan")
 
@@ -80,14 +80,6 @@ def child_run(args: argparse.Namespace) -> dict:
     store, measured = _train(args, args.arena)
     store.close(restore_params=False)
     return measured
-
-
-def _spawn(args: argparse.Namespace, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "tools.bench_plan", *args.forward, *extra]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(extra)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _ratio(predicted: float, measured: float) -> float:
@@ -179,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"recording at a {args.record_arena} GiB arena (host budget {args.host_budget} "
               f"GiB), predicting {', '.join(map(str, args.arenas))} GiB ...", flush=True)
-        record = _spawn(args, ["--child=record"])
+        record = spawn_child("tools.bench_plan", args.forward, ["--child=record"])
         runs: dict[str, list[dict]] = {str(a): [] for a in args.arenas}
         for repeat in range(args.repeats):  # interleaved: the machine's drift hits them all
             for arena in args.arenas:
-                runs[str(arena)].append(_spawn(args, ["--child=run", f"--arena={arena}"]))
+                runs[str(arena)].append(spawn_child("tools.bench_plan", args.forward,
+                                                    ["--child=run", f"--arena={arena}"]))
                 print(f"  run {repeat + 1}: arena {arena} GiB: "
                       f"{runs[str(arena)][-1]['step_s']:.3f} s/step", flush=True)
     finally:

@@ -35,8 +35,8 @@ from torch import nn
 
 import infinity
 from infinity.config import parse_size
-from tools.bench_budget import PHASES, disk_bandwidth, instrumented_steps, summarise
-from tools.bench_overlap import mlp
+from tools.bench_budget import PHASES, instrumented_steps, summarise
+from tools.bench_overlap import engine_bandwidth, mlp
 
 
 def peak_rss() -> int:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = store.stats()
     store.close(restore_params=False)
     peak = peak_rss()  # before the disk measurement's own buffers
-    disk = disk_bandwidth(root, 1 << 30, config)
+    disk = engine_bandwidth(root, 1 << 30, config, combined=True)
     compute_s = layers * layer_compute_seconds(args.width, args.batch)
     steady = measured[1:] or measured  # the first step creates the optimizer state
     summary = summarise(steady, compute_s, disk["combined"])

@@ -5,7 +5,9 @@ interrupted) instead of a traceback."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import subprocess
 import sys
 from typing import Any, Callable, Sequence
 
@@ -62,3 +64,13 @@ def guarded(prog: str, action: Callable[[], Any], user_errors: tuple[type, ...],
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130, None
+
+
+def spawn_child(module: str, forward: list[str], extra: list[str]) -> Any:
+    """Runs ``python -m module *forward *extra`` (a benchmark's configuration in a process of
+    its own, so that its peak RSS is its own) and returns the JSON its last line prints."""
+    command = [sys.executable, "-m", module, *forward, *extra]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(extra)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
