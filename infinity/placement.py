@@ -106,6 +106,9 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         #: reads and gradients had to evict, written back on the spot while the pass waited
         self._forced_writes: list[Shard] = []
         self._forced_last: list[Shard] = []
+        #: arena shards written back to free their room (see :meth:`_make_arena_room`): once
+        #: clean, they are the first to go
+        self.doomed: set[Shard] = set()
         self._prewritten = 0  # how many of _forced_last this pass has looked at
         self._in_pass = False  # between the first forward hook and optimizer.step()
         #: a training pass began and its step has not finished: the step needs the masters
@@ -187,6 +190,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             shard.copy_event = None
         self.host.give_arena(shard.arena_offset, shard.nbytes)
         self.in_arena.discard(shard)
+        self.doomed.discard(shard)
         shard.arena_offset = None
         shard.host = None
 
@@ -258,6 +262,17 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         for them rather than drop a clean shard needed sooner."""
         next_use = self._next_use()
         candidates = self._beyond(self._arena_victims(protect, next_use), horizon, next_use)
+        # A shard written back to make room goes first once its write has landed, wherever the
+        # policy ranks it now: updates since then put fresher dirty shards ahead of it (the
+        # ones just updated are needed last), and starting their writes instead would leave
+        # it to be updated again unread, its write wasted, while the front kept moving.
+        for shard in candidates:
+            if shard in self.doomed:
+                self.reap(shard)
+                if shard.state.on_nvme:
+                    offset = self._evict_for(shard, nbytes)
+                    if offset is not None:
+                        return offset
         cost = self.host.slot_cost
         write_error: BaseException | None = None
         coming = 0  # bytes whose write-back is in flight: room once it completes
@@ -310,6 +325,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         forced it, or the step did for a shard it had not updated yet (dirty since the last
         step), so the next forward can start it ahead (see :meth:`write_ahead`)."""
         self.store_async(shard)
+        self.doomed.add(shard)
         if self._in_pass:
             self.forced_pass_writes += 1
         elif not self.masters_due or shard.entry.index in self.stepped:
@@ -384,6 +400,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             self.reap(shard)
             if shard.state is R.HOST:
                 self.store_async(shard)
+                self.doomed.add(shard)
             if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME, R.HOST_STORING):
                 reclaimable += host.slot_cost(shard.nbytes)
 
