@@ -26,6 +26,12 @@ from infinity.arena import SlotArena
 
 log = logging.getLogger(__name__)
 
+#: A CPU device's working copies point their storage at the tier's slab by swapping the
+#: storage's memory in and out (private torch API: without it, a fresh allocation per gather)
+_CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and \
+    hasattr(torch._C, "_construct_storage_from_data_pointer")
+
+
 @dataclass
 class TierUsage:
     current: int = 0
@@ -59,19 +65,30 @@ class DeviceTier:
         self.bytes_in = 0
         self.bytes_out = 0
         self.copy_seconds = 0.0
-        #: reusable memory for inference's device copies on a CPU device (slab_take)
+        #: reusable memory for the device copies on a CPU device (fill, slab_take)
         self._slab: HostBuffer | None = None
         self._slab_pool: BufferPool | None = None
         self._slab_ranges: RangeAllocator | None = None
+        #: storage (its StorageImpl address) -> (slab offset, bytes, the storage object that
+        #: holds its own empty memory meanwhile, the storage): copies in a slab range
+        self._in_slab: dict[int, tuple] = {}
+        #: fills that found no free range in the slab and took fresh memory
+        self.slab_misses = 0
 
     def fits(self, nbytes: int) -> bool:
         return self.usage.current + nbytes <= self.budget
 
     def fill(self, tensor: torch.Tensor) -> None:
-        """Gives ``tensor``'s (empty) storage its bytes, within the budget."""
+        """Gives ``tensor``'s (empty) storage its bytes, within the budget. On a CPU device the
+        bytes are a range of the tier's slab, faulted in once and reused: a fresh mapping per
+        gather (see infinity.memory) faulted every page again, which cost about as much as the
+        copy itself. The storage object stays the same (views autograd saved in forward see
+        the values of the next gather); only the memory under it changes."""
         nbytes = tensor.numel() * tensor.element_size()
         self.charge(nbytes)
         storage = tensor.untyped_storage()
+        if self._fill_from_slab(storage, nbytes):
+            return
         try:
             storage.resize_(nbytes)
         except BaseException:
@@ -82,6 +99,29 @@ class DeviceTier:
             # it costs about as much in page faults as in copying.
             advise_huge_pages(storage.data_ptr(), nbytes)
 
+    def _slab_range(self, nbytes: int) -> int | None:
+        """A free range of the slab (made on first use: the budget's bytes), or None."""
+        if self._slab is None:
+            self._slab_pool = BufferPool(1, align_up(max(self.budget, 1)), pin_memory=False,
+                                         name="device slab", prefault=False)
+            self._slab = self._slab_pool.acquire(holder="device tier")
+            self._slab_ranges = RangeAllocator(self._slab.nbytes)
+        return self._slab_ranges.take(align_up(nbytes))
+
+    def _fill_from_slab(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        if self.device.type != "cpu" or not _CAN_SWAP_STORAGE or not nbytes:
+            return False
+        offset = self._slab_range(nbytes)
+        if offset is None:
+            # The free bytes are there (the budget was charged) but not in one range.
+            self.slab_misses += 1
+            return False
+        piece = torch._C._construct_storage_from_data_pointer(
+            self._slab.address + offset, self.device, nbytes)
+        storage._swap_data_ptr_(piece)  # piece now holds the storage's own (empty) memory
+        self._in_slab[storage._cdata] = (offset, nbytes, piece, storage)
+        return True
+
     def slab_take(self, nbytes: int) -> int | None:
         """A range of ``nbytes`` in a region of host memory the tier keeps (a CPU device only),
         charged to the budget; None when it does not fit. The region is faulted in once and
@@ -89,12 +129,7 @@ class DeviceTier:
         instead of 0.04 s for a 131 MB copy here, with huge pages not always at hand)."""
         if self.device.type != "cpu" or not self.fits(nbytes):
             return None
-        if self._slab is None:
-            self._slab_pool = BufferPool(1, align_up(self.budget), pin_memory=False,
-                                         name="device slab", prefault=False)
-            self._slab = self._slab_pool.acquire(holder="device tier")
-            self._slab_ranges = RangeAllocator(self._slab.nbytes)
-        offset = self._slab_ranges.take(align_up(nbytes))
+        offset = self._slab_range(nbytes)
         if offset is not None:
             self.usage.add(nbytes)
         return offset
@@ -107,6 +142,10 @@ class DeviceTier:
         self.usage.sub(nbytes)
 
     def close(self) -> None:
+        # Storages still pointing into the slab get their own empty memory back before it goes.
+        for offset, nbytes, piece, storage in self._in_slab.values():
+            storage._swap_data_ptr_(piece)
+        self._in_slab.clear()
         if self._slab is not None:
             self._slab_pool.release(self._slab)
             self._slab_pool.close()
@@ -125,7 +164,14 @@ class DeviceTier:
         """Frees ``tensor``'s bytes, keeping the storage object (see Placement.drop_device).
         On CUDA the caching allocator orders the reuse after the compute stream's pending
         kernels; copies on the side stream are recorded against it in ``copy_in``."""
-        tensor.untyped_storage().resize_(0)
+        storage = tensor.untyped_storage()
+        held = self._in_slab.pop(storage._cdata, None)
+        if held is not None:
+            offset, nbytes, piece, _ = held
+            storage._swap_data_ptr_(piece)  # its own empty memory back; the range is free
+            self._slab_ranges.give(offset, align_up(nbytes))
+        else:
+            storage.resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
