@@ -262,11 +262,12 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         for them rather than drop a clean shard needed sooner."""
         next_use = self._next_use()
         candidates = self._beyond(self._arena_victims(protect, next_use), horizon, next_use)
-        # A shard written back to make room goes first once its write has landed, wherever the
-        # policy ranks it now: updates since then put fresher dirty shards ahead of it (the
-        # ones just updated are needed last), and starting their writes instead would leave
-        # it to be updated again unread, its write wasted, while the front kept moving.
-        for shard in candidates:
+        # Ahead of need (a horizon), a shard written back to make room goes first once its
+        # write has landed, wherever the policy ranks it now: updates since then put fresher
+        # dirty shards ahead of it (the ones just updated are needed last), and starting their
+        # writes instead would leave it to be updated again unread, its write wasted, while
+        # the front kept moving. On demand the first clean candidate goes anyway.
+        for shard in candidates if horizon else ():
             if shard in self.doomed:
                 self.reap(shard)
                 if shard.state.on_nvme:
