@@ -193,7 +193,7 @@ class OffloadedOptimizer(Optimizer):
                 placement.fill(companion)
                 placement.pinned.add(companion)  # the rest of this tile must not evict it
             view = companion.host.view(value.shape)
-            if value is not view:
+            if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
                 view.copy_(value)  # new state, or the optimizer replaced the tensor
             state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
             if companion.state is not R.HOST:
