@@ -57,13 +57,16 @@ class TracePrefetching:
         current = {shard for index in event.entries
                    for shard in self.registry.entries[index].shards}
         budget = self.prefetch_ahead(protect=current)
-        if budget is not None and self.update_in_backward and event.kind != FORWARD:
-            # Only once backward runs: in forward, the room for the state of the first updates
-            # comes from masters and state that this backward needs later, each read twice.
+        if budget is not None and self.update_in_backward:
             # Strict: it reads far ahead, and what a read evicts out of order must be read
             # again (without it, half as many bytes again were read at bench_overlap's smallest
-            # arena).
-            self._prefetch(self._state_wanted(trace, position), budget, strict=True)
+            # arena). In forward only the state of updates a few events away: further, the room
+            # would come from masters and state that this backward needs before them, each read
+            # twice; without any, backward began by waiting for the first updates' state while
+            # the disk had idled through forward.
+            reach = math.inf if event.kind != FORWARD else \
+                2 * max(1, getattr(self.prefetcher, "depth", 1)) + 1
+            self._prefetch(self._state_wanted(trace, position, reach), budget, strict=True)
 
     def prefetch_ahead(self, protect: set[Shard] | frozenset = frozenset()) -> int | None:
         """Starts the reads the prefetch policy wants now (see :meth:`_prefetch`)."""
@@ -116,13 +119,16 @@ class TracePrefetching:
             left -= shard.nbytes
         return left
 
-    def _state_wanted(self, trace: Trace, position: int) -> Iterator[tuple[Shard, float]]:
+    def _state_wanted(self, trace: Trace, position: int, reach: float = math.inf
+                      ) -> Iterator[tuple[Shard, float]]:
         """With updates in backward: the optimizer state of the entries to be updated next,
         in the order backward will update them, with their horizons, up to a third of the
-        arena. Further ahead, a read would make its shard the one needed last in the arena,
+        arena and to updates at most ``reach`` events away. Further ahead, a read would make its shard the one needed last in the arena,
         which the next gradient's slot evicts: the same bytes read again and again."""
         window = self.host.arena_bytes // 3
         for update, index in trace.updates_from(position):
+            if update - position > reach:
+                return
             if index in self.stepped:
                 continue
             for shard in self.registry.entries[index].shards:
