@@ -115,6 +115,24 @@ def host_tensor_bytes(tree: Any) -> int:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def peak_resident_bytes() -> int:
+    """The process's peak RSS: VmHWM from /proc/self/status, the high-water mark of this
+    process's own memory. ``getrusage``'s ``ru_maxrss`` is not that in a process started by
+    a larger one: exec folds the parent's RSS at fork into it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # not a POSIX platform
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def resident_bytes() -> int:
     """The process's RSS from /proc/self/statm (a few microseconds); 0 where unavailable."""
     try:

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from infinity.memory import peak_resident_bytes
 from torch import nn
 
 from infinity.config import OffloadConfig
@@ -337,11 +339,7 @@ def recording_of(store: Any) -> Recording:
 
 
 def _process_peak_rss() -> int:
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return peak_resident_bytes()
 
 
 def _clone(model: nn.Module, entries: list[ParamEntry]) -> nn.Module:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 import infinity
+from infinity.memory import peak_resident_bytes
 from tools.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
 CONFIGS = ("keep", "checkpoint", "offload cpu", "offload nvme")
@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> dict:
     return {"config": args.config, "step_s": statistics.median(times[args.warmup:]),
             "loss": float(loss), "peak_device": total, "peak_saved": saved,
             "written_per_step": written / steps, "read_per_step": read / steps,
-            "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_peak": peak_resident_bytes(),
             "params": parameter_count(gpt)}
 
 

@@ -15,7 +15,8 @@ RSS is its own):
   installed (``--peers``: its ``30_ds_zero3_nvme.py`` and the venv its ``env.sh`` names); else
   its figures as last measured on this machine type, marked quoted;
 * the disk through the swap engine: reads alone, writes alone, and both at once (the combined
-  GB/s when reads and writes share the drive, as during a step).
+  GB/s when reads and writes share the drive, as during a step), before the first run and
+  after each, the floor taking the medians (this disk varies by +-15% and more).
 
 The floor of a step is max(plain compute + the device tier's copies, the step's bytes read and
 written at the combined GB/s): the time the cores or the disk need at least, whichever is more.
@@ -31,7 +32,6 @@ import argparse
 import json
 import logging
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.memory import resident_bytes
+from infinity.memory import peak_resident_bytes, resident_bytes
 from tools.bench_overlap import (DEEPSPEED_PEAK_RSS_GIB, DEEPSPEED_STEP_S, engine_bandwidth,
                                  mlp, nvme_config, timed_steps)
 from tools.cli import spawn_child
@@ -119,7 +119,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     timed_steps(model, optimizer, args.warmup, args.batch, args.width)
     steps = instrumented_steps(model, optimizer, store, args.steps, args.batch, args.width)
     out: dict[str, Any] = {"steps": steps,
-                           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                           "peak_rss": peak_resident_bytes()}
     if store is not None:
         stats = store.stats()
         out.update(peak_bytes=stats["peak_bytes"], budgets=stats["budgets"],
@@ -194,9 +194,11 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
            budgets: list[float], modes: list[str], verbose: bool) -> list[str]:
     plain = results["plain"]
     compute_s = statistics.median(s["step_s"] for s in plain["steps"])
-    lines = [f"disk (swap engine, this run): read {disk['read'] / 1e9:.2f} GB/s, write "
+    low, high = disk.get("combined_range", (disk["combined"], disk["combined"]))
+    lines = [f"disk (swap engine, this run, medians of {disk.get('samples', 1)} measurements "
+             f"between the runs): read {disk['read'] / 1e9:.2f} GB/s, write "
              f"{disk['write'] / 1e9:.2f} GB/s, both at once {disk['combined'] / 1e9:.2f} GB/s "
-             f"combined",
+             f"combined [{low / 1e9:.2f}-{high / 1e9:.2f}]",
              f"plain in memory: {compute_s:.3f} s/step, peak RSS "
              f"{plain['peak_rss'] / GIB:.2f} GiB",
              f"DeepSpeed ZeRO-3, params + optimizer state on NVMe ({deepspeed['source']}): "
@@ -298,9 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         probe = nvme_config(args.nvme_path, max(args.budgets), max(args.budgets),
                             args.device_budget, args.buffer_size)
-        disk = engine_bandwidth(args.nvme_path, args.disk_bytes, probe, combined=True)
-        print(f"disk: read {disk['read'] / 1e9:.2f}, write {disk['write'] / 1e9:.2f}, "
-              f"combined {disk['combined'] / 1e9:.2f} GB/s", flush=True)
+        # The disk is measured before the first run and after each (this disk varies by
+        # +-15% or more from one minute to the next): the floor uses the medians.
+        samples: list[dict[str, float]] = []
+
+        def measure_disk() -> None:
+            samples.append(engine_bandwidth(args.nvme_path, args.disk_bytes, probe,
+                                            combined=True))
+            last = samples[-1]
+            print(f"disk: read {last['read'] / 1e9:.2f}, write {last['write'] / 1e9:.2f}, "
+                  f"combined {last['combined'] / 1e9:.2f} GB/s", flush=True)
+
+        measure_disk()
         results = {"plain": spawn_child("tools.bench_budget", args.forward, ["--child=plain"])}
         for budget in args.budgets:
             for mode in args.modes:
@@ -309,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
                                            [f"--child={mode}", f"--budget={budget}"])
                 step = statistics.median(s["step_s"] for s in results[key]["steps"])
                 print(f"  {key}: {step:.3f} s/step", flush=True)
+                measure_disk()
+        disk = {key: statistics.median(sample[key] for sample in samples)
+                for key in samples[0]}
+        disk["combined_range"] = (min(x["combined"] for x in samples),
+                                  max(x["combined"] for x in samples))
+        disk["samples"] = len(samples)
         deepspeed = run_deepspeed(args)
         if deepspeed is None:
             deepspeed = {"step_s": DEEPSPEED_STEP_S, "peak_rss": DEEPSPEED_PEAK_RSS_GIB * GIB,

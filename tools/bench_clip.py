@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import shutil
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 import infinity
+from infinity.memory import peak_resident_bytes
 from tools.bench_overlap import (DEFAULT_ARENAS, add_run_arguments, mlp, nvme_config,
                                  store_deltas, timed_steps)
 
@@ -89,7 +89,7 @@ def run_one(args: argparse.Namespace) -> dict:
     out = {"step_s": statistics.median(times), "steps_s": times,
            "phases_s": [statistics.median(p) for p in zip(*phases)],
            "clip_s": statistics.median(clip_times) if clip_times else None, "norms": norms,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+           "peak_rss": peak_resident_bytes()}
     if store is not None:
         after = store.stats()
         out.update(store_deltas(before, after, args.steps))

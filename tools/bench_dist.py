@@ -10,7 +10,7 @@ processes of its own so that each peak RSS is its own, repeats interleaved:
     script, when its virtual environment is installed; otherwise its figures quoted from the
     peer harness's measurements, labelled as quoted.
 Each rank of each run writes a JSON record: the median step (after --warmup untimed steps) and
-its peak RSS (``ru_maxrss``); ours adds, per step, the bytes this rank sent into all-gathers and
+its peak RSS (VmHWM); ours adds, per step, the bytes this rank sent into all-gathers and
 reduce-scatters, the seconds the training thread waited for them and their share of the step,
 swap bytes read and written, and its peak bytes per tier. The driver prints a table and the
 ratios against the goals: step <= 0.5x DeepSpeed's, <= 1.0x FSDP2's, peak RSS <= 1/3 of
@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import statistics
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from infinity.memory import peak_resident_bytes
 
 from tools.bench_overlap import (add_run_arguments, mlp, nvme_config, store_deltas,
                                  timed_steps)
@@ -126,7 +127,7 @@ def worker_ours(args: argparse.Namespace, rank: int, world: int) -> dict:
                 "comm_backend": after["comm"]["backend"]})
     out.update(store_deltas(before, after, args.steps))
     store.close(restore_params=False)
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = peak_resident_bytes()
     return out
 
 
@@ -142,7 +143,7 @@ def worker_fsdp2(args: argparse.Namespace, rank: int, world: int) -> dict:
     attach_s = time.perf_counter() - started
     out, _, _ = _timed(model, optimizer, args)
     out["attach_s"] = attach_s
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = peak_resident_bytes()
     return out
 
 

@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import logging
-import resource
 import shutil
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.memory import peak_resident_bytes
 from swap import BufferPool, EngineSettings, SwapEngine
 
 log = logging.getLogger("tools.bench_overlap")
@@ -180,7 +180,7 @@ def run_one(args: argparse.Namespace) -> dict:
     times = timed_steps(model, optimizer, args.steps, args.batch, args.width, phases)
     out = {"step_s": statistics.median(times), "steps_s": times, "attach_s": attach_s,
            "phases_s": [statistics.median(p) for p in zip(*phases)],
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+           "peak_rss": peak_resident_bytes()}
     if store is not None:
         after = store.stats()
         out.update(store_deltas(before, after, args.steps))

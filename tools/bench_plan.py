@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import shutil
 import statistics
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 import infinity
+from infinity.memory import peak_resident_bytes
 from infinity.planner import DiskProfile
 from tools.bench_overlap import (DEFAULT_HOST_BUDGET, engine_bandwidth, mlp, nvme_config,
                                  store_deltas, timed_steps)
@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace, arena: float
     after = store.stats()
     measured = {"step_s": statistics.median(times), "steps_s": times,
                 **store_deltas(before, after, args.steps),
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss": peak_resident_bytes(),
                 "peak_bytes": after["peak_bytes"]}
     return store, measured
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import tempfile
 import time
@@ -34,13 +33,14 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.memory import peak_resident_bytes
 from infinity.config import parse_size
 from tools.bench_budget import PHASES, instrumented_steps, summarise
 from tools.bench_overlap import engine_bandwidth, mlp
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident_bytes()
 
 
 def layer_compute_seconds(width: int, batch: int, repeats: int = 5) -> float:
