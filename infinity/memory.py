@@ -3,7 +3,8 @@
 glibc serves large allocations with mmap only below a threshold that rises after each large
 free (up to 32 MiB), after which freed shard-sized blocks stay in the heap and count towards RSS
 although nothing uses them. The store allocates and frees buffer-sized temporaries all the time
-(device copies on a CPU device, gradient pieces, first-step optimizer state), so a run that must
+(gradients autograd makes, first-step optimizer state; a CPU device's working copies live in the
+device tier's slab instead, see ``DeviceTier.fill``), so a run that must
 stay within a host budget pins the threshold: blocks of 1 MiB and more are always mapped and
 returned to the system when freed. The price is a page fault per page of every large allocation
 (measured: 10-20% of a CPU training step), so the store only does this when the user set an
