@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
-from infinity.memory import peak_resident_bytes
 from torch import nn
 
 from infinity.config import OffloadConfig
+from infinity.memory import peak_resident_bytes
 from infinity.errors import BudgetError, InfinityError
 from infinity.shards import ParamEntry
 from infinity.state_dict import write_entry_pieces
@@ -333,13 +332,9 @@ def recording_of(store: Any) -> Recording:
     # The store samples RSS where the heap grows, and can miss the peak between samples; the
     # process's own peak is exact, but may be older than the store (then the prediction errs
     # high, the safe side for a memory plan).
-    rss = max(stats["rss_peak_bytes"], _process_peak_rss())
+    rss = max(stats["rss_peak_bytes"], peak_resident_bytes())
     return Recording(trace, training, per_element, copy_gbps, max(0, rss - tiers),
                      optimizer_class, options)
-
-
-def _process_peak_rss() -> int:
-    return peak_resident_bytes()
 
 
 def _clone(model: nn.Module, entries: list[ParamEntry]) -> nn.Module:

@@ -123,8 +123,9 @@ class TracePrefetching:
                       ) -> Iterator[tuple[Shard, float]]:
         """With updates in backward: the optimizer state of the entries to be updated next,
         in the order backward will update them, with their horizons, up to a third of the
-        arena and to updates at most ``reach`` events away. Further ahead, a read would make its shard the one needed last in the arena,
-        which the next gradient's slot evicts: the same bytes read again and again."""
+        arena and to updates at most ``reach`` events away. Further ahead, a read would make
+        its shard the one needed last in the arena, which the next gradient's slot evicts: the
+        same bytes read again and again."""
         window = self.host.arena_bytes // 3
         for update, index in trace.updates_from(position):
             if update - position > reach:

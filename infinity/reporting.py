@@ -43,6 +43,8 @@ def store_stats(store: Any) -> dict[str, Any]:
         "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
         # device copies that are the host copy itself (a CPU device, no autograd): no copy
         "lent_gathers": placement.lent_gathers if placement else 0,
+        # a CPU device's gathers that found no free range in its slab (fresh memory instead)
+        "device_slab_misses": placement.device.slab_misses if placement else 0,
         "steps": store.steps,
         "prefetched_loads": placement.prefetched_loads if placement else 0,
         "demand_loads": placement.demand_loads if placement else 0,

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,14 @@ log = logging.getLogger(__name__)
 #: storage's memory in and out (private torch API: without it, a fresh allocation per gather)
 _CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and \
     hasattr(torch._C, "_construct_storage_from_data_pointer")
+
+
+class _SlabCopy(NamedTuple):
+    """A working copy whose memory is a range of the slab."""
+    offset: int
+    nbytes: int
+    own: torch.UntypedStorage  # holds the storage's own (empty) memory meanwhile
+    storage: torch.UntypedStorage
 
 
 @dataclass
@@ -69,9 +78,8 @@ class DeviceTier:
         self._slab: HostBuffer | None = None
         self._slab_pool: BufferPool | None = None
         self._slab_ranges: RangeAllocator | None = None
-        #: storage (its StorageImpl address) -> (slab offset, bytes, the storage object that
-        #: holds its own empty memory meanwhile, the storage): copies in a slab range
-        self._in_slab: dict[int, tuple] = {}
+        #: storage (its StorageImpl address) -> the slab range under it
+        self._in_slab: dict[int, _SlabCopy] = {}
         #: fills that found no free range in the slab and took fresh memory
         self.slab_misses = 0
 
@@ -119,7 +127,7 @@ class DeviceTier:
         piece = torch._C._construct_storage_from_data_pointer(
             self._slab.address + offset, self.device, nbytes)
         storage._swap_data_ptr_(piece)  # piece now holds the storage's own (empty) memory
-        self._in_slab[storage._cdata] = (offset, nbytes, piece, storage)
+        self._in_slab[storage._cdata] = _SlabCopy(offset, nbytes, piece, storage)
         return True
 
     def slab_take(self, nbytes: int) -> int | None:
@@ -143,8 +151,8 @@ class DeviceTier:
 
     def close(self) -> None:
         # Storages still pointing into the slab get their own empty memory back before it goes.
-        for offset, nbytes, piece, storage in self._in_slab.values():
-            storage._swap_data_ptr_(piece)
+        for copy in self._in_slab.values():
+            copy.storage._swap_data_ptr_(copy.own)
         self._in_slab.clear()
         if self._slab is not None:
             self._slab_pool.release(self._slab)
@@ -165,11 +173,10 @@ class DeviceTier:
         On CUDA the caching allocator orders the reuse after the compute stream's pending
         kernels; copies on the side stream are recorded against it in ``copy_in``."""
         storage = tensor.untyped_storage()
-        held = self._in_slab.pop(storage._cdata, None)
-        if held is not None:
-            offset, nbytes, piece, _ = held
-            storage._swap_data_ptr_(piece)  # its own empty memory back; the range is free
-            self._slab_ranges.give(offset, align_up(nbytes))
+        copy = self._in_slab.pop(storage._cdata, None)
+        if copy is not None:
+            storage._swap_data_ptr_(copy.own)  # its own empty memory back; the range is free
+            self._slab_ranges.give(copy.offset, align_up(copy.nbytes))
         else:
             storage.resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())

@@ -200,18 +200,17 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
            budgets: list[float], modes: list[str], verbose: bool) -> list[str]:
     plain = results["plain"]
     compute_s = statistics.median(s["step_s"] for s in plain["steps"])
-    low, high = disk.get("combined_range", (disk["combined"], disk["combined"]))
-    lines = [f"disk (swap engine, this run, medians of {disk.get('samples', 1)} measurements "
+    low, high = disk["combined_range"]
+    bounded_s = statistics.median(s["step_s"] for s in results["plain-bounded"]["steps"])
+    lines = [f"disk (swap engine, this run, medians of {disk['samples']} measurements "
              f"between the runs): read {disk['read'] / 1e9:.2f} GB/s, write "
              f"{disk['write'] / 1e9:.2f} GB/s, both at once {disk['combined'] / 1e9:.2f} GB/s "
              f"combined [{low / 1e9:.2f}-{high / 1e9:.2f}]",
              f"plain in memory: {compute_s:.3f} s/step, peak RSS "
              f"{plain['peak_rss'] / GIB:.2f} GiB",
-             *([f"plain in memory with the heap bounded as under a host budget (blocks of "
-                f"1 MiB and more mapped afresh, so every gradient faults its pages): "
-                f"{statistics.median(s['step_s'] for s in results['plain-bounded']['steps']):.3f}"
-                f" s/step (not the floor: what this machine charges for bounded memory)"]
-               if "plain-bounded" in results else []),
+             f"plain in memory with the heap bounded as under a host budget (blocks of 1 MiB "
+             f"and more mapped afresh): {bounded_s:.3f} s/step (not the floor: what this "
+             f"machine charges plain PyTorch for bounded memory)",
              f"DeepSpeed ZeRO-3, params + optimizer state on NVMe ({deepspeed['source']}): "
              f"{deepspeed['step_s']:.2f} s/step, peak RSS {deepspeed['peak_rss'] / GIB:.2f} GiB",
              ""]
