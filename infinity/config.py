@@ -150,7 +150,8 @@ def _bad(name: str, value: object, expected: str, fix: str) -> ConfigError:
 
 @dataclass(frozen=True)
 class _Rule:
-    kind: str                      # int | float | bool | choice | paths | device | section
+    kind: str                      # int | float | bool | bool_or_auto | choice | paths | device
+    #                                | section
     lo: float | None = None
     hi: float | None = None
     optional: bool = False         # None allowed
@@ -214,6 +215,12 @@ class _Validated:
         if rule.kind == "bool":
             if not isinstance(value, bool):
                 raise _bad(name, value, "true or false", f"got a {type(value).__name__}")
+            return value
+        if rule.kind == "bool_or_auto":
+            if isinstance(value, str) and value.lower() == "auto":
+                return "auto"
+            if not isinstance(value, bool):
+                raise _bad(name, value, "true, false or 'auto'", f"got {value!r}")
             return value
         if rule.kind == "choice":
             if not isinstance(value, str) or value not in rule.choices:
@@ -445,15 +452,22 @@ class OffloadConfig(_Validated):
     fused_optimizer: run Adam/AdamW created with default options through torch's fused CPU
         kernel (about 5x the per-tensor loop); results differ from the loop at rounding level.
         False keeps the user's kernel exactly. No memory cost.
-    step_in_backward: run the optimizer update of each parameter inside the backward pass, as
-        soon as its gradient is complete, instead of in ``optimizer.step()`` (which then only
-        finishes the step). Gradients are consumed on the spot, so the training state never
-        holds all of them at once and the optimizer state's reads overlap the backward. Off by
-        default because it changes when updates happen: exactly one backward per
-        ``optimizer.step()`` (no gradient accumulation: a second backward raises), the
-        hyper-parameters in ``param_groups`` at backward time are the ones used, and no
-        gradient clipping or fp16 loss scaling (both need every gradient first). Memory: saves
-        up to the gradients' bytes (4 bytes/param in fp32) of host or NVMe traffic.
+    step_in_backward: where the optimizer update of each parameter runs. True: inside the
+        backward pass, as soon as its gradient is complete, instead of in ``optimizer.step()``
+        (which then only finishes the step). Gradients are consumed on the spot, so the
+        training state never holds all of them at once and the optimizer state's reads overlap
+        the backward. It needs exactly one backward per ``optimizer.step()`` (no gradient
+        accumulation: a second backward raises), no use of ``p.grad`` between backward and
+        step (it is None then), the hyper-parameters in ``param_groups`` set before backward,
+        and no gradient clipping or fp16 loss scaling (both need every gradient first).
+        False: every update in ``optimizer.step()``. 'auto' (default): the first step runs
+        with updates in ``optimizer.step()`` and is watched; from the second on updates run in
+        backward if that step had one backward, used no ``p.grad`` and changed no
+        hyper-parameter between backward and step, and the config has no clipping, no fp16
+        and one rank. A loop that later does one of those gets a warning (``p.grad`` used,
+        hyper-parameters changed: updates go back to ``optimizer.step()`` from the next step)
+        or, for a second backward, an error before that gradient is used. Memory: saves up to
+        the gradients' bytes (4 bytes/param in fp32) of host or NVMe traffic.
     zero_stage: what is partitioned across data-parallel ranks under torch.distributed (no
         effect in one process): 3 = parameters, gradients and optimizer state (each rank holds
         and swaps 1/N of everything; a module's parameters are all-gathered while it runs);
@@ -500,7 +514,7 @@ class OffloadConfig(_Validated):
     keep_swap_files: bool = field(default=False, metadata=_rule(kind="bool"))
     verify_checksums: bool = field(default=True, metadata=_rule(kind="bool"))
     fused_optimizer: bool = field(default=True, metadata=_rule(kind="bool"))
-    step_in_backward: bool = field(default=False, metadata=_rule(kind="bool"))
+    step_in_backward: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     overlap_comm: bool = field(default=True, metadata=_rule(kind="bool"))
     reduce_bucket_size: int = field(default=64 << 20, metadata=_rule(
         kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"))
@@ -516,7 +530,7 @@ class OffloadConfig(_Validated):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.step_in_backward:
+        if self.step_in_backward is True:
             # Both need the norm (or finiteness) of every gradient before any update.
             if self.gradient_clipping:
                 raise ConfigError(
@@ -626,8 +640,11 @@ class OffloadConfig(_Validated):
             lines.append(f"  gradient clipping {self.gradient_clipping:g}")
         if self.offload_activations != "none":
             lines.append(f"  activations       {self._tier(self.offload_activations)}")
-        if self.step_in_backward:
+        if self.step_in_backward is True:
             lines.append("  optimizer update  in backward, as each gradient completes")
+        elif self.step_in_backward == "auto":
+            lines.append("  optimizer update  in backward from the second step, if the first "
+                         "shows the loop allows it")
         if self.param_persistence_threshold:
             lines.append(f"  persistent params <= {self.param_persistence_threshold} elements")
         return "\n".join(lines)

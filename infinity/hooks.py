@@ -252,6 +252,16 @@ class HookSet:
                 self.store._grad_complete(entry, nested=self._nested_backward())
         return grad_ready
 
+    @property
+    def backward_passes(self) -> int:
+        """Outermost backward passes finished since attach."""
+        return self._backward_pass
+
+    def backward_pass_finished(self) -> None:
+        """What autograd's end-of-backward callback does, for a replay without autograd (the
+        planner's simulation)."""
+        self._end_of_backward()
+
     def _nested_backward(self) -> bool:
         """Whether this runs in a backward pass started inside the pass that queued the
         end-of-backward callback (reentrant activation checkpointing), where a gradient may

@@ -204,6 +204,7 @@ class OffloadedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.store._unfinished_step = None  # a failed step is abandoned with its gradients
         self.store.placement.clear_grads(set_to_none)
+        self.store._gradients_cleared()
 
     # -- state ----------------------------------------------------------------------------------
     # Checkpoints use the layout of the user's own optimizer (one entry per parameter, in the
@@ -234,6 +235,7 @@ class OffloadedOptimizer(Optimizer):
         """The optimizer's state in the user's optimizer's own layout, with real tensors:
         per-element state that lives on NVMe is read back (it takes host memory for the whole
         state; the copy is the caller's)."""
+        self.store._loop_acted("optimizer.state_dict()")
         state: dict[int, dict[str, Any]] = {}
         for i, (entry, shards) in enumerate(self._entries()):
             merged = self._entry_state(entry, shards)

@@ -195,6 +195,7 @@ class ParamAccess:
         display = name in _DISPLAY
         for tensor, entry in found:
             if id(tensor) not in values and not self._live(entry):
+                self.store._loop_acted(f"a read of parameter {entry.name}")
                 values[id(tensor)] = self._read(tensor, entry, display)
         args, kwargs = substitute(args, kwargs, values)
         result = func(*args, **kwargs)
@@ -271,8 +272,10 @@ class ParamAccess:
         placement = self.store.placement
         if entry is not None and any(placement.has_grad(s) for s in entry.shards):
             return GradView(self, entry)
+        if entry is not None and entry.index in self.store._updated_in_backward:
+            self.store._loop_acted(f"p.grad of {entry.name} read", grads=True)
         if entry is not None and entry.index in self.store._updated_in_backward and \
-                not self._warned_consumed:
+                not self._warned_consumed and not self.store.update_timing.auto:
             self._warned_consumed = True
             log.warning("p.grad of %s is None: step_in_backward=True applied each gradient in "
                         "backward as it completed, so the loop cannot read or clip them; turn "
@@ -285,6 +288,7 @@ class ParamAccess:
             value.check_current()
             return  # p.grad = p.grad
         if value is not None:
+            self.grads_used(entry)
             if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
                 raise ParameterAccessError(
                     f"p.grad of '{entry.name}' must be a tensor of shape {tuple(entry.shape)}, "
@@ -294,6 +298,13 @@ class ParamAccess:
             value = value.detach().to(device="cpu", dtype=entry.dtype).clone()
         self.store.placement.replace_grad(entry, value)
         param.grad = None  # torch function is off here: the autograd field
+        if value is None:
+            self.store._gradients_cleared()
+
+    def grads_used(self, entry: ParamEntry) -> None:
+        """The loop used the gradient of ``entry`` (read its values or norm, scaled or set
+        it)."""
+        self.store._loop_acted("the loop used p.grad (clipping, norms?)", grads=True)
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:
         entry = self._entry_of(target)
@@ -314,6 +325,7 @@ class ParamAccess:
                  modify: bool = False) -> Iterator[None]:
         entries = self._entries_for(params)
         placement = self.store.placement
+        self.store._loop_acted("store.gathered()")
         if modify:
             busy = [e.name for e in entries if e.holds]
             if busy:

@@ -105,7 +105,7 @@ class Partition:
         if partition is None:
             return None
         where = partition.describe()
-        if config.step_in_backward:
+        if config.step_in_backward is True:
             raise AttachError(
                 f"{where}: step_in_backward=True is not supported across ranks (its updates "
                 f"would need a collective per parameter at times that differ between ranks): "

@@ -508,14 +508,20 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
                 holds[entry] = holds.get(entry, 0) + 1
             # As the gradient hooks do, where autograd completed each gradient.
             for entry in grads.get(position + 1, ()):
-                if entry.param.requires_grad:
+                taken = entry.param.requires_grad
+                if taken:
+                    sim._grad_arriving(entry)
                     placement.take_grad(entry, torch.empty(
                         entry.shape, dtype=entry.compute_dtype, device="meta"))
                 for _ in range(holds.pop(entry, 0)):
                     placement.release(entry)
+                if taken and placement.update_in_backward:
+                    sim._grad_complete(entry, nested=False)
         for entry, count in holds.items():
             for _ in range(count):
                 placement.release(entry)
+        if recorded.training:
+            sim.hooks.backward_pass_finished()
         marks.setdefault("forward", clock.now)
         marks["backward"] = clock.now
         if optimizer is not None:

@@ -46,6 +46,8 @@ def store_stats(store: Any) -> dict[str, Any]:
         # a CPU device's gathers that found no free range in its slab (fresh memory instead)
         "device_slab_misses": placement.device.slab_misses if placement else 0,
         "steps": store.steps,
+        # where optimizer updates run now (step_in_backward; 'auto' settles after one step)
+        "update_mode": store.update_timing.mode.value if store.update_timing else None,
         "prefetched_loads": placement.prefetched_loads if placement else 0,
         "demand_loads": placement.demand_loads if placement else 0,
         "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,

@@ -47,6 +47,7 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
             entry = registry.entry_of(param)
             key = prefix + name
             if entry is not None and key in state_dict:
+                store._loop_acted("model.state_dict()")
                 state_dict[key] = store.materialize(entry)
 
     def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from infinity.errors import BudgetError
 from infinity.memory import host_tensor_bytes
 from infinity.optimizer import state_companions
 from infinity.precision import global_norm
@@ -34,6 +35,17 @@ class Stepping:
         placement.follower.pause(placement.busy_seconds)
         placement.finish_reductions()
         placement.pass_finished()
+        timing = self.update_timing
+        if timing is not None:
+            timing.step_starts(self.hooks.backward_passes, optimizer)
+        try:
+            self._step_updates(optimizer)
+        finally:
+            if timing is not None:
+                timing.step_ends()
+
+    def _step_updates(self, optimizer: OffloadedOptimizer) -> None:
+        placement = self.placement
         todo = [s for s in optimizer.shards if placement.has_grad(s)]
         for entry in {s.entry for s in todo}:
             if entry.holds:
@@ -114,13 +126,13 @@ class Stepping:
     def _grad_arriving(self, entry: ParamEntry) -> None:
         """Called before a gradient of ``entry`` is taken: refuses a second backward whose
         gradients would meet an update already applied."""
+        timing = self.update_timing
+        if timing is None:
+            return
         if entry.index in self._updated_in_backward:
-            raise RuntimeError(
-                f"step_in_backward=True: the previous backward already applied the update of "
-                f"{entry.name}, and optimizer.step() was not called since. This mode needs "
-                f"exactly one backward per optimizer.step() (no gradient accumulation, no "
-                f"backward whose gradients are discarded): call optimizer.step() after each "
-                f"backward, or set step_in_backward=False")
+            timing.refused_second_backward()
+            raise RuntimeError(timing.second_backward_message(entry.name))
+        timing.gradient_arriving(self.optimizer)
 
     def _grad_complete(self, entry: ParamEntry, nested: bool) -> None:
         """With ``step_in_backward``: updates ``entry``'s shards now that backward has
@@ -146,6 +158,14 @@ class Stepping:
                 done: set[str] = set()
                 try:
                     self._tiled_step(optimizer, todo, 1.0, done)
+                except BudgetError as exc:
+                    if not self.update_timing.auto:
+                        exc.add_note(f"the update of {entry.name} in backward stopped after "
+                                     f"{len(done)} of its {len(todo)} shards; optimizer.step() "
+                                     f"updates the others, optimizer.zero_grad() abandons them")
+                        raise
+                    self._update_left_to_step(entry, todo, done, exc)
+                    return
                 except BaseException as exc:
                     exc.add_note(f"the update of {entry.name} in backward stopped after "
                                  f"{len(done)} of its {len(todo)} shards; optimizer.step() "
@@ -156,6 +176,21 @@ class Stepping:
             placement.drop_grad(shard)
         if entry.index in placement.persistent:
             placement.gather(entry, hold=False)
+
+    def _update_left_to_step(self, entry: ParamEntry, todo: list[Shard], done: set[str],
+                             exc: BudgetError) -> None:
+        """'auto' chose updates in backward, and this one found no room next to what backward
+        holds: what it had not updated waits for optimizer.step(), which has the whole arena,
+        and updates stay there from now on (no sizing crash from a default)."""
+        placement = self.placement
+        for shard in todo:
+            if shard.id in done:
+                placement.drop_grad(shard)  # applied: the step must not apply it again
+        try:
+            placement.park_grads(entry)
+        except BudgetError:
+            pass  # no room for its companion either: the step reads it where autograd left it
+        self.update_timing.no_room(entry.name, str(exc).splitlines()[0])
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []

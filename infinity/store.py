@@ -41,6 +41,7 @@ from infinity.stepping import Stepping
 from infinity.tiers import DeviceTier, HostTier
 from infinity.timeline import Timeline
 from infinity.trace import TraceFollower
+from infinity.update_timing import UpdateTiming
 from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
 from swap.files import check_directory
 from swap.probe import choose_backend_for, make_backend
@@ -123,6 +124,8 @@ class TieredStore(Stepping):
         self._unfinished_step: tuple[float, set[str]] | None = None
         #: entries that step_in_backward updated since the last optimizer.step()
         self._updated_in_backward: set[int] = set()
+        #: where optimizer updates run (step_in_backward), once an optimizer is attached
+        self.update_timing: UpdateTiming | None = None
         #: with a host budget: RSS kept under the budgets' line while heap blocks are reused
         self._heap_watch: HeapWatch | None = None
         #: overlap the step's reads, updates and writes (False: one after another, which only
@@ -315,11 +318,45 @@ class TieredStore(Stepping):
         self._handles += install_state_dict_hooks(self, model)
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
-            self.placement.update_in_backward = config.step_in_backward
+            self.update_timing = UpdateTiming(
+                config.step_in_backward, self._against_updates_in_backward(module_entries),
+                self.placement)
         # Last: from here on every operation on a parameter goes through the store.
         self.access = ParamAccess(self)
         self.access.install()
         self._attach_activations(model)  # its hooks run after the store's, which gather
+
+    def _against_updates_in_backward(self, module_entries: list) -> list[str]:
+        """What in the config keeps ``step_in_backward='auto'`` from updating in backward."""
+        config = self.config
+        reasons = []
+        if self.engine is not None:
+            # An update in backward needs its master, gradient and (Adam's two) moments in the
+            # arena next to what backward holds, and the pipeline's three stages (update, read
+            # ahead, write back): room for four of the largest. And masters updated in backward
+            # are dirty when the next forward gathers them: a module's dirty masters in use
+            # cannot make room for its other shards, so the arena holds the largest module's
+            # masters twice over. Below that, updates stay in optimizer.step(), which has the
+            # whole arena.
+            cost = self._host_tier.slot_cost
+            arena = self._host_tier.arena_bytes
+            parts = 2 + (2 if config.offload_optimizer == "nvme" else 0)
+            update = max(parts * cost(s.nbytes) for s in self.registry.shards.values()
+                         if s.kind == "param")
+            largest = max(sum(cost(s.nbytes) for e in entries for s in e.shards)
+                          for _, _, entries in module_entries)
+            if arena < 4 * update or (self.placement.params_on_nvme and arena < 2 * largest):
+                reasons.append(f"the staging arena ({arena} bytes) is too small to update in "
+                               f"backward: it needs 4 x {update} bytes (the largest update) and "
+                               f"2 x {largest} (the largest module's masters)")
+        if config.gradient_clipping:
+            reasons.append(f"gradient_clipping={config.gradient_clipping:g} needs every "
+                           f"gradient's norm first")
+        if self.scaler is not None:
+            reasons.append("fp16 loss scaling must see every gradient before it can skip a step")
+        if self.partition is not None:
+            reasons.append("several ranks: updates in backward are one rank's only")
+        return reasons
 
     def _attach_activations(self, model: nn.Module) -> None:
         """Creates the activation offload (``offload_activations``) and hooks it on ``model``."""
@@ -575,6 +612,7 @@ class TieredStore(Stepping):
         previous checkpoint at ``path`` intact. With ``async_save`` the call returns once the
         save has started and training goes on; the checkpoint is still exactly the state at the
         call (what a step would change is copied out first): see :mod:`infinity.async_save`."""
+        self._loop_acted("save_checkpoint()")
         self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
 
     def wait_for_checkpoint(self) -> None:
@@ -628,9 +666,27 @@ class TieredStore(Stepping):
     # -- called by hooks and the optimizer ------------------------------------------------------
     def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
         self._unfinished_step = None  # a new forward moves on from a step that failed
+        self._loop_acted("a forward pass")
         self.follower.start_iteration((grad_enabled, training))
         if self.placement is not None and grad_enabled:
             self.placement.pass_started()
+
+    def _loop_acted(self, what: str, grads: bool = False) -> None:
+        """The loop used the model (``grads``: its gradients) outside forward and backward;
+        where updates run may depend on it (infinity.update_timing)."""
+        if self.update_timing is not None:
+            self.update_timing.loop_acted(what, grads)
+
+    def _gradients_cleared(self) -> None:
+        """``zero_grad()`` or ``p.grad = None``."""
+        timing = self.update_timing
+        if timing is None:
+            return
+        timing.gradients_cleared(len(self._updated_in_backward))
+        if timing.auto and not timing.in_backward:
+            # Updates left backward after some ran there (a backward that raised, then
+            # zero_grad): the next backward is not a second one on top of them.
+            self._updated_in_backward.clear()
 
     def watch_heap(self) -> None:
         """Called where the heap grows (module gathers, step tiles)."""

@@ -13,6 +13,7 @@ lane (thread)      ph    name                cat          args
 compute            X     module name         forward      module, phase ("fwd")
 compute            X     module name         backward     module, phase ("bwd")
 compute            X     optimizer.step      step         module, phase ("step")
+compute            X     parameter name      step         same: an update run in backward
 stall              X     stall               stall        shard
 d2h                X     d2h                 d2h          module
 nvme read [k]      X     nvme.read           io           shard, bytes, prefetch, stalled, error,
@@ -21,6 +22,7 @@ nvme write [k]     X     nvme.write          io           same as nvme.read
 (process counter)  C     bytes in flight     io           read, write (bytes of transfers under way)
 =================  ====  ==================  ===========  ==========================================
 
+An update run in backward (``step_in_backward``) is a step span named by its parameter.
 Compute spans run from a module's forward/backward event to the next event or optimizer step,
 with the training thread's stalls cut out (a span interrupted by a stall is split in two).
 Transfers that overlap in time go on sub-lanes ``nvme read``, ``nvme read 2``, ... so each lane

@@ -311,7 +311,9 @@ def test_an_async_save_is_the_state_at_the_call_while_training_goes_on(kind, tmp
     model = make_model()
     # A staging cap of a few chunks: most are copied out during the next forward, the rest by
     # the step, just before it changes them.
-    config = _config(kind, str(tmp_path)).replace(checkpoint_staging=16 << 10)
+    # Updates in optimizer.step(): the save is taken between backward and the step's updates.
+    config = _config(kind, str(tmp_path)).replace(checkpoint_staging=16 << 10,
+                                                  step_in_backward=False)
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
         run(store, model, optimizer, batches[:3])
@@ -327,7 +329,8 @@ def test_an_async_save_is_the_state_at_the_call_while_training_goes_on(kind, tmp
         figures = store._checkpoints.last
     assert figures["bytes_written"] > 0 and figures["copied_before_change"] > 0
     model = make_model(seed=4)
-    with infinity.TieredStore(_config(kind, str(tmp_path))) as store:
+    with infinity.TieredStore(_config(kind, str(tmp_path)).replace(
+            step_in_backward=False)) as store:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
         assert store.load_checkpoint(tmp_path / "ckpt") == {"at": 3}
         assert run(store, model, optimizer, batches[3:]) == whole

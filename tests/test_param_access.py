@@ -35,9 +35,12 @@ _CHILD = textwrap.dedent("""
     from tools.tiny_gpt import synthetic_batches
 
     op = sys.argv[1]
+    # Updates in optimizer.step(): clip_grad_value reads gradients the first step did not.
     configs = {"nvme": dict(offload_param="nvme", offload_optimizer="nvme", buffer_size=8192,
-                            buffer_count=8, nvme_path=tempfile.mkdtemp()),
-               "cpu": dict(offload_param="cpu", offload_optimizer="cpu")}
+                            buffer_count=8, nvme_path=tempfile.mkdtemp(),
+                            step_in_backward=False),
+               "cpu": dict(offload_param="cpu", offload_optimizer="cpu",
+                           step_in_backward=False)}
     for name, config in configs.items():
         plain = make_model()
         model = copy.deepcopy(plain)

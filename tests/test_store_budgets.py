@@ -296,9 +296,12 @@ def test_a_nearly_sufficient_arena_writes_back_only_what_it_evicts(tmp_path):
     needed = _arena_for_everything(tmp_path, block)
     model = make_model()
     updated_per_step = 3 * param_bytes(model)  # master weights and two moments
+    # Updates in optimizer.step(): in backward no gradient needs the arena, and this one then
+    # caches everything.
     result = compare(make_model(), 6, {
         "offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": block,
-        "buffer_count": int(0.8 * needed) // block}, tmp_path=tmp_path)
+        "buffer_count": int(0.8 * needed) // block, "step_in_backward": False},
+        tmp_path=tmp_path)
     assert_equivalent(*result[:4])
     stats = result[4]
     assert stats["bytes_read"] > 0  # the arena really is too small
@@ -321,7 +324,8 @@ def test_write_backs_a_pass_waited_for_start_ahead_in_the_next_forward(tmp_path)
     for ahead in (True, False):
         store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
                                           nvme_path=str(tmp_path), buffer_size=block,
-                                          buffer_count=int(0.8 * needed) // block))
+                                          buffer_count=int(0.8 * needed) // block,
+                                          step_in_backward=False))
         model = make_model()
         model, optimizer = store.attach(model, fused_adamw(model.parameters()))
         store.placement.write_ahead_enabled = ahead
@@ -349,7 +353,8 @@ def test_step_reads_ahead_without_evicting_shards_it_has_still_to_update(tmp_pat
     plain_losses = train(plain, fused_adamw(plain.parameters()), 6)
     store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
                                       nvme_path=str(tmp_path), buffer_size=block,
-                                      buffer_count=int(0.7 * needed) // block))
+                                      buffer_count=int(0.7 * needed) // block,
+                                      step_in_backward=False))
     model = make_model()
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
     placement = store.placement

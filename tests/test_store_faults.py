@@ -82,6 +82,8 @@ class Rig:
             self.faults = FaultInjectingBackend(backend, seed=0)
             return self.faults
 
+        # Faults in optimizer.step()'s pipeline; test_step_in_backward covers them in backward.
+        config.setdefault("step_in_backward", False)
         config = OffloadConfig(
             offload_param="nvme", offload_optimizer=optimizer_tier if optimizer else "none",
             nvme_path=str(path), buffer_size=SHARD, buffer_count=buffer_count,

@@ -215,7 +215,7 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
     store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
                                       nvme_path=str(tmp_path), buffer_size=1 << 16,
-                                      buffer_count=64))
+                                      buffer_count=64, step_in_backward=False))
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
 
     def backward() -> None:

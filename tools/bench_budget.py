@@ -7,8 +7,9 @@ RSS is its own):
 * plain: model and AdamW in memory (fused AdamW), the compute the floor starts from; and the
   same with the heap bounded as an attached run under a host budget bounds it, for reference
   (on a CPU every gradient autograd makes then faults its pages);
-* for each host budget B (default 1.0 and 0.7 GiB) and each update mode (in
-  ``optimizer.step()``, and ``step_in_backward``): attached with a staging arena of all of B,
+* for each host budget B (default 1.0 and 0.7 GiB) and each update mode (default: in
+  ``optimizer.step()``, and the default config's, ``step_in_backward='auto'``, which updates in
+  backward from the second step on this loop): attached with a staging arena of all of B,
   warmed up, then ``--steps`` (default 20) steps, each measured: its seconds per phase (forward,
   backward, optimizer step), the bytes read and written, the device tier's copy seconds, and the
   share of each phase the disk was busy (the swap engine had a transfer of either direction in
@@ -25,7 +26,7 @@ written at the combined GB/s): the time the cores or the disk need at least, whi
 Without a GPU the device tier is host memory and its copies are memcpy on the cores that also
 compute; they are counted as the floor's (a GPU's copy engine would take them off the cores).
 
-    python -m tools.bench_budget [--budgets 1.0,0.7 --modes step,backward --steps 20]
+    python -m tools.bench_budget [--budgets 1.0,0.7 --modes step,default --steps 20]
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ log = logging.getLogger("tools.bench_budget")
 GIB = 1 << 30
 GOALS = {"floor": 1.3, "deepspeed_step": 0.5, "deepspeed_rss": 0.25}
 PHASES = ("forward", "backward", "step")
+#: --modes: the step_in_backward setting each runs with ('default': what a config that does
+#: not set it gets)
+UPDATE_SETTINGS: dict[str, Any] = {"step": False, "backward": True, "default": "auto"}
 #: where the peer harness lies, relative to the repository
 DEFAULT_PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers"
 
@@ -119,7 +123,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     store = None
     if not args.child.startswith("plain"):
         config = nvme_config(args.nvme_path, args.budget, args.budget, args.device_budget,
-                             args.buffer_size, step_in_backward=args.child == "backward")
+                             args.buffer_size, step_in_backward=UPDATE_SETTINGS[args.child])
         store = infinity.TieredStore(config)
         model, optimizer = store.attach(model, optimizer)
     timed_steps(model, optimizer, args.warmup, args.batch, args.width)
@@ -129,7 +133,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     if store is not None:
         stats = store.stats()
         out.update(peak_bytes=stats["peak_bytes"], budgets=stats["budgets"],
-                   heap_reuse=stats["heap_reuse"])
+                   heap_reuse=stats["heap_reuse"], update_mode=stats["update_mode"])
         store.close(restore_params=False)
     return out
 
@@ -220,7 +224,9 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
             key = f"{mode}@{budget}"
             run = results[key]
             s = summarise(run["steps"], compute_s, disk["combined"])
-            label = "update in optimizer.step()" if mode == "step" else "step_in_backward"
+            label = {"step": "update in optimizer.step()", "backward": "step_in_backward=True",
+                     "default": f"the default (step_in_backward='auto': updates "
+                                f"{run.get('update_mode')})"}[mode]
             lines.append(
                 f"host budget {budget:.2f} GiB, {label}: {s['step_s']:.3f} s/step (median of "
                 f"{len(run['steps'])}), floor {s['floor_s']:.3f} s ({s['bound']}: compute "
@@ -273,8 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, default=3)
     add("--budgets", type=lambda t: [float(x) for x in t.split(",")], default=[1.0, 0.7],
         help="host budgets in GiB, a comma list (the staging arena takes all of each)")
-    add("--modes", type=lambda t: t.split(","), default=["step", "backward"],
-        help="where updates run: 'step' (optimizer.step()), 'backward' (step_in_backward)")
+    add("--modes", type=lambda t: t.split(","), default=["step", "default"],
+        help="where updates run: 'step' (step_in_backward=False), 'backward' "
+             "(step_in_backward=True), 'default' (not set: 'auto')")
     add("--device-budget", type=float, default=0.1, help="GiB")
     add("--buffer-size", type=int, default=64 << 20)
     add("--disk-bytes", type=int, default=1 << 30, help="bytes of each disk measurement")
@@ -286,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--deepspeed-timeout", type=int, default=900)
     add("--per-step", action="store_true", help="print every measured step")
     add("--json", type=Path, default=None)
-    add("--child", choices=("plain", "plain-bounded", "step", "backward"), help=argparse.SUPPRESS)
+    add("--child", choices=("plain", "plain-bounded", *UPDATE_SETTINGS), help=argparse.SUPPRESS)
     add("--budget", type=float, help=argparse.SUPPRESS)
     return parser
 
@@ -296,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for mode in args.modes:
-        if mode not in ("step", "backward"):
-            parser.error(f"--modes: unknown mode {mode!r}; use step, backward or both")
+        if mode not in UPDATE_SETTINGS:
+            parser.error(f"--modes: unknown mode {mode!r}; use step, backward, default or a "
+                         f"comma list of them")
     if args.child:
         print(json.dumps(run_child(args), default=float))
         return 0
