@@ -462,12 +462,14 @@ class OffloadConfig(_Validated):
         and no gradient clipping or fp16 loss scaling (both need every gradient first).
         False: every update in ``optimizer.step()``. 'auto' (default): the first step runs
         with updates in ``optimizer.step()`` and is watched; from the second on updates run in
-        backward if that step had one backward, used no ``p.grad`` and changed no
-        hyper-parameter between backward and step, and the config has no clipping, no fp16
-        and one rank. A loop that later does one of those gets a warning (``p.grad`` used,
-        hyper-parameters changed: updates go back to ``optimizer.step()`` from the next step)
-        or, for a second backward, an error before that gradient is used. Memory: saves up to
-        the gradients' bytes (4 bytes/param in fp32) of host or NVMe traffic.
+        backward if, between that step's backward and ``optimizer.step()``, the loop ran one
+        backward, used no ``p.grad``, ran no forward, read, checkpoint or state dict and kept
+        the hyper-parameters, and called ``zero_grad()`` before the next backward; the config
+        must have no clipping, no fp16, one rank and an arena large enough (see
+        ``infinity.update_timing``). A loop that does one of those after the switch gets a
+        warning and updates go back to ``optimizer.step()`` for good; a second backward is an
+        error before that gradient is used. Memory: saves up to the gradients' bytes
+        (4 bytes/param in fp32) of host or NVMe traffic.
     zero_stage: what is partitioned across data-parallel ranks under torch.distributed (no
         effect in one process): 3 = parameters, gradients and optimizer state (each rank holds
         and swaps 1/N of everything; a module's parameters are all-gathered while it runs);

@@ -125,7 +125,7 @@ def _handle(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     views = [t for t in tensors_in(args, kwargs) if isinstance(t, GradView)]
     for view in views:
         view.check_current()
-        view._infinity_access.grads_used(view._infinity_entry)
+        view._infinity_access.grads_used()
     first = args[0] if args else None
     if isinstance(first, GradView):
         if name in ("data.__get__", "detach", "alias") and len(args) == 1:

@@ -272,10 +272,10 @@ class ParamAccess:
         placement = self.store.placement
         if entry is not None and any(placement.has_grad(s) for s in entry.shards):
             return GradView(self, entry)
-        if entry is not None and entry.index in self.store._updated_in_backward:
+        consumed = entry is not None and entry.index in self.store._updated_in_backward
+        if consumed:
             self.store._loop_acted(f"p.grad of {entry.name} read", grads=True)
-        if entry is not None and entry.index in self.store._updated_in_backward and \
-                not self._warned_consumed and not self.store.update_timing.auto:
+        if consumed and not self._warned_consumed and not self.store.update_timing.auto:
             self._warned_consumed = True
             log.warning("p.grad of %s is None: step_in_backward=True applied each gradient in "
                         "backward as it completed, so the loop cannot read or clip them; turn "
@@ -288,7 +288,7 @@ class ParamAccess:
             value.check_current()
             return  # p.grad = p.grad
         if value is not None:
-            self.grads_used(entry)
+            self.grads_used()
             if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
                 raise ParameterAccessError(
                     f"p.grad of '{entry.name}' must be a tensor of shape {tuple(entry.shape)}, "
@@ -301,9 +301,8 @@ class ParamAccess:
         if value is None:
             self.store._gradients_cleared()
 
-    def grads_used(self, entry: ParamEntry) -> None:
-        """The loop used the gradient of ``entry`` (read its values or norm, scaled or set
-        it)."""
+    def grads_used(self) -> None:
+        """The loop used a gradient (read its values or norm, scaled or set it)."""
         self.store._loop_acted("the loop used p.grad (clipping, norms?)", grads=True)
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:

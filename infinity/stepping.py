@@ -158,15 +158,10 @@ class Stepping:
                 done: set[str] = set()
                 try:
                     self._tiled_step(optimizer, todo, 1.0, done)
-                except BudgetError as exc:
-                    if not self.update_timing.auto:
-                        exc.add_note(f"the update of {entry.name} in backward stopped after "
-                                     f"{len(done)} of its {len(todo)} shards; optimizer.step() "
-                                     f"updates the others, optimizer.zero_grad() abandons them")
-                        raise
-                    self._update_left_to_step(entry, todo, done, exc)
-                    return
                 except BaseException as exc:
+                    if isinstance(exc, BudgetError) and self.update_timing.auto:
+                        self._update_left_to_step(entry, todo, done, exc)
+                        return
                     exc.add_note(f"the update of {entry.name} in backward stopped after "
                                  f"{len(done)} of its {len(todo)} shards; optimizer.step() "
                                  f"updates the others, optimizer.zero_grad() abandons them")

@@ -86,10 +86,10 @@ class UpdateTiming:
     """
 
     def __init__(self, setting: bool | str, reasons_against: list[str], placement: Any) -> None:
+        """``reasons_against``: why the config keeps 'auto' from updating in backward (empty:
+        it may)."""
         self.auto = setting == "auto"
         self.placement = placement
-        #: why 'auto' cannot update in backward with this config (empty: it may)
-        self.reasons_against = reasons_against
         if setting is True:
             mode = UpdateMode.IN_BACKWARD
         elif self.auto and not reasons_against:
