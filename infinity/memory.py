@@ -10,7 +10,12 @@ returned to the system when freed. The price is a page fault per page of every l
 (measured: 10-20% of a CPU training step), so the store only does this when the user set an
 explicit ``host_budget``. The store's own large allocations (the CPU device tier's working
 copies) ask for transparent huge pages before first touch (``swap.advise_huge_pages``), which
-makes those faults 2 MiB each.
+makes those faults 2 MiB each. torch's CPU allocator asks for them too on blocks of 2 MiB and
+more when ``THP_MEM_ALLOC_ENABLE=1``, which it reads once, at the process's first CPU allocation:
+:func:`huge_page_allocations` sets it where that has not happened yet (a store made before the
+model is, a tool's child process) and says how to set it where it has. On the 100M-parameter MLP
+under a 1 GiB budget this took the faults of a step from 98k to 13k, the gradients' share, and
+the step from 0.44 to 0.39 s.
 
 Letting the heap keep blocks after the first step (the allocations repeat every step) takes a
 third off the attached CPU step of a 100M-parameter model, but on its own fragmentation grew the
@@ -31,12 +36,16 @@ from typing import Any
 
 import torch
 
+from swap import huge_pages_on_request
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _done = False
+_THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
+_huge_pages: bool | None = None
 
 
 def bound_heap_retention(threshold: int = 1 << 20) -> bool:
@@ -57,8 +66,44 @@ def bound_heap_retention(threshold: int = 1 << 20) -> bool:
                                                                       threshold))
     _done = ok
     log.debug("glibc mmap/trim thresholds pinned at %d bytes: %s", threshold, ok)
+    huge_page_allocations()
     return ok
 
+
+def huge_pages_advised() -> bool | None:
+    """What :func:`huge_page_allocations` found, without probing: None before it ran."""
+    return _huge_pages
+
+
+def huge_page_allocations() -> bool:
+    """Whether torch's CPU allocator asks for transparent huge pages on its blocks of 2 MiB and
+    more (cached after the first call). Sets ``THP_MEM_ALLOC_ENABLE=1`` unless the environment
+    already says, which takes effect only if this process has made no CPU tensor yet; where it
+    came too late, logs how to start the process instead. With the setting on, the allocator
+    aligns its blocks to the page instead of to 64 bytes, which is what the probe looks at: four
+    fresh 4 MiB blocks all page-aligned by chance is one in 16 million."""
+    global _huge_pages
+    if _huge_pages is not None:
+        return _huge_pages
+    if not huge_pages_on_request():
+        _huge_pages = False
+        return False
+    asked = os.environ.get(_THP_VARIABLE)
+    if asked is None:
+        os.environ[_THP_VARIABLE] = "1"
+    probes = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(4)]
+    _huge_pages = all(t.data_ptr() % _PAGE == 0 for t in probes)
+    del probes
+    if not _huge_pages and asked is None:
+        del os.environ[_THP_VARIABLE]  # too late here: no say over the processes it starts
+        log.info("large CPU temporaries (gradients, say) fault 4 KiB pages: torch's allocator "
+                 "had read %s before the store was made. Start the process with %s=1, or make "
+                 "the store before the model; under a host budget that took about a tenth off "
+                 "a step", _THP_VARIABLE, _THP_VARIABLE)
+    elif not _huge_pages:
+        log.debug("%s=%s in the environment: torch's large blocks are not advised", _THP_VARIABLE,
+                  asked)
+    return _huge_pages
 
 
 def _libc_function(name: str) -> Any:

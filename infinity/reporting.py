@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from infinity.memory import huge_pages_advised
+
 
 def store_stats(store: Any) -> dict[str, Any]:
     """``store.stats()``: bytes per tier (current and peak), I/O totals and timings, steps."""
@@ -60,6 +62,8 @@ def store_stats(store: Any) -> dict[str, Any]:
         "rss_peak_bytes": store._rss_peak,
         # freed heap blocks reused (a host budget left room for it; infinity.memory)
         "heap_reuse": bool(store._heap_watch and store._heap_watch.active),
+        # torch's large CPU blocks fault 2 MiB pages (THP_MEM_ALLOC_ENABLE; infinity.memory)
+        "huge_page_allocations": bool(huge_pages_advised()),
         "trace_departures": store.follower.diverged_iterations,
         "backend": engine.backend_name if engine is not None else None,
         # failed transfers: each failed attempt, re-issues, transfers that succeeded after

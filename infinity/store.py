@@ -26,7 +26,7 @@ from infinity import lifecycle
 from infinity.config import OffloadConfig
 from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
 from infinity.hooks import HookSet
-from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
+from infinity.memory import HeapWatch, bound_heap_retention, huge_page_allocations, resident_bytes
 from infinity.optimizer import OffloadedOptimizer
 from infinity.param_access import ParamAccess
 from infinity.partition import Partition
@@ -131,6 +131,10 @@ class TieredStore(Stepping):
         #: overlap the step's reads, updates and writes (False: one after another, which only
         #: benchmarks want, to show what the pipeline saves)
         self.pipeline_step = True
+        if self.config.host_budget is not None:
+            # Before the model's first CPU tensors where the caller made the store first: torch
+            # reads the setting once (infinity.memory).
+            huge_page_allocations()
 
     @property
     def _master_tier(self) -> str:

@@ -4,7 +4,8 @@ It knows bytes, not models, and imports nothing from ``infinity``.
 """
 
 from swap.backends.base import IOBackend, IORequest, Op
-from swap.buffers import ALIGNMENT, BufferPool, HostBuffer, advise_huge_pages, align_up
+from swap.buffers import (ALIGNMENT, BufferPool, HostBuffer, advise_huge_pages, align_up,
+                          huge_pages_on_request)
 from swap.engine import EngineSettings, SwapEngine, TransferFuture
 from swap.errors import (IntegrityError, NvmePathError, PoolExhaustedError, SwapConfigError,
                          SwapError, SwapIOError, SwapSpaceError, TransferTimeoutError)
@@ -18,7 +19,7 @@ __all__ = [
     "ALIGNMENT", "BACKENDS", "BufferPool", "EngineSettings", "EngineStats", "Extent",
     "FaultInjectingBackend", "HostBuffer", "IOBackend", "IORequest", "IntegrityError", "NvmePathError", "Op",
     "PoolExhaustedError", "SwapConfigError", "SwapEngine", "SwapError", "SwapIOError",
-    "SwapSpace", "SwapSpaceError", "TransferFuture", "TransferTimeoutError", "advise_huge_pages", "align_up",
-    "choose_backend",
-    "choose_backend_for", "clear_probe_cache", "make_backend", "probe_direct_io",
+    "SwapSpace", "SwapSpaceError", "TransferFuture", "TransferTimeoutError", "advise_huge_pages",
+    "align_up", "choose_backend", "choose_backend_for", "clear_probe_cache",
+    "huge_pages_on_request", "make_backend", "probe_direct_io",
 ]

@@ -78,7 +78,7 @@ HUGE_PAGE = 2 << 20
 _madvise = None
 
 
-def _thp_on_request() -> bool:
+def huge_pages_on_request() -> bool:
     """Whether the kernel gives transparent huge pages to regions that ask for them."""
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
@@ -94,7 +94,7 @@ def advise_huge_pages(address: int, length: int) -> bool:
     global _madvise
     if _madvise is None:
         name = ctypes.util.find_library("c")
-        if not name or not _thp_on_request():
+        if not name or not huge_pages_on_request():
             _madvise = False
         else:
             function = ctypes.CDLL(name, use_errno=True).madvise

@@ -7,6 +7,7 @@ import ctypes.util
 import pytest
 
 from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
+from swap import huge_pages_on_request
 
 pytestmark = pytest.mark.skipif(not ctypes.util.find_library("c") or resident_bytes() == 0,
                                 reason="needs glibc and /proc/self/statm")
@@ -110,3 +111,57 @@ def test_the_line_of_a_store_counts_its_cpu_optimizer_state(tmp_path):
     # Adam's two moments (and its step counters) plus the host gradients' peak
     assert watch.limit - before >= 3 * params
     store.close()
+
+
+_HUGE_PAGE_CHILD = r"""
+import json, logging, os, resource, sys
+logging.basicConfig(level=logging.INFO)
+import torch
+if sys.argv[1] == "late":
+    torch.ones(8)  # a CPU tensor before the store: torch has read its setting
+from infinity import OffloadConfig, TieredStore
+store = TieredStore(OffloadConfig(offload_param="cpu", host_budget=64 << 20))
+from infinity.memory import bound_heap_retention
+bound_heap_retention()  # as attach does: every large block mapped afresh
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # 4096 pages of 4 KiB
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"stat": store.stats()["huge_page_allocations"], "faults": faults,
+                  "variable": os.environ.get("THP_MEM_ALLOC_ENABLE")}))
+"""
+
+
+def _huge_page_child(when: str, variable: str | None = None) -> tuple[dict, str]:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if variable is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = variable
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", _HUGE_PAGE_CHILD, when], env=env, timeout=120,
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.skipif(not huge_pages_on_request(), reason="the kernel gives no huge pages")
+def test_a_store_made_before_any_tensor_gets_huge_pages_for_torchs_large_blocks():
+    made_first, _ = _huge_page_child("first")
+    assert made_first["stat"] is True and made_first["variable"] == "1"
+    assert made_first["faults"] < 1024  # 2 MiB faults, not 4096 of 4 KiB
+    made_late, log = _huge_page_child("late")
+    assert made_late["stat"] is False and made_late["faults"] >= 4096
+    assert made_late["variable"] is None  # left as it was for the processes it starts
+    assert "Start the process with THP_MEM_ALLOC_ENABLE=1" in log
+
+
+def test_the_environment_has_the_last_word_on_huge_pages():
+    refused, log = _huge_page_child("first", variable="0")
+    assert refused["stat"] is False and refused["variable"] == "0"
+    assert refused["faults"] >= 4096 and "Start the process" not in log
+    if huge_pages_on_request():
+        asked, _ = _huge_page_child("late", variable="1")  # set before the process started
+        assert asked["stat"] is True and asked["faults"] < 1024

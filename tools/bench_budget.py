@@ -133,7 +133,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     if store is not None:
         stats = store.stats()
         out.update(peak_bytes=stats["peak_bytes"], budgets=stats["budgets"],
-                   heap_reuse=stats["heap_reuse"], update_mode=stats["update_mode"])
+                   heap_reuse=stats["heap_reuse"], update_mode=stats["update_mode"],
+                   huge_pages=stats["huge_page_allocations"])
         store.close(restore_params=False)
     return out
 
@@ -242,7 +243,8 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
                 f"(host tier peak {run['peak_bytes']['host'] / GIB:.2f}, device tier "
                 f"{run['peak_bytes']['device'] / GIB:.2f}); vs DeepSpeed: step "
                 f"{s['step_s'] / deepspeed['step_s']:.2f}x, peak RSS "
-                f"{run['peak_rss'] / deepspeed['peak_rss']:.2f}x")
+                f"{run['peak_rss'] / deepspeed['peak_rss']:.2f}x; torch's large blocks in "
+                f"{'huge' if run.get('huge_pages') else '4 KiB'} pages")
             if verbose:
                 lines += step_lines(run["steps"])
             verdicts.append((key, budget, s, run))

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.memory import peak_resident_bytes
+from infinity.memory import huge_page_allocations, peak_resident_bytes
 from infinity.config import parse_size
 from tools.bench_budget import PHASES, instrumented_steps, summarise
 from tools.bench_overlap import engine_bandwidth, mlp
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     add_scale_arguments(parser)
     args = parser.parse_args(argv)
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-scale-"))
+    # As a process started with THP_MEM_ALLOC_ENABLE=1 (docs/tuning.md): the warm-up below
+    # makes CPU tensors, after which torch no longer reads the setting.
+    huge_page_allocations()
     # Python + torch with its runtime initialised (thread pools, kernels), before any model
     # exists: what every training process pays whatever its model.
     warm = nn.Linear(64, 64)
