@@ -27,6 +27,14 @@ written at the combined GB/s): the time the cores or the disk need at least, whi
 Without a GPU the device tier is host memory and its copies are memcpy on the cores that also
 compute; they are counted as the floor's (a GPU's copy engine would take them off the cores).
 
+That floor takes the cores and the disk each on its own. Three lines beside it show what they
+cost each other on this machine: plain PyTorch with the step's bytes moved through the same swap
+engine from each step's start (``tools.step_io``: the best overlap any schedule can have, so the
+floor with the contention is max(that compute + the device copies, its bytes)); plain PyTorch
+beside fio in another process at the step's read and write rates (the machine's share of the
+contention, where fio is installed); and the I/O path's own CPU at the step's bytes (process CPU
+seconds per byte in the disk passes), with the least the cores need once it is spread over them.
+
     python -m tools.bench_budget [--budgets 1.0,0.7 --modes step,default --steps 20]
 """
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import statistics
@@ -52,8 +61,10 @@ import infinity
 from infinity.memory import (bound_heap_retention, huge_page_allocations, huge_pages_advised,
                              peak_resident_bytes, resident_bytes)
 from tools.bench_overlap import (DEEPSPEED_PEAK_RSS_GIB, DEEPSPEED_STEP_S, engine_bandwidth,
-                                 mlp, nvme_config, timed_steps)
+                                 engine_settings, mlp, nvme_config, timed_steps)
 from tools.cli import spawn_child
+from tools.fio import find_fio
+from tools.step_io import StepIO, fio_beside, steps_beside_io
 
 log = logging.getLogger("tools.bench_budget")
 
@@ -119,7 +130,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     # them (infinity.memory): plain PyTorch is faster with them too, and the floor must not be
     # a slower plain step than this machine can do.
     huge_page_allocations()
-    if args.child in ("plain", "plain-bounded"):
+    if args.child.startswith("plain"):
         model = mlp(args.layers, args.width)
     else:
         with torch.device("meta"):
@@ -133,6 +144,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         store = infinity.TieredStore(config)
         model, optimizer = store.attach(model, optimizer)
     timed_steps(model, optimizer, args.warmup, args.batch, args.width)
+    if args.child == "plain-io":
+        probe = nvme_config(args.nvme_path, 1.0, 1.0, args.device_budget, args.buffer_size)
+        with StepIO(args.nvme_path, engine_settings(probe), args.io_read, args.io_write) as io:
+            times, computes = steps_beside_io(model, optimizer, io, args.steps, args.batch,
+                                              args.width)
+            return {"step_s": statistics.median(times), "compute_s": statistics.median(computes),
+                    "io_s": statistics.median(io.seconds), "peak_rss": peak_resident_bytes()}
     steps = instrumented_steps(model, optimizer, store, args.steps, args.batch, args.width)
     out: dict[str, Any] = {"steps": steps, "peak_rss": peak_resident_bytes(),
                            "huge_pages": bool(huge_pages_advised())}
@@ -174,9 +192,14 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 # -- reporting ----------------------------------------------------------------------------------
-def summarise(steps: list[dict[str, Any]], compute_s: float, combined: float
-              ) -> dict[str, Any]:
-    """Medians over the measured steps, the floor and the ratio to it."""
+#: the cores this process may run on: the I/O path's CPU is spread over them at best
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def summarise(steps: list[dict[str, Any]], compute_s: float, combined: float,
+              cpu_per_byte: float = 0.0) -> dict[str, Any]:
+    """Medians over the measured steps, the floor and the ratio to it, and the I/O path's own
+    CPU at the step's bytes (``cpu_per_byte`` from the disk passes)."""
     def median(key: str) -> float:
         return statistics.median(s[key] for s in steps)
     step_s = median("step_s")
@@ -184,6 +207,10 @@ def summarise(steps: list[dict[str, Any]], compute_s: float, combined: float
     io_s = moved / combined
     copy_s = median("copy_s")
     floor = max(compute_s + copy_s, io_s)
+    io_cpu_s = moved * cpu_per_byte
+    # The cores cannot do better than compute on all of them plus the I/O path's CPU spread
+    # over them: a lower bound of its own, not part of the floor.
+    cores_with_io = compute_s + copy_s + io_cpu_s / CORES
     phase_s = {p: statistics.median(s["phase_s"][p] for s in steps) for p in PHASES}
     busy_share = {p: statistics.median(s["busy_s"][p] / s["phase_s"][p] if s["phase_s"][p]
                                        else 0.0 for s in steps) for p in PHASES}
@@ -192,7 +219,8 @@ def summarise(steps: list[dict[str, Any]], compute_s: float, combined: float
             "bound": "disk" if io_s >= compute_s + copy_s else "cores",
             "vs_floor": step_s / floor, "phase_s": phase_s, "busy_share": busy_share,
             "busy_share_step": whole_busy, "bytes_read": median("bytes_read"),
-            "bytes_written": median("bytes_written")}
+            "bytes_written": median("bytes_written"), "io_cpu_s": io_cpu_s,
+            "cores_with_io_s": cores_with_io}
 
 
 def step_lines(steps: list[dict[str, Any]]) -> list[str]:
@@ -233,7 +261,8 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
         for mode in modes:
             key = f"{mode}@{budget}"
             run = results[key]
-            s = summarise(run["steps"], compute_s, disk["combined"])
+            s = summarise(run["steps"], compute_s, disk["combined"],
+                          disk.get("cpu_per_byte", 0.0))
             label = {"step": "update in optimizer.step()", "backward": "step_in_backward=True",
                      "default": f"the default (step_in_backward='auto': updates "
                                 f"{run.get('update_mode')})"}[mode]
@@ -247,6 +276,25 @@ def report(results: dict[str, Any], disk: dict[str, float], deepspeed: dict[str,
                 "  phases " + ", ".join(f"{p} {s['phase_s'][p]:.3f} s (disk busy "
                                         f"{s['busy_share'][p]:.0%})" for p in PHASES) +
                 f"; disk busy {s['busy_share_step']:.0%} of the step")
+            beside = run.get("beside_io")
+            if beside:
+                # Copies run on the cores: they add to the compute, not to the disk's time
+                contended = max(beside["compute_s"] + s["copy_s"], beside["io_s"])
+                lines.append(
+                    f"  plain PyTorch with these bytes moved beside it from its start (the "
+                    f"best overlap, the contention measured): compute {beside['compute_s']:.3f} "
+                    f"s, bytes {beside['io_s']:.3f} s; floor with the contention max(compute + "
+                    f"device copies, bytes) {contended:.3f} s -> {s['step_s'] / contended:.2f}x "
+                    f"that")
+            if run.get("beside_fio"):
+                lines.append(
+                    f"  plain PyTorch beside fio in another process at this step's read and "
+                    f"write rates: {run['beside_fio']:.3f} s/step against {plain_s:.3f} alone")
+            lines.append(
+                f"  the I/O path's own CPU at these bytes {s['io_cpu_s']:.3f} cpu-s (submission, "
+                f"completions, checksums; measured in the disk passes): the {CORES} cores that "
+                f"compute need at least {s['cores_with_io_s']:.3f} s with it -> "
+                f"{s['step_s'] / s['cores_with_io_s']:.2f}x that")
             lines.append(
                 f"  peak RSS after {len(run['steps'])} steps {run['peak_rss'] / GIB:.2f} GiB "
                 f"(host tier peak {run['peak_bytes']['host'] / GIB:.2f}, device tier "
@@ -304,7 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--deepspeed-timeout", type=int, default=900)
     add("--per-step", action="store_true", help="print every measured step")
     add("--json", type=Path, default=None)
-    add("--child", choices=("plain", "plain-bounded", *UPDATE_SETTINGS), help=argparse.SUPPRESS)
+    add("--child", choices=("plain", "plain-bounded", "plain-io", *UPDATE_SETTINGS),
+        help=argparse.SUPPRESS)
+    add("--io-read", type=int, default=0, help=argparse.SUPPRESS)
+    add("--io-write", type=int, default=0, help=argparse.SUPPRESS)
     add("--budget", type=float, help=argparse.SUPPRESS)
     return parser
 
@@ -352,6 +403,22 @@ def main(argv: list[str] | None = None) -> int:
                 step = statistics.median(s["step_s"] for s in results[key]["steps"])
                 print(f"  {key}: {step:.3f} s/step", flush=True)
                 measure_disk()
+        fio, _ = find_fio(install=False)
+        for key in [k for k in results if "@" in k]:
+            # The same bytes beside plain PyTorch: the floor with the contention measured,
+            # through this engine and, at the same rate, through fio in another process
+            steps = results[key]["steps"]
+            read = statistics.median(s["bytes_read"] for s in steps)
+            written = statistics.median(s["bytes_written"] for s in steps)
+            results[key]["beside_io"] = spawn_child(
+                "tools.bench_budget", args.forward,
+                ["--child=plain-io", f"--io-read={int(read)}", f"--io-write={int(written)}"])
+            if fio is not None:
+                step = statistics.median(s["step_s"] for s in steps)
+                with fio_beside(fio, args.nvme_path, read / step, written / step):
+                    beside = spawn_child("tools.bench_budget", args.forward, ["--child=plain"])
+                results[key]["beside_fio"] = statistics.median(
+                    s["step_s"] for s in beside["steps"])
         disk = {key: statistics.median(sample[key] for sample in samples)
                 for key in samples[0]}
         disk["combined_range"] = (min(x["combined"] for x in samples),

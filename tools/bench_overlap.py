@@ -125,7 +125,9 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
                      combined: bool = False) -> dict:
     """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``;
     with ``combined``, also reading them back while writing as many elsewhere (bytes of both
-    directions over the time both took: what a step that reads and writes at once gets)."""
+    directions over the time both took: what a step that reads and writes at once gets) and
+    ``cpu_per_byte``, the process's CPU seconds per byte of that pass: the I/O path's own cost
+    (submission, completions, checksums) on the cores a step computes on."""
     chunk = 64 << 20
     pool = BufferPool(4, chunk)
     settings = engine_settings(config)
@@ -151,7 +153,9 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
             others = [engine.allocate(e.nbytes) for e in extents]
             mixed = [pair for r, w in zip(extents, others)
                      for pair in ((engine.read, r), (engine.write, w))]
+            cpu = time.process_time()
             result["combined"] = 2 * nbytes / run(mixed)
+            result["cpu_per_byte"] = (time.process_time() - cpu) / (2 * nbytes)
     pool.close()
     return result
 
