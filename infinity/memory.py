@@ -66,7 +66,6 @@ def bound_heap_retention(threshold: int = 1 << 20) -> bool:
                                                                       threshold))
     _done = ok
     log.debug("glibc mmap/trim thresholds pinned at %d bytes: %s", threshold, ok)
-    huge_page_allocations()
     return ok
 
 

@@ -38,14 +38,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 import infinity
 from infinity.memory import peak_resident_bytes
-from swap import BufferPool, EngineSettings, SwapEngine
+from swap import BufferPool, EngineSettings, Extent, HostBuffer, SwapEngine
 
 log = logging.getLogger("tools.bench_overlap")
 
@@ -65,16 +65,22 @@ def mlp(layers: int, width: int, seed: int = 0) -> nn.Module:
 
 def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch: int,
                 width: int, phases: list[tuple[float, float, float]] | None = None,
-                after_backward: Callable[[], object] | None = None) -> list[float]:
+                after_backward: Callable[[], object] | None = None,
+                at_start: Callable[[], object] | None = None,
+                at_end: Callable[[], object] | None = None) -> list[float]:
     """Seconds per training step; with ``phases``, also appends each step's (forward,
     backward, optimizer step + zero_grad) seconds to it. ``after_backward`` (e.g. a
     ``clip_grad_norm_`` call) runs between ``loss.backward()`` and ``optimizer.step()``; its
-    time counts in the step and in the third phase."""
+    time counts in the step and in the third phase. ``at_start`` runs as the step's clock
+    starts, ``at_end`` after ``zero_grad`` (e.g. waiting for work started at the start): it
+    counts in the step, in none of the phases."""
     generator = torch.Generator().manual_seed(1)
     times = []
     for _ in range(steps):
         x = torch.randn(batch, width, generator=generator)
         started = time.perf_counter()
+        if at_start is not None:
+            at_start()
         loss = model(x).square().mean()
         forward_done = time.perf_counter()
         loss.backward()
@@ -84,7 +90,9 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
         optimizer.step()
         optimizer.zero_grad()
         ended = time.perf_counter()
-        times.append(ended - started)
+        if at_end is not None:
+            at_end()
+        times.append(time.perf_counter() - started)
         if phases is not None:
             phases.append((forward_done - started, backward_done - forward_done,
                            ended - backward_done))
@@ -121,6 +129,38 @@ def store_deltas(before: dict, after: dict, steps: int) -> dict:
             "device_copy_s": per_step("device_copy_seconds")}
 
 
+def run_transfers(calls: list[tuple[Callable[..., Any], Extent]],
+                  buffers: Sequence[HostBuffer]) -> float:
+    """Runs ``call(extent, buffer)`` for each pair in order, one per buffer in flight (the
+    oldest waited for before a buffer is reused); returns the seconds they all took."""
+    started = time.perf_counter()
+    futures = []
+    for i, (call, extent) in enumerate(calls):
+        if len(futures) >= len(buffers):
+            futures.pop(0).result()
+        futures.append(call(extent, buffers[i % len(buffers)]))
+    for future in futures:
+        future.result()
+    return time.perf_counter() - started
+
+
+def duplex_order(engine: SwapEngine, sources: Sequence[Extent], targets: Sequence[Extent]
+                 ) -> list[tuple[Callable[..., Any], Extent]]:
+    """Reads of ``sources`` and writes of ``targets`` interleaved by bytes (the next goes to
+    whichever stream is further behind), so both run from start to end together, as in a
+    pipelined step: the calls for :func:`run_transfers`."""
+    order: list[tuple[Callable[..., Any], Extent]] = []
+    r = w = 0
+    while r < len(sources) or w < len(targets):
+        if w >= len(targets) or (r < len(sources) and r / len(sources) <= w / len(targets)):
+            order.append((engine.read, sources[r]))
+            r += 1
+        else:
+            order.append((engine.write, targets[w]))
+            w += 1
+    return order
+
+
 def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
                      combined: bool = False) -> dict:
     """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``;
@@ -134,27 +174,15 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
     result = {}
     with SwapEngine([path], settings) as engine:
         extents = [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
-        buffers = pool.buffers
 
-        def run(calls: list) -> float:
-            started = time.perf_counter()
-            futures = []
-            for i, (call, extent) in enumerate(calls):
-                if len(futures) >= len(buffers):
-                    futures.pop(0).result()
-                futures.append(call(extent, buffers[i % len(buffers)]))
-            for future in futures:
-                future.result()
-            return time.perf_counter() - started
-
-        result["write"] = nbytes / run([(engine.write, e) for e in extents])
-        result["read"] = nbytes / run([(engine.read, e) for e in extents])
+        result["write"] = nbytes / run_transfers([(engine.write, e) for e in extents], pool.buffers)
+        result["read"] = nbytes / run_transfers([(engine.read, e) for e in extents], pool.buffers)
         if combined:
             others = [engine.allocate(e.nbytes) for e in extents]
             mixed = [pair for r, w in zip(extents, others)
                      for pair in ((engine.read, r), (engine.write, w))]
             cpu = time.process_time()
-            result["combined"] = 2 * nbytes / run(mixed)
+            result["combined"] = 2 * nbytes / run_transfers(mixed, pool.buffers)
             result["cpu_per_byte"] = (time.process_time() - cpu) / (2 * nbytes)
     pool.close()
     return result

@@ -31,7 +31,8 @@ from torch import nn
 import infinity
 from infinity.config import parse_size
 from swap import BufferPool, SwapEngine
-from tools.bench_overlap import engine_bandwidth, engine_settings, mlp
+from tools.bench_overlap import (duplex_order, engine_bandwidth, engine_settings, mlp,
+                                 run_transfers)
 
 
 def update_throughput(numel: int, fused: bool, repeats: int = 3) -> float:
@@ -66,25 +67,7 @@ def duplex_seconds(path: Path, read_bytes: int, write_bytes: int,
         buffers = pool.buffers
         for i, extent in enumerate(sources):  # something to read back
             engine.write(extent, buffers[i % len(buffers)]).result()
-        # Interleave by bytes: the next request goes to whichever stream is further behind.
-        order = []
-        r = w = 0
-        while r < len(sources) or w < len(targets):
-            if w >= len(targets) or (r < len(sources) and r / len(sources) <= w / len(targets)):
-                order.append((engine.read, sources[r]))
-                r += 1
-            else:
-                order.append((engine.write, targets[w]))
-                w += 1
-        started = time.perf_counter()
-        futures = []
-        for i, (call, extent) in enumerate(order):
-            if len(futures) >= len(buffers):
-                futures.pop(0).result()
-            futures.append(call(extent, buffers[i % len(buffers)]))
-        for future in futures:
-            future.result()
-        elapsed = time.perf_counter() - started
+        elapsed = run_transfers(duplex_order(engine, sources, targets), buffers)
     pool.close()
     return elapsed
 

@@ -39,6 +39,7 @@ from infinity.pretrained import checkpoint_files
 from swap import (BufferPool, EngineSettings, NvmePathError, SwapConfigError, SwapEngine,
                   SwapSpaceError)
 from swap.files import check_directory
+from tools.bench_overlap import run_transfers
 from tools.cli import config_size, guarded, parse, positive
 
 log = logging.getLogger("tools.generate")
@@ -280,16 +281,7 @@ class DiskProbe:
             raise
 
     def _pass(self, call: Any) -> float:
-        buffers = self.pool.buffers
-        pending: list[Any] = []
-        started = time.perf_counter()
-        for i, extent in enumerate(self.extents):
-            if len(pending) >= len(buffers):
-                pending.pop(0).result()
-            pending.append(call(extent, buffers[i % len(buffers)]))
-        for future in pending:
-            future.result()
-        return time.perf_counter() - started
+        return run_transfers([(call, extent) for extent in self.extents], self.pool.buffers)
 
     def read(self) -> float:
         """Bytes/s of one read pass over everything written, on the wall clock."""

@@ -4,7 +4,7 @@ The floor ``bench_budget`` prints takes the plain step and the disk each on its 
 where the cores that compute also submit, complete and checksum the transfers, and the memory
 that feeds the kernels also takes the transfers' copies, the two slow each other down. This
 measures what they do together with the best schedule there is: every step starts moving its
-bytes (reads and writes in turn, 16 MiB transfers as the store's largest shards, through the
+bytes (reads and writes interleaved by bytes, 16 MiB transfers as the store's largest shards, through the
 same swap engine and settings) the moment it starts, from a thread of its own, and the step ends
 when both its compute and its bytes are done. No store, no eviction, no waiting for a shard:
 only the contention, so an attached step cannot beat it.
@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from swap import BufferPool, EngineSettings, SwapEngine
+from tools.bench_overlap import duplex_order, run_transfers, timed_steps
 
 CHUNK = 16 << 20
-IN_FLIGHT = 8
+IN_FLIGHT = 8  # transfers in flight, one per buffer
 
 
 class StepIO:
@@ -67,21 +68,8 @@ class StepIO:
             self._done.set()
 
     def _move(self) -> None:
-        reads, writes = list(self._sources), list(self._targets)
-        calls = []
-        while reads or writes:  # reads and writes in turn, as a step's traffic mixes them
-            if reads:
-                calls.append((self._engine.read, reads.pop()))
-            if writes:
-                calls.append((self._engine.write, writes.pop()))
-        buffers = self._pool.buffers
-        futures = []
-        for i, (call, extent) in enumerate(calls):
-            if len(futures) >= IN_FLIGHT:
-                futures.pop(0).result()
-            futures.append(call(extent, buffers[i % IN_FLIGHT]))
-        for future in futures:
-            future.result()
+        run_transfers(duplex_order(self._engine, self._sources, self._targets),
+                      self._pool.buffers)
 
     def start(self) -> None:
         self._done.clear()
@@ -111,19 +99,10 @@ def steps_beside_io(model: nn.Module, optimizer: torch.optim.Optimizer, io: Step
                     steps: int, batch: int, width: int) -> tuple[list[float], list[float]]:
     """Seconds of each plain step whose bytes ``io`` moves while it computes, from the step's
     start until both its compute and its bytes are done, and of its compute alone."""
-    generator = torch.Generator().manual_seed(1)
-    times, computes = [], []
-    for _ in range(steps):
-        x = torch.randn(batch, width, generator=generator)
-        started = time.perf_counter()
-        io.start()
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        computes.append(time.perf_counter() - started)
-        io.wait()
-        times.append(time.perf_counter() - started)
-    return times, computes
+    phases: list[tuple[float, float, float]] = []
+    times = timed_steps(model, optimizer, steps, batch, width, phases, at_start=io.start,
+                        at_end=io.wait)
+    return times, [sum(phase) for phase in phases]
 
 
 @contextlib.contextmanager
