@@ -140,3 +140,29 @@ class TracePrefetching:
                     if window < 0:
                         return
                     yield companion, update - position + 1.0
+
+    def clean_for_updates(self, updates: int = 4) -> None:
+        """With updates in backward, after one: starts the write-backs that the reads of the
+        next ``updates`` updates will need room for (their masters and optimizer state not on
+        host yet), of shards used after the last of them only. Left to the reads themselves, the
+        room came from a dirty shard whose write the read then waited for, with the disk busy
+        writing and reading at once; started here, the writes overlap the update just done and
+        the gradients still to come. Four: on the 100.7M MLP under a 0.7 GiB budget, 0.14-0.27 s
+        of stall a step instead of 0.21-0.42 (six interleaved runs each), bytes within 4%, and
+        no change under 1.0 GiB; eight stalled as little but wrote 10% more, for room that later
+        reads took back."""
+        trace = self.follower.trace
+        if self.engine is None or trace is None:
+            return
+        position = self.follower.position
+        missing, horizon = 0, 0.0
+        for update, index in trace.updates_from(position)[:updates]:
+            if index in self.stepped:
+                continue
+            horizon = update - position + 1.0
+            for shard in self.registry.entries[index].shards:
+                parts = [shard, *(c for kind, c in shard.companions.items() if kind != "grad")]
+                missing += sum(self.host.slot_cost(part.nbytes) for part in parts
+                               if part.state in (R.NVME, R.DEVICE_NVME))
+        if missing:
+            self.clean_ahead(missing, horizon=horizon)

@@ -169,6 +169,7 @@ class Stepping:
         for shard in todo:
             # Consumed: optimizer.step() must not apply it again, and its memory is free now.
             placement.drop_grad(shard)
+        placement.clean_for_updates()
         if entry.index in placement.persistent:
             placement.gather(entry, hold=False)
 
