@@ -219,17 +219,15 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             # backward event, and autograd may complete it only after the next module's event
             # has fired. Until then the update is imminent, master and state alike (ranked a
             # step away, its state was evicted and read straight back).
-            pending = update is not None and index not in stepped and update < position
+            if update is not None and update < position and index not in stepped and \
+                    (shard.kind != "param" or shard.entry.param.requires_grad):
+                return 0.5
             if shard.kind != "param":
                 if update is not None:
                     if index in stepped:
                         return update + full - position + 0.5
-                    if update >= position:
-                        return update - position + 0.5
-                    return 0.5
+                    return update - position + 0.5
                 return end + full if index in stepped else end + in_step * index
-            if pending and shard.entry.param.requires_grad:
-                return 0.5
             use = trace.next_use(index, position)
             if masters_due and use >= end - 0.5:
                 # Next used in the next iteration: after this iteration's step, and before it

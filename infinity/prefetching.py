@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Iterator
 
+from infinity.optimizer import state_companions
 from infinity.residency import Residency as R
 from infinity.shards import Shard
 from infinity.trace import FORWARD, Event, Trace
@@ -161,8 +162,8 @@ class TracePrefetching:
                 continue
             horizon = update - position + 1.0
             for shard in self.registry.entries[index].shards:
-                parts = [shard, *(c for kind, c in shard.companions.items() if kind != "grad")]
-                missing += sum(self.host.slot_cost(part.nbytes) for part in parts
+                missing += sum(self.host.slot_cost(part.nbytes)
+                               for part in (shard, *state_companions(shard).values())
                                if part.state in (R.NVME, R.DEVICE_NVME))
         if missing:
             self.clean_ahead(missing, horizon=horizon)
