@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tools.demo
+	$(PY) -m tools.commands.demo
 
 # The demo on 2 data-parallel ranks (torchrun, gloo), ZeRO stage 3: each rank swaps 1/2 of the state.
 demo-dist: $(STAMP)
-	$(PY) -m tools.demo_dist
+	$(PY) -m tools.commands.demo_dist
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -32,63 +32,63 @@ test: $(STAMP)
 # Speed and memory targets are checked here, against baselines measured in the same run (fio,
 # plain PyTorch), never by timed assertions in the tests.
 bench: $(STAMP)
-	$(PY) -m tools.bench --quick
-	$(PY) -m tools.bench_overlap --repeats 1
-	$(PY) -m tools.bench_clip --repeats 2
-	$(PY) -m tools.bench_step --layers 12 --host-budget 256MiB --buffer-size 16MiB
+	$(PY) -m tools.commands.bench --quick
+	$(PY) -m tools.benchmarks.bench_overlap --repeats 1
+	$(PY) -m tools.benchmarks.bench_clip --repeats 2
+	$(PY) -m tools.benchmarks.bench_step --layers 12 --host-budget 256MiB --buffer-size 16MiB
 
 bench-full: $(STAMP)
-	$(PY) -m tools.bench
-	$(PY) -m tools.bench_overlap
-	$(PY) -m tools.bench_clip
-	$(PY) -m tools.bench_step
+	$(PY) -m tools.commands.bench
+	$(PY) -m tools.benchmarks.bench_overlap
+	$(PY) -m tools.benchmarks.bench_clip
+	$(PY) -m tools.benchmarks.bench_step
 
 # The CUDA path on a GPU machine: no venv and no network there (the repository on PYTHONPATH,
 # the machine's own torch); the CUDA tests, then a short benchmark. Figures go to $$OUT.
 # Here (no GPU) it says so and fails.
 GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
 gpu-check:
-	PYTHONPATH=. $(GPU_PY) -m tools.gpu_check
+	PYTHONPATH=. $(GPU_PY) -m tools.benchmarks.gpu_check
 
 # torch.compile's gain on the demo's GPT, plain and attached (each block compiled).
 bench-compile: $(STAMP)
-	$(PY) -m tools.bench_compile
+	$(PY) -m tools.benchmarks.bench_compile
 
 # Inference: a 219.7M-param Llama streamed from NVMe (attached, no optimizer) against the model
 # in RAM and accelerate's disk_offload (page cache dropped), each in its own process,
 # interleaved; then generate throughput at batch 1, 8 and 32. Drops the page cache (as root).
 bench-infer: $(STAMP)
-	$(PY) -m tools.bench_infer
+	$(PY) -m tools.benchmarks.bench_infer
 
 # A GPT with a long sequence (activations most of the memory): activations kept, checkpointed,
 # offloaded to host memory and to NVMe (offload_activations); step time and device-tier peak.
 bench-activations: $(STAMP)
-	$(PY) -m tools.bench_activations
+	$(PY) -m tools.benchmarks.bench_activations
 
 # The planner's predictions for three budgets against runs with them (the 100.7M MLP).
 bench-plan: $(STAMP)
-	$(PY) -m tools.bench_plan
+	$(PY) -m tools.benchmarks.bench_plan
 
 # Tight host budgets (1.0 and 0.7 GiB): each step against its floor, per phase, 20 steps each,
 # with DeepSpeed measured next to it where the peer harness is installed.
 bench-budget: $(STAMP)
-	$(PY) -m tools.bench_budget
+	$(PY) -m tools.benchmarks.bench_budget
 
 # Long: save and load of the scale model's checkpoint (tens of GB through the disk).
 bench-checkpoint: $(STAMP)
-	$(PY) -m tools.bench_checkpoint
+	$(PY) -m tools.benchmarks.bench_checkpoint
 
 # Long: moves tens of GB through the disk (a 500M-parameter model under a 2 GiB host budget).
 bench-scale: $(STAMP)
-	$(PY) -m tools.bench_scale
+	$(PY) -m tools.benchmarks.bench_scale
 
 # 2 ranks (torchrun, gloo): ZeRO-3 with NVMe offload against FSDP2 (and DeepSpeed, where the peer
 # harness's venv is installed; else its quoted figures), step time and peak RSS per rank.
 bench-dist: $(STAMP)
-	$(PY) -m tools.bench_dist
+	$(PY) -m tools.benchmarks.bench_dist
 
 soak: $(STAMP)
-	$(PY) -m tools.soak --minutes 10
+	$(PY) -m tools.benchmarks.soak --minutes 10
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

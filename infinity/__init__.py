@@ -13,8 +13,8 @@ The public API is this module's names::
 from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
 from infinity.errors import (AttachError, BudgetError, CheckpointError, ConfigError,
                              InfinityError, ParameterAccessError, RankError)
-from infinity.residency import Residency, ResidencyError
-from infinity.store import TieredStore
+from infinity.core.residency import Residency, ResidencyError
+from infinity.core.store import TieredStore
 
 __all__ = [
     "AioConfig", "AttachError", "BatchConfig", "BudgetError", "CheckpointError", "ConfigError",

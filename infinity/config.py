@@ -466,7 +466,7 @@ class OffloadConfig(_Validated):
         backward, used no ``p.grad``, ran no forward, read, checkpoint or state dict and kept
         the hyper-parameters, and called ``zero_grad()`` before the next backward; the config
         must have no clipping, no fp16, one rank and an arena large enough (see
-        ``infinity.update_timing``). A loop that does one of those after the switch gets a
+        ``infinity.training.update_timing``). A loop that does one of those after the switch gets a
         warning and updates go back to ``optimizer.step()`` for good; a second backward is an
         error before that gradient is used. Memory: saves up to the gradients' bytes
         (4 bytes/param in fp32) of host or NVMe traffic.

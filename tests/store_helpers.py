@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 import infinity
-from tools.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 SMALL = GPTConfig(vocab_size=64, context=16, layers=8, width=32, heads=4)
 

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import infinity
-from infinity.activations import ActivationOffloadError
+from infinity.training.activations import ActivationOffloadError
 from swap import FaultInjectingBackend
 
 STEPS = 3

@@ -11,7 +11,7 @@ import pytest
 def test_clip_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every config runs in its own process and is reported; the plain run really clips (its
     norm is positive and above a max_norm chosen under it); the attached runs count their I/O."""
-    from tools import bench_clip
+    from tools.benchmarks import bench_clip
     out = tmp_path / "clip.json"
     assert bench_clip.main([
         "--layers", "2", "--width", "64", "--batch", "4", "--steps", "1", "--warmup", "1",

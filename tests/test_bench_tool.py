@@ -12,15 +12,16 @@ import pytest
 
 from swap import BufferPool, EngineSettings
 from swap.probe import choose_backend
-from tools import aiofiles_baseline, bench
-from tools.aggregate import harmonic_mean, summarize
-from tools.fio import FioError, FioJob, parse_fio_json
-from tools.gil_probe import measure_interference
-from tools.recommend import (AIO_KEYS, CONFIG_KEYS, Candidate, check_config, choose_buffers,
+from tools.commands import bench
+from tools.disk import aiofiles_baseline
+from tools.common.aggregate import harmonic_mean, summarize
+from tools.disk.fio import FioError, FioJob, parse_fio_json
+from tools.disk.gil_probe import measure_interference
+from tools.disk.recommend import (AIO_KEYS, CONFIG_KEYS, Candidate, check_config, choose_buffers,
                              choose_point, config_dict, recommend, write_config)
-from tools.report import aiofiles_lines
-from tools.sweep import Point, PointResult, Sample, fill_pattern
-from tools.units import format_size, parse_size
+from tools.disk.report import aiofiles_lines
+from tools.disk.sweep import Point, PointResult, Sample, fill_pattern
+from tools.common.units import format_size, parse_size
 
 MIB = 1 << 20
 
@@ -292,7 +293,7 @@ def test_overlap_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     """A tiny run of the overlap benchmark (`make bench` runs the full one): every config runs
     in its own process, and the NVMe runs (updates in the step, and in backward) really swap
     (the arena holds a fraction of the state)."""
-    from tools import bench_overlap
+    from tools.benchmarks import bench_overlap
     out = tmp_path / "overlap.json"
     assert bench_overlap.main([
         "--layers", "4", "--width", "256", "--batch", "4", "--steps", "2", "--warmup", "1",

@@ -19,7 +19,7 @@ import torch
 import infinity
 from tests.dist_helpers import run_ranks
 from tests.store_helpers import SMALL, make_model
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6       # the uninterrupted run
@@ -138,7 +138,7 @@ _KILLED_SAVE = r'''
 import os, signal, sys
 import torch
 import infinity
-import infinity.checkpoint_storage as storage
+import infinity.checkpointing.storage as storage
 from tests.store_helpers import make_model
 model = make_model()
 store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu", device="cpu"))
@@ -257,7 +257,7 @@ def test_extra_takes_json_and_tensors_but_nothing_pickled(tmp_path):
 
 def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tools.export import main as export_main
+    from tools.commands.export import main as export_main
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,

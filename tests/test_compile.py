@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import infinity
 from tests.store_helpers import SMALL, fused_adamw, make_model
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 
 STEPS = 5
 

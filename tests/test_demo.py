@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import demo
+from tools.commands import demo
 
 TINY = ["--layers", "2", "--width", "64", "--vocab", "128", "--context", "32", "--batch", "4",
         "--steps", "8", "--lr", "3e-3", "--seed", "1"]

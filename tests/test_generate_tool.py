@@ -1,4 +1,4 @@
-"""infinity-generate (tools/generate.py) on tiny Hugging Face models, and bench_infer's CLI."""
+"""infinity-generate (tools/commands/generate.py) on tiny Hugging Face models, and bench_infer's CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tools import bench_infer, generate  # noqa: E402
+from tools.benchmarks import bench_infer  # noqa: E402
+from tools.commands import generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real")
 def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "tools.benchmarks.gpu_check", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2
@@ -30,7 +30,7 @@ sys.modules["liburing"] = None  # as on a machine without the package: importing
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 import torch, infinity
 from tests.store_helpers import make_model, SMALL
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 model = make_model()
 store = infinity.TieredStore(infinity.OffloadConfig(
     offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from infinity.memory import resident_bytes
+from infinity.core.memory import resident_bytes
 
 pytestmark = pytest.mark.skipif(not ctypes.util.find_library("c") or resident_bytes() == 0,
                                 reason="needs glibc and /proc/self/statm")
@@ -27,12 +27,12 @@ CHILD = r"""
 import json, sys
 import torch
 import infinity
-from infinity.memory import resident_bytes
+from infinity.core.memory import resident_bytes
 
 mode, path, host, device, width, layers, bounded = sys.argv[1:8]
 if bounded == "unbounded":  # what the heap does without the store's bound: the test's control
-    import infinity.store
-    infinity.store.bound_heap_retention = lambda *args, **kwargs: False
+    import infinity.core.store
+    infinity.core.store.bound_heap_retention = lambda *args, **kwargs: False
 # The process with torch's runtime initialised (thread pools, kernels, optimizer machinery):
 # what any training process pays whatever its model.
 warm = torch.nn.Linear(64, 64)

@@ -6,7 +6,7 @@ import ctypes.util
 
 import pytest
 
-from infinity.memory import HeapWatch, bound_heap_retention, resident_bytes
+from infinity.core.memory import HeapWatch, bound_heap_retention, resident_bytes
 from swap import huge_pages_on_request
 
 pytestmark = pytest.mark.skipif(not ctypes.util.find_library("c") or resident_bytes() == 0,
@@ -91,7 +91,7 @@ def test_host_memory_outside_the_tiers_raises_the_line():
 def test_host_tensor_bytes_counts_each_storage_once():
     import torch
 
-    from infinity.memory import host_tensor_bytes
+    from infinity.core.memory import host_tensor_bytes
     moment = torch.zeros(1000)
     state = {0: {"step": torch.tensor(3.0), "exp_avg": moment, "exp_avg_sq": torch.zeros(10, 10)},
              1: {"exp_avg": moment[:10], "other": [torch.zeros(5, dtype=torch.float64)]}}
@@ -121,7 +121,7 @@ if sys.argv[1] == "late":
     torch.ones(8)  # a CPU tensor before the store: torch has read its setting
 from infinity import OffloadConfig, TieredStore
 store = TieredStore(OffloadConfig(offload_param="cpu", host_budget=64 << 20))
-from infinity.memory import bound_heap_retention
+from infinity.core.memory import bound_heap_retention
 bound_heap_retention()  # as attach does: every large block mapped afresh
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # 4096 pages of 4 KiB

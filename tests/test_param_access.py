@@ -18,7 +18,7 @@ import infinity
 from infinity.errors import BudgetError, ParameterAccessError
 from swap import align_up
 from tests.store_helpers import SMALL, fused_adamw, make_model, train
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 NVME = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 8 << 10,
@@ -32,7 +32,7 @@ _CHILD = textwrap.dedent("""
     import torch
     import infinity
     from tests.store_helpers import SMALL, fused_adamw, make_model
-    from tools.tiny_gpt import synthetic_batches
+    from tools.common.tiny_gpt import synthetic_batches
 
     op = sys.argv[1]
     # Updates in optimizer.step(): clip_grad_value reads gradients the first step did not.

@@ -1,5 +1,5 @@
-"""infinity-plan (tools/plan.py) on tiny models, and the planner's extrapolation from a
-scaled-down copy (infinity.planner_scaled.recording_for_scaled)."""
+"""infinity-plan (tools/commands/plan.py) on tiny models, and the planner's extrapolation from a
+scaled-down copy (infinity.planning.scaled.recording_for_scaled)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
-from infinity import planner, planner_scaled  # noqa: E402
-from tools import plan  # noqa: E402
+from infinity.planning import planner  # noqa: E402
+from infinity.planning import scaled as planner_scaled  # noqa: E402
+from tools.commands import plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,11 +77,11 @@ def test_table_and_written_config_load(tmp_path, capsys):
 
 
 def test_module_path_and_this_machine(tmp_path, capsys):
-    code, out, err = _run(capsys, "--module", "tools.tiny_gpt:TinyGPT",
+    code, out, err = _run(capsys, "--module", "tools.common.tiny_gpt:TinyGPT",
                           "--args", '{"layers": 2, "width": 32, "vocab_size": 64}',
                           "--batch", "2", "--seq-len", "16", *DISK, *STREAMING)
     assert code == 0, err
-    assert "tools.tiny_gpt:TinyGPT" in out and "nvme/nvme" in out
+    assert "tools.common.tiny_gpt:TinyGPT" in out and "nvme/nvme" in out
 
 
 def _plan_json(capsys, tmp_path: Path, config_dir: Path, name: str) -> dict:
@@ -213,8 +214,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         "bad disk json": ["--hf-config", str(config_dir), "--disk", str(bad_json)],
         "missing disk json": ["--hf-config", str(config_dir), "--disk", str(tmp_path / "x")],
         "no disk": ["--hf-config", str(config_dir)],
-        "bad module": ["--module", "tools.tiny_gpt:Nope", *DISK],
-        "bad args": ["--module", "tools.tiny_gpt:TinyGPT", "--args", "{layers", *DISK],
+        "bad module": ["--module", "tools.common.tiny_gpt:Nope", *DISK],
+        "bad args": ["--module", "tools.common.tiny_gpt:TinyGPT", "--args", "{layers", *DISK],
     }[case]
     code, out, err = _run(capsys, *argv)
     assert code == 2
@@ -227,9 +228,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
 
 
 def test_extrapolated_trace_of_a_sequential_stack(tmp_path):
-    """An nn.Sequential of Linear, ReLU, ... (tools.bench_overlap's MLP) repeats every other
+    """An nn.Sequential of Linear, ReLU, ... (tools.benchmarks.bench_overlap's MLP) repeats every other
     child; the extrapolated trace is the one the full stack records."""
-    from tools.bench_overlap import mlp
+    from tools.benchmarks.bench_overlap import mlp
 
     def recorded(model: torch.nn.Module) -> planner.Recording:
         config = infinity.OffloadConfig(device="cpu", offload_param="nvme",

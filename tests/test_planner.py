@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import infinity
-from infinity import planner
-from infinity.planner import DiskProfile, PlanError, device_profile
+from infinity.planning import planner
+from infinity.planning.planner import DiskProfile, PlanError, device_profile
 from tests.store_helpers import SMALL, make_model
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 
 SHARD = 1 << 14
 INSTANT = DiskProfile(read_gbps=math.inf, write_gbps=math.inf)  # done when issued

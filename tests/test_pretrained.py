@@ -10,7 +10,7 @@ accelerate = pytest.importorskip("accelerate")
 from safetensors.torch import save_file  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity.pretrained import CheckpointError  # noqa: E402
+from infinity.checkpointing.pretrained import CheckpointError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

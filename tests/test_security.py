@@ -25,7 +25,8 @@ from torch import nn
 
 import swap.engine
 import swap.files
-from infinity import OffloadConfig, TieredStore, lifecycle
+from infinity import OffloadConfig, TieredStore
+from infinity.core import lifecycle
 from swap import NvmePathError
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import LOCK_NAME
@@ -197,11 +198,11 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
 
 
 def _own_reader(call: ast.Call, aliases: dict[str, str]) -> bool:
-    """A DCP load given a storage reader of ours (infinity.checkpoint_storage, whose reader
+    """A DCP load given a storage reader of ours (infinity.checkpointing.storage, whose reader
     keeps tensors and JSON only: its planner refuses bytes, which DCP would torch.load)."""
     reader = next((k.value for k in call.keywords if k.arg == "storage_reader"), None)
     return reader is not None and \
-        aliases.get("InfinityStorageReader", "").startswith("infinity.checkpoint_storage.")
+        aliases.get("InfinityStorageReader", "").startswith("infinity.checkpointing.storage.")
 
 
 def test_nothing_is_ever_unpickled_from_disk():

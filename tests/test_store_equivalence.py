@@ -6,7 +6,7 @@ import torch
 
 from tests.store_helpers import (SMALL, assert_equivalent, compare, default_adamw, fused_adamw,
                                  make_model)
-from tools.tiny_gpt import GPTConfig
+from tools.common.tiny_gpt import GPTConfig
 
 STEPS = 20
 

@@ -25,8 +25,8 @@ from torch import nn
 from infinity import OffloadConfig, TieredStore
 from infinity.config import AioConfig
 from infinity.errors import BudgetError
-from infinity.residency import Residency as R
-from infinity.state_dict import write_entry
+from infinity.core.residency import Residency as R
+from infinity.checkpointing.state_dict import write_entry
 from swap import FaultInjectingBackend, IntegrityError, SwapIOError, TransferTimeoutError
 
 WIDTH = 64  # a weight is 16 KiB: four pages, so "short" faults apply to its transfers

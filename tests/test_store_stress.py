@@ -30,7 +30,7 @@ from torch import nn
 
 from infinity import OffloadConfig, TieredStore
 from infinity.errors import BudgetError
-from infinity.state_dict import write_entry
+from infinity.checkpointing.state_dict import write_entry
 
 WIDTH = 32  # a weight is 4 KiB: one slot
 LAYERS = 4

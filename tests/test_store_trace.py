@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.policies import BeladyEviction, LRUEviction, LookaheadPrefetch
-from infinity.residency import TRANSITIONS, Residency, ResidencyError, check_transition
-from infinity.state_dict import write_entry
-from infinity.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
+from infinity.core.policies import BeladyEviction, LRUEviction, LookaheadPrefetch
+from infinity.core.residency import TRANSITIONS, Residency, ResidencyError, check_transition
+from infinity.checkpointing.state_dict import write_entry
+from infinity.core.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
 from tests.store_helpers import assert_equivalent, compare, make_model
 
 
@@ -57,7 +57,7 @@ def test_departure_from_the_trace_warns_once_and_still_trains_right(tmp_path, ca
     store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
                                       buffer_size=4096, buffer_count=3, prefetch_depth=2))
     model, optimizer = store.attach(attached, torch.optim.Adam(attached.parameters(), lr=0.01))
-    with caplog.at_level(logging.WARNING, logger="infinity.trace"):
+    with caplog.at_level(logging.WARNING, logger="infinity.core.trace"):
         losses = _branchy_run(model, optimizer, pattern)
     stats = store.stats()
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import infinity
-import infinity.timeline as timeline_module
-import infinity.trace_export as trace_export
-from infinity.timeline import PROFILER_RANGES, Span, Timeline, Transfer, subtract, union
+import infinity.observability.timeline as timeline_module
+import infinity.observability.trace_export as trace_export
+from infinity.observability.timeline import PROFILER_RANGES, Span, Timeline, Transfer, subtract, union
 from tests.store_helpers import fused_adamw, make_model, train
-from tools.tiny_gpt import GPTConfig
+from tools.common.tiny_gpt import GPTConfig
 
 TINY = GPTConfig(vocab_size=64, context=16, layers=2, width=32, heads=4)
 STEPS = 2

@@ -12,7 +12,7 @@ import torch
 
 import infinity
 from tests.store_helpers import SMALL, make_model
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 
 
 def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iterations: int = 5,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 
 import infinity
-from infinity.residency import Residency as R
-from infinity.shards import ShardRegistry
+from infinity.core.residency import Residency as R
+from infinity.core.shards import ShardRegistry
 
 
 def _shard():

@@ -17,9 +17,9 @@ import torch
 
 import infinity
 from infinity.errors import BudgetError, ConfigError
-from infinity.update_timing import UpdateMode
+from infinity.training.update_timing import UpdateMode
 from tests.store_helpers import SMALL, assert_equivalent, fused_adamw, make_model
-from tools.tiny_gpt import synthetic_batches
+from tools.common.tiny_gpt import synthetic_batches
 
 #: masters and Adam state swapped every step (a quarter of SMALL's training state in the arena)
 TIGHT = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 14,
@@ -143,7 +143,7 @@ def test_after_the_switch_no_gradient_goes_to_nvme(tmp_path):
 def test_a_loop_that_needs_its_gradients_keeps_updates_in_step(tmp_path, caplog, loop, reason):
     loop = dict(loop)
     config = loop.pop("config", TIGHT)
-    with caplog.at_level(logging.INFO, logger="infinity.update_timing"):
+    with caplog.at_level(logging.INFO, logger="infinity.training.update_timing"):
         plain, ours, plain_state, state, modes, _ = plain_and_attached(tmp_path, config, loop)
     assert modes[0] is UpdateMode.WATCHING
     assert all(m is UpdateMode.IN_STEP for m in modes[1:])
@@ -156,7 +156,7 @@ def test_a_loop_that_needs_its_gradients_keeps_updates_in_step(tmp_path, caplog,
 def test_clipping_that_starts_later_warns_and_moves_updates_back(tmp_path, caplog):
     # The gradient of step 2 was applied in backward before the loop asked for it: that step
     # cannot be clipped, and the loop is told so; from step 3 on it clips as plain PyTorch.
-    with caplog.at_level(logging.WARNING, logger="infinity.update_timing"):
+    with caplog.at_level(logging.WARNING, logger="infinity.training.update_timing"):
         _, ours, _, _, modes, _ = plain_and_attached(
             tmp_path, loop={"steps": 5, "clip_at": (2, 3, 4)})
     assert modes == [UpdateMode.WATCHING, UpdateMode.IN_BACKWARD, UpdateMode.IN_BACKWARD,
@@ -168,7 +168,7 @@ def test_clipping_that_starts_later_warns_and_moves_updates_back(tmp_path, caplo
 
 
 def test_an_lr_set_after_backward_later_warns_and_moves_updates_back(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="infinity.update_timing"):
+    with caplog.at_level(logging.WARNING, logger="infinity.training.update_timing"):
         _, _, _, _, modes, _ = plain_and_attached(
             tmp_path, loop={"steps": 4, "lr_after_backward": lambda s: 1e-3 if s < 2 else 5e-4})
     assert modes[2] is UpdateMode.IN_BACKWARD and modes[3:] == [UpdateMode.IN_STEP] * 2
@@ -204,7 +204,7 @@ def test_a_second_backward_after_the_switch_is_refused_before_its_gradient_is_us
 
 
 def test_a_forward_before_step_that_starts_later_warns_and_moves_updates_back(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="infinity.update_timing"):
+    with caplog.at_level(logging.WARNING, logger="infinity.training.update_timing"):
         plain, ours, _, _, modes, _ = plain_and_attached(
             tmp_path, loop={"steps": 4, "probe_at": (2, 3)})
     assert modes[2] is UpdateMode.IN_BACKWARD and modes[3:] == [UpdateMode.IN_STEP] * 2
@@ -228,7 +228,7 @@ def test_a_backward_that_raised_after_the_switch_leaves_a_store_that_trains_on(t
         for step in range(5):
             fail[0] = step == 2
             loss = model(*next(data))
-            with caplog.at_level(logging.WARNING, logger="infinity.update_timing"):
+            with caplog.at_level(logging.WARNING, logger="infinity.training.update_timing"):
                 try:
                     loss.backward()
                 except ValueError:
@@ -265,7 +265,7 @@ def test_an_update_without_room_in_backward_waits_for_the_step(tmp_path, caplog)
             return tiled_step(optimizer, todo, multiplier, done)
         store._tiled_step = no_room_once
         modes: list = []
-        with caplog.at_level(logging.INFO, logger="infinity.update_timing"):
+        with caplog.at_level(logging.INFO, logger="infinity.training.update_timing"):
             losses, _ = run_loop(model, optimizer, 4, modes=modes)
         assert "found no room (no room in the host staging arena (forced" in caplog.text
         assert modes == [UpdateMode.WATCHING] + [UpdateMode.IN_STEP] * 3
@@ -282,7 +282,7 @@ def test_an_update_without_room_in_backward_waits_for_the_step(tmp_path, caplog)
 ], ids=["clipping", "fp16"])
 def test_a_config_that_needs_every_gradient_first_keeps_updates_in_step(tmp_path, caplog,
                                                                         changes, reason):
-    with caplog.at_level(logging.INFO, logger="infinity.update_timing"):
+    with caplog.at_level(logging.INFO, logger="infinity.training.update_timing"):
         store = infinity.TieredStore(infinity.OffloadConfig(nvme_path=str(tmp_path), **TIGHT,
                                                             **changes))
         try:

@@ -1,0 +1,711 @@
+"""Checkpoints of an attached store on torch.distributed.checkpoint (DCP): saved and loaded
+shard by shard through the tiers, never the whole model in memory, resharded to another number
+of ranks on load, and never unpickled (:mod:`infinity.checkpointing.storage`).
+
+What a checkpoint holds:
+
+* ``param/<name>``: each parameter's fp32 master (the parameter itself in fp32 training) as a
+  flat tensor of its elements; each rank writes its own slices as DCP chunks (offset, length),
+  so DCP knows where every element is and a load on another world size reads the overlaps.
+* ``optim/<name>/<key>``: the optimizer's per-element state (AdamW's moments), in the same
+  layout.
+* ``infinity.json``: everything that is not a per-element tensor, as JSON: the parameters'
+  shapes, the optimizer's class, param groups (learning rates as a scheduler left them) and
+  scalar state (``step``), the loss scaler, the store's step counts, each rank's RNG states and
+  the caller's ``extra`` (an LR scheduler's state_dict, the data position).
+* ``config.json``: a Hugging Face model's config, when the model has one (``infinity-export``
+  copies it next to the weights).
+
+Tensors are read from wherever they live only when DCP's writer asks for them (the planner's
+``resolve_data``), one chunk at a time, and a load writes each chunk into its shard through the
+tiers as soon as its bytes are in (``commit_tensor``): host memory for either is about one
+shard's worth, not the model's.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties)
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from infinity.checkpointing.async_save import AsyncSave
+from infinity.checkpointing.storage import (PARTIAL_SUFFIX, InfinityStorageReader,
+                                         InfinityStorageWriter)
+from infinity.errors import CheckpointError, InfinityError
+from infinity.training.optimizer import _KERNEL_KEYS, _step_shape, state_companions
+from infinity.core.residency import Residency as R
+
+log = logging.getLogger(__name__)
+
+STATE_NAME = "infinity.json"
+STATE_FORMAT = "infinity-state-1"
+
+
+class Checkpointer:
+    """Saves and loads one attached store's training state; see the module docstring."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        #: figures of the last save / load (seconds, bytes), for tools and logs
+        self.last: dict[str, float] = {}
+        #: an asynchronous save under way
+        self.pending: AsyncSave | None = None
+        self._group: Any = None
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(self, path: Path, extra: Any = None, async_save: bool = False) -> None:
+        """Saves now; with ``async_save`` the files are written by a background thread while
+        training goes on (:mod:`infinity.checkpointing.async_save`), and :meth:`wait` completes it."""
+        self.wait()  # one save at a time: the previous one first
+        store = self.store
+        path = Path(path)
+        started = time.perf_counter()
+        coordinator = _rank() == 0
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        if coordinator:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if partial.exists():
+                shutil.rmtree(partial)  # a save that did not finish
+            partial.mkdir()
+        _barrier()
+        placement = store.placement
+        placement.finish_reductions()
+        # Masters are read from the host or NVMe, never from a device copy (which may be in
+        # a lower precision, and whose host slot may be gone): device copies go first, and the
+        # persistent ones come back after (in entry order: across ranks they are gathers).
+        dropped = self._drop_device_copies("save_checkpoint()")
+        files = {STATE_NAME: json.dumps(self._state(extra))}
+        config = getattr(store.model, "config", None)
+        if hasattr(config, "to_json_string"):
+            files["config.json"] = config.to_json_string()
+        writer = InfinityStorageWriter(path, extra_files=files if coordinator else None)
+        planner = _SavePlanner(store)
+        planner.prepare()
+        if async_save:
+            pending = AsyncSave(
+                [((key, shard.start), (shard, state_key))
+                 for key, shard, state_key in _chunks(store)],
+                lambda source: planner.read(*source),
+                cap_bytes=store.config.checkpoint_staging,
+                readable=lambda source: source[1] is not None or
+                source[0].state is not R.DEVICE_NVME)
+            planner.source = pending
+            group = self._checkpoint_group()
+
+            def write() -> None:
+                self._run_save(path, writer, planner, group)
+                self.last = {"save_seconds": time.perf_counter() - started,
+                             "bytes_written": writer.bytes_written,
+                             "copied_before_change": pending.copied_before_change,
+                             "step_wait_seconds": pending.wait_seconds}
+            pending.start(write)
+            self.pending = pending  # copied out from the next module hook or change on
+        else:
+            self._run_save(path, writer, planner, _group(store))
+            _barrier()
+            self.last = {"save_seconds": time.perf_counter() - started,
+                         "bytes_written": writer.bytes_written}
+        self._restore_device_copies(dropped)
+        if not async_save:
+            log.info("checkpoint %s saved: %d bytes from this rank in %.2f s", path,
+                     writer.bytes_written, self.last["save_seconds"])
+
+    def _drop_device_copies(self, what: str) -> list[Any]:
+        """Masters are read from the host or NVMe, never from a device copy (which may be in a
+        lower precision, and whose host slot may be gone): device copies go first. Called at
+        the same point on every rank (across ranks, what comes back is gathered)."""
+        store = self.store
+        held = [e.name for e in store.registry.entries if e.holds]
+        if held:
+            raise CheckpointError(f"{what} while {held[0]} is in use (a forward, a backward or "
+                                  f"store.gathered()): call it between steps")
+        dropped = [e for e in store.registry.entries if e.resident]
+        for entry in dropped:
+            store.placement.drop_device(entry, force=True)
+        return dropped
+
+    def _restore_device_copies(self, dropped: list[Any]) -> None:
+        """Persistent device copies come back (in entry order: across ranks, gathers)."""
+        placement = self.store.placement
+        for entry in dropped:
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)
+
+    @staticmethod
+    def _run_save(path: Path, writer: InfinityStorageWriter, planner: "_SavePlanner",
+                  group: Any) -> None:
+        try:
+            with _single_process_quiet():
+                dcp.save({}, storage_writer=writer, planner=planner, process_group=group,
+                         no_dist=not _distributed())
+        except CheckpointException as exc:
+            raise _unwrapped(exc, f"saving the checkpoint {path}") from None
+
+    def _checkpoint_group(self) -> Any:
+        """A process group of its own for saves in the background: collectives of two threads
+        on one group would interleave differently on each rank."""
+        if not _distributed():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(ranks=dist.get_process_group_ranks(
+                _group(self.store) or dist.group.WORLD), backend="gloo")
+        return self._group
+
+    # -- an asynchronous save under way -----------------------------------------------------------
+    def progress(self) -> None:
+        """Copies a little more of a save under way out of the tiers (module hooks)."""
+        if self.pending is not None:
+            self.pending.advance()
+            if not self.pending.active:  # the writer is done: every chunk was copied out
+                self.wait(between_steps=False)
+
+    def before_change(self, shards: Any) -> None:
+        """Before ``shards`` change (a step, a write): what a save under way still needs of
+        them is copied first."""
+        if self.pending is not None:
+            self.pending.before_change(shards)
+
+    def wait(self, between_steps: bool = True) -> None:
+        """Completes a save under way (copying out what is left), raising its failure.
+        ``between_steps``: called at the same point on every rank, outside forward and
+        backward."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        # What is left may include masters whose host copies went while their device copies
+        # were cached: device copies go first, as in a save (on every rank alike, whatever
+        # this rank's writer has done: across ranks their return is a collective).
+        dropped = self._drop_device_copies("wait_for_checkpoint()") if between_steps else []
+        try:
+            pending.finish()
+        finally:
+            self._restore_device_copies(dropped)
+        log.info("checkpoint saved in the background: %d bytes from this rank in %.2f s, %d "
+                 "chunks copied before a change, the training waited %.3f s",
+                 self.last.get("bytes_written", 0), self.last.get("save_seconds", 0.0),
+                 pending.copied_before_change, pending.wait_seconds)
+
+    def _state(self, extra: Any) -> dict:
+        store = self.store
+        optimizer = store.optimizer
+        state = {
+            "format": STATE_FORMAT,
+            "world": _world(), "zero_stage": store.config.zero_stage,
+            "steps": store.steps, "skipped_steps": store.skipped_steps,
+            "params": {e.name: {"shape": list(e.shape), "dtype": str(e.dtype)}
+                       for e in store.registry.entries},
+            "scaler": encode(store.scaler.state_dict()) if store.scaler is not None else None,
+            "rng": _gather_rng(),
+            "extra": encode(extra, "extra"),
+            "optimizer": self._optimizer_state(optimizer) if optimizer is not None else None,
+        }
+        return state
+
+    @staticmethod
+    def _optimizer_state(optimizer: Any) -> dict:
+        inner = optimizer.inner
+        shard_of = {id(s.step_param): s for s in optimizer.shards}
+        groups = []
+        for group in inner.param_groups:
+            names: list[str] = []
+            for param in group["params"]:
+                name = shard_of[id(param)].entry.name
+                if name not in names:
+                    names.append(name)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"settings": encode(settings, "param_groups"), "params": names})
+        scalars: dict[str, Any] = {}
+        for shard in optimizer.shards:
+            if shard.entry.name in scalars:
+                continue
+            swapped = state_companions(shard) if optimizer.swap_state else {}
+            values = {key: value for key, value in inner.state.get(shard.step_param, {}).items()
+                      if not _per_element(value, shard) and key not in swapped}
+            scalars[shard.entry.name] = encode(values, "optimizer state")
+        return {"class": type(inner).__name__, "param_groups": groups, "scalars": scalars}
+
+    # -- load -----------------------------------------------------------------------------------
+    def load(self, path: Path) -> Any:
+        self.wait()  # a save under way reads what the load would overwrite
+        store = self.store
+        path = Path(path)
+        started = time.perf_counter()
+        reader = InfinityStorageReader(path)  # checks that it is a checkpoint first
+        state_file = path / STATE_NAME
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{state_file} cannot be read: {exc}") from exc
+        if state.get("format") != STATE_FORMAT:
+            raise CheckpointError(f"{state_file} is not an infinity state file")
+        self._check_model(path, state)
+        optimizer = store.optimizer
+        if optimizer is not None and state["optimizer"] is not None:
+            saved_class = state["optimizer"]["class"]
+            if saved_class != type(optimizer.inner).__name__:
+                raise CheckpointError(f"{path} holds the state of a {saved_class}, the attached "
+                                      f"optimizer is a {type(optimizer.inner).__name__}")
+            self._load_optimizer_scalars(state["optimizer"])
+        placement = store.placement
+        placement.finish_reductions()
+        # Every value is overwritten: no device copy may outlive it (the persistent ones come
+        # back in planner.finish()).
+        self._drop_device_copies("load_checkpoint()")
+        planner = _LoadPlanner(store, load_optimizer=optimizer is not None and
+                               state["optimizer"] is not None)
+        try:
+            with _single_process_quiet():
+                dcp.load({}, storage_reader=reader, planner=planner,
+                         process_group=_group(store), no_dist=not _distributed())
+        except CheckpointException as exc:
+            raise _unwrapped(exc, f"loading the checkpoint {path}") from None
+        planner.finish()
+        store.steps = state["steps"]
+        store.skipped_steps = state["skipped_steps"]
+        if store.scaler is not None and state["scaler"] is not None:
+            store.scaler.load_state_dict(decode(state["scaler"]))
+            placement.loss_scale = store.scaler.scale
+        rng = state.get("rng") or []
+        if len(rng) == _world():
+            _set_rng(rng[_rank()])
+        else:
+            log.info("checkpoint %s was saved by %d ranks, this run has %d: RNG states not "
+                     "restored", path, len(rng), _world())
+        self.last = {"load_seconds": time.perf_counter() - started,
+                     "bytes_read": reader.chunks.bytes_read}
+        log.info("checkpoint %s loaded: %d bytes read by this rank in %.2f s", path,
+                 reader.chunks.bytes_read, self.last["load_seconds"])
+        return decode(state["extra"])
+
+    def _check_model(self, path: Path, state: dict) -> None:
+        saved = state["params"]
+        own = {e.name: e for e in self.store.registry.entries}
+        missing = [n for n in own if n not in saved]
+        unexpected = [n for n in saved if n not in own]
+        wrong = [f"{n}: {saved[n]['shape']} saved, {list(e.shape)} here"
+                 for n, e in own.items() if n in saved and saved[n]["shape"] != list(e.shape)]
+        if missing or unexpected or wrong:
+            raise CheckpointError(
+                f"{path} is a checkpoint of another model: "
+                + "; ".join(part for part in (
+                    f"missing {missing[:5]}" if missing else "",
+                    f"unexpected {unexpected[:5]}" if unexpected else "",
+                    f"shapes differ: {wrong[:5]}" if wrong else "") if part))
+
+    def _load_optimizer_scalars(self, saved: dict) -> None:
+        optimizer = self.store.optimizer
+        inner = optimizer.inner
+        groups = saved["param_groups"]
+        if len(groups) != len(inner.param_groups):
+            raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, "
+                                  f"the attached one {len(inner.param_groups)}")
+        for group, saved_group in zip(inner.param_groups, groups):
+            for key, value in decode(saved_group["settings"]).items():
+                if key not in _KERNEL_KEYS:  # the store's kernel choice stays
+                    group[key] = value
+        scalars = saved["scalars"]
+        for shard in optimizer.shards:
+            values = decode(scalars.get(shard.entry.name, {}))
+            inner.state[shard.step_param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                             for k, v in values.items()}
+
+
+def _unwrapped(exc: Any, what: str) -> BaseException:
+    """DCP gathers each rank's failure into one CheckpointException (a BaseException): the
+    first failure itself when it is ours (it names the file), else a CheckpointError."""
+    for rank, (failure, _) in sorted(exc.failures.items()):
+        if isinstance(failure, InfinityError):
+            return failure
+        return CheckpointError(f"{what} failed on rank {rank}: {type(failure).__name__}: "
+                               f"{failure}")
+    return CheckpointError(f"{what} failed: {exc}")
+
+
+# -- DCP planners ---------------------------------------------------------------------------------
+def _per_element(value: Any, shard: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == shard.numel and \
+        value.dim() > 0
+
+
+def _chunks(store: Any) -> list[tuple[str, Any, str | None]]:
+    """(key, shard, optimizer state key or None) for every chunk this rank holds."""
+    out = []
+    optimizer = store.optimizer
+    for entry in store.registry.entries:
+        for shard in entry.shards:
+            if not shard.real_numel:
+                continue  # all padding
+            out.append((f"param/{entry.name}", shard, None))
+            if optimizer is None or shard.step_param is None:
+                continue
+            swapped = state_companions(shard) if optimizer.swap_state else {}
+            keys = [key for key, value in optimizer.inner.state.get(shard.step_param, {}).items()
+                    if _per_element(value, shard) or key in swapped]
+            for key in keys:
+                out.append((f"optim/{entry.name}/{key}", shard, key))
+    return out
+
+
+class _SavePlanner(SavePlanner):
+    """Plans this rank's chunks and reads each from the tiers when the writer asks."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.sources: dict[tuple[str, int], tuple[Any, str | None]] = {}
+        #: an asynchronous save's staging queue (None: read on demand, in this thread)
+        self.source: AsyncSave | None = None
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        # Built by prepare() on the training thread: an asynchronous save's writer thread must
+        # not walk the optimizer's state while the step changes it.
+        return self.plan
+
+    def prepare(self) -> None:
+        items = []
+        for key, shard, state_key in _chunks(self.store):
+            dtype = shard.dtype if state_key is None else self._state_dtype(shard, state_key)
+            offsets = torch.Size([shard.start])
+            items.append(WriteItem(
+                index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets,
+                                               sizes=torch.Size([shard.real_numel])),
+                    properties=TensorProperties(dtype=dtype),
+                    size=torch.Size([shard.entry.numel]))))
+            self.sources[(key, shard.start)] = (shard, state_key)
+        self.plan = SavePlan(items)
+
+    def _state_dtype(self, shard: Any, key: str) -> torch.dtype:
+        companion = state_companions(shard).get(key)
+        if companion is not None:
+            return companion.dtype
+        return self.store.optimizer.inner.state[shard.step_param][key].dtype
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = create_default_global_save_plan(all_plans)
+        self.metadata = metadata
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.read(*self.sources[(write_item.index.fqn, write_item.index.offset[0])])
+
+    def stream(self, items: list[WriteItem]) -> Any:
+        """(item, tensor) pairs: in plan order, or, for an asynchronous save, as the training
+        thread copies the chunks out."""
+        if self.source is None:
+            return self._read_ahead(items)
+        by_key = {(i.index.fqn, i.index.offset[0]): i for i in items}
+        return ((by_key[key], tensor) for key, tensor in self.source.stream(set(by_key)))
+
+    def _read_ahead(self, items: list[WriteItem]) -> Iterator[tuple[WriteItem, torch.Tensor]]:
+        """The chunks in plan order, with the NVMe reads of the next ones (up to a third of
+        the arena) under way while the writer writes this one."""
+        placement = self.store.placement
+        parts = [self._part(*self.sources[(i.index.fqn, i.index.offset[0])]) for i in items]
+        window = placement.host.arena_bytes // 3
+        started: dict[int, int] = {}  # item index -> bytes whose read is under way
+        ahead = 0
+        for i, item in enumerate(items):
+            ahead = max(ahead, i)
+            while placement.engine is not None and ahead < len(items) and \
+                    (ahead == i or sum(started.values()) < window):
+                part = parts[ahead]
+                if part is not None:
+                    placement.reap(part)
+                    if part.state is R.NVME:
+                        protect = {p for p in parts[i:ahead + 1] if p is not None}
+                        if not placement.load_async(part, protect=protect):
+                            break
+                        started[ahead] = part.nbytes
+                ahead += 1
+            # No copy: the writer copies the bytes into its buffers before the next read.
+            tensor = self.read(*self.sources[(item.index.fqn, item.index.offset[0])], copy=False)
+            started.pop(i, None)
+            yield item, tensor
+
+    def _part(self, shard: Any, state_key: str | None) -> Any:
+        """The shard whose bytes hold a chunk (the master, or its state's companion); None
+        for state that lives in memory."""
+        if state_key is None:
+            return shard if self.store.placement.nvme else None
+        return state_companions(shard).get(state_key)
+
+    def read(self, shard: Any, state_key: str | None, copy: bool = True) -> torch.Tensor:
+        """This rank's chunk of ``shard`` (its master, or an optimizer state): a copy, or
+        (``copy=False``) a view valid until the tiers next move something."""
+        placement = self.store.placement
+        out = self._view(placement, shard, state_key)
+        return out.clone() if copy else out
+
+    def _view(self, placement: Any, shard: Any, state_key: str | None) -> torch.Tensor:
+        real = shard.real_numel
+        if state_key is None:
+            placement.ensure_host(shard)
+            return shard.host[:real]
+        companion = state_companions(shard).get(state_key)
+        if companion is not None:
+            placement.ensure_host(companion)
+            return companion.host[:real]
+        value = self.store.optimizer.inner.state[shard.step_param][state_key]
+        return value.detach().reshape(-1)[:real]
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        raise CheckpointError("this checkpoint format keeps tensors only")
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        raise CheckpointError("this checkpoint format keeps tensors only")
+
+
+class _LoadPlanner(LoadPlanner):
+    """Reads this rank's chunks (whatever slices the checkpoint was saved in) and writes each
+    into its shard as soon as all of its bytes are in."""
+
+    def __init__(self, store: Any, load_optimizer: bool) -> None:
+        self.store = store
+        self.load_optimizer = load_optimizer
+        self.targets: dict[tuple[str, int], tuple[Any, str | None]] = {}
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self.waiting: dict[tuple[str, int], int] = {}
+        self.stashed: set[tuple[int, str]] = set()
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        items: list[ReadItem] = []
+        wanted: list[tuple[str, Any, str | None]] = []
+        for entry in self.store.registry.entries:
+            for shard in entry.shards:
+                if not shard.real_numel:
+                    continue
+                wanted.append((f"param/{entry.name}", shard, None))
+                if self.load_optimizer and shard.step_param is not None:
+                    prefix = f"optim/{entry.name}/"
+                    wanted += [(key, shard, key[len(prefix):]) for key in saved
+                               if key.startswith(prefix)]
+        for key, shard, state_key in wanted:
+            if key not in saved:
+                raise CheckpointError(f"the checkpoint has no {key}")
+            chunk = ChunkStorageMetadata(offsets=torch.Size([shard.start]),
+                                         sizes=torch.Size([shard.real_numel]))
+            reads = create_read_items_for_chunk_list(key, saved[key], [chunk])
+            covered = sum(r.lengths[0] for r in reads)
+            if covered != shard.real_numel:
+                raise CheckpointError(f"the checkpoint covers {covered} of the "
+                                      f"{shard.real_numel} elements of {key} from "
+                                      f"{shard.start} on: it is incomplete")
+            self.targets[(key, shard.start)] = (shard, state_key)
+            self.waiting[(key, shard.start)] = len(reads)
+            items += reads
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise CheckpointError("this checkpoint format keeps tensors only")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        buffer = self.buffers.get(target)
+        if buffer is None:
+            shard, _ = self.targets[target]
+            dtype = self.metadata.state_dict_metadata[target[0]].properties.dtype
+            buffer = self.buffers[target] = torch.empty(shard.real_numel, dtype=dtype)
+        return buffer.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+    def adopt(self, read_item: ReadItem, source: torch.Tensor) -> bool:
+        """Takes ``source`` (the checkpoint's bytes, read for this item) as the whole of its
+        destination when it is: one read, no buffer of ours and no copy into it."""
+        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        shard, _ = self.targets[target]
+        if self.waiting[target] != 1 or target in self.buffers or \
+                read_item.lengths[0] != shard.real_numel:
+            return False
+        self.buffers[target] = source
+        self.commit_tensor(read_item, source)
+        return True
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        self.waiting[target] -= 1
+        if self.waiting[target]:
+            return
+        buffer = self.buffers.pop(target)
+        shard, state_key = self.targets[target]
+        if state_key is None:
+            self._write_master(shard, buffer)
+        else:
+            self._write_state(shard, state_key, buffer)
+
+    def _write_master(self, shard: Any, values: torch.Tensor) -> None:
+        store = self.store
+        placement = store.placement
+        placement.prepare_overwrite(shard)
+        if shard.state is R.HOST_STORING:
+            placement.reap(shard, wait=True)
+        shard.fill_from(values.to(shard.dtype))
+        if shard.state is not R.HOST:
+            store.registry.set_state(shard, R.HOST)
+        shard.version += 1
+        if placement.nvme:
+            placement.store_async(shard)
+
+    def _write_state(self, shard: Any, key: str, values: torch.Tensor) -> None:
+        optimizer = self.store.optimizer
+        state = optimizer.inner.state.setdefault(shard.step_param, {})
+        # Without padding, the planner's buffer itself (ours now): no copy.
+        state[key] = shard.padded(values).view(_step_shape(shard))
+        if optimizer.swap_state:
+            # Into its companion now: per-element state is never all in memory at once.
+            optimizer._stash_loaded_state(shard, keep_others=True)
+
+    def finish(self) -> None:
+        """After the reads: entries that had no values have them now; persistent device
+        copies come back (the same order on every rank: gathers are collectives)."""
+        if self.waiting and any(self.waiting.values()):
+            left = [k for k, n in self.waiting.items() if n]
+            raise CheckpointError(f"the checkpoint did not deliver {left[:3]}")
+        placement = self.store.placement
+        for entry in self.store.registry.entries:
+            placement.uninitialised.discard(entry.index)
+        for entry in self.store.registry.entries:
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)
+
+
+# -- JSON for what is not a per-element tensor ------------------------------------------------------
+def encode(value: Any, where: str = "value") -> Any:
+    """``value`` as JSON: numbers, strings, lists and str-keyed dicts as they are; tensors,
+    tuples and dicts with other keys tagged, so :func:`decode` gives them back."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else {"__float__":
+                                                                          repr(value)}
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to("cpu").contiguous()
+        if tensor.numel() > 1 << 20:
+            raise CheckpointError(f"{where}: a tensor of {tensor.numel()} elements is too large "
+                                  f"for the checkpoint's JSON part")
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() \
+            else b""
+        return {"__tensor__": {"dtype": str(tensor.dtype).removeprefix("torch."),
+                               "shape": list(tensor.shape),
+                               "data": base64.b64encode(data).decode()}}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode(v, where) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
+        return {"__items__": [[encode(k, where), encode(v, where)] for k, v in value.items()]}
+    raise CheckpointError(f"{where}: a {type(value).__name__} cannot go into a checkpoint "
+                          f"(numbers, strings, lists, dicts and tensors can; nothing is "
+                          f"pickled)")
+
+
+def decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        from infinity.checkpointing.storage import dtype_of, tensor_from
+        info = value["__tensor__"]
+        return tensor_from(base64.b64decode(info["data"]), dtype_of(info["dtype"]),
+                           tuple(info["shape"])).clone()
+    if "__tuple__" in value:
+        return tuple(decode(v) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {decode(k): decode(v) for k, v in value["__items__"]}
+    if "__float__" in value:
+        return float(value["__float__"])
+    return {k: decode(v) for k, v in value.items()}
+
+
+# -- ranks and RNG ----------------------------------------------------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _group(store: Any) -> Any:
+    return store.partition.group if store.partition is not None else None
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process even when told so (no_dist): one process is a
+    normal case here, not a warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"cpu": encode(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _gather_rng() -> list:
+    own = _rng_state()
+    if not _distributed() or _world() == 1:
+        return [own]
+    states: list[Any] = [None] * _world()
+    dist.all_gather_object(states, own)
+    return states
+
+
+def _set_rng(state: dict) -> None:
+    torch.set_rng_state(decode(state["cpu"]))
+    if "cuda" in state and torch.cuda.is_available():
+        states = [decode(s) for s in state["cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)

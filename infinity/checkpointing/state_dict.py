@@ -1,0 +1,138 @@
+"""``state_dict`` and ``load_state_dict`` on an attached model.
+
+Between uses a parameter holds an empty placeholder, so the default ``state_dict`` would save
+empty tensors. A post-hook on each module replaces its parameters' entries with their real
+values (read from wherever they live). Loading pops the module's parameter keys before the
+default loader sees them (it would compare them against the placeholder's shape), checks them
+the way the default loader does, writes the values into the shards (host copy, then NVMe), and a
+post-hook on the same module removes those keys from ``missing_keys``.
+
+Every name of a parameter counts: a Parameter registered twice in one module (``m.alias =
+m.weight``) has two keys, as in torch, so the hooks walk names with ``remove_duplicate=False``.
+
+Errors are reported as torch reports them (appended to ``error_msgs``, so ``load_state_dict``
+raises its usual "Error(s) in loading state_dict for ..." with the same lines, and the valid
+keys are still loaded, as torch loads them). ``assign=True`` copies the values too: the store
+must keep the Parameter objects it registered, so they are never replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from infinity.core.residency import Residency as R
+
+log = logging.getLogger(__name__)
+
+
+def _own_params(module: nn.Module):
+    # Every name, even a second name of the same Parameter: torch saves and loads both keys.
+    return module.named_parameters(recurse=False, remove_duplicate=False)
+
+
+def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
+    registry = store.registry
+    #: keys written by a module's pre-hook in the load under way, removed from missing_keys by
+    #: the same module's post-hook (which torch runs even when load_state_dict was called on a
+    #: submodule, unlike a hook on the root alone)
+    loaded: set[str] = set()
+    handles = []
+
+    def save_hook(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        for name, param in _own_params(module):
+            entry = registry.entry_of(param)
+            key = prefix + name
+            if entry is not None and key in state_dict:
+                store._loop_acted("model.state_dict()")
+                state_dict[key] = store.materialize(entry)
+
+    def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
+                      strict: bool, missing_keys: list, unexpected_keys: list,
+                      error_msgs: list) -> None:
+        for name, param in _own_params(module):
+            entry = registry.entry_of(param)
+            key = prefix + name
+            # A key left over from a load that raised must not hide a missing key now.
+            loaded.discard(key)
+            if entry is None or key not in state_dict:
+                continue  # the default loader reports it missing
+            value = state_dict.pop(key)
+            # From here on the key is ours: the default loader would report it missing (it was
+            # popped), so the post-hook takes it off that list whether or not it loaded.
+            loaded.add(key)
+            # The same checks, in the same words, as Module._load_from_state_dict.
+            if not torch.overrides.is_tensor_like(value):
+                error_msgs.append(
+                    f'While copying the parameter named "{key}", expected torch.Tensor or '
+                    f"Tensor-like object from checkpoint but received {type(value)}")
+                continue
+            if len(entry.shape) == 0 and len(value.shape) == 1 and value.shape[0] == 1:
+                value = value[0]  # torch's backward compatibility for 0.3 checkpoints
+            if value.shape != entry.shape:
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                    f"checkpoint, the shape in current model is {entry.shape}.")
+                continue
+            try:
+                flat = value.detach().to(device="cpu", dtype=entry.dtype).reshape(-1)
+            except Exception as ex:
+                error_msgs.append(
+                    f'While copying the parameter named "{key}", whose dimensions in the model '
+                    f"are {entry.shape} and whose dimensions in the checkpoint are "
+                    f"{value.size()}, an exception occurred : {ex.args}.")
+                continue
+            write_entry(store, entry, flat)
+
+    def load_post_hook(module: nn.Module, incompatible: Any) -> None:
+        if not loaded:
+            return
+        mine = {key for key in incompatible.missing_keys if key in loaded}
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in mine]
+        loaded.difference_update(mine)
+
+    for module in model.modules():
+        if any(registry.entry_of(p) is not None for _, p in _own_params(module)):
+            handles.append(module.register_state_dict_post_hook(save_hook))
+            handles.append(module.register_load_state_dict_pre_hook(load_pre_hook))
+            handles.append(module.register_load_state_dict_post_hook(load_post_hook))
+    return handles
+
+
+def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
+    """Overwrites a parameter's values in every tier it lives in."""
+    flat = value.detach().reshape(-1).to(entry.dtype)
+    write_entry_pieces(store, entry, shard_part(flat))
+
+
+def shard_part(flat: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """``piece_of`` for :func:`write_entry_pieces` from a whole flat value."""
+    return lambda shard: shard.part_of(flat)
+
+
+def write_entry_pieces(store: Any, entry: Any,
+                       piece_of: Callable[[Any], torch.Tensor]) -> None:
+    """Overwrites a parameter's values shard by shard, each from ``piece_of(shard)`` (its
+    flat range, any dtype), so a caller reading from a file holds one shard's worth at a
+    time."""
+    placement = store.placement
+    placement.drop_device(entry, force=True)
+    store._before_state_change(entry.shards)  # a checkpoint being saved copies them first
+    for shard in entry.shards:
+        piece = piece_of(shard).reshape(-1).to(shard.dtype)
+        # The whole value is replaced: no need to read the old one (which may be the very
+        # corrupted or stale extent a checkpoint load is healing).
+        placement.prepare_overwrite(shard)
+        if shard.state is R.HOST_STORING:
+            placement.reap(shard, wait=True)
+        shard.fill_from(piece)
+        store.registry.set_state(shard, R.HOST)
+        shard.version += 1
+        if placement.nvme:
+            placement.store_async(shard)
+    placement.uninitialised.discard(entry.index)
+    if entry.index in placement.persistent:
+        placement.gather(entry, hold=False)

@@ -1,0 +1,222 @@
+"""Applying the outcome of NVMe transfers to the residency states ("reaping"), and what a
+failed transfer does.
+
+A mixin of :class:`infinity.core.placement.Placement`: it uses the placement's registry, engine,
+arena and counters, and keeps no state of its own beyond the placement's attributes. Like the
+rest of the placement it runs on the training thread only: the swap engine's futures complete
+in the background, and their outcome is applied here when the training thread next looks at
+the shard.
+
+Failed transfers never leave a shard without a valid copy:
+
+* a failed write leaves the shard ``HOST`` (dirty): its host copy stays the only valid one and is
+  never dropped until a write of it completes. The write is re-issued up to ``max_retries``
+  times at once; after that the shard stays dirty and the error is raised by whatever needs the
+  shard clean (eviction that finds no other room, ``flush``);
+* a failed read leaves the shard ``NVME`` (its NVMe copy is still the valid one). The demand
+  path (:meth:`Placement.ensure_host`) reads it again up to ``max_retries`` times and then raises
+  the error, which names file, offset and cause (``SwapIOError``, ``TransferTimeoutError``,
+  ``IntegrityError``). A failed prefetch is not an error by itself;
+* a read that timed out may still be completed by the kernel later, writing into its arena
+  slot: that slot is quarantined (left allocated, counted in ``quarantined_bytes``) until the
+  engine reports the request finished, and the retry reads into another slot. A write that
+  timed out may still land later, so its retry goes to a fresh extent (the engine holds the old
+  one's space back until then).
+
+Every NVMe transfer carries the tag ``[shard id, version]``, so with ``verify_checksums`` a read
+returns exactly the bytes of the version last written for that shard or fails naming what it
+found instead (a flipped byte, a stale or swapped extent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from infinity.core.residency import Residency as R
+from infinity.core.shards import Shard
+from swap import SwapError, align_up
+
+# The placement's logger: its transfer warnings keep the name users filter them by.
+log = logging.getLogger("infinity.core.placement")
+
+#: re-issues of a failed transfer before its error surfaces: a single EIO, timeout or bad read
+#: must not abort training, while a persistent fault still surfaces after a bounded delay
+MAX_RETRIES = 2
+
+
+def retryable(error: BaseException) -> bool:
+    """Errors of the I/O itself (swap errors and OS errors); anything else is a bug or misuse
+    (an engine closed under the store, a bad range) and is raised as it is."""
+    return isinstance(error, (SwapError, OSError))
+
+
+class Completions:
+    # -- reaping NVMe completions -----------------------------------------------------------
+    def reap(self, shard: Shard, wait: bool = False) -> BaseException | None:
+        """Applies the outcome of ``shard``'s transfer to its state, once it has finished (with
+        ``wait``: waits for it, and for the retries of a failed write).
+
+        Raises only if the engine refuses a retry (closed): every outcome leaves a legal state
+        with a valid copy. A failed write is re-issued (up to ``max_retries``) and otherwise
+        leaves the shard ``HOST`` (dirty); a failed read leaves it ``NVME`` (``ensure_host``
+        reads it again). Returns the error of a transfer that failed and was not re-issued
+        here, else None."""
+        while True:
+            future = shard.pending
+            if future is None:
+                return None
+            if not future.done():
+                if not wait:
+                    return None
+                started = time.perf_counter()
+                # A real-length torch.profiler range while recording (a no-op otherwise).
+                with self.timeline.profile_range("infinity::stall", shard.id):
+                    try:
+                        future.result()
+                    except Exception:  # noqa: BLE001 - handled below
+                        pass
+                    ended = time.perf_counter()
+                    self.timeline.stall(shard.io_record, shard.id, started, ended)
+                self.stall_seconds += ended - started
+            shard.pending = None
+            error = future.exception()
+            if shard.state is R.NVME_LOADING:
+                if error is None:
+                    self.registry.set_state(shard, R.HOST_NVME)
+                    self._succeeded(shard, "read")
+                    return None
+                self._read_failed(shard, error)
+                return error
+            if shard.state is not R.HOST_STORING:  # pragma: no cover - a bookkeeping bug
+                raise RuntimeError(f"{shard} had a transfer in flight in state "
+                                   f"{shard.state.name}")
+            if error is None:
+                self.registry.set_state(shard, R.HOST_NVME)
+                self._succeeded(shard, "write")
+                return None
+            if not self._write_failed(shard, error):
+                return error
+            # re-issued: loop to wait for the retry (or return at once without ``wait``)
+
+    def _succeeded(self, shard: Shard, op: str) -> None:
+        failures = self._failed.pop(shard, 0)
+        if failures:
+            self.io_recoveries += 1
+            log.info("%s of shard %s succeeded after %d failed attempt(s)", op, shard.id,
+                     failures)
+
+    def _read_failed(self, shard: Shard, error: BaseException) -> None:
+        """NVME_LOADING -> NVME: the NVMe copy is still the valid one. The slot is freed, or
+        quarantined when a timed-out request of the read may still write into it."""
+        self.io_errors += 1
+        self._failed[shard] = self._failed.get(shard, 0) + 1
+        start, size = shard.arena_offset, align_up(max(shard.nbytes, 1))
+        if self._kernel_may_write(start, start + size):
+            self.quarantine.append((start, shard.nbytes, shard.id))
+            log.warning("arena range [%d, %d) of shard %s is quarantined: a read into it timed "
+                        "out and may still complete; it stays allocated until it does",
+                        start, start + size, shard.id)
+            self.in_arena.discard(shard)
+            shard.arena_offset = None
+            shard.host = None
+        else:
+            self._free_slot(shard)
+        self.registry.set_state(shard, R.NVME)
+        log.warning("read of shard %s (%d bytes) failed: %s: %s", shard.id, shard.nbytes,
+                    type(error).__name__, error)
+
+    def _write_failed(self, shard: Shard, error: BaseException) -> bool:
+        """HOST_STORING -> HOST (the host copy stays the valid one), then re-issues the write
+        while retries are left; True if it did."""
+        self.io_errors += 1
+        attempt = self._failed.get(shard, 0) + 1
+        self._failed[shard] = attempt
+        if self._write_may_land_late(shard):
+            self._replace_extent(shard)
+        self.registry.set_state(shard, R.HOST)
+        if attempt <= self.max_retries and retryable(error):
+            log.warning("write of shard %s (%d bytes) failed: %s: %s; retry %d of %d",
+                        shard.id, shard.nbytes, type(error).__name__, error, attempt,
+                        self.max_retries)
+            self.store_async(shard)
+            return True
+        self._failed.pop(shard, None)
+        self.io_failures += 1
+        log.error("write of shard %s (%d bytes) failed after %d attempt(s): %s: %s; its host copy "
+                  "stays the only valid one (dirty)", shard.id, shard.nbytes, attempt,
+                  type(error).__name__, error)
+        return False
+
+    def _kernel_may_write(self, start: int, end: int) -> bool:
+        """Whether a timed-out read request still in the kernel covers arena bytes
+        [start, end)."""
+        arena = self.host.arena
+        return any(q.op == "read" and q.buffer is arena and q.buffer_start < end
+                   and q.buffer_end > start for q in self.engine.quarantined())
+
+    def _write_may_land_late(self, shard: Shard) -> bool:
+        serial = shard.extent.serial
+        return any(q.op == "write" and q.extent == serial for q in self.engine.quarantined())
+
+    def _replace_extent(self, shard: Shard) -> None:
+        """Moves ``shard`` to a fresh extent: a timed-out write to the old one may still land
+        and would overwrite a later write there (the engine holds the old space back)."""
+        try:
+            fresh = self.engine.allocate(shard.nbytes)
+        except SwapError as exc:
+            log.warning("no fresh extent for shard %s after a timed-out write (%s); it keeps "
+                        "its extent, where verification catches a late write", shard.id, exc)
+            return
+        old, shard.extent = shard.extent, fresh
+        self.engine.free(old)
+
+    def _reclaim_quarantine(self) -> None:
+        """Gives back the quarantined arena ranges no timed-out read covers any more."""
+        arena = self.host.arena
+        records = [q for q in self.engine.quarantined() if q.op == "read" and q.buffer is arena]
+        kept = []
+        for offset, nbytes, shard_id in self.quarantine:
+            end = offset + align_up(max(nbytes, 1))
+            if any(q.buffer_start < end and q.buffer_end > offset for q in records):
+                kept.append((offset, nbytes, shard_id))
+                continue
+            self.host.give_arena(offset, nbytes)
+            log.info("arena range [%d, %d) (shard %s) left quarantine", offset, end, shard_id)
+        self.quarantine = kept
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(align_up(max(n, 1)) for _, n, _ in self.quarantine)
+
+    def drain(self) -> BaseException | None:
+        """Waits for every transfer in flight (before a checkpoint, at close). Returns the first
+        error of a transfer that failed for good (states stay legal; see ``reap``)."""
+        first = None
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            first = first or error
+        return first
+
+    def flush(self) -> None:
+        """Writes every dirty host copy in the arena to NVMe and waits: afterwards every
+        NVMe-backed shard's swap extent holds its current value, or this raises the error of a
+        write that failed for good (the shard stays dirty on the host)."""
+        errors: dict[Shard, BaseException] = {}
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            if error is not None:
+                errors[shard] = error
+            if shard.state is R.HOST:
+                self.store_async(shard)
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            if error is not None:
+                errors[shard] = error
+        dirty = [s for s in self.in_arena if s.state is R.HOST]
+        if dirty:
+            error = next((errors[s] for s in dirty if s in errors), None)
+            if error is not None:
+                raise error
+            raise RuntimeError(f"flush left {len(dirty)} shard(s) dirty: "
+                               f"{', '.join(s.id for s in dirty[:3])}")

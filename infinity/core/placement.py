@@ -1,0 +1,761 @@
+"""Moves shards between the tiers: the mechanism under the hooks, the scheduler and the step.
+
+Everything here runs on the training thread. NVMe transfers run in the background (the swap
+engine's futures), but their completion is applied to the registry only here, when the training
+thread next looks at the shard ("reaping"), so the residency state machine is never mutated from
+two threads.
+
+Room is made on demand: before a host slot or a device copy is taken, the eviction policy orders
+the candidates and the furthest-needed ones are dropped (clean host copies) or written back first
+(dirty ones). Prefetch may only evict what is needed later than the thing it fetches, so it never
+pushes out what the next module needs and never over-commits the arena.
+
+Completions and failed transfers: :mod:`infinity.core.completions`.
+
+Thread safety: everything here belongs to the training thread. Only the counters (plain ints)
+and the tiers' usage are read from other threads (``TieredStore.stats()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Iterable
+
+import torch
+
+from infinity.core.completions import MAX_RETRIES, Completions, retryable
+from infinity.errors import BudgetError, ParameterAccessError
+from infinity.training.gradients import CompanionsAndGradients
+from infinity.core.policies import EvictionPolicy, PrefetchPolicy
+from infinity.core.lending import HostLending
+from infinity.core.prefetching import TracePrefetching
+from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
+from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
+from infinity.core.residency import Residency as R
+from infinity.core.shards import ParamEntry, Shard, ShardRegistry
+from infinity.core.tiers import DeviceTier, HostTier
+from infinity.observability.timeline import Timeline
+from infinity.core.trace import TraceFollower
+from swap import SwapEngine
+
+log = logging.getLogger(__name__)
+
+def _tag(shard: Shard) -> list:
+    """The identity a shard's bytes are written and read under: a read of another shard's or
+    another version's bytes fails verification instead of being trained on."""
+    return [shard.id, shard.version]
+
+def _registry_order(shard: Shard) -> tuple[int, str, int]:
+    return shard.entry.index, shard.kind, shard.start
+
+
+
+
+class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLending):
+    def __init__(self, registry: ShardRegistry, device: DeviceTier, host: HostTier,
+                 engine: SwapEngine | None, follower: TraceFollower, eviction: EvictionPolicy,
+                 prefetch: PrefetchPolicy, *, params_on_nvme: bool, grads_on_nvme: bool,
+                 timeline: Timeline | None = None) -> None:
+        self.registry = registry
+        self.timeline = timeline or Timeline()
+        self.params_on_nvme = params_on_nvme
+        self.grads_on_nvme = grads_on_nvme
+        self.device = device
+        self.host = host
+        self.engine = engine
+        self.follower = follower
+        self.eviction = eviction
+        self.prefetcher = prefetch
+        self.in_arena: set[Shard] = set()
+        #: shards whose host copies are in use right now (the optimizer's current tile)
+        self.pinned: set[Shard] = set()
+        self.on_device: set[ParamEntry] = set()
+        self.last_used: dict[int, int] = {}
+        self.clock = 0
+        self.stall_seconds = 0.0
+        self.prefetched_loads = 0
+        #: reads the optimizer step started for its next tile
+        self.read_ahead_loads = 0
+        self.demand_loads = 0
+        self.grad_bytes = 0
+        self.grad_peak = 0
+        #: the loss scale gradients arrive multiplied by (fp16 dynamic scaling), divided out here
+        self.loss_scale = 1.0
+        #: keep each shard's squared gradient norm (for clipping and overflow checks)
+        self.track_grad_norms = True
+        #: module index -> qualified name, for the timeline
+        self.module_names: list[str] = []
+        #: entries whose device copy is never evicted (param_persistence_threshold)
+        self.persistent: set[int] = set()
+        #: entries attached without values (a meta-device module without reset_parameters):
+        #: their shards stay EMPTY until a checkpoint load writes them
+        self.uninitialised: set[int] = set()
+        #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
+        self.prefetch_bytes: int | None = None
+        #: keep the front of the eviction order clean during the step (see clean_ahead); off
+        #: when the arena caches everything, so nothing is ever evicted
+        self.write_behind = True
+        #: entries the running optimizer step has updated: their optimizer state is next
+        #: needed a whole iteration later, that of the others in this step
+        self.stepped: set[int] = set()
+        #: the optimizer updates each entry in backward, as its gradient completes (the
+        #: ``step_in_backward`` option): its optimizer state is needed there, not in the step
+        self.update_in_backward = False
+        #: write-behind learned from the last forward + backward: the dirty shards that its
+        #: reads and gradients had to evict, written back on the spot while the pass waited
+        self._forced_writes: list[Shard] = []
+        self._forced_last: list[Shard] = []
+        #: arena shards written back to free their room (see :meth:`_make_arena_room`): once
+        #: clean, they are the first to go
+        self.doomed: set[Shard] = set()
+        self._prewritten = 0  # how many of _forced_last this pass has looked at
+        self._in_pass = False  # between the first forward hook and optimizer.step()
+        #: a training pass began and its step has not finished: the step needs the masters
+        self.masters_due = False
+        #: learn and start ahead the write-backs a pass had to wait for (see write_ahead)
+        self.write_ahead_enabled = True
+        #: write-backs eviction had to start during forward/backward, and those started ahead
+        self.forced_pass_writes = 0
+        self.writes_ahead = 0
+        #: this rank's place among data-parallel ranks (infinity.ranks.partition); None: one process
+        self.partition = None
+        #: entry index -> all-gathers a look-ahead left under way for its device copy
+        self.assembling: dict[int, list] = {}
+        #: start the next module's all-gathers while this one computes (stage 3 across ranks)
+        self.assemble_ahead_enabled = True
+        self.assembled_ahead = 0
+        #: device copies lent by the host copy instead of copied (see can_lend)
+        self.lent_gathers = 0
+        #: attempts of a transfer after its first failure (see the module docstring)
+        self.max_retries = MAX_RETRIES
+        #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
+        #: for good (after the retries)
+        self.io_errors = 0
+        self.io_retries = 0
+        self.io_recoveries = 0
+        self.io_failures = 0
+        #: shard -> failed attempts of its current transfer
+        self._failed: dict[Shard, int] = {}
+        #: arena ranges (offset, nbytes, shard id) a timed-out read may still write into
+        self.quarantine: list[tuple[int, int, str]] = []
+
+    @property
+    def nvme(self) -> bool:
+        return self.params_on_nvme
+
+    @property
+    def busy_seconds(self) -> float:
+        """The training thread's seconds in the store's waits and device copies so far."""
+        return self.stall_seconds + self.device.copy_seconds
+
+    # -- initialisation ---------------------------------------------------------------------
+    def initialise(self, entry: ParamEntry, source: torch.Tensor) -> None:
+        """Takes the parameter's values into the host tier (and NVMe): EMPTY -> HOST(...)."""
+        flat = source.detach().reshape(-1)
+        for shard in entry.shards:
+            piece = shard.part_of(flat)
+            if self.nvme:
+                self._host_slot(shard, protect=(), horizon=0.0)
+                shard.fill_from(piece)
+                self.registry.set_state(shard, R.HOST)
+                self.store_async(shard)
+            else:
+                shard.host = self.host.allocate(shard.numel, shard.dtype)
+                shard.fill_from(piece)
+                self.registry.set_state(shard, R.HOST)
+
+    # -- host slots ---------------------------------------------------------------------------
+    def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float,
+                   strict: bool = False) -> bool:
+        """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
+        if self.quarantine:
+            self._reclaim_quarantine()
+        offset = self._after_previous(shard)
+        if offset is None:
+            offset = self.host.take_arena(shard.nbytes)
+        if offset is None:
+            offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon,
+                                           strict and horizon > 0)
+            if offset is None:
+                return False
+        shard.arena_offset = offset
+        shard.host = self.host.arena_view(offset, shard.dtype, shard.numel)
+        self.in_arena.add(shard)
+        return True
+
+    def _free_slot(self, shard: Shard) -> None:
+        if shard.copy_event is not None:
+            shard.copy_event.synchronize()
+            shard.copy_event = None
+        self.host.give_arena(shard.arena_offset, shard.nbytes)
+        self.in_arena.discard(shard)
+        self.doomed.discard(shard)
+        shard.arena_offset = None
+        shard.host = None
+
+    def _next_use(self):
+        """Events until a shard is needed again, or None without a trace. Companions (grads,
+        optimizer state) are needed by the step, after the iteration's last event."""
+        trace = self.follower.trace
+        if trace is None:
+            return None
+        position = self.follower.position
+        end = len(trace) - position + 0.5
+
+        stepped = self.stepped
+        full = len(trace)
+
+        masters_due = self.params_on_nvme and self.masters_due
+        # The step walks the shards in entry order: within it, a later entry is needed later.
+        in_step = 0.5 / (len(self.registry.entries) + 1)
+
+        last_backward = trace.last_backward if self.update_in_backward else {}
+
+        def next_use(shard: Shard) -> float:
+            index = shard.entry.index
+            update = last_backward.get(index)
+            # Updated in backward once its gradient is complete: after the entry's last
+            # backward event, and autograd may complete it only after the next module's event
+            # has fired. Until then the update is imminent, master and state alike (ranked a
+            # step away, its state was evicted and read straight back).
+            if update is not None and update < position and index not in stepped and \
+                    (shard.kind != "param" or shard.entry.param.requires_grad):
+                return 0.5
+            if shard.kind != "param":
+                if update is not None:
+                    if index in stepped:
+                        return update + full - position + 0.5
+                    return update - position + 0.5
+                return end + full if index in stepped else end + in_step * index
+            use = trace.next_use(index, position)
+            if masters_due and use >= end - 0.5:
+                # Next used in the next iteration: after this iteration's step, and before it
+                # when the step updates the master (needed there, however far the use is).
+                return end + in_step * index if self._step_will_update(shard) else use + 1.0
+            return use
+        return next_use
+
+    @staticmethod
+    def _evictable(shard: Shard) -> bool:
+        if shard.kind != "param":
+            return True
+        if shard.entry.lent:  # the host copy is the device copy
+            return shard.entry.holds == 0
+        return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
+
+    def _arena_victims(self, protect: set[Shard],
+                       next_use: Callable[[Shard], float] | None) -> list[Shard]:
+        """Arena shards that may be evicted now, in the order the policy would evict them."""
+        # In registry order, so that ties (a shard's companions share its next use) break the
+        # same way in every run, and in the planner's replay of it.
+        candidates = sorted((s for s in self.in_arena
+                             if s not in protect and s not in self.pinned and self._evictable(s)),
+                            key=_registry_order)
+        return self.eviction.order(candidates, next_use,
+                                   lambda s: self.last_used.get(s.entry.index, -1))
+
+    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float,
+                         strict: bool = False) -> int | None:
+        """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
+        dirty ones are written back first and stay until that write completed. Write-backs are
+        started for about ``nbytes`` at a time, in eviction order, never for everything dirty:
+        one read that finds no clean room must not turn into a write of the whole arena.
+        On demand (no ``horizon``), when no room could be made because write-backs failed,
+        raises the write error (that is why there is no room). ``strict`` (with a horizon)
+        evicts in policy order only: once write-backs under way will free the room, it waits
+        for them rather than drop a clean shard needed sooner."""
+        next_use = self._next_use()
+        candidates = self._beyond(self._arena_victims(protect, next_use), horizon, next_use)
+        # Ahead of need (a horizon), a shard written back to make room goes first once its
+        # write has landed, wherever the policy ranks it now: updates since then put fresher
+        # dirty shards ahead of it (the ones just updated are needed last), and starting their
+        # writes instead would leave it to be updated again unread, its write wasted, while
+        # the front kept moving. On demand the first clean candidate goes anyway.
+        for shard in candidates if horizon else ():
+            if shard in self.doomed:
+                self.reap(shard)
+                if shard.state.on_nvme:
+                    offset = self._evict_for(shard, nbytes)
+                    if offset is not None:
+                        return offset
+        cost = self.host.slot_cost
+        write_error: BaseException | None = None
+        coming = 0  # bytes whose write-back is in flight: room once it completes
+        for shard in candidates:
+            self.reap(shard)
+            if strict and coming >= nbytes:
+                # Room is on its way from shards needed later than the rest: evicting a
+                # clean one needed sooner would make a read that must be repeated.
+                return None
+            if shard.state is R.HOST:
+                if coming < nbytes:
+                    self._forced_write(shard)
+                    coming += cost(shard.nbytes)
+                continue
+            if shard.state is R.HOST_STORING:
+                coming += cost(shard.nbytes)
+                if horizon:
+                    continue  # prefetch does not wait for write-back
+                write_error = self.reap(shard, wait=True) or write_error
+            offset = self._evict_for(shard, nbytes)
+            if offset is not None:
+                return offset
+        if horizon:
+            return None
+        # Demand: wait for transfers in flight (write-backs, and prefetches that would otherwise
+        # pin the arena) and evict what they free, in policy order; when that is not enough
+        # (the freed ranges are not contiguous), write back and evict the rest one by one.
+        for shard in candidates:
+            if shard.state is R.DEVICE_HOST and shard.entry.holds == 0 and \
+                    shard.entry.index not in self.persistent:
+                # A dirty master whose device copy is cached, not in use (after an update in
+                # backward, the next forward leaves it so): drop that copy, which is never
+                # newer, so the master can be written back.
+                self.drop_device(shard.entry)
+            if shard.state is R.HOST:
+                self._forced_write(shard)
+            if shard.pending is not None:
+                error = self.reap(shard, wait=True)
+                if shard.state is R.HOST:
+                    write_error = error or write_error
+            offset = self._evict_for(shard, nbytes)
+            if offset is not None:
+                return offset
+        if write_error is not None:
+            raise write_error  # counted in io_failures when its write gave up
+        return None
+
+    def _forced_write(self, shard: Shard) -> None:
+        """A write-back that eviction needs now; remembered when a forward or backward pass
+        forced it, or the step did for a shard it had not updated yet (dirty since the last
+        step), so the next forward can start it ahead (see :meth:`write_ahead`)."""
+        self.store_async(shard)
+        self.doomed.add(shard)
+        if self._in_pass:
+            self.forced_pass_writes += 1
+        elif not self.masters_due or shard.entry.index in self.stepped:
+            return  # outside a training iteration, or updated by this step
+        if shard.kind != "grad":  # gradients change during backward
+            self._forced_writes.append(shard)
+
+    def pass_started(self) -> None:
+        self._forced_last, self._forced_writes = self._forced_writes, []
+        self._prewritten = 0
+        self._in_pass = True
+        self.masters_due = True
+
+    def pass_finished(self) -> None:
+        """The step begins: what it writes is not the passes' to learn from."""
+        self._in_pass = False
+
+    def after_step(self) -> float:
+        """An eviction horizon past this iteration's step: within it, :meth:`_next_use` ranks
+        every shard the step still has to update. Without a trace it is infinity, which
+        :meth:`_beyond` reads as "not needed by the running step"."""
+        trace = self.follower.trace
+        if trace is None:
+            return math.inf
+        return len(trace) - self.follower.position + 1.0
+
+    def _beyond(self, candidates: list[Shard], horizon: float,
+                next_use: Callable[[Shard], float] | None) -> list[Shard]:
+        """The candidates next needed after ``horizon`` (all of them for no horizon). Without
+        a trace only the running step's own order is known: past the step, a shard it has
+        still to update is needed sooner, and nothing else is known to be."""
+        if not horizon:
+            return candidates
+        if next_use is not None:
+            return [s for s in candidates if next_use(s) > horizon]
+        if horizon == math.inf and self.masters_due and not self._in_pass:
+            return [s for s in candidates if not self._step_will_update(s)]
+        return candidates
+
+    def _step_will_update(self, shard: Shard) -> bool:
+        """Whether this iteration's step has still to update ``shard`` (a trainable master or
+        a companion of an entry it has not reached yet)."""
+        return shard.entry.index not in self.stepped and \
+            (shard.kind != "param" or shard.entry.param.requires_grad)
+
+    def step_finished(self) -> None:
+        """The step ended (or failed): eviction ranks companions and masters alike again."""
+        self.stepped.clear()
+        self.masters_due = False
+
+    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = (),
+                    horizon: float = 0.0) -> None:
+        """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
+        of the arena are free or held by clean copies.
+
+        Writing every updated shard back after the step costs a full write of the training
+        state per step even when most of it stays cached. Only the shards at the front of
+        the eviction order will be dropped before their next use, so only they need a current
+        NVMe copy, and they get it ahead of the read that will need their room. Only shards
+        next used beyond ``horizon`` are written."""
+        if self.engine is None:
+            return
+        host = self.host
+        reclaimable = min(host.arena_bytes, host.budget) - host.usage.current
+        if reclaimable >= reserve:
+            return
+        next_use = self._next_use()
+        victims = self._beyond(self._arena_victims(set(protect), next_use), horizon, next_use)
+        for shard in victims:
+            if reclaimable >= reserve:
+                break
+            self.reap(shard)
+            if shard.state is R.HOST:
+                self.store_async(shard)
+                self.doomed.add(shard)
+            if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME, R.HOST_STORING):
+                reclaimable += host.slot_cost(shard.nbytes)
+
+    def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
+        """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
+        its slot), then tries to take ``nbytes``."""
+        if shard.kind == "param" and shard.entry.lent:
+            self.drop_device(shard.entry)  # a lent device copy goes with the host copy
+        if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
+            self._evict_host(shard)
+        elif shard in self.in_arena:
+            return None  # dirty, or a transfer still in flight
+        return self.host.take_arena(nbytes)
+
+    def _evict_host(self, shard: Shard) -> None:
+        if shard.state is R.HOST_NVME:
+            self.registry.set_state(shard, R.NVME)
+        elif shard.state is R.DEVICE_HOST_NVME:
+            self.registry.set_state(shard, R.DEVICE_NVME)
+        else:
+            raise RuntimeError(f"cannot evict the host copy of {shard}")
+        self._free_slot(shard)
+
+    # -- NVMe transfers -----------------------------------------------------------------------
+    def store_async(self, shard: Shard) -> None:
+        """Starts HOST -> NVMe (HOST -> HOST_STORING)."""
+        assert self.engine is not None and shard.host is not None
+        if shard.extent is None:
+            shard.extent = self.engine.allocate(shard.nbytes)
+        if self._failed.get(shard):
+            self.io_retries += 1
+        # The engine refuses a bad request synchronously: the state changes only once the
+        # transfer exists, so a refusal leaves the shard HOST.
+        future = self.engine.write(shard.extent, self.host.arena, nbytes=shard.nbytes,
+                                   buffer_offset=shard.arena_offset, tag=_tag(shard))
+        self.registry.set_state(shard, R.HOST_STORING)
+        shard.pending = future
+        self._record_io(shard, "write", prefetch=False)
+
+    def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
+                   horizon: float = 0.0, prefetch: bool = False,
+                   read_ahead: bool = False, strict: bool = False) -> bool:
+        """Starts NVME -> host; False when no slot could be had within the horizon (and,
+        ``strict``, in eviction order: see :meth:`_make_arena_room`)."""
+        if shard.state is not R.NVME:
+            return True
+        if not self._host_slot(shard, protect, horizon, strict):
+            return False
+        if self._failed.get(shard):
+            self.io_retries += 1
+        try:
+            future = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
+                                      buffer_offset=shard.arena_offset, tag=_tag(shard))
+        except BaseException:
+            self._free_slot(shard)  # refused: nothing in flight, the shard stays NVME
+            raise
+        self.registry.set_state(shard, R.NVME_LOADING)
+        shard.pending = future
+        self._record_io(shard, "read", prefetch=prefetch)
+        if prefetch:
+            self.prefetched_loads += 1
+        elif read_ahead:
+            self.read_ahead_loads += 1
+        else:
+            self.demand_loads += 1
+        return True
+
+    def _record_io(self, shard: Shard, op: str, prefetch: bool) -> None:
+        record = self.timeline.io_started(shard.id, op, shard.nbytes, prefetch)
+        shard.io_record = record
+        if record is not None:
+            shard.pending.add_done_callback(
+                lambda f: Timeline.io_finished(record, f.exception()))
+
+    def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
+        """Makes ``shard``'s host copy valid, reading it from NVMe if needed. A failed read
+        (a failed prefetch of it included) is retried ``max_retries`` times, then its error is
+        raised with the shard back in ``NVME`` (nothing lost)."""
+        error = self.reap(shard)
+        if shard.state is R.EMPTY and shard.kind == "param":
+            raise ParameterAccessError(
+                f"parameter '{shard.entry.name}' has no values yet (shard {shard.id}): it was "
+                f"attached on the meta device without reset_parameters(), so its values must "
+                f"come from a checkpoint: store.load_pretrained(path) or "
+                f"model.load_state_dict(...) before the first forward")
+        while not shard.state.on_host:
+            if shard.state is R.NVME:
+                failures = self._failed.get(shard, 0)
+                if error is not None and (failures > self.max_retries or not retryable(error)):
+                    self._failed.pop(shard, None)
+                    self.io_failures += 1
+                    log.error("read of shard %s failed %d time(s); giving up: %s: %s", shard.id,
+                              failures, type(error).__name__, error)
+                    raise error
+                if not self.load_async(shard, protect):
+                    if error is not None:  # the retry found no room: the failure is the news
+                        self._failed.pop(shard, None)
+                        self.io_failures += 1
+                        raise error
+                    raise BudgetError(self._no_room(shard))
+            if shard.state is R.NVME_LOADING:
+                error = self.reap(shard, wait=True)
+            elif not shard.state.on_host:
+                raise RuntimeError(f"{shard} has no host copy")
+
+    def _no_room(self, shard: Shard) -> str:
+        text = (f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
+                f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} bytes)")
+        if self.quarantine:
+            hung = [q for q in self.engine.quarantined() if q.buffer is self.host.arena]
+            return (f"{text}: {self.quarantined_bytes} bytes of it are quarantined behind reads "
+                    f"that timed out (the drive hangs?)"
+                    + (f", e.g. a {hung[0].describe()}" if hung else ""))
+        return f"{text}: raise buffer_count or buffer_size, or host_budget"
+
+    def prepare_overwrite(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
+        """Gives ``shard`` a host copy that the caller is about to overwrite whole, without
+        reading its NVMe copy first, so a shard whose NVMe copy cannot be read (a corrupted or
+        stale extent) can be healed by writing its value again (a checkpoint load). Afterwards
+        the shard is on the host; from ``NVME`` it is ``HOST`` with undefined contents, which
+        the caller must fill before anything else reads them."""
+        self.reap(shard, wait=True)
+        if shard.state is R.EMPTY and shard.kind == "param":  # never had values (uninitialised)
+            if not self.nvme:
+                shard.host = self.host.allocate(shard.numel, shard.dtype)
+            elif not self._host_slot(shard, protect, horizon=0.0):
+                raise BudgetError(self._no_room(shard))
+            self.registry.set_state(shard, R.HOST)
+            return
+        if shard.state is not R.NVME:
+            return
+        if not self._host_slot(shard, protect, horizon=0.0):
+            raise BudgetError(self._no_room(shard))
+        self._failed.pop(shard, None)
+        # Its NVMe copy is superseded: through EMPTY (nothing valid), then HOST (dirty).
+        self.registry.set_state(shard, R.EMPTY)
+        self.registry.set_state(shard, R.HOST)
+
+    # -- device copies ------------------------------------------------------------------------
+    def gather(self, entry: ParamEntry, hold: bool = True, lend: bool = False) -> None:
+        """Makes the parameter's device copy resident (filling its storage from the host
+        masters) and takes a hold on it. ``lend`` (the caller runs without autograd): where the
+        host copy can serve as the device copy (see :meth:`can_lend`), use it instead of
+        copying."""
+        self.clock += 1
+        self.last_used[entry.index] = self.clock
+        self.settle(entry)
+        lend = lend and self.can_lend(entry)
+        if entry.placeholder is not None and not lend:
+            self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
+        if not entry.resident:
+            self._make_device_room(entry)
+            if not (lend and (self._lend(entry) or self._stage(entry))):
+                self._fill_device(entry)
+        if hold:
+            entry.holds += 1
+
+    def settle(self, entry: ParamEntry) -> None:
+        """Completes the all-gathers a look-ahead started for ``entry``'s device copy (across
+        ranks); before that its bytes are not all there."""
+        pending = self.assembling.pop(entry.index, None)
+        if pending:
+            for handle in pending:
+                handle.wait()
+
+    def assemble_ahead(self) -> None:
+        """ZeRO stage 3 across ranks, after a module's gathers: starts the all-gathers of the
+        next module's parameters (the trace's next event), so they run while this module
+        computes. Only into free device room, never evicting: every rank then decides the same,
+        which a collective needs. Its slices are read from NVMe first where they are not on the
+        host yet (the trace-driven prefetch started those reads further ahead)."""
+        partition = self.partition
+        if partition is None or partition.stage < 3 or not self.assemble_ahead_enabled or \
+                self.follower.trace is None:
+            return
+        upcoming = self.follower.upcoming(1)
+        if not upcoming:
+            return
+        for index in upcoming[0].entries:
+            entry = self.registry.entries[index]
+            if entry.resident or index in self.uninitialised:
+                continue
+            if not self.device.fits(entry.device_bytes):
+                return
+            self._fill_device(entry, defer=True)
+            self.assembled_ahead += 1
+
+    def _start_reads(self, entry: ParamEntry) -> None:
+        """Starts every read of the entry's shards the arena allows at once, so they overlap."""
+        if self.nvme:
+            for shard in entry.shards:
+                self.reap(shard)
+                if shard.state is R.NVME:
+                    self.load_async(shard, protect=entry.shards, horizon=0.5)
+
+    def _settled_on_host(self, shard: Shard, waiting: list[Shard]) -> None:
+        """``shard``'s host copy, valid and in a settled state to move from (no write under
+        way), protecting the entry's shards still ``waiting``; removes it from them."""
+        self.ensure_host(shard, protect=waiting)
+        waiting.remove(shard)
+        if shard.state is R.HOST_STORING:
+            self.reap(shard, wait=True)
+
+    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
+        """Fills the entry's device copy from its host masters (across ranks: assembled from
+        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+        self._start_reads(entry)
+        tensor = entry.device_tensor
+        self.device.fill(tensor)
+        flat = tensor.view(-1)
+        events = []
+        waiting = list(entry.shards)
+        moved: list[Shard] = []
+        assembling = []  # all-gathers under way (several ranks)
+        try:
+            with torch.no_grad():
+                for shard in entry.shards:
+                    if assembling and not defer and not shard.state.on_host:
+                        # Its read may evict the slices the all-gathers under way read.
+                        for pending in assembling:
+                            pending.wait()
+                        assembling.clear()
+                    self._settled_on_host(shard, waiting)
+                    if shard.piece is None:
+                        event = self.device.copy_in(
+                            flat[shard.start:shard.start + shard.numel], shard.host)
+                    else:
+                        event, pending = self._assemble(flat, shard, own_input=defer)
+                        assembling.append(pending)
+                    shard.copy_event = event
+                    events.append(event)
+                    self.registry.set_state(shard, _TO_DEVICE[shard.state])
+                    moved.append(shard)
+                if defer:
+                    self.assembling[entry.index] = assembling
+                else:
+                    for pending in assembling:
+                        pending.wait()
+        except BaseException:
+            # A shard could not be read: the device copy is incomplete, so none of it
+            # counts. The shards copied so far keep their host/NVMe copies.
+            for shard in moved:
+                self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+            for event in events:
+                if event is not None:
+                    event.synchronize()
+            self.device.empty(tensor)
+            raise
+        for event in events:
+            self.device.wait(event)
+        entry.resident = True
+        self.on_device.add(entry)
+
+    def _assemble(self, flat: torch.Tensor, shard: Shard,
+                  own_input: bool = False) -> tuple[object, object]:
+        """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
+        every rank's slice. Returns the copy's event and the collective's handle.
+        ``own_input``: the collective reads a copy of the slice, not the arena slot, which may
+        be evicted before it completes."""
+        partition = self.partition
+        start, numel = shard.piece
+        out = flat[start:start + numel]
+        local = shard.host
+        event = None
+        if local.dtype != out.dtype or (partition.on_device and local.device != out.device):
+            # Compute dtype (mixed precision) and, under NCCL, on the device: a device copy.
+            staged = torch.empty(shard.numel, dtype=out.dtype,
+                                 device=out.device if partition.on_device else "cpu")
+            event = self.device.copy_in(staged, local)
+            self.device.wait(event)
+            local = staged
+        elif own_input:
+            local = local.clone()
+        elif not partition.on_device and out.device.type != "cpu":
+            raise RuntimeError("a gloo process group cannot gather into device memory: use "
+                               "the nccl backend with CUDA")
+        return event, partition.gather_into(out, local)
+
+    def release(self, entry: ParamEntry) -> None:
+        """Drops a hold. The device copy stays cached until eviction needs its bytes."""
+        if entry.holds <= 0:
+            raise RuntimeError(f"release of {entry.name} without a matching gather")
+        entry.holds -= 1
+        if self.partition is not None and not entry.holds:
+            # Across ranks a gather is a collective, so whether a copy is cached must be the
+            # same on every rank; eviction under arena pressure is not (it follows each rank's
+            # I/O). So the gathered copy goes when its last use does (ZeRO-3's reshard after
+            # forward: backward gathers again), unless it is persistent.
+            self.drop_device(entry)
+
+    def drop_device(self, entry: ParamEntry, force: bool = False) -> None:
+        """Frees the device copy's bytes. The parameter keeps its tensor and storage object,
+        with the storage shrunk to zero bytes: views of it that autograd saved in forward
+        (``weight.t()`` in a linear layer) see the values again once the next gather refills
+        the same storage, instead of keeping a stale copy alive."""
+        if not entry.resident or (entry.index in self.persistent and not force):
+            return
+        self.settle(entry)
+        if entry.holds:
+            raise RuntimeError(f"{entry.name} is in use on the device")
+        placeholder = entry.placeholder
+        if placeholder is not None:  # lent, or staged: give the parameter its own back
+            entry.device_tensor, entry.placeholder = placeholder, None
+            with torch._C.DisableTorchFunctionSubclass():
+                entry.param.data = placeholder
+            if entry.slab_offset is not None:
+                self.device.slab_give(entry.slab_offset, entry.device_bytes)
+                entry.slab_offset = None
+            else:
+                self.device.usage.sub(entry.device_bytes)
+        else:
+            self.device.empty(entry.device_tensor)
+        entry.resident = False
+        self.on_device.discard(entry)
+        for shard in entry.shards:
+            self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+
+    def adopt(self, entry: ParamEntry, device: torch.device) -> None:
+        """Gives the parameter its device tensor (real shape, compute dtype, empty storage).
+        The parameter shares that storage: gathers fill it, drops empty it."""
+        tensor = torch.empty(entry.shape, dtype=entry.compute_dtype, device=device)
+        tensor.untyped_storage().resize_(0)
+        entry.device_tensor = tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            entry.param.data = tensor
+
+    def _make_device_room(self, entry: ParamEntry) -> None:
+        if self.device.fits(entry.device_bytes):
+            return
+        trace = self.follower.trace
+        position = self.follower.position
+        next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
+        candidates = sorted((e for e in self.on_device
+                             if e.holds == 0 and e is not entry and e.index not in self.persistent),
+                            key=lambda e: e.index)
+        for victim in self.eviction.order(candidates, next_use,
+                                          lambda e: self.last_used.get(e.index, -1)):
+            self.drop_device(victim)
+            if self.device.fits(entry.device_bytes):
+                return
+        held = sorted((e for e in self.on_device if e.holds), key=lambda e: -e.nbytes)
+        raise BudgetError(
+            f"device budget of {self.device.budget} bytes cannot hold {entry.name} "
+            f"({entry.device_bytes} bytes) next to the {len(held)} parameters in use "
+            f"({self.device.usage.current} bytes, largest: "
+            f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget")
+
+    # -- self-check -----------------------------------------------------------------------------
+    def audit(self) -> list[str]:
+        """Checks the bookkeeping against itself; see :func:`infinity.observability.audit.audit`."""
+        from infinity.observability.audit import audit
+        return audit(self)

@@ -1,0 +1,241 @@
+"""Shards and the registry that owns their state.
+
+A shard is a contiguous range of one parameter's flattened elements: the whole parameter when it
+fits in one swap buffer, else ``ceil(bytes / buffer_size)`` pieces, so a parameter larger than a
+buffer streams through the buffers in pieces instead of failing. Shards are keyed by a stable id
+(the parameter's qualified name, plus ``#k`` for piece k), which is what a checkpoint or a later
+distributed partition will use to find them again.
+
+All state lives here, in the registry, never as attributes on ``nn.Parameter``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from infinity.core.residency import Residency, check_transition
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Shard:
+    """Bytes with one residency. ``kind`` is "param" (a range of a parameter's master values),
+    or, for a companion of a param shard, "grad" (its accumulated gradient) or "optim" (its
+    optimizer state tensors packed end to end) when those live in the arena and on NVMe."""
+    id: str
+    entry: "ParamEntry"
+    start: int                      # first element within the flattened parameter
+    numel: int
+    dtype: torch.dtype
+    kind: str = "param"
+    state: Residency = Residency.EMPTY
+    #: the host copy (a view into the staging arena, or a standalone host tensor)
+    host: torch.Tensor | None = None
+    #: byte offset of ``host`` inside the arena, when it lives there
+    arena_offset: int | None = None
+    #: the NVMe home
+    extent: object | None = None
+    #: an NVMe transfer in flight, and its timeline record when recording
+    pending: "Future[int] | None" = None
+    io_record: object | None = None
+    #: accumulated gradient in host memory, when gradients are not swapped (else companion)
+    grad: torch.Tensor | None = None
+    #: squared L2 norm of the accumulated gradient (kept so clipping needs no extra pass);
+    #: None when it was not computed (nothing asked for norms yet)
+    grad_sq_norm: float | None = None
+    #: a factor the user's loop applied to the gradient (``p.grad.mul_(c)``, as clipping
+    #: does), recorded instead of done and applied where the step reads the gradient
+    grad_scale: float = 1.0
+    #: "grad" / "optim" companions of a param shard
+    companions: dict = field(default_factory=dict)
+    #: for an "optim" companion: (key, dtype, shape, byte offset) of each packed state tensor
+    layout: tuple = ()
+    #: the host parameter the wrapped optimizer updates
+    step_param: torch.nn.Parameter | None = None
+    #: CUDA event marking the end of the last copy out of ``host`` (the slot is busy until then)
+    copy_event: object | None = None
+    version: int = 0
+    #: partitioned across ranks (infinity.ranks.partition): (start, numel) of the whole piece that
+    #: every rank's slice makes up; ``start``/``numel`` are then this rank's slice, padded so
+    #: that all slices are equally long, of which the first ``real`` elements are parameter
+    #: elements and the rest padding (zeros)
+    piece: tuple[int, int] | None = None
+    real: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def real_numel(self) -> int:
+        """Elements of the parameter this shard holds (its length less any padding)."""
+        return self.numel if self.real is None else self.real
+
+    def part_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The elements of the flattened parameter ``flat`` that this shard holds."""
+        return flat[self.start:self.start + self.real_numel]
+
+    def padded(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (``real_numel`` elements) as ``numel`` elements, the padding zero: the
+        tensor itself when there is no padding, else a new one."""
+        if values.numel() == self.numel:
+            return values
+        out = torch.zeros(self.numel, dtype=values.dtype, device=values.device)
+        out[:values.numel()].copy_(values)
+        return out
+
+    def fill_from(self, values: torch.Tensor) -> None:
+        """Sets the host copy to ``values`` (``real_numel`` elements, any dtype); padding is
+        zero."""
+        host = self.host
+        if self.real is None or self.real == self.numel:
+            host.copy_(values)
+            return
+        host[:self.real].copy_(values)
+        host[self.real:].zero_()
+
+    def __repr__(self) -> str:
+        return f"Shard({self.id}, {self.numel} x {self.dtype}, {self.state.name})"
+
+
+@dataclass(eq=False)
+class ParamEntry:
+    """One model parameter: its shards and its device copy."""
+    name: str
+    param: torch.nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    shards: list[Shard] = field(default_factory=list)
+    #: dtype of the device working copy (the master dtype, or bf16/fp16 under mixed precision)
+    compute_dtype: torch.dtype = torch.float32
+    #: whether ``device_tensor`` (whose storage is empty otherwise) holds values
+    resident: bool = False
+    #: the device working copy: a plain tensor of the parameter's shape whose storage the
+    #: parameter shares between uses (see Placement.drop_device)
+    device_tensor: torch.Tensor | None = None
+    #: bumped whenever the gradient is consumed or cleared: a gradient view taken before
+    #: knows it is stale
+    grad_generation: int = 0
+    #: reasons the device copy must stay: active modules and pending backward uses
+    holds: int = 0
+    #: the parameter's dtype when attached: what it gets back at close
+    given_dtype: torch.dtype | None = None
+    #: set while the device copy is lent by the host copy (a CPU device in inference, see
+    #: Placement.lend): ``device_tensor`` is then a view of the host master, and this is the
+    #: empty placeholder the parameter goes back to when the copy is dropped
+    placeholder: torch.Tensor | None = None
+    #: set while the device copy is a range of the device tier's reusable slab (a CPU device in
+    #: inference, when the host copy cannot be lent: see Placement._stage): its byte offset
+    slab_offset: int | None = None
+
+    @property
+    def lent(self) -> bool:
+        """Whether the device copy is the host copy itself (so the two go together)."""
+        return self.placeholder is not None and self.slab_offset is None
+    index: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def device_bytes(self) -> int:
+        return self.numel * self.compute_dtype.itemsize
+
+
+class ShardRegistry:
+    """Owns every shard and parameter entry; the one place residency changes happen."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.shards: dict[str, Shard] = {}
+        self.entries: list[ParamEntry] = []
+        self._by_param: dict[int, ParamEntry] = {}
+        #: ids of shards whose NVMe copy was written and has not been read since: a write
+        #: earns its cost only if that copy is read back (after an eviction); one superseded
+        #: (the host copy updated again) or discarded unread was not needed
+        self._written_unread: set[str] = set()
+        self.unread_writes = 0
+        self.unread_write_bytes = 0
+
+    def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int,
+                  compute_dtype: torch.dtype | None = None, partition: Any = None,
+                  storage_dtype: torch.dtype | None = None) -> ParamEntry:
+        """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
+        masters are fp32 and the device copy is ``compute_dtype``; with ``storage_dtype``
+        (inference) its floating-point values are kept in that dtype instead. With a
+        ``partition`` (several data-parallel ranks) each shard is this rank's slice of its
+        piece."""
+        master = param.dtype
+        compute = param.dtype
+        if compute_dtype is not None and param.is_floating_point():
+            master, compute = torch.float32, compute_dtype
+        if storage_dtype is not None and param.is_floating_point():
+            master = storage_dtype
+        entry = ParamEntry(name, param, param.shape, master, param.requires_grad,
+                           index=len(self.entries), compute_dtype=compute,
+                           given_dtype=param.dtype)
+        itemsize = master.itemsize
+        per_shard = max(1, max_shard_bytes // itemsize)
+        if partition is not None:
+            per_shard *= partition.world  # each rank's slice of a piece fills at most a buffer
+        numel = param.numel()
+        count = max(1, -(-numel // per_shard))
+        for k in range(count):
+            start = k * per_shard
+            shard_id = name if count == 1 else f"{name}#{k}"
+            length = min(per_shard, numel - start)
+            if partition is None:
+                shard = Shard(shard_id, entry, start, length, master)
+            else:
+                first, per_rank, real = partition.slice_of(start, length)
+                shard = Shard(shard_id, entry, first, per_rank, master, piece=(start, length),
+                              real=real)
+            entry.shards.append(shard)
+            self.shards[shard_id] = shard
+        self.entries.append(entry)
+        self._by_param[id(param)] = entry
+        return entry
+
+    def rebind(self, entry: ParamEntry, param: torch.nn.Parameter) -> None:
+        """Points ``entry`` at a new Parameter object (a meta parameter materialised); the old
+        object still finds the entry, so an optimizer built over it can be wrapped."""
+        entry.param = param
+        self._by_param[id(param)] = entry
+
+    def entry_of(self, param: torch.Tensor) -> ParamEntry | None:
+        return self._by_param.get(id(param))
+
+    def set_state(self, shard: Shard, new: Residency) -> None:
+        with self.lock:
+            check_transition(shard.id, shard.state, new)
+            old, shard.state = shard.state, new
+            if old is Residency.HOST_STORING and new is Residency.HOST_NVME:
+                self._written_unread.add(shard.id)
+            elif shard.id in self._written_unread:
+                if old is Residency.NVME_LOADING and new is Residency.HOST_NVME:
+                    self._written_unread.discard(shard.id)  # read back: the write was needed
+                elif new in (Residency.HOST, Residency.EMPTY):
+                    self._written_unread.discard(shard.id)
+                    self.unread_writes += 1
+                    self.unread_write_bytes += shard.nbytes
+
+    def snapshot(self) -> dict[str, dict]:
+        """A JSON-able description of every shard (for checkpoints and debugging)."""
+        with self.lock:
+            return {s.id: {"param": s.entry.name, "start": s.start, "numel": s.numel,
+                           "dtype": str(s.dtype).removeprefix("torch."),
+                           "state": s.state.name, "version": s.version}
+                    for s in self.shards.values()}

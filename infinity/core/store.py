@@ -1,0 +1,833 @@
+"""The tiered store: the public object users create, attach and close.
+
+``attach`` registers every parameter as one or more shards, moves their values into the host tier
+(and onto NVMe when parameters are offloaded there), installs the module hooks and wraps the
+optimizer. From then on the user's loop runs unchanged; see ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import psutil
+import torch
+from torch import nn
+
+from infinity.core import lifecycle
+from infinity.config import OffloadConfig
+from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
+from infinity.training.hooks import HookSet
+from infinity.core.memory import HeapWatch, bound_heap_retention, huge_page_allocations, resident_bytes
+from infinity.training.optimizer import OffloadedOptimizer
+from infinity.training.param_access import ParamAccess
+from infinity.ranks.partition import Partition
+from infinity.core.placement import Placement
+from infinity.core.policies import BeladyEviction, LookaheadPrefetch
+from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
+from infinity.observability.reporting import store_stats
+from infinity.core.residency import Residency as R
+from infinity.core.shards import ParamEntry, ShardRegistry
+from infinity.checkpointing.state_dict import install_state_dict_hooks, write_entry
+from infinity.training.stepping import Stepping
+from infinity.core.tiers import DeviceTier, HostTier
+from infinity.observability.timeline import Timeline
+from infinity.core.trace import TraceFollower
+from infinity.training.update_timing import UpdateTiming
+from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
+from swap.files import check_directory
+from swap.probe import choose_backend_for, make_backend
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise AttachError(f"device {name!r} was asked for but CUDA is not available: use "
+                          f"device='auto' or 'cpu'")
+    return device
+
+
+class TieredStore(Stepping):
+    """Holds a model's parameters across device, host and NVMe. See the package docstring."""
+
+    def __init__(self, config: OffloadConfig | None = None, *,
+                 backend_wrapper: Callable[[IOBackend], IOBackend] | None = None,
+                 engine_overrides: Mapping[str, Any] | None = None) -> None:
+        """``backend_wrapper`` (tests and tools only) wraps the swap engine's I/O backend, e.g.
+        in a fault-injecting backend; None costs nothing. ``engine_overrides`` (tests and tools
+        only) replaces fields of the engine's ``EngineSettings`` that the config has no key for,
+        such as a tiny ``close_timeout`` under injected hangs.
+
+        Threads: the store is driven by one training thread (attach, forward/backward, step,
+        state_dict, materialize, close are not thread-safe). ``stats()`` and the timeline's
+        ``snapshot``/``summary`` may be called from other threads at any time."""
+        if isinstance(config, Mapping):
+            config = OffloadConfig.from_dict(config)  # the native JSON format, strictly
+        elif config is not None and not isinstance(config, OffloadConfig):
+            raise ConfigError(f"TieredStore expects an OffloadConfig or a dict of its fields, "
+                              f"got {type(config).__name__}")
+        self.config = config or OffloadConfig()
+        self._backend_wrapper = backend_wrapper
+        self._engine_overrides = dict(engine_overrides or {})
+        self._sample_lock = threading.Lock()  # stats() samples peaks from other threads too
+        self.device = resolve_device(self.config.device)
+        self.registry = ShardRegistry()
+        self.follower = TraceFollower()
+        self.placement: Placement | None = None
+        #: this rank's share across data-parallel ranks (infinity.ranks.partition); None: one process
+        self.partition: Partition | None = None
+        #: saves and loads checkpoints (infinity.checkpointing.checkpoint), made on first use
+        self._checkpoints: Any = None
+        #: what serves operations on attached parameters outside the hooks (p.grad, reads,
+        #: store.gathered)
+        self.access: ParamAccess | None = None
+        self.engine: SwapEngine | None = None
+        #: moves saved activations off the device (offload_activations; infinity.training.activations)
+        self.activations: Any = None
+        #: the engine activations use when nothing else of the model is on NVMe
+        self._activation_engine: SwapEngine | None = None
+        self.hooks: HookSet | None = None
+        self.optimizer: OffloadedOptimizer | None = None
+        self.model: nn.Module | None = None
+        self.steps = 0
+        self.budgets: dict[str, int] = {}
+        self._temp_dir: Path | None = None
+        self._handles: list[Any] = []
+        self._nvme_peak = 0
+        self._closed = False
+        self._host_tier: HostTier | None = None
+        self._rss_peak = 0
+        precision = self.config.precision
+        self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
+        self.storage_dtype = STORAGE_DTYPES[precision.storage_dtype]
+        self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
+        self.skipped_steps = 0
+        #: global gradient norm of the last step; computed only where something needs it
+        #: (gradient_clipping, fp16 overflow checks), NaN otherwise
+        self.last_grad_norm = math.nan
+        #: transfers, waits and compute spans, recorded while ``timeline.enabled``
+        self.timeline = Timeline()
+        #: a step that failed part-way (its clipping factor, the ids of the shards it updated),
+        #: until it is finished or abandoned
+        self._unfinished_step: tuple[float, set[str]] | None = None
+        #: entries that step_in_backward updated since the last optimizer.step()
+        self._updated_in_backward: set[int] = set()
+        #: where optimizer updates run (step_in_backward), once an optimizer is attached
+        self.update_timing: UpdateTiming | None = None
+        #: with a host budget: RSS kept under the budgets' line while heap blocks are reused
+        self._heap_watch: HeapWatch | None = None
+        #: overlap the step's reads, updates and writes (False: one after another, which only
+        #: benchmarks want, to show what the pipeline saves)
+        self.pipeline_step = True
+        if self.config.host_budget is not None:
+            # Before the model's first CPU tensors where the caller made the store first: torch
+            # reads the setting once (infinity.core.memory).
+            huge_page_allocations()
+
+    @property
+    def _master_tier(self) -> str:
+        """Where the parameters' master copies live between steps. ``offload_param='none'``
+        with an offloaded optimizer (ZeRO-Offload) keeps every parameter on the device and
+        its master with the optimizer state; so does mixed precision with nothing offloaded."""
+        config = self.config
+        if config.offload_param != "none":
+            return config.offload_param
+        return "nvme" if config.offload_optimizer == "nvme" else "cpu"
+
+    @property
+    def _params_stay_on_device(self) -> bool:
+        """Every parameter whole on the device between uses: ``offload_param='none'``, except
+        under ZeRO stage 3 across ranks, where the device holds a module's gathered copy only
+        while it runs."""
+        partition = self.partition
+        return self.config.offload_param == "none" and (partition is None or
+                                                        partition.stage < 3)
+
+    # -- attach -------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               initialise: bool = True, process_group: Any = None
+               ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
+        """Takes over ``model``'s parameters (and wraps ``optimizer``). Parameters on the meta
+        device are initialised module by module with ``reset_parameters()``; with
+        ``initialise=False`` (their values will come from ``load_pretrained`` or
+        ``load_state_dict``) none is, and nothing is allocated or written for them until then.
+
+        Under torch.distributed with several ranks (``process_group``, default the whole world)
+        the training state is partitioned across the ranks as ZeRO stage ``config.zero_stage``
+        does (see :mod:`infinity.ranks.partition`); every rank must call ``attach`` with the same
+        model and config. Initial values are rank 0's."""
+        if self._closed:
+            raise AttachError("this store is closed; create a new TieredStore")
+        if self.model is not None:
+            raise AttachError("this store is already attached to a model; use one store per "
+                              "model")
+        if not isinstance(model, nn.Module):
+            raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
+                              f"the model (a torch.nn.Module) and then its optimizer")
+        self._check_optimizer(model, optimizer)
+        if self.storage_dtype is not None and optimizer is not None:
+            raise AttachError(
+                f"precision.storage_dtype={self.config.precision.storage_dtype!r} keeps the "
+                f"weights in that dtype between uses, which is for inference: an optimizer's "
+                f"updates need the masters' precision. Attach without an optimizer, or leave "
+                f"storage_dtype 'auto' (mixed precision: precision.dtype)")
+        self.partition = Partition.join(process_group, self.config, self.device)
+        for name, buffer in model.named_buffers():
+            if buffer.is_meta:
+                raise AttachError(
+                    f"buffer '{name}' is on the meta device: the store takes over parameters, "
+                    f"not buffers, so it would have no values in forward. Build the model with "
+                    f"only its parameters on the meta device (accelerate.init_empty_weights(), "
+                    f"whose default leaves buffers real), or give the buffers values first")
+        config = self.config
+        if config.offload_param == "none" and config.offload_optimizer == "none" and \
+                self.compute_dtype is None and self.storage_dtype is None and \
+                self.partition is None:
+            log.info("offload_param and offload_optimizer are 'none' and precision is fp32: "
+                     "parameters and optimizer stay on %s and the store only reports",
+                     self.device)
+            self.model = model.to(self.device)
+            if config.offload_activations != "none":
+                lifecycle.register(self, model)  # swap files may exist from here on
+                try:
+                    self._attach_activations(model)
+                except BaseException:
+                    self._teardown(restore=False)
+                    raise
+            return model, optimizer
+        if config.buffer_count == 1 and "nvme" in (config.offload_param,
+                                                   config.offload_optimizer):
+            log.warning("buffer_count=1: every swap transfer waits for the one buffer, so NVMe "
+                        "I/O is serialised with compute; use buffer_count >= 2 to overlap them")
+        # Claims the model (refused if another store holds it) and arms the SIGTERM/exit
+        # cleanup before the first swap file can exist; _teardown disarms it.
+        lifecycle.register(self, model)
+        try:
+            self._attach(model, optimizer, initialise)
+        except BaseException:
+            self._teardown(restore=True)
+            raise
+        return model, self.optimizer
+
+    @staticmethod
+    def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+        """Refuses an optimizer the store could not wrap, before anything is moved: a wrong
+        type, or parameters the model does not have (they would never get gradients)."""
+        if optimizer is None:
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise AttachError(f"attach expects a torch.optim.Optimizer (or None) as optimizer, "
+                              f"got {type(optimizer).__name__}: build it with "
+                              f"torch.optim.AdamW(model.parameters(), ...)")
+        own = {id(p) for p in model.parameters()}
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if id(param) not in own:
+                    raise AttachError(
+                        f"the optimizer's param_groups[{index}] holds a parameter of shape "
+                        f"{tuple(param.shape)} that is not part of the attached model: build "
+                        f"the optimizer from model.parameters()")
+
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                initialise: bool = True) -> None:
+        config = self.config
+        nvme = self._master_tier == "nvme" or config.offload_optimizer == "nvme"
+        if config.host_budget is not None:
+            # An explicit host budget asks for bounded memory: freed temporaries must go back to
+            # the system (costs page faults on large allocations; see infinity.core.memory).
+            bound_heap_retention()
+            # The process without the model: what stays when the store holds the parameters.
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                              if p.device.type == "cpu" and not p.is_meta)
+            process_bytes = max(resident_bytes() - model_bytes, 0)
+        for name, param in model.named_parameters():
+            self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
+                                    compute_dtype=self.compute_dtype, partition=self.partition,
+                                    storage_dtype=self.storage_dtype)
+        if not self.registry.entries:
+            raise AttachError("the model has no parameters to offload")
+        if self.partition is not None:
+            self.partition.check_same_model(self.registry.entries, config)
+        module_entries = []
+        for module_name, module in model.named_modules():
+            entries = []
+            for _, param in module.named_parameters(recurse=False):
+                entry = self.registry.entry_of(param)
+                if entry is not None and entry not in entries:
+                    entries.append(entry)
+            if entries:
+                module_entries.append((module_name or type(module).__name__, module, entries))
+        total = sum(e.nbytes for e in self.registry.entries)
+        self._set_budgets(total, module_entries)
+        self.model = model
+        device_tier, self._host_tier = self._make_tiers()
+        if nvme:
+            self.engine = self._open_engine()
+        self.placement = Placement(self.registry, device_tier, self._host_tier, self.engine,
+                                   self.follower, BeladyEviction(),
+                                   LookaheadPrefetch(config.prefetch_depth),
+                                   params_on_nvme=self._master_tier == "nvme",
+                                   grads_on_nvme=config.offload_optimizer == "nvme",
+                                   timeline=self.timeline)
+        self.placement.module_names = [name for name, _, _ in module_entries]
+        self.placement.partition = self.partition
+        # During the step, the shards about to be evicted are written back ahead of the reads
+        # that need their room (Placement.clean_ahead); when the arena caches everything nothing
+        # is evicted, and dirty shards are written only at close with keep_swap_files.
+        self.placement.write_behind = not self._cached_all
+        self.placement.prefetch_bytes = config.prefetch_bytes
+        self.placement.persistent = {
+            e.index for e in self.registry.entries
+            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold}
+        # Per-shard norms cost a pass over every gradient: only when clipping or overflow
+        # checks use them.
+        self.placement.track_grad_norms = self.scaler is not None or \
+            config.gradient_clipping > 0
+        if self.scaler is not None:
+            self.placement.loss_scale = self.scaler.scale
+        started = time.perf_counter()
+        self._initialise(model, initialise)
+        log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
+                 "device budget %d, host budget %d", len(self.registry.entries),
+                 len(self.registry.shards), total / 1e6, time.perf_counter() - started,
+                 "the device (masters on " + self._master_tier + ")"
+                 if self._params_stay_on_device else config.offload_param,
+                 self.budgets["device"], self.budgets["host"])
+        if config.host_budget is not None:
+            # The line: the process without the model, the budgets, and autograd's transient
+            # pair of largest-parameter buffers in backward.
+            largest = max(e.nbytes for e in self.registry.entries)
+            limit = process_bytes + self.budgets["host"] + self.budgets["device"] + 2 * largest
+            # Less a margin: RSS is sampled where the heap grows, and may pass it in between.
+            self._heap_watch = HeapWatch(limit - min(2 * largest, limit // 32))
+            log.info("heap reuse after the first step while RSS < %d bytes (process %d + host %d "
+                     "+ device %d + 2 x %d, less a margin)", self._heap_watch.limit,
+                     process_bytes, self.budgets["host"], self.budgets["device"], largest)
+        self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
+        self.hooks.install()
+        if self.scaler is not None:
+            self._handles.append(self.scaler.install(model))
+        self._handles += install_state_dict_hooks(self, model)
+        if optimizer is not None:
+            self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
+            self.update_timing = UpdateTiming(
+                config.step_in_backward, self._against_updates_in_backward(module_entries),
+                self.placement)
+        # Last: from here on every operation on a parameter goes through the store.
+        self.access = ParamAccess(self)
+        self.access.install()
+        self._attach_activations(model)  # its hooks run after the store's, which gather
+
+    def _against_updates_in_backward(self, module_entries: list) -> list[str]:
+        """What in the config keeps ``step_in_backward='auto'`` from updating in backward."""
+        config = self.config
+        reasons = []
+        if self.engine is not None:
+            # An update in backward needs its master, gradient and (Adam's two) moments in the
+            # arena next to what backward holds, and the pipeline's three stages (update, read
+            # ahead, write back): room for four of the largest. And masters updated in backward
+            # are dirty when the next forward gathers them: a module's dirty masters in use
+            # cannot make room for its other shards, so the arena holds the largest module's
+            # masters twice over. Below that, updates stay in optimizer.step(), which has the
+            # whole arena.
+            cost = self._host_tier.slot_cost
+            arena = self._host_tier.arena_bytes
+            parts = 2 + (2 if config.offload_optimizer == "nvme" else 0)
+            update = max(parts * cost(s.nbytes) for s in self.registry.shards.values()
+                         if s.kind == "param")
+            largest = max(sum(cost(s.nbytes) for e in entries for s in e.shards)
+                          for _, _, entries in module_entries)
+            if arena < 4 * update or (self.placement.params_on_nvme and arena < 2 * largest):
+                reasons.append(f"the staging arena ({arena} bytes) is too small to update in "
+                               f"backward: it needs 4 x {update} bytes (the largest update) and "
+                               f"2 x {largest} (the largest module's masters)")
+        if config.gradient_clipping:
+            reasons.append(f"gradient_clipping={config.gradient_clipping:g} needs every "
+                           f"gradient's norm first")
+        if self.scaler is not None:
+            reasons.append("fp16 loss scaling must see every gradient before it can skip a step")
+        if self.partition is not None:
+            reasons.append("several ranks: updates in backward are one rank's only")
+        return reasons
+
+    def _attach_activations(self, model: nn.Module) -> None:
+        """Creates the activation offload (``offload_activations``) and hooks it on ``model``."""
+        if self.config.offload_activations != "none":
+            from infinity.training.activations import offload_for_store
+            self.activations = offload_for_store(self, model)
+
+    def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
+        """The device and host tiers under the budgets (the planner's simulation makes its own,
+        holding no bytes)."""
+        return (DeviceTier(self.device, self.budgets["device"]),
+                HostTier(self.budgets["host"], self.budgets["arena"], self.config.pin_memory,
+                         slot_size=self.config.buffer_size))
+
+    def _initialise(self, model: nn.Module, initialise: bool = True) -> None:
+        """Moves every parameter's values into the store and leaves a placeholder behind.
+
+        Parameters on the meta device (a model built under ``torch.device("meta")``) are
+        materialised one module at a time with the module's ``reset_parameters()``, so a model
+        larger than host memory never exists in memory whole. Those of a module without one
+        (``LlamaRMSNorm``) are left without values, allocating nothing, until a checkpoint load
+        writes them (``load_pretrained``, ``load_state_dict``)."""
+        placement = self.placement
+        done: set[int] = set()
+
+        def take(entry: ParamEntry) -> None:
+            if self.partition is not None:
+                # Every rank starts from rank 0's values, as DistributedDataParallel makes sure.
+                with torch.no_grad():
+                    self.partition.broadcast(entry.param.data)
+            if entry.index in done:
+                write_entry(self, entry, entry.param.data)  # re-initialised by a later module
+            else:
+                placement.initialise(entry, entry.param.data)
+                done.add(entry.index)
+            placement.adopt(entry, self.device)
+
+        references: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param.is_meta:
+                    references.setdefault(id(param), []).append((module, name))
+        for module_name, module in model.named_modules():
+            own = [(n, p) for n, p in module._parameters.items() if p is not None]
+            if not any(p.is_meta for _, p in own):
+                continue
+            if not initialise or not callable(getattr(module, "reset_parameters", None)):
+                for name, param in own:
+                    if param.is_meta:
+                        entry = self.registry.entry_of(param)
+                        # Shape and dtype come from the device tensor adopt() gives it.
+                        # (On the planner's meta device the placeholder is meta too.)
+                        real = nn.Parameter(torch.empty(0, dtype=param.dtype, device=(
+                            self.device if self.device.type == "meta" else None)),
+                            requires_grad=param.requires_grad)
+                        for owner, owner_name in references.pop(id(param), []):
+                            owner._parameters[owner_name] = real
+                        self.registry.rebind(entry, real)
+                        placement.adopt(entry, self.device)
+                        placement.uninitialised.add(entry.index)
+                        done.add(entry.index)
+                log.debug("module '%s' (%s): parameters on the meta device left without values "
+                          "until a checkpoint is loaded", module_name, type(module).__name__)
+                continue
+            for name, param in own:
+                entry = self.registry.entry_of(param)
+                if param.is_meta:
+                    real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                        requires_grad=param.requires_grad)
+                    for owner, owner_name in references.pop(id(param), []):
+                        owner._parameters[owner_name] = real
+                    self.registry.rebind(entry, real)
+                elif entry.index in done:
+                    param.data = torch.empty(entry.shape, dtype=entry.dtype)
+            with torch.no_grad():
+                module.reset_parameters()
+            for name, param in module._parameters.items():
+                if param is not None:
+                    take(self.registry.entry_of(param))
+        for entry in self.registry.entries:
+            if entry.index not in done:
+                take(entry)
+
+    def _set_budgets(self, total: int, module_entries: list) -> None:
+        config = self.config
+        largest_name, _, largest = max(module_entries,
+                                       key=lambda m: sum(e.device_bytes for e in m[2]))
+        largest_bytes = sum(e.device_bytes for e in largest)
+        device_total = sum(e.device_bytes for e in self.registry.entries)
+        if config.device_budget is not None:
+            device_budget = config.device_budget
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            device_budget = min(device_total, int(free * 0.5))
+        else:
+            device_budget = device_total
+        if self.partition is not None and config.device_budget is None:
+            # Every rank must make the same device-tier decisions: their gathers are collectives.
+            device_budget = self.partition.min_across(device_budget)
+        if self._params_stay_on_device:
+            if config.device_budget is not None and device_budget < device_total:
+                raise BudgetError(
+                    f"offload_param='none' keeps every parameter on the device "
+                    f"({device_total} bytes) but device_budget is {device_budget}: raise "
+                    f"device_budget to at least {device_total}, or set offload_param to 'cpu' "
+                    f"or 'nvme' so parameters leave the device between uses")
+            device_budget = device_total
+        persistent = sum(e.device_bytes for e in self.registry.entries
+                         if self._params_stay_on_device
+                         or e.numel <= config.param_persistence_threshold)
+        if device_budget < largest_bytes + persistent and not self._params_stay_on_device:
+            extra = (f" next to {persistent} bytes of persistent parameters "
+                     f"(param_persistence_threshold)" if persistent else "")
+            raise BudgetError(
+                f"device_budget of {device_budget} bytes cannot hold module '{largest_name}', "
+                f"whose parameters take {largest_bytes} bytes and must be on the device together "
+                f"while it runs{extra}: set device_budget to at least "
+                f"{largest_bytes + persistent}")
+        params_nvme = self._master_tier == "nvme"
+        optim_nvme = config.offload_optimizer == "nvme"
+        needed = 0
+        slot = align_up(config.buffer_size)
+
+        def slot_cost(nbytes: int) -> int:  # as the slot arena will place it
+            size = align_up(max(nbytes, 1))
+            return slot if 2 * size > slot else size
+
+        shard_bytes = sum(slot_cost(s.nbytes) for s in self.registry.shards.values())
+        resident = 0 if params_nvme else total   # host tensors outside the arena
+        if params_nvme or optim_nvme:
+            # What the arena would need to cache everything: masters, gradients and (estimated:
+            # two moments, as Adam keeps) optimizer state, in slot bytes, plus one slot for the
+            # gaps that packing small shards into shared slots leaves.
+            needed = (shard_bytes if params_nvme else 0) + \
+                (3 * shard_bytes if optim_nvme else 0) + slot
+            # The swap buffers, or a larger cache of up to max_in_cpu bytes in front of the
+            # drives, but never more than caching everything needs.
+            pool = max(config.buffer_count * align_up(config.buffer_size),
+                       min(config.max_in_cpu, needed))
+            host_budget = config.host_budget if config.host_budget is not None \
+                else resident + min(pool, needed)
+            arena = min(pool, host_budget - resident, needed)
+            if arena < min(align_up(config.buffer_size), needed):
+                raise BudgetError(
+                    f"host_budget of {host_budget} bytes leaves {max(arena, 0)} bytes for swap "
+                    f"buffers, less than one buffer ({config.buffer_size} bytes): raise "
+                    f"host_budget or lower buffer_size")
+        else:
+            arena = 0
+            host_budget = config.host_budget if config.host_budget is not None else total
+        if resident > host_budget:
+            if self._params_stay_on_device:
+                raise BudgetError(
+                    f"offload_param='none' with offload_optimizer='cpu' keeps every "
+                    f"parameter's master copy in host memory ({total} bytes) but host_budget "
+                    f"is {host_budget}: raise host_budget or use offload_optimizer='nvme' "
+                    f"(the masters go with the optimizer state)")
+            raise BudgetError(
+                f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
+                f"but host_budget is {host_budget}: raise host_budget or use "
+                f"offload_param='nvme'")
+        self.budgets = {"device": device_budget, "host": host_budget, "arena": arena,
+                        "params": total}
+        #: the arena holds every offloaded byte: updated shards may stay dirty until evicted
+        self._cached_all = bool(arena) and arena >= needed
+        log.info("budgets: device %d bytes%s, host %d bytes (params %d bytes)", device_budget,
+                 "" if config.device_budget is not None else " (derived)", host_budget, total)
+
+    def _open_engine(self) -> SwapEngine:
+        config = self.config
+        paths = list(config.nvme_path)
+        if not paths:
+            self._temp_dir = Path(tempfile.mkdtemp(prefix="infinity-nvme-"))
+            paths = [self._temp_dir]
+            log.info("nvme_path not set: swapping to the temporary directory %s", self._temp_dir)
+        # Unusable directories (missing, a file, read-only) are named as such before the
+        # free-space preflight, which would otherwise misreport them as full.
+        paths = [check_directory(Path(p)) for p in paths]
+        label = ""
+        if self.partition is not None:
+            paths = self.partition.drives(paths)
+            label = f"rank{self.partition.rank}-"
+        stripe = config.aio.block_size
+        shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        needed = (shard_bytes if self._master_tier == "nvme" else 0) + \
+            (3 * shard_bytes if config.offload_optimizer == "nvme" else 0)
+        per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
+        for path in paths:
+            path = Path(path)
+            if path.is_dir():
+                free = shutil.disk_usage(path).free
+                if free < per_drive:
+                    raise SwapSpaceError(
+                        f"nvme_path {path} has {free} bytes free but the offloaded state needs "
+                        f"{per_drive} bytes there: free space, add directories to nvme_path, or "
+                        f"offload less", path=path, needed=per_drive, available=free)
+        settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
+                                  queue_depth=config.aio.queue_depth,
+                                  thread_count=config.aio.thread_count,
+                                  file_size=align_up(per_drive),
+                                  verify_checksums=config.verify_checksums,
+                                  request_timeout=config.aio.request_timeout)
+        if self._engine_overrides:
+            settings = dataclasses.replace(settings, **self._engine_overrides)
+        backend = None
+        if self._backend_wrapper is not None:
+            roots = [check_directory(Path(p)) for p in paths]
+            name = choose_backend_for(settings.backend, roots)
+            backend = self._backend_wrapper(make_backend(
+                name, settings.queue_depth * len(roots), settings.thread_count,
+                settings.close_timeout))
+        return SwapEngine(paths, settings, keep_files=config.keep_swap_files, backend=backend,
+                          label=label)
+
+    # -- parameters outside forward ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[torch.Tensor] | None = None,
+                 modify: bool = False) -> Iterator[None]:
+        """Holds ``params`` (default: every attached parameter; any iterable, such as one
+        module's ``.parameters()``) on the device with their real values for the block. With
+        ``modify=True`` the block may write them in place (``nn.init``, ``copy_``, ``p.data =
+        ...``): on exit what changed is written back to the masters and NVMe, and the
+        optimizer's state is kept. Outside such a block, reads of a parameter work as they are
+        and in-place writes raise :class:`~infinity.errors.ParameterAccessError`.
+        Tensors taken from the parameters inside (views) are valid only inside."""
+        if self._closed:
+            raise AttachError("this store is closed; create a new TieredStore")
+        if self.model is None:
+            raise AttachError("store.gathered() needs an attached model: call attach() first")
+        if self.access is None:  # attach handed the model back untouched: plain parameters
+            yield
+            return
+        with self.access.gathered(params, modify):
+            yield
+
+    def load_pretrained(self, path: str | Path) -> Any:
+        """Streams Hugging Face safetensors weights (a file, or a directory with
+        ``model.safetensors`` or ``model.safetensors.index.json``) into the attached model's
+        parameters, one shard at a time, never the whole model in memory; keys are the model's
+        own names. Returns ``(missing_keys, unexpected_keys)`` as ``load_state_dict`` does.
+        See :mod:`infinity.checkpointing.pretrained`."""
+        if self.model is None or self.placement is None:
+            raise AttachError("load_pretrained() needs an attached model: call attach() first")
+        from infinity.checkpointing.pretrained import load_pretrained
+        return load_pretrained(self, Path(path))
+
+    def save_checkpoint(self, path: str | Path, extra: Any = None,
+                        async_save: bool = False) -> None:
+        """Saves the training state (masters, optimizer state, loss scaler, step counts, RNG
+        states and ``extra``: anything JSON-able or small tensors, such as a scheduler's
+        state_dict and the data position) to the directory ``path``, on every rank together,
+        shard by shard (see :mod:`infinity.checkpointing.checkpoint`). A crash during the save leaves the
+        previous checkpoint at ``path`` intact. With ``async_save`` the call returns once the
+        save has started and training goes on; the checkpoint is still exactly the state at the
+        call (what a step would change is copied out first): see :mod:`infinity.checkpointing.async_save`."""
+        self._loop_acted("save_checkpoint()")
+        self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Completes a save started with ``async_save=True`` (copying out what is left of the
+        state at its call), raising its failure. The next save, a load and ``close()`` wait
+        for it too."""
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
+
+    def _before_state_change(self, shards: Any) -> None:
+        """Called before masters or optimizer state of ``shards`` change."""
+        if self._checkpoints is not None:
+            self._checkpoints.before_change(shards)
+
+    def _checkpoint_progress(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.progress()
+
+    def load_checkpoint(self, path: str | Path) -> Any:
+        """Restores what :meth:`save_checkpoint` wrote (after ``attach``, on every rank
+        together; any number of ranks, whatever the saving run had) and returns its
+        ``extra``."""
+        return self._checkpointer("load_checkpoint").load(Path(path))
+
+    def _checkpointer(self, what: str) -> Any:
+        if self._closed:
+            raise AttachError("this store is closed; create a new TieredStore")
+        if self.model is None or self.placement is None:
+            raise AttachError(f"{what}() needs a model attached with something offloaded: call "
+                              f"attach() first (a store that only reports leaves the model as "
+                              f"it is: checkpoint it with torch.distributed.checkpoint)")
+        if self._checkpoints is None:
+            from infinity.checkpointing.checkpoint import Checkpointer
+            self._checkpoints = Checkpointer(self)
+        return self._checkpoints
+
+    def predict(self, disk: Any = None, device: Any = None, **overrides: Any) -> dict[str, Any]:
+        """What this model's iteration would cost with the config's fields replaced by
+        ``overrides`` (``host_budget``, ``device_budget``, ``buffer_count``, ``buffer_size``,
+        ``prefetch_depth``, ``offload_param``, ``offload_optimizer``, ``precision``, ...), on
+        ``disk`` (an :class:`infinity.planning.planner.DiskProfile`; default: this run's disk as its
+        engine saw it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile`; default this
+        machine). Needs two recorded iterations. Returns ``step_seconds``, ``phase_seconds``
+        (forward, backward, step), ``bytes_read``/``bytes_written`` per iteration,
+        ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds`` and ``fits`` (False
+        with the ``error`` that attach or the first gather would raise). Runs the store's own
+        placement over tensors that hold no bytes: see :mod:`infinity.planning.planner`."""
+        from infinity.planning.planner import predict
+        return predict(self, overrides, disk=disk, device=device)
+
+    # -- called by hooks and the optimizer ------------------------------------------------------
+    def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
+        self._unfinished_step = None  # a new forward moves on from a step that failed
+        self._loop_acted("a forward pass")
+        self.follower.start_iteration((grad_enabled, training))
+        if self.placement is not None and grad_enabled:
+            self.placement.pass_started()
+
+    def _loop_acted(self, what: str, grads: bool = False) -> None:
+        """The loop used the model (``grads``: its gradients) outside forward and backward;
+        where updates run may depend on it (infinity.training.update_timing)."""
+        if self.update_timing is not None:
+            self.update_timing.loop_acted(what, grads)
+
+    def _gradients_cleared(self) -> None:
+        """``zero_grad()`` or ``p.grad = None``."""
+        timing = self.update_timing
+        if timing is None:
+            return
+        timing.gradients_cleared(len(self._updated_in_backward))
+        if timing.auto and not timing.in_backward:
+            # Updates left backward after some ran there (a backward that raised, then
+            # zero_grad): the next backward is not a second one on top of them.
+            self._updated_in_backward.clear()
+
+    def watch_heap(self) -> None:
+        """Called where the heap grows (module gathers, step tiles)."""
+        if self._heap_watch is not None:
+            self._heap_watch.check()
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _sample_memory(self) -> None:
+        rss = psutil.Process().memory_info().rss
+        nvme = self._nvme_bytes()
+        with self._sample_lock:  # a racing max() from another thread must not lower a peak
+            self._rss_peak = max(self._rss_peak, rss)
+            self._nvme_peak = max(self._nvme_peak, nvme)
+
+    def _nvme_bytes(self) -> int:
+        """Bytes of NVMe extents held (each shard's home, rounded up to 4096)."""
+        engine = self.engine  # read once: close() may clear it from the training thread
+        return engine.space.allocated_bytes if engine is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes per tier (current and peak), I/O totals and timings, steps; see
+        :func:`infinity.observability.reporting.store_stats` for each key."""
+        self._sample_memory()
+        return store_stats(self)
+
+    # -- teardown -------------------------------------------------------------------------------
+    def materialize(self, entry: ParamEntry) -> torch.Tensor:
+        """The parameter's current values as a new host tensor of its shape."""
+        placement = self.placement
+        assert placement is not None
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        flat = out.view(-1)
+        if entry.resident:
+            placement.settle(entry)
+            flat.copy_(entry.device_tensor.reshape(-1))
+            return out
+        for shard in entry.shards:
+            placement.ensure_host(shard)
+            if shard.piece is None:
+                flat[shard.start:shard.start + shard.numel].copy_(shard.host)
+            else:  # every rank's slice: a collective, on every rank
+                start, numel = shard.piece
+                flat[start:start + numel].copy_(self.partition.gather_flat(shard.host, numel))
+        return out
+
+    def close(self, restore_params: bool = True) -> None:
+        """Waits for transfers, gives the parameters their values back as ordinary tensors on
+        the store's device (``restore_params``), removes hooks, swap files and buffers.
+
+        Everything is released even when I/O fails; the first failure (a parameter that could
+        not be read back, kept swap files that could not be brought up to date) is raised
+        afterwards."""
+        if self._closed:
+            return
+        if self._checkpoints is not None and self._checkpoints.pending is not None and \
+                not (self.partition is not None and self.partition.failed):
+            self._checkpoints.wait()  # a save under way needs the tiers until it is done
+        try:
+            failure = self._teardown(restore_params)
+        finally:
+            self._closed = True
+        if failure is not None:
+            raise failure
+
+    def _teardown(self, restore: bool) -> BaseException | None:
+        """Releases everything; returns the first I/O failure met on the way, if any."""
+        placement = self.placement
+        failure: BaseException | None = None
+        if self.partition is not None and self.partition.failed:
+            restore = False  # gathering the values would wait for ranks that are gone
+        try:
+            if placement is not None:
+                if self.config.keep_swap_files:
+                    try:
+                        placement.flush()  # the kept files must hold the current values
+                    except Exception as exc:  # noqa: BLE001 - release everything, raise later
+                        log.error("close: the kept swap files are not current: %s", exc)
+                        failure = exc
+                # Failed write-backs do not matter here: the host copies stay valid.
+                placement.drain()
+                placement.return_lent()  # before the parameters get their values back
+                if self.access is not None:
+                    self.access.remove()  # the parameters are plain again
+                if restore:
+                    for entry in self.registry.entries:
+                        if entry.index in placement.uninitialised:
+                            self._back_to_meta(entry)
+                        elif entry.shards and entry.shards[0].state is not R.EMPTY:
+                            try:
+                                entry.param.data = self.materialize(entry).to(
+                                    self.device, entry.given_dtype or entry.dtype)
+                            except Exception as exc:  # noqa: BLE001 - restore the others
+                                log.error("close: %s could not be restored: %s", entry.name,
+                                          exc)
+                                failure = failure or exc
+        finally:
+            if self.activations is not None:
+                self.activations.close()  # before the engine its transfers use
+            if self._activation_engine is not None:
+                self._activation_engine.close()
+                self._activation_engine = None
+            if self._heap_watch is not None:
+                self._heap_watch.stop()  # the next store in this process starts bounded again
+            if self.hooks is not None:
+                self.hooks.remove()
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+            if placement is not None:
+                placement.return_lent()  # they would view the host memory closed next
+                placement.device.close()
+            if self._host_tier is not None:
+                self._host_tier.close()
+            if self._temp_dir is not None:
+                if self.config.keep_swap_files:
+                    log.info("swap files kept in %s (keep_swap_files)", self._temp_dir)
+                else:
+                    shutil.rmtree(self._temp_dir, ignore_errors=True)
+                self._temp_dir = None
+            lifecycle.unregister(self)  # its files are gone; releases the model
+        return failure
+
+    def _back_to_meta(self, entry: ParamEntry) -> None:
+        """A parameter that never got values goes back to the meta device at close, as it came:
+        honest about having none, and no empty storage left behind."""
+        meta = nn.Parameter(torch.empty(entry.shape, dtype=entry.dtype, device="meta"),
+                            requires_grad=entry.param.requires_grad)
+        for module in self.model.modules():
+            for name, param in module._parameters.items():
+                if param is entry.param:
+                    module._parameters[name] = meta
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

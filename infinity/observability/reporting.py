@@ -1,0 +1,98 @@
+"""What ``TieredStore.stats()`` reports: one dictionary, read from the tiers, the engine, the
+placement's counters and the partition, without changing any of them (other threads may call
+it while the training thread works)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infinity.core.memory import huge_pages_advised
+
+
+def store_stats(store: Any) -> dict[str, Any]:
+    """``store.stats()``: bytes per tier (current and peak), I/O totals and timings, steps."""
+    placement = store.placement
+    engine = store.engine  # read once: close() may clear it from the training thread
+    engine_stats = engine.stats() if engine is not None else None
+    device = placement.device.usage if placement else None
+    host = placement.host.usage if placement else None
+    return {
+        "current_bytes": {"device": device.current if device else 0,
+                          "host": host.current if host else 0,
+                          "nvme": store._nvme_bytes()},
+        "peak_bytes": {"device": device.peak if device else 0,
+                       "host": host.peak if host else 0,
+                       "nvme": store._nvme_peak},
+        "budgets": dict(store.budgets),
+        "bytes_read": engine_stats.bytes_read if engine_stats else 0,
+        "bytes_written": engine_stats.bytes_written if engine_stats else 0,
+        # writes whose NVMe copy was never read: superseded by a newer update of the host copy,
+        # or discarded, before any read needed it (cost without use)
+        "unread_writes": store.registry.unread_writes,
+        "unread_write_bytes": store.registry.unread_write_bytes,
+        # the drives busy: a transfer of either direction in flight
+        "disk_busy_seconds": engine_stats.busy_seconds if engine_stats else 0.0,
+        "io_seconds": (engine_stats.read_seconds + engine_stats.write_seconds)
+        if engine_stats else 0.0,
+        "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
+        "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
+        "stall_seconds": placement.stall_seconds if placement else 0.0,
+        # traffic between the device and host tiers; the seconds are the training thread's
+        # own synchronous copies (all of them without a GPU: the share of a step that a
+        # GPU's copy engine would take off the cores)
+        "bytes_to_device": placement.device.bytes_in if placement else 0,
+        "bytes_from_device": placement.device.bytes_out if placement else 0,
+        "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
+        # device copies that are the host copy itself (a CPU device, no autograd): no copy
+        "lent_gathers": placement.lent_gathers if placement else 0,
+        # a CPU device's gathers that found no free range in its slab (fresh memory instead)
+        "device_slab_misses": placement.device.slab_misses if placement else 0,
+        "steps": store.steps,
+        # where optimizer updates run now (step_in_backward; 'auto' settles after one step)
+        "update_mode": store.update_timing.mode.value if store.update_timing else None,
+        "prefetched_loads": placement.prefetched_loads if placement else 0,
+        "demand_loads": placement.demand_loads if placement else 0,
+        "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,
+        # write-backs eviction had to start (and wait for) during forward and backward,
+        # and those started ahead, during forward, from what the last pass had to wait for
+        "forced_pass_writes": placement.forced_pass_writes if placement else 0,
+        "write_ahead_writes": placement.writes_ahead if placement else 0,
+        "grad_bytes": placement.grad_bytes if placement else 0,
+        "pinned_bytes": placement.host.pinned_bytes if placement else 0,
+        "rss_peak_bytes": store._rss_peak,
+        # freed heap blocks reused (a host budget left room for it; infinity.core.memory)
+        "heap_reuse": bool(store._heap_watch and store._heap_watch.active),
+        # torch's large CPU blocks fault 2 MiB pages (THP_MEM_ALLOC_ENABLE; infinity.core.memory)
+        "huge_page_allocations": bool(huge_pages_advised()),
+        "trace_departures": store.follower.diverged_iterations,
+        "backend": engine.backend_name if engine is not None else None,
+        # failed transfers: each failed attempt, re-issues, transfers that succeeded after
+        # failing, and failures that outlasted the retries (see infinity.core.placement)
+        "io_errors": placement.io_errors if placement else 0,
+        "io_retries": placement.io_retries if placement else 0,
+        "io_recoveries": placement.io_recoveries if placement else 0,
+        "io_failures": placement.io_failures if placement else 0,
+        "io_timeouts": engine_stats.timeouts if engine_stats else 0,
+        "integrity_errors": engine_stats.integrity_errors if engine_stats else 0,
+        # arena bytes held back because a timed-out read may still write into them
+        "quarantined_bytes": placement.quarantined_bytes if placement else 0,
+        # across data-parallel ranks (None in one process): bytes this rank sent into
+        # all-gathers (its slices) and reductions (whole gradients), and the seconds the
+        # training thread waited for them
+        "comm": _comm_stats(store),
+        # saved activations moved off the device (offload_activations; None when 'none')
+        "activations": store.activations.stats() if store.activations is not None else None,
+    }
+
+
+def _comm_stats(store: Any) -> dict[str, Any] | None:
+    partition = store.partition
+    if partition is None:
+        return None
+    stats = partition.stats
+    return {"rank": partition.rank, "world": partition.world, "stage": partition.stage,
+            "backend": partition.backend, "gathered_bytes": stats.gathered_bytes,
+            "reduced_bytes": stats.reduced_bytes, "gather_seconds": stats.gather_seconds,
+            "reduce_seconds": stats.reduce_seconds, "collectives": stats.collectives,
+            # device copies whose all-gathers started while the module before computed
+            "assembled_ahead": store.placement.assembled_ahead if store.placement else 0}

@@ -1,0 +1,568 @@
+"""Predictions before paying for a run: step time, bytes moved and memory per tier.
+
+``TieredStore.predict(**overrides)`` replays the store's recorded trace through a second store
+built for the candidate configuration, with the same placement, eviction, prefetch and step
+code, over tensors that hold no bytes (the meta device) and a swap engine whose transfers take
+simulated time. What is decided is therefore what the store would decide; only time is modelled:
+
+* **compute**: after each trace event, the seconds the recorded run spent until the next one
+  (the module's compute and the loop's own work, less the store's stalls and copies; see
+  ``Trace.compute``), times the device profile's scale; the optimizer step, the recorded
+  step's seconds per updated element (updates and the pipeline's own work, less its waits).
+* **device copies**: bytes over the memcpy rate measured in the recorded run (a CPU device), or
+  over the host<->device link's bandwidth (a GPU profile).
+* **the disk**: one queue of transfers at the disk profile's read and write bandwidth; reads and
+  writes share one budget (``DiskProfile.shared``) as on this machine's virtio disk, or run side
+  by side. A transfer completes at a simulated time, and waiting for it moves the clock there.
+
+Memory: the tiers' peak bytes are exact (the same accounting); peak RSS is predicted as the
+recorded process's RSS less its tiers' peak bytes, plus the candidate's.
+
+A budget that cannot hold what one module needs fails the same way attach or the first gather
+fails, and the prediction says so (``fits`` False, with the error naming the module).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from infinity.config import OffloadConfig
+from infinity.core.memory import peak_resident_bytes
+from infinity.errors import BudgetError, InfinityError
+from infinity.core.shards import ParamEntry
+from infinity.checkpointing.state_dict import write_entry_pieces
+from infinity.core.tiers import DeviceTier, HostTier
+from infinity.core.trace import BACKWARD, FORWARD, Trace
+from swap import EngineStats
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+#: iterations a prediction replays, and the first ones it leaves out of its means (the first
+#: records a trace, the second is the first one prefetch follows). Which shards the step
+#: writes back depends on which reads have landed when a tile is formed, so the bytes written
+#: vary from one iteration to the next by +-20% on bench_plan's model, in a run and in its
+#: simulation alike: a mean over several steady iterations is what a measured run's mean
+#: over its steps is compared with.
+ITERATIONS = 12
+WARMUP = 2
+
+
+class PlanError(InfinityError, ValueError):
+    """A prediction was asked for what cannot be predicted (no recorded step, a bad profile)."""
+
+
+# -- profiles -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DiskProfile:
+    """What the drives do: GB/s (10**9 bytes) for reads and writes, and whether the two share
+    one budget (a read slows a write down, as on this machine's virtio disk and most single
+    NVMe drives under mixed load) or run side by side."""
+    read_gbps: float
+    write_gbps: float
+    shared: bool = True
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.read_gbps > 0 and self.write_gbps > 0):
+            raise PlanError(f"a disk profile needs read and write GB/s > 0, got "
+                            f"{self.read_gbps} and {self.write_gbps}")
+
+    @classmethod
+    def from_bench_json(cls, path: str | Path, shared: bool = True) -> "DiskProfile":
+        """From ``infinity-bench --json`` output: each direction's best engine point."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+            best = data["best"]
+            read = max(b["read"]["gbps"] for b in best.values() if "read" in b)
+            write = max(b["write"]["gbps"] for b in best.values() if "write" in b)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PlanError(f"{path} is not infinity-bench --json output with read and write "
+                            f"results ({type(exc).__name__}: {exc}): run infinity-bench "
+                            f"--path <your nvme_path> --json {path.name}") from exc
+        return cls(read, write, shared, source=str(path))
+
+    def scaled(self, drives: int) -> "DiskProfile":
+        """``drives`` of these striped (the store stripes requests over its nvme_path list)."""
+        return dataclasses.replace(self, read_gbps=self.read_gbps * drives,
+                                   write_gbps=self.write_gbps * drives,
+                                   source=f"{drives} x {self.source or 'profile'}")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Where the modules compute: ``compute_scale`` multiplies the recorded compute seconds
+    (1 = this machine), ``link_gbps`` is the host<->device bandwidth (None: a CPU device,
+    where a copy is a memcpy at the recorded rate)."""
+    name: str
+    compute_scale: float = 1.0
+    link_gbps: float | None = None
+    source: str = ""
+
+
+#: Dense bf16 tensor throughput and host links from the vendors' data sheets. A GPU preset's
+#: compute_scale is derived against this machine's measured matmul rate (``device_profile``).
+GPU_PRESETS: dict[str, tuple[float, float, str]] = {
+    # name: (dense bf16 TFLOP/s, host link GB/s, source)
+    "A100": (312.0, 25.0, "NVIDIA A100 data sheet (SXM4, dense BF16 312 TFLOPS; PCIe 4.0 x16)"),
+    "H100": (989.0, 50.0, "NVIDIA H100 data sheet (SXM5, dense BF16 989 TFLOPS; PCIe 5.0 x16)"),
+    "H200": (989.0, 50.0, "NVIDIA H200 data sheet (SXM, dense BF16 989 TFLOPS; PCIe 5.0 x16)"),
+}
+#: the share of peak a training step's matmuls reach (MFU); the ZeRO-Infinity paper reports
+#: 40-50% of peak for its largest models, so the middle of that
+GPU_EFFICIENCY = 0.45
+
+
+def measure_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate (TFLOP/s), the base a GPU preset is scaled against."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * size ** 3 / best / 1e12
+
+
+def device_profile(name: str, here_tflops: float | None = None) -> DeviceProfile:
+    """A named preset: ``this machine`` (or ``cpu``), or one of :data:`GPU_PRESETS`."""
+    if name.lower() in ("this machine", "this", "cpu", "here"):
+        return DeviceProfile("this machine", 1.0, None, "measured in the recorded step")
+    key = name.upper()
+    if key not in GPU_PRESETS:
+        raise PlanError(f"unknown device profile {name!r}: use 'this machine' or one of "
+                        f"{', '.join(GPU_PRESETS)}")
+    tflops, link, source = GPU_PRESETS[key]
+    here = here_tflops if here_tflops is not None else measure_matmul_tflops()
+    return DeviceProfile(key, here / (tflops * GPU_EFFICIENCY), link,
+                         f"{source}; {GPU_EFFICIENCY:.0%} of peak, against {here:.3f} TFLOP/s "
+                         f"measured here")
+
+
+# -- simulated time -----------------------------------------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.stalled = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+    def wait_until(self, when: float) -> None:
+        if when > self.now:
+            self.stalled += when - self.now
+            self.now = when
+
+
+class _Future:
+    """A transfer that completes at a simulated time; waiting for it moves the clock there."""
+
+    def __init__(self, clock: _Clock, done_at: float, nbytes: int) -> None:
+        self._clock = clock
+        self.done_at = done_at
+        self.nbytes = nbytes
+
+    def done(self) -> bool:
+        return self._clock.now >= self.done_at
+
+    def result(self, timeout: float | None = None) -> int:
+        self._clock.wait_until(self.done_at)
+        return self.nbytes
+
+    def exception(self, timeout: float | None = None) -> None:
+        self._clock.wait_until(self.done_at)
+        return None
+
+    def add_done_callback(self, callback: Any) -> None:
+        callback(self)
+
+
+@dataclass(frozen=True)
+class _Extent:
+    serial: int
+    nbytes: int
+
+
+class _Space:
+    def __init__(self) -> None:
+        self.allocated_bytes = 0
+
+
+class _Engine:
+    """The swap engine's interface over simulated time: one queue of transfers at the disk
+    profile's bandwidth (two queues when reads and writes do not share it)."""
+
+    backend_name = "simulated"
+    keep_files = False
+
+    def __init__(self, clock: _Clock, disk: DiskProfile) -> None:
+        self.clock = clock
+        self.disk = disk
+        self.space = _Space()
+        self._free_at = {"read": 0.0, "write": 0.0}
+        self._serial = 0
+        self._counts = {"bytes_read": 0, "bytes_written": 0, "read_seconds": 0.0,
+                        "write_seconds": 0.0, "read_requests": 0, "write_requests": 0}
+
+    def allocate(self, nbytes: int) -> _Extent:
+        self._serial += 1
+        self.space.allocated_bytes += nbytes
+        return _Extent(self._serial, nbytes)
+
+    def free(self, extent: _Extent) -> None:
+        self.space.allocated_bytes -= extent.nbytes
+
+    def _transfer(self, op: str, nbytes: int) -> _Future:
+        queue = "read" if self.disk.shared else op
+        gbps = self.disk.read_gbps if op == "read" else self.disk.write_gbps
+        start = max(self.clock.now, self._free_at[queue])
+        done = start + nbytes / (gbps * GB)
+        self._free_at[queue] = done
+        counts = self._counts
+        counts[f"bytes_{'read' if op == 'read' else 'written'}"] += nbytes
+        counts[f"{op}_seconds"] += done - start
+        counts[f"{op}_requests"] += 1
+        return _Future(self.clock, done, nbytes)
+
+    def read(self, extent: _Extent, buffer: Any, *, nbytes: int | None = None,
+             **_: Any) -> _Future:
+        return self._transfer("read", extent.nbytes if nbytes is None else nbytes)
+
+    def write(self, extent: _Extent, buffer: Any, *, nbytes: int | None = None,
+              **_: Any) -> _Future:
+        return self._transfer("write", extent.nbytes if nbytes is None else nbytes)
+
+    def quarantined(self) -> list:
+        return []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._counts)
+
+    def close(self) -> None:
+        pass
+
+
+class _DeviceTier(DeviceTier):
+    """The device tier on the meta device; a copy takes simulated time."""
+
+    def __init__(self, budget: int, clock: _Clock, copy_gbps: float, host_memory: bool) -> None:
+        super().__init__(torch.device("meta"), budget)
+        self.clock = clock
+        self.copy_gbps = copy_gbps
+        self.host_memory = host_memory  # a CPU device: gradients are host tensors already
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = dst.numel() * dst.element_size()
+        self.bytes_in += nbytes
+        self.clock.advance(nbytes / (self.copy_gbps * GB))
+        return None
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = src.numel() * src.element_size()
+        self.bytes_out += nbytes
+        self.clock.advance(nbytes / (self.copy_gbps * GB))
+
+
+# -- the replay ---------------------------------------------------------------------------------
+@dataclass
+class Recording:
+    """What a recorded run tells about time and memory: the trace with each event's compute
+    seconds, the optimizer (class and options) and the step's seconds per updated element (its
+    updates and their bookkeeping, less its waits and copies), the rate of device copies, and
+    the process's RSS besides the tiers. :func:`recording_of` reads it
+    from an attached store; a planner for a model too large to run here builds one from a
+    smaller copy (``tools/commands/plan.py``)."""
+    trace: Trace
+    training: bool
+    step_seconds_per_element: float = 0.0
+    copy_gbps: float = 10.0
+    base_rss: int = 0
+    optimizer_class: type | None = None
+    optimizer_options: dict = dataclasses.field(default_factory=dict)
+
+
+def recording_of(store: Any) -> Recording:
+    """The recording of an attached store that has run two iterations (the second gives the
+    compute times)."""
+    if store.model is None or store.placement is None:
+        raise PlanError("predict() needs an attached store that offloads (attach, then run two "
+                        "steps)")
+    traces = store.follower.traces
+    trace = traces.get((True, True)) or traces.get((True, False))
+    training = trace is not None
+    if trace is None:
+        trace = traces.get((False, False)) or traces.get((False, True))
+    if trace is None or not any(trace.compute):
+        raise PlanError("predict() needs a recorded iteration and one that followed it (the "
+                        "compute times come from the second): run two training steps (or two "
+                        "forwards for inference) first")
+    optimizer = store.optimizer
+    per_element = 0.0
+    optimizer_class, options = None, {}
+    if optimizer is not None:
+        per_element = optimizer.step_seconds_per_element
+        inner = optimizer.inner
+        optimizer_class = type(inner)
+        accepted = inspect.signature(optimizer_class.__init__).parameters
+        options = {k: v for k, v in inner.defaults.items() if k in accepted and
+                   k not in ("fused", "foreach", "capturable", "differentiable")}
+    device = store.placement.device
+    copied, seconds = device.bytes_in + device.bytes_out, device.copy_seconds
+    if optimizer is not None and optimizer.last_copies is not None and optimizer.last_copies[1]:
+        copied, seconds = optimizer.last_copies  # the last iteration's: the first ones fault
+    copy_gbps = copied / seconds / GB if seconds > 0 else 10.0
+    stats = store.stats()
+    tiers = stats["peak_bytes"]["host"] + (stats["peak_bytes"]["device"]
+                                           if store.device.type == "cpu" else 0)
+    # The store samples RSS where the heap grows, and can miss the peak between samples; the
+    # process's own peak is exact, but may be older than the store (then the prediction errs
+    # high, the safe side for a memory plan).
+    rss = max(stats["rss_peak_bytes"], peak_resident_bytes())
+    return Recording(trace, training, per_element, copy_gbps, max(0, rss - tiers),
+                     optimizer_class, options)
+
+
+def _clone(model: nn.Module, entries: list[ParamEntry]) -> nn.Module:
+    """The module tree of ``model`` with meta parameters of each entry's shape and dtype, in the
+    same order (tied parameters stay tied), so a store attached to it has the same entries and
+    modules, with the same indices."""
+    by_id = {id(e.param): e for e in entries}
+    made: dict[int, nn.Parameter] = {}
+
+    def param_for(param: nn.Parameter) -> nn.Parameter:
+        entry = by_id[id(param)]
+        if entry.index not in made:
+            made[entry.index] = nn.Parameter(
+                torch.empty(entry.shape, dtype=entry.given_dtype or entry.dtype, device="meta"),
+                requires_grad=entry.param.requires_grad)
+        return made[entry.index]
+
+    return tree_with(model, param_for)
+
+
+def tree_with(model: nn.Module, param_for: Callable[[nn.Parameter], nn.Parameter]) -> nn.Module:
+    """``model``'s module tree as plain modules holding ``param_for(p)`` for each parameter
+    ``p``, in the same order (what a store numbers its entries and modules by)."""
+    clones: dict[str, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        clone = nn.Module()
+        for key, param in module._parameters.items():
+            if param is not None:
+                clone.register_parameter(key, param_for(param))
+        clones[name] = clone
+    for name, clone in clones.items():
+        if name:
+            parent, _, child = name.rpartition(".")
+            setattr(clones[parent], child, clone)
+    return clones[""]
+
+
+def predict(store: Any, overrides: dict[str, Any], disk: DiskProfile | None = None,
+            device: DeviceProfile | None = None, iterations: int = ITERATIONS
+            ) -> dict[str, Any]:
+    """See :meth:`TieredStore.predict`."""
+    recording = recording_of(store)
+    config = store.config.replace(**overrides) if overrides else store.config
+    return simulate(_clone(store.model, store.registry.entries), recording, config,
+                    disk or _disk_from(store), device, iterations,
+                    cpu_memory=store.device.type == "cpu")
+
+
+def simulate(model: nn.Module, recording: Recording, config: OffloadConfig,
+             disk: DiskProfile, device: DeviceProfile | None = None,
+             iterations: int = ITERATIONS, cpu_memory: bool = True) -> dict[str, Any]:
+    """Attaches a store for ``config`` to ``model`` (its parameters on the meta device, in the
+    order the recording's trace numbers them), replays ``iterations`` of the recorded trace
+    through it, and reports the mean of those after the first :data:`WARMUP` (at least the
+    last; see :meth:`TieredStore.predict` for the keys).
+    ``cpu_memory``: the device tier's bytes are host memory (they count in the RSS)."""
+    from infinity.core.store import TieredStore  # the simulated store is one
+    if recording.training and recording.optimizer_class is not None and \
+            not recording.trace.grads:
+        raise PlanError("the recording's trace has no gradient events (Trace.grads): the "
+                        "optimizer would update nothing; record a training step with the store")
+    # What only changes arithmetic, or needs real values, is off in the simulation: the fused
+    # kernel (no meta implementation), norms for clipping and overflow checks (no values).
+    config = config.replace(fused_optimizer=False, gradient_clipping=0.0,
+                            verify_checksums=False, keep_swap_files=False,
+                            offload_activations="none")
+    device = device or DeviceProfile("this machine")
+    clock = _Clock()
+    copy_gbps = device.link_gbps or recording.copy_gbps
+
+    class Simulated(TieredStore):
+        def _open_engine(self) -> Any:
+            return _Engine(clock, disk)
+
+        def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
+            return (_DeviceTier(self.budgets["device"], clock, copy_gbps,
+                                host_memory=device.link_gbps is None),
+                    HostTier(self.budgets["host"], self.budgets["arena"], False,
+                             slot_size=self.config.buffer_size, meta=True))
+
+    sim = Simulated(config)
+    sim.device = torch.device("meta")
+    optimizer = None
+    if recording.training and recording.optimizer_class is not None:
+        optimizer = recording.optimizer_class(
+            [p for p in model.parameters() if p.requires_grad], **recording.optimizer_options)
+    result: dict[str, Any] = {"disk": dataclasses.asdict(disk),
+                              "device": dataclasses.asdict(device), "fits": True}
+    try:
+        sim.attach(model, optimizer, initialise=False)
+        for entry in sim.registry.entries:  # every value on NVMe (or the host), as after a load
+            write_entry_pieces(sim, entry, lambda shard: torch.empty(
+                shard.numel, dtype=shard.dtype, device="meta"))
+        sim.placement.drain()
+        if sim.engine is not None:
+            clock.wait_until(max(sim.engine._free_at.values()))
+        clock.stalled = 0.0
+        phases = _replay(sim, recording, clock, device.compute_scale, iterations,
+                         lend=device.link_gbps is None)
+    except BudgetError as exc:
+        result.update(fits=False, error=str(exc))
+        return result
+    finally:
+        _close(sim)
+    stats = sim.stats()
+    host_peak = stats["peak_bytes"]["host"]
+    device_peak = stats["peak_bytes"]["device"]
+    result.update(phases)
+    result["peak_bytes"] = {"device": device_peak, "host": host_peak,
+                            "nvme": stats["peak_bytes"]["nvme"]}
+    result["budgets"] = dict(sim.budgets)
+    result["rss_peak_bytes"] = recording.base_rss + host_peak + (
+        device_peak if cpu_memory and device.link_gbps is None else 0)
+    return result
+
+
+def _disk_from(store: Any) -> DiskProfile:
+    """This run's own disk, as its engine saw it (bytes over busy seconds per direction)."""
+    engine = store.engine
+    stats = engine.stats() if engine is not None else None
+    if stats is None or not (stats.read_seconds and stats.write_seconds):
+        raise PlanError("no disk profile: pass disk=DiskProfile(...) or "
+                        "DiskProfile.from_bench_json('bench.json') (infinity-bench --json)")
+    return DiskProfile(stats.bytes_read / stats.read_seconds / GB,
+                       stats.bytes_written / stats.write_seconds / GB, True,
+                       source="this run's engine")
+
+
+def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
+            iterations: int, lend: bool) -> dict[str, Any]:
+    """Runs ``iterations`` of the recorded trace through the simulated store (the first
+    records its own trace, as a real run's first does) and measures the last."""
+    trace = recorded.trace
+    placement = sim.placement
+    entries = sim.registry.entries
+    optimizer = sim.optimizer
+    if optimizer is not None:
+        inner_step = optimizer.inner.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            clock.advance(sum(p.numel() for group in optimizer.inner.param_groups
+                              for p in group["params"] if p.grad is not None)
+                          * recorded.step_seconds_per_element)
+            return inner_step(*args, **kwargs)
+        optimizer.inner.step = timed_step  # the simulation's own optimizer instance
+    measured: list[dict[str, Any]] = []
+    for iteration in range(iterations):
+        engine_before = sim.engine.stats() if sim.engine is not None else EngineStats()
+        start, stalled = clock.now, clock.stalled
+        marks: dict[str, float] = {}
+        sim._start_iteration(recorded.training, recorded.training)
+        holds: dict[ParamEntry, int] = {}
+        grads = collections.defaultdict(list)  # events observed -> gradients completed there
+        for observed, index in trace.grads:
+            grads[observed].append(entries[index])
+        for position, event in enumerate(trace.events):
+            if event.kind == BACKWARD and "forward" not in marks:
+                marks["forward"] = clock.now
+            placement.on_event(event)
+            used = [entries[i] for i in event.entries]
+            for entry in used:
+                placement.gather(entry, lend=lend and not recorded.training)
+            clock.advance(trace.compute[position] * scale)
+            if event.kind == FORWARD:
+                for entry in used:
+                    placement.release(entry)
+                if placement.inference_iteration_over:
+                    placement.prefetch_ahead()
+                continue
+            for entry in used:
+                holds[entry] = holds.get(entry, 0) + 1
+            # As the gradient hooks do, where autograd completed each gradient.
+            for entry in grads.get(position + 1, ()):
+                taken = entry.param.requires_grad
+                if taken:
+                    sim._grad_arriving(entry)
+                    placement.take_grad(entry, torch.empty(
+                        entry.shape, dtype=entry.compute_dtype, device="meta"))
+                for _ in range(holds.pop(entry, 0)):
+                    placement.release(entry)
+                if taken and placement.update_in_backward:
+                    sim._grad_complete(entry, nested=False)
+        for entry, count in holds.items():
+            for _ in range(count):
+                placement.release(entry)
+        if recorded.training:
+            sim.hooks.backward_pass_finished()
+        marks.setdefault("forward", clock.now)
+        marks["backward"] = clock.now
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        end = clock.now
+        engine_after = sim.engine.stats() if sim.engine is not None else EngineStats()
+        measured.append({
+            "step_seconds": end - start,
+            "phase_seconds": {"forward": marks["forward"] - start,
+                              "backward": marks["backward"] - marks["forward"],
+                              "step": end - marks["backward"]},
+            "stall_seconds": clock.stalled - stalled,
+            "bytes_read": engine_after.bytes_read - engine_before.bytes_read,
+            "bytes_written": engine_after.bytes_written - engine_before.bytes_written,
+        })
+    return _mean_of(measured[min(WARMUP, iterations - 1):], iterations)
+
+
+def _mean_of(steady: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
+    """The iterations' mean: seconds as floats, bytes rounded to whole bytes; with each
+    iteration's bytes, to show how much they vary."""
+    count = len(steady)
+
+    def mean(key: str) -> float:
+        return sum(it[key] for it in steady) / count
+    return {
+        "step_seconds": mean("step_seconds"),
+        "phase_seconds": {phase: sum(it["phase_seconds"][phase] for it in steady) / count
+                          for phase in ("forward", "backward", "step")},
+        "stall_seconds": mean("stall_seconds"),
+        "bytes_read": round(mean("bytes_read")),
+        "bytes_written": round(mean("bytes_written")),
+        "iterations": {"replayed": iterations, "averaged": count,
+                       "bytes_read": [it["bytes_read"] for it in steady],
+                       "bytes_written": [it["bytes_written"] for it in steady]},
+    }
+
+
+def _close(sim: Any) -> None:
+    try:
+        sim.close(restore_params=False)
+    except Exception as exc:  # noqa: BLE001 - the simulation's own bookkeeping, nothing on disk
+        log.debug("closing the simulated store: %s", exc)

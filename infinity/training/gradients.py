@@ -1,0 +1,324 @@
+"""Companion shards (gradients and optimizer state kept beside a parameter shard) and the
+gradient path: a finished device gradient goes into its shard's host accumulator, or into a
+gradient companion that can be swapped to NVMe like any shard.
+
+A mixin of :class:`infinity.core.placement.Placement`: it uses the placement's host slots, reaping and
+registry, and keeps no state of its own beyond the placement's attributes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from infinity.errors import BudgetError
+from infinity.core.residency import Residency as R
+from infinity.core.shards import ParamEntry, Shard
+
+
+class CompanionsAndGradients:
+    # -- companions (gradients and optimizer state on NVMe) -----------------------------------
+    def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:
+        found = shard.companions.get(kind)
+        if found is None:
+            found = Shard(f"{shard.id}@{kind}", shard.entry, shard.start, numel, dtype, kind=kind)
+            shard.companions[kind] = found
+        return found
+
+    def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
+        HOST (dirty): written back when evicted or after the step."""
+        if not self._host_slot(shard, protect=(), horizon=0.0):
+            raise BudgetError(self._no_room(shard))
+        if source is not None:
+            shard.host.copy_(source)
+        self.registry.set_state(shard, R.HOST)
+        return shard.host
+
+    def discard(self, shard: Shard) -> None:
+        """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""
+        if shard.state is R.EMPTY:
+            return
+        self.reap(shard, wait=True)
+        if shard.arena_offset is not None:
+            self._free_slot(shard)
+        self.registry.set_state(shard, R.EMPTY)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True,
+                  reduce: bool = True) -> None:
+        """Moves a finished device gradient into the entry's shards' host accumulators (fp32
+        master dtype), dividing out the loss scale (``unscale``: it came from backward) and
+        keeping each shard's squared norm when norms are tracked (clipping, overflow checks,
+        a loop that reads gradient norms). Across several ranks the gradient is this rank's
+        and is averaged over the ranks (``reduce``) before this rank keeps its slices; without
+        ``reduce`` it is already the average (a gradient the loop assigned)."""
+        scale = self.loss_scale if unscale else 1.0
+        started = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        for shard in entry.shards:
+            if shard.piece is not None and reduce:
+                # Averaged over the ranks in the background (overlap_comm); accumulated once
+                # the reduction completes, in the order the reductions started.
+                start, numel = shard.piece
+                self.partition.start_reduce(
+                    flat[start:start + numel], shard.numel, shard.dtype,
+                    lambda piece, shard=shard: self._accumulate_grad(shard, piece, scale))
+                continue
+            self._accumulate_grad(shard, self._own_part(flat, shard), scale)
+        self.timeline.span(entry.name, "d2h", started, time.perf_counter())
+
+    def finish_reductions(self) -> None:
+        """Completes the gradient reductions under way across ranks (end of backward, and
+        before anything reads a gradient)."""
+        if self.partition is not None:
+            self.partition.finish_reductions()
+
+    def _accumulate_grad(self, shard: Shard, piece: torch.Tensor, scale: float) -> None:
+        """Adds ``piece`` (the shard's part of a new gradient, times ``scale``) to its
+        accumulated gradient."""
+        if scale != 1.0:
+            piece = piece.to(shard.dtype) / scale  # unscale before accumulating
+        if shard.grad_scale != 1.0 and self.has_grad(shard):
+            # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
+            self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
+        if not self.grads_on_nvme or self._updated_right_away(shard, piece):
+            if shard.grad is None and self.device.host_memory and \
+                    piece.dtype == shard.dtype and piece.is_contiguous():
+                # A gradient computed in host memory (no GPU) already is a host tensor:
+                # keep it instead of copying it (the hook drops param.grad right after).
+                self._hold_grad(shard, piece)
+            elif shard.grad is None:
+                self._hold_grad(shard, self.host.scratch(shard.numel, shard.dtype))
+                self.device.copy_out(shard.grad, piece)
+            else:
+                shard.grad.add_(self._on_host(piece, shard.grad.dtype))
+            target = shard.grad
+        else:
+            target = self._grad_companion_for_write(shard)
+            if target is None:
+                holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+                target = self.fill(holder)
+                self.device.copy_out(target, piece)
+            else:
+                target.add_(self._on_host(piece, target.dtype))
+        shard.grad_scale = 1.0
+        shard.grad_sq_norm = _sq_norm(target) if self.track_grad_norms else None
+
+    @staticmethod
+    def _own_part(flat: torch.Tensor, shard: Shard) -> torch.Tensor:
+        """``shard``'s part of the flat gradient ``flat``: its range, or, partitioned across
+        ranks, its slice of ``flat`` padded with zeros (a gradient that is already the
+        average over the ranks)."""
+        if shard.piece is None:
+            return flat[shard.start:shard.start + shard.numel]
+        return shard.padded(shard.part_of(flat))
+
+    # -- what the user's loop sees of a gradient (infinity.training.grad_view) ---------------------------
+    def global_sq_norms(self, groups: list[list[Shard]]) -> list[float]:
+        """For each group of shards, the squared norm of their gradients as the loop sees them,
+        over every rank's slices (one collective for all groups)."""
+        self.finish_reductions()
+        local = [math.fsum(self.grad_sq_norm(s) for s in group) for group in groups]
+        if self.partition is None:
+            return local
+        return self.partition.sum_across(local)
+
+    def grad_sq_norm(self, shard: Shard) -> float:
+        """The squared L2 norm of the shard's gradient as the loop sees it (its recorded factor
+        applied); computed from the gradient, read back if need be, when it was not tracked."""
+        if shard.grad_scale == 0.0 or not self.has_grad(shard):
+            return 0.0
+        if shard.grad_sq_norm is None:
+            shard.grad_sq_norm = _sq_norm(self._grad_for_read(shard))
+        return shard.grad_sq_norm * shard.grad_scale ** 2
+
+    def read_grad(self, entry: ParamEntry) -> torch.Tensor:
+        """The entry's gradient as a new host tensor of the parameter's shape (master dtype),
+        read through the tiers, with the recorded factor applied."""
+        self.finish_reductions()
+        out = torch.zeros(entry.shape, dtype=entry.dtype)
+        flat = out.view(-1)
+        for shard in entry.shards:
+            if shard.piece is not None:
+                # Every rank holds a slice: assemble the whole (a collective, on every rank).
+                local = torch.zeros(shard.numel, dtype=entry.dtype)
+                if self.has_grad(shard) and shard.grad_scale != 0.0:
+                    local.copy_(self._grad_for_read(shard))
+                    if shard.grad_scale != 1.0:
+                        local.mul_(shard.grad_scale)
+                start, numel = shard.piece
+                flat[start:start + numel].copy_(self.partition.gather_flat(local, numel))
+                continue
+            if not self.has_grad(shard):
+                continue
+            piece = flat[shard.start:shard.start + shard.numel]
+            if shard.grad_scale == 0.0:
+                continue  # zeroed (p.grad.zero_()): zeros, whatever was there (NaN too)
+            piece.copy_(self._grad_for_read(shard))
+            if shard.grad_scale != 1.0:
+                piece.mul_(shard.grad_scale)
+        return out
+
+    def replace_grad(self, entry: ParamEntry, value: torch.Tensor | None,
+                     same_gradient: bool = False) -> None:
+        """Makes ``value`` (a host tensor of the parameter's shape that the store may keep, or
+        None) the entry's gradient, as assigning ``p.grad`` does. ``same_gradient``: the result
+        of an in-place op on the gradient, so views of it stay current."""
+        self.finish_reductions()
+        generation = entry.grad_generation
+        for shard in entry.shards:
+            self.drop_grad(shard)
+        if value is not None:
+            self.take_grad(entry, value, unscale=False, reduce=False)
+        if same_gradient:
+            entry.grad_generation = generation
+
+    def apply_grad_multiplier(self, shard: Shard, grad: torch.Tensor, multiplier: float) -> None:
+        """Multiplies the host gradient ``grad`` of ``shard`` in place by ``multiplier`` times
+        the factor the loop recorded, which is then done."""
+        factor = multiplier * shard.grad_scale
+        shard.grad_scale = 1.0
+        if factor == 1.0:
+            return
+        if factor == 0.0:
+            grad.zero_()  # as p.grad.zero_() would: NaN and inf included
+            shard.grad_sq_norm = 0.0
+            return
+        grad.mul_(factor)
+        if shard.grad_sq_norm is not None:
+            shard.grad_sq_norm *= factor * factor
+
+    def _grad_for_read(self, shard: Shard) -> torch.Tensor:
+        """The shard's host gradient (its companion read back when it is on NVMe)."""
+        if shard.grad is not None:
+            return shard.grad
+        holder = shard.companions["grad"]
+        self.ensure_host(holder)
+        return holder.host
+
+    def _grad_for_write(self, shard: Shard) -> torch.Tensor:
+        if shard.grad is not None:
+            return shard.grad
+        target = self._grad_companion_for_write(shard)
+        assert target is not None
+        return target
+
+    def _updated_right_away(self, shard: Shard, piece: torch.Tensor) -> bool:
+        """With gradients on NVMe: whether ``shard``'s gradient stays in a host tensor, because
+        its update in backward uses it right after this. Only a gradient computed in host
+        memory (no GPU) with no part already in the companion: copying it into a companion
+        would only pay if the update had to wait (then park_grads moves it there)."""
+        return self.update_in_backward and shard.step_param is not None and \
+            self.device.host_memory and not self._has_grad_companion(shard)
+
+    def _hold_grad(self, shard: Shard, tensor: torch.Tensor) -> None:
+        shard.grad = tensor
+        self.grad_bytes += shard.nbytes
+        self.grad_peak = max(self.grad_peak, self.grad_bytes)
+
+    def _release_grad(self, shard: Shard) -> None:
+        if shard.grad is not None:
+            shard.grad = None
+            self.grad_bytes -= shard.nbytes
+
+    def _on_host(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``piece`` as a host tensor of ``dtype`` to accumulate from (copied off a GPU)."""
+        if self.device.host_memory:
+            return piece.to(dtype)
+        out = self.host.scratch(tuple(piece.shape), dtype)
+        self.device.copy_out(out, piece)
+        return out
+
+    def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:
+        """The host view of an existing gradient to accumulate into (read back if needed),
+        marked dirty; None when the shard has no gradient yet."""
+        holder = shard.companions.get("grad")
+        if holder is None or holder.state is R.EMPTY:
+            return None
+        self.ensure_host(holder)
+        if holder.state is R.HOST_STORING:
+            self.reap(holder, wait=True)
+        if holder.state is R.HOST_NVME:
+            self.registry.set_state(holder, R.HOST)
+        return holder.host
+
+    def _has_grad_companion(self, shard: Shard) -> bool:
+        holder = shard.companions.get("grad")
+        return holder is not None and holder.state is not R.EMPTY
+
+    def has_grad(self, shard: Shard) -> bool:
+        # With grads_on_nvme, shard.grad holds a gradient kept for an update in backward.
+        return shard.grad is not None or (self.grads_on_nvme and self._has_grad_companion(shard))
+
+    def grad_in_companion(self, shard: Shard) -> bool:
+        """Whether the shard's gradient lives in its gradient companion (a slot the step must
+        read and give back), rather than in a host tensor."""
+        return self.grads_on_nvme and shard.grad is None
+
+    def park_grads(self, entry: ParamEntry) -> None:
+        """Moves gradients kept for an update in backward that has to wait (for
+        ``optimizer.step()``) into their companions, where they count in the host budget and
+        can be swapped."""
+        if not self.grads_on_nvme:
+            return
+        for shard in entry.shards:
+            if shard.grad is None:
+                continue
+            holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+            self.fill(holder, source=shard.grad)
+            self._release_grad(shard)
+
+    def grad_view(self, shard: Shard) -> torch.Tensor | None:
+        """The shard's host gradient (its companion must already be on the host)."""
+        if shard.grad is not None:
+            return shard.grad
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            if holder is None or holder.state is R.EMPTY:
+                return None
+            return holder.host
+        return shard.grad
+
+    def drop_grad(self, shard: Shard) -> None:
+        """Forgets one shard's gradient (consumed by the step)."""
+        self._forget_grad(shard)
+        self._release_grad(shard)
+        if self.grads_on_nvme:
+            holder = shard.companions.get("grad")
+            if holder is not None:
+                self.discard(holder)
+
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        self.finish_reductions()
+        for shard in self.registry.shards.values():
+            self._forget_grad(shard)
+            if self.grads_on_nvme:
+                holder = shard.companions.get("grad")
+                if holder is not None:
+                    self.discard(holder)
+            # With gradients on NVMe a host tensor is one kept for an update in backward that
+            # did not run: always dropped.
+            if set_to_none or self.grads_on_nvme:
+                self._release_grad(shard)
+            elif shard.grad is not None:
+                shard.grad.zero_()
+                shard.grad_sq_norm = 0.0
+
+    @staticmethod
+    def _forget_grad(shard: Shard) -> None:
+        shard.grad_sq_norm = None
+        shard.grad_scale = 1.0
+        shard.entry.grad_generation += 1
+
+
+
+def _sq_norm(grad: torch.Tensor) -> float:
+    # vector_norm reduces without a full-size temporary (a float64 copy would be 2x the
+    # gradient); its fp32 accumulation is accurate enough for clipping and overflow, and a
+    # whole parameter's norm is then the very value torch computes for it.
+    if not grad.is_floating_point():
+        return 0.0
+    return float(torch.linalg.vector_norm(grad)) ** 2

@@ -1,0 +1,424 @@
+"""The optimizer the store hands back: the user's own optimizer class, run on host masters.
+
+Each shard gets a host ``nn.Parameter`` (its "step parameter") that the user's optimizer class
+updates. Between steps the step parameter holds an empty placeholder; during a step it is pointed
+at the shard's host copy and its host gradient, in tiles that fit the staging arena when the
+shards live on NVMe: the next tile is read while the current one is updated, and each updated
+tile is written back behind. Optimizers skip parameters whose ``grad`` is None, so running the
+step once per tile updates exactly that tile.
+
+The wrapper is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are
+the inner optimizer's own objects, so LR schedulers and code that edits ``param_groups`` work.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch.optim import Optimizer
+
+from infinity.errors import AttachError
+from infinity.core.residency import Residency as R
+from infinity.core.shards import Shard
+
+log = logging.getLogger(__name__)
+
+
+def _empty(shard: Shard, device: str = "cpu") -> torch.Tensor:
+    return torch.empty(0, dtype=shard.dtype, device=device)
+
+
+class OffloadedOptimizer(Optimizer):
+    """See the module docstring. Build it with :meth:`wrap`."""
+
+    def __init__(self, store: Any, inner: Optimizer, shards: list[Shard],
+                 user_kernels: list[dict[str, Any]] | None = None) -> None:
+        # Optimizer.__init__ would rebuild param_groups; share the inner optimizer's instead.
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self.store = store
+        self.inner = inner
+        self.shards = shards
+        self.state = inner.state
+        self.param_groups = inner.param_groups
+        #: per-element optimizer state lives in NVMe-backed companions, not in memory
+        self.swap_state = store.config.offload_optimizer == "nvme"
+        #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
+        self._host_device = "meta" if store.placement.host.meta else "cpu"
+        #: the inner optimizer's own time and the elements it updated; the steps' time less
+        #: their waits and copies per element updated; the last iteration's device copies
+        #: (bytes, seconds): what the planner replays (infinity.planning.planner)
+        self.update_seconds = 0.0
+        self.updated_elements = 0
+        self.step_seconds_per_element = 0.0  # the median of the last steps'
+        self._step_rates: collections.deque[float] = collections.deque(maxlen=5)
+        self.last_copies: tuple[int, float] | None = None
+        self._copies_mark: tuple[int, float] | None = None
+        #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
+        #: have overridden inside: checkpoints carry the user's, loads keep the store's
+        self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
+
+    @classmethod
+    def wrap(cls, store: Any, optimizer: Optimizer) -> "OffloadedOptimizer":
+        registry = store.registry
+        device = "meta" if store.placement.host.meta else "cpu"
+        groups = []
+        shards: list[Shard] = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            params = []
+            for param in group["params"]:
+                entry = registry.entry_of(param)
+                if entry is None:
+                    raise AttachError("the optimizer holds a parameter that is not part of the "
+                                      "attached model: build the optimizer from "
+                                      "model.parameters()")
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                for shard in entry.shards:
+                    # Some optimizers (Adagrad) create state in their constructor with
+                    # full_like(param): a zero-stride view has the right shape and costs nothing,
+                    # while full_like of it still allocates a real, dense tensor.
+                    shape = _step_shape(shard)
+                    shard.step_param = torch.nn.Parameter(
+                        torch.zeros((), dtype=shard.dtype, device=device).expand(shape),
+                        requires_grad=entry.requires_grad)
+                    params.append(shard.step_param)
+                    shards.append(shard)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"params": params, **settings})
+        inner = _construct_like(optimizer, groups, store.config.fused_optimizer)
+        _migrate_state(optimizer, inner, registry)
+        for shard in shards:
+            shard.step_param.data = _empty(shard, device)
+        kernels = [{k: group[k] for k in _KERNEL_KEYS if k in group}
+                   for group in optimizer.param_groups]
+        return cls(store, inner, shards, kernels)
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        placement = self.store.placement
+        started, busy = time.perf_counter(), placement.busy_seconds
+        elements = self.updated_elements
+        self.store._run_step(self)
+        # For the planner: the step's own work (updates, and the pipeline's bookkeeping around
+        # them) without its waits for the disk and its device copies, per element it updated
+        # (the median of the last steps: the first are slower, creating state and faulting
+        # memory in); and the last iteration's device copies (bytes, seconds).
+        seconds = time.perf_counter() - started - (placement.busy_seconds - busy)
+        updated = self.updated_elements - elements
+        if updated:
+            self._step_rates.append(seconds / updated)
+            self.step_seconds_per_element = statistics.median(self._step_rates)
+        device = placement.device
+        copies = (device.bytes_in + device.bytes_out, device.copy_seconds)
+        if self._copies_mark is not None:
+            self.last_copies = (copies[0] - self._copies_mark[0],
+                                copies[1] - self._copies_mark[1])
+        self._copies_mark = copies
+        return loss
+
+    def update(self, tile: list[Shard], grad_multiplier: float = 1.0) -> list[Shard]:
+        """Runs the inner optimizer over ``tile``, whose host copies, gradients and (when
+        swapped) optimizer-state companions are on the host. Returns the optimizer-state
+        companions it filled or changed, for the caller to write back."""
+        placement = self.store.placement
+        self.store._before_state_change(tile)  # a checkpoint being saved copies them first
+        bound: list[tuple[Shard, dict[str, Shard]]] = []
+        for shard in tile:
+            view = shard.host.view(_step_shape(shard))
+            param = shard.step_param
+            param.data = view
+            grad = placement.grad_view(shard)
+            if grad is not None:
+                grad = grad.view_as(view)
+                # Clipping's factor, and any the loop recorded on p.grad (mul_, zero_).
+                placement.apply_grad_multiplier(shard, grad, grad_multiplier)
+            param.grad = grad
+            companions = state_companions(shard) if self.swap_state else {}
+            if companions:
+                state = self.inner.state[param]
+                for key, companion in companions.items():
+                    state[key] = companion.host.view(_step_shape(shard))
+            bound.append((shard, companions))
+        started = time.perf_counter()
+        try:
+            self.inner.step()
+        finally:
+            self.update_seconds += time.perf_counter() - started
+            self.updated_elements += sum(shard.numel for shard in tile)
+            changed = []
+            for shard, companions in bound:
+                param = shard.step_param
+                if self.swap_state:
+                    changed += self._stash_state(shard, companions)
+                param.grad = None
+                param.data = _empty(shard, self._host_device)
+        return changed
+
+    def _stash_state(self, shard: Shard, companions: dict[str, Shard]) -> list[Shard]:
+        """Moves the step parameter's per-element state tensors into companions (one per
+        state key, each the size of the shard) and leaves empty placeholders in the optimizer;
+        scalars such as ``step`` stay in memory."""
+        state = self.inner.state.get(shard.step_param)
+        if not state:
+            return []
+        placement = self.store.placement
+        changed = []
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.numel() != shard.numel:
+                continue
+            companion = companions.get(key)
+            if companion is None:
+                companion = placement.companion(shard, OPTIM_PREFIX + key, shard.numel,
+                                                value.dtype)
+                placement.fill(companion)
+                placement.pinned.add(companion)  # the rest of this tile must not evict it
+            view = companion.host.view(value.shape)
+            if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
+                view.copy_(value)  # new state, or the optimizer replaced the tensor
+            state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
+            if companion.state is not R.HOST:
+                self.store.registry.set_state(companion, R.HOST)
+            changed.append(companion)
+        return changed
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.store._unfinished_step = None  # a failed step is abandoned with its gradients
+        self.store.placement.clear_grads(set_to_none)
+        self.store._gradients_cleared()
+
+    # -- state ----------------------------------------------------------------------------------
+    # Checkpoints use the layout of the user's own optimizer (one entry per parameter, in the
+    # order the optimizer was built with, per-element state whole), not the per-shard layout
+    # inside: a checkpoint loads into the plain optimizer without the store, and back.
+    def _entries(self) -> list[tuple[Any, list[Shard]]]:
+        """(entry, its shards) in the user's parameter order."""
+        order: dict[int, tuple[Any, list[Shard]]] = {}
+        for shard in self.shards:
+            order.setdefault(shard.entry.index, (shard.entry, []))[1].append(shard)
+        return list(order.values())
+
+    def _group_entries(self) -> list[list[int]]:
+        """For each param group, the user indices of its parameters."""
+        position = {entry.index: i for i, (entry, _) in enumerate(self._entries())}
+        shard_of = {id(shard.step_param): shard for shard in self.shards}
+        groups = []
+        for group in self.inner.param_groups:
+            ids: list[int] = []
+            for param in group["params"]:
+                i = position[shard_of[id(param)].entry.index]
+                if i not in ids:
+                    ids.append(i)
+            groups.append(ids)
+        return groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state in the user's optimizer's own layout, with real tensors:
+        per-element state that lives on NVMe is read back (it takes host memory for the whole
+        state; the copy is the caller's)."""
+        self.store._loop_acted("optimizer.state_dict()")
+        state: dict[int, dict[str, Any]] = {}
+        for i, (entry, shards) in enumerate(self._entries()):
+            merged = self._entry_state(entry, shards)
+            if merged:
+                state[i] = merged
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, **kernels,
+                   "params": ids}
+                  for group, kernels, ids in zip(self.inner.param_groups, self._user_kernels,
+                                                 self._group_entries())]
+        return {"state": state, "param_groups": groups}
+
+    def _entry_state(self, entry: Any, shards: list[Shard]) -> dict[str, Any]:
+        placement = self.store.placement
+        pieces: dict[str, list[torch.Tensor]] = {}
+        merged: dict[str, Any] = {}
+        for shard in shards:
+            companions = state_companions(shard) if self.swap_state else {}
+            for key, value in self.inner.state.get(shard.step_param, {}).items():
+                if key in companions:
+                    companion = companions[key]
+                    placement.ensure_host(companion)  # read back from NVMe if it is there
+                    # A copy now: the next read may reuse this slot.
+                    value = companion.host.view(_step_shape(shard)).clone()
+                if isinstance(value, torch.Tensor) and value.shape == _step_shape(shard):
+                    flat = value.detach().reshape(-1)
+                    if shard.piece is not None:  # every rank's slice (a collective)
+                        flat = placement.partition.gather_flat(flat, shard.piece[1])
+                    pieces.setdefault(key, []).append(flat)
+                    merged.setdefault(key, None)  # keeps the optimizer's key order
+                elif key not in merged:
+                    merged[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for key, parts in pieces.items():
+            merged[key] = torch.cat(parts).view(entry.shape)
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict in the user's optimizer's layout (from :meth:`state_dict`, or
+        from the same optimizer class trained without the store)."""
+        self.store.wait_for_checkpoint()  # a save under way still reads the old state
+        saved_groups = state_dict["param_groups"]
+        own_groups = self._group_entries()
+        if len(saved_groups) != len(own_groups) or any(
+                len(saved["params"]) != len(ids) for saved, ids in zip(saved_groups, own_groups)):
+            raise ValueError(
+                f"the state dict has param groups of sizes "
+                f"{[len(g['params']) for g in saved_groups]}, this optimizer "
+                f"{[len(ids) for ids in own_groups]}: load a state dict saved from an optimizer "
+                f"built over the same parameters")
+        entries = self._entries()
+        saved_index = {}  # user index here -> index in the state dict
+        for saved, ids in zip(saved_groups, own_groups):
+            saved_index.update(zip(ids, saved["params"]))
+        inner_index = {id(shard.step_param): k for k, shard in enumerate(self.shards)}
+        inner_state: dict[int, dict[str, Any]] = {}
+        for i, (entry, shards) in enumerate(entries):
+            saved = state_dict["state"].get(saved_index[i])
+            if not saved:
+                continue
+            for shard in shards:
+                inner_state[inner_index[id(shard.step_param)]] = _split_state(
+                    saved, entry, shard)
+        inner_groups = []
+        for saved, group in zip(saved_groups, self.inner.param_groups):
+            settings = {k: v for k, v in saved.items() if k != "params"}
+            settings.update({k: group[k] for k in _KERNEL_KEYS if k in group})
+            inner_groups.append({**settings, "params": [inner_index[id(p)]
+                                                        for p in group["params"]]})
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        # Optimizer.load_state_dict replaces both objects: share the new ones.
+        self.state = self.inner.state
+        self.param_groups = self.inner.param_groups
+        if self.swap_state:
+            for shard in self.shards:
+                self._stash_loaded_state(shard)
+
+    def _stash_loaded_state(self, shard: Shard, keep_others: bool = False) -> None:
+        """Moves loaded per-element state into the shard's companions (overwriting what they
+        held, without reading it) and drops companions the loaded state has no value for
+        (unless ``keep_others``: a checkpoint load brings one key at a time)."""
+        placement = self.store.placement
+        registry = self.store.registry
+        state = self.inner.state.get(shard.step_param, {})
+        loaded = set()
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.shape != _step_shape(shard):
+                continue
+            kind = OPTIM_PREFIX + key
+            companion = shard.companions.get(kind)
+            if companion is not None:
+                value = value.to(companion.dtype)
+            if companion is None or companion.state is R.EMPTY:
+                companion = placement.companion(shard, kind, shard.numel, value.dtype)
+                placement.fill(companion, value.reshape(-1))
+            else:
+                placement.prepare_overwrite(companion)
+                companion.host.copy_(value.reshape(-1))
+                if companion.state is not R.HOST:
+                    registry.set_state(companion, R.HOST)
+            companion.version += 1
+            state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
+            loaded.add(kind)
+        if keep_others:
+            return
+        for kind, companion in list(shard.companions.items()):
+            if kind.startswith(OPTIM_PREFIX) and kind not in loaded:
+                placement.discard(companion)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("add parameter groups before attach: the store must shard "
+                                  "every parameter it updates")
+
+    def __repr__(self) -> str:
+        return f"Offloaded({self.inner!r})"
+
+
+def _construct_like(optimizer: Optimizer, groups: list[dict[str, Any]],
+                    allow_fused: bool) -> Optimizer:
+    cls = type(optimizer)
+    defaults = dict(optimizer.defaults)
+    if allow_fused and cls in (torch.optim.Adam, torch.optim.AdamW) and \
+            _default_kernel(defaults, groups):
+        # torch's fused CPU Adam/AdamW is the fastest correct host kernel available here
+        # (about 5x the per-tensor loop on two cores); it only applies to default options.
+        defaults["fused"] = True
+        for group in groups:
+            group["fused"] = True
+    try:
+        return cls(groups, **defaults)
+    except TypeError:
+        # Custom optimizers whose defaults are not all constructor arguments: every group
+        # carries its settings, so the constructor's own defaults are overridden anyway.
+        return cls(groups)
+
+
+def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> bool:
+    for settings in [defaults, *groups]:
+        if settings.get("foreach") or settings.get("fused") is False or \
+                settings.get("differentiable") or settings.get("capturable"):
+            return False
+    return True
+
+
+OPTIM_PREFIX = "optim:"
+#: param-group keys that choose an update kernel, not the optimisation
+_KERNEL_KEYS = ("fused", "foreach")
+
+
+def state_companions(shard: Shard) -> dict[str, Shard]:
+    """The shard's optimizer-state companions that hold values, by state key."""
+    return {kind[len(OPTIM_PREFIX):]: companion for kind, companion in shard.companions.items()
+            if kind.startswith(OPTIM_PREFIX) and companion.state is not R.EMPTY}
+
+
+def _step_shape(shard: Shard) -> torch.Size:
+    """A whole parameter keeps its shape (optimizers like Adafactor depend on it); a piece of
+    one is a flat range."""
+    entry = shard.entry
+    if shard.piece is not None:
+        return torch.Size([shard.numel])  # this rank's slice of a piece, across ranks
+    return entry.shape if len(entry.shards) == 1 else torch.Size([shard.numel])
+
+
+def _split_state(state: dict[str, Any], entry: Any, shard: Shard) -> dict[str, Any]:
+    """A parameter's optimizer state as its shard's: per-element tensors are cut like the
+    parameter, everything else (``step`` counters, scalars) is copied."""
+    moved = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == entry.shape:
+            piece = shard.padded(shard.part_of(value.detach().reshape(-1)).to("cpu"))
+            moved[key] = piece.clone().view(_step_shape(shard))
+        elif isinstance(value, torch.Tensor):
+            moved[key] = value.detach().to("cpu").clone()
+        else:
+            moved[key] = value
+    return moved
+
+
+def _migrate_state(optimizer: Optimizer, inner: Optimizer, registry: Any) -> None:
+    """Carries state the user's optimizer already has (it stepped, or its constructor made
+    some) over to the step parameters."""
+    for param, state in optimizer.state.items():
+        entry = registry.entry_of(param)
+        if entry is None or not state:
+            continue
+        for shard in entry.shards:
+            inner.state[shard.step_param] = _split_state(state, entry, shard)

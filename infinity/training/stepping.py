@@ -1,0 +1,311 @@
+"""The optimizer step over offloaded shards: the global gradient norm, fp16 overflow skipping
+and clipping, then the update of every shard wherever it lives, pipelined over the staging arena
+(read ahead, update a tile, write back what the next reads need room for).
+
+A mixin of :class:`infinity.core.store.TieredStore`: it uses the store's placement, registry, engine,
+config and counters, and keeps no state of its own beyond the store's attributes. Design notes:
+the "step" section of ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from infinity.errors import BudgetError
+from infinity.core.memory import host_tensor_bytes
+from infinity.training.optimizer import state_companions
+from infinity.training.precision import global_norm
+from infinity.core.residency import Residency as R
+from infinity.core.shards import ParamEntry, Shard
+
+if TYPE_CHECKING:
+    from infinity.training.optimizer import OffloadedOptimizer
+
+
+class Stepping:
+    # -- the step -------------------------------------------------------------------------------
+    def _run_step(self, optimizer: OffloadedOptimizer) -> None:
+        with self.timeline.timed("optimizer.step", "step"):
+            self._step(optimizer)
+
+    def _step(self, optimizer: OffloadedOptimizer) -> None:
+        placement = self.placement
+        assert placement is not None
+        placement.follower.pause(placement.busy_seconds)
+        placement.finish_reductions()
+        placement.pass_finished()
+        timing = self.update_timing
+        if timing is not None:
+            timing.step_starts(self.hooks.backward_passes, optimizer)
+        try:
+            self._step_updates(optimizer)
+        finally:
+            if timing is not None:
+                timing.step_ends()
+
+    def _step_updates(self, optimizer: OffloadedOptimizer) -> None:
+        placement = self.placement
+        todo = [s for s in optimizer.shards if placement.has_grad(s)]
+        for entry in {s.entry for s in todo}:
+            if entry.holds:
+                raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
+                                   f"or backward pass")
+        if self._unfinished_step is not None:
+            # The last step failed part-way: finish it for the shards it had not updated, with
+            # the same clipping factor; the global norm and the loss scale were settled when it
+            # started.
+            multiplier, done = self._unfinished_step
+            todo = [s for s in todo if s.id not in done]
+        else:
+            done = set()
+            norm = global_norm(placement.global_sq_norms([todo])) \
+                if placement.track_grad_norms else math.nan
+            self.last_grad_norm = norm
+            if self.scaler is not None:
+                overflow = not math.isfinite(norm)
+                self.scaler.update(overflow)
+                placement.loss_scale = self.scaler.scale
+                if overflow:
+                    self.skipped_steps += 1
+                    return  # the user's zero_grad() discards the overflowed gradients
+            multiplier = 1.0
+            clip = self.config.gradient_clipping
+            if clip > 0 and norm > clip:
+                multiplier = clip / (norm + 1e-6)
+        self._updated_in_backward.clear()
+        updated = {s.entry for s in todo}
+        for entry in updated:
+            placement.drop_device(entry, force=True)  # refreshed from the master below or on use
+        if self.engine is None:
+            self._update_in_memory(optimizer, todo, multiplier)
+        else:
+            self._unfinished_step = (multiplier, done)
+            try:
+                self._tiled_step(optimizer, todo, multiplier, done)
+            except BaseException as exc:
+                updated_now = sum(1 for s in todo if s.id in done)
+                left = len(todo) - updated_now
+                exc.add_note(
+                    f"optimizer.step() stopped after updating {updated_now} of {len(todo)} "
+                    f"shards. Once the cause is fixed, optimizer.step() finishes this step for "
+                    f"the other {left} (same clipping factor); optimizer.zero_grad() or a new "
+                    f"forward abandons it, leaving the model partly updated.")
+                raise
+            finally:
+                placement.step_finished()
+            self._unfinished_step = None
+        for entry in sorted(updated, key=lambda e: e.index):  # the same order on every rank
+            if entry.index in placement.persistent:
+                placement.gather(entry, hold=False)  # persistent copies come back right away
+        self.steps += 1
+        if self.steps == 1 and self._heap_watch is not None:
+            # From now on every step allocates the same sizes: reuse freed blocks instead of
+            # faulting fresh mappings, for as long as RSS stays under the line.
+            # Expected to stay in the heap: the device tier's copies (host memory without a
+            # GPU) and a few gradients and autograd temporaries of the largest parameter.
+            largest = max(e.nbytes for e in self.registry.entries)
+            device = self.budgets["device"] if self.device.type == "cpu" else 0
+            # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
+            # state and gradients in host tensors) exists only now; the line moves up by it.
+            outside = (placement.grad_peak if not placement.grads_on_nvme else 0) + \
+                (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
+            self._heap_watch.start(largest, device + 4 * largest, outside=outside)
+        self.watch_heap()
+        self._sample_memory()
+
+    def _update_in_memory(self, optimizer: OffloadedOptimizer, todo: list[Shard],
+                          multiplier: float) -> None:
+        """The update without swap files: every master and its state are in memory."""
+        optimizer.update(todo, multiplier)
+        for shard in todo:
+            self.registry.set_state(shard, R.HOST)
+            shard.version += 1
+
+    # -- updates in backward (step_in_backward) -------------------------------------------------
+    def _grad_arriving(self, entry: ParamEntry) -> None:
+        """Called before a gradient of ``entry`` is taken: refuses a second backward whose
+        gradients would meet an update already applied."""
+        timing = self.update_timing
+        if timing is None:
+            return
+        if entry.index in self._updated_in_backward:
+            timing.refused_second_backward()
+            raise RuntimeError(timing.second_backward_message(entry.name))
+        timing.gradient_arriving(self.optimizer)
+
+    def _grad_complete(self, entry: ParamEntry, nested: bool) -> None:
+        """With ``step_in_backward``: updates ``entry``'s shards now that backward has
+        completed its gradient. Left to ``optimizer.step()``: a gradient taken inside a nested
+        backward (reentrant activation checkpointing: more of it may follow), an entry still
+        held by a forward, and the rest of a step that failed part-way."""
+        placement = self.placement
+        optimizer = self.optimizer
+        if not placement.update_in_backward:
+            return
+        if optimizer is None or nested or entry.holds or self._unfinished_step is not None:
+            placement.park_grads(entry)  # left to optimizer.step(): into the budget
+            return
+        todo = [s for s in entry.shards if s.step_param is not None and placement.has_grad(s)]
+        if not todo:
+            return
+        placement.drop_device(entry, force=True)  # refreshed from the master on next use
+        self._updated_in_backward.add(entry.index)
+        with self.timeline.timed(entry.name, "step"):
+            if self.engine is None:
+                self._update_in_memory(optimizer, todo, 1.0)
+            else:
+                done: set[str] = set()
+                try:
+                    self._tiled_step(optimizer, todo, 1.0, done)
+                except BaseException as exc:
+                    if isinstance(exc, BudgetError) and self.update_timing.auto:
+                        self._update_left_to_step(entry, todo, done, exc)
+                        return
+                    exc.add_note(f"the update of {entry.name} in backward stopped after "
+                                 f"{len(done)} of its {len(todo)} shards; optimizer.step() "
+                                 f"updates the others, optimizer.zero_grad() abandons them")
+                    raise
+        for shard in todo:
+            # Consumed: optimizer.step() must not apply it again, and its memory is free now.
+            placement.drop_grad(shard)
+        placement.clean_for_updates()
+        if entry.index in placement.persistent:
+            placement.gather(entry, hold=False)
+
+    def _update_left_to_step(self, entry: ParamEntry, todo: list[Shard], done: set[str],
+                             exc: BudgetError) -> None:
+        """'auto' chose updates in backward, and this one found no room next to what backward
+        holds: what it had not updated waits for optimizer.step(), which has the whole arena,
+        and updates stay there from now on (no sizing crash from a default)."""
+        placement = self.placement
+        for shard in todo:
+            if shard.id in done:
+                placement.drop_grad(shard)  # applied: the step must not apply it again
+        try:
+            placement.park_grads(entry)
+        except BudgetError:
+            pass  # no room for its companion either: the step reads it where autograd left it
+        self.update_timing.no_room(entry.name, str(exc).splitlines()[0])
+
+    def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
+        out = []
+        if self.placement.grad_in_companion(shard):
+            out.append(shard.companions["grad"])
+        if optimizer.swap_state:
+            out += state_companions(shard).values()
+        return out
+
+    def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard],
+                    multiplier: float, done: set[str]) -> None:
+        """Read ahead, update a tile, write back what the next reads need room for: the pipeline
+        over the staging arena.
+        A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
+        and writes; the step costs about max(read, update, write), not their sum. The ids of
+        the shards it updated go into ``done``, as they are updated."""
+        placement = self.placement
+        params_on_nvme = placement.params_on_nvme
+
+        def parts(shard: Shard) -> list[Shard]:
+            own = [shard] if params_on_nvme else []
+            return own + self._companions(shard, optimizer)
+
+        cost = placement.host.slot_cost
+
+        def size(shard: Shard) -> int:
+            total = sum(cost(p.nbytes) for p in parts(shard))
+            if optimizer.swap_state and not state_companions(shard):
+                # First step: the optimizer creates its state in ordinary memory before it moves
+                # to companions; a tile of one keeps that transient to one shard's worth.
+                total = tile_limit
+            return total
+
+        # Three stages share the arena: the tile being updated, the shards being read ahead and
+        # the updated ones being written. A tile has at least one shard and at most a third of
+        # the arena (in slot bytes); it ends before a shard whose reads are not done, so the
+        # update never waits for more than the one shard it cannot start without.
+        tile_limit = placement.host.arena_bytes // 3
+        # Read-ahead takes free room and the room of what this step is done with, never that of
+        # a shard the step still has to update: evicting it would cost a write and a read back
+        # within the same step, and updates free room (dropped gradients) faster than the disk
+        # fills it.
+        after_step = placement.after_step()
+        # Without a trace (the first step, or one that ran differently) eviction among what the
+        # step is done with is least recently used and may push out the masters the next
+        # forward needs first: read-ahead then stops at a tile's worth.
+        window = tile_limit if placement.follower.trace is None else math.inf
+
+        def ready(shard: Shard) -> bool:
+            for part in parts(shard):
+                placement.reap(part)
+                if not part.state.on_host:
+                    return False
+            return True
+
+        def read_ahead(shard: Shard, protect: set[Shard], upcoming: set[Shard]) -> bool:
+            """Starts the reads of ``shard``'s parts, adding each to ``upcoming``; False when
+            one found no room (the ones started stay started)."""
+            for part in parts(shard):
+                placement.reap(part)
+                if not placement.load_async(part, protect=protect | upcoming,
+                                            horizon=after_step, read_ahead=True):
+                    return False
+                upcoming.add(part)
+            return True
+
+        ahead = 0  # todo[i:ahead] have their reads started
+        ahead_bytes = 0  # their size
+        i = 0
+        while i < len(todo):
+            tile, used = [], 0
+            while i < len(todo) and (not tile or (used + size(todo[i]) <= tile_limit
+                                                  and ready(todo[i]))):
+                tile.append(todo[i])
+                used += size(todo[i])
+                if i < ahead:
+                    ahead_bytes -= size(todo[i])
+                i += 1
+            needed = [p for shard in tile for p in parts(shard)]
+            protect = set(needed)
+            for part in needed:
+                placement.reap(part)
+                if part.state is R.NVME:
+                    placement.load_async(part, protect=protect, horizon=after_step)
+            for part in needed:
+                placement.ensure_host(part, protect=protect)
+                if part.state is R.HOST_STORING:
+                    placement.reap(part, wait=True)
+            # Read the next shards, in step order, while this tile is updated.
+            if ahead < i:
+                ahead, ahead_bytes = i, 0
+            upcoming: set[Shard] = set()
+            while self.pipeline_step and ahead < len(todo) and \
+                    (ahead == i or ahead_bytes + size(todo[ahead]) <= window) and \
+                    read_ahead(todo[ahead], protect, upcoming):
+                ahead_bytes += size(todo[ahead])
+                ahead += 1
+            placement.pinned = protect
+            try:
+                changed = optimizer.update(tile, multiplier)
+            finally:
+                placement.pinned = set()
+            self.watch_heap()
+            for shard in tile:
+                self.registry.set_state(shard, R.HOST)
+                shard.version += 1
+                placement.stepped.add(shard.entry.index)
+                done.add(shard.id)
+                if placement.grads_on_nvme:
+                    placement.drop_grad(shard)
+            for companion in changed:
+                companion.version += 1
+            if placement.write_behind:
+                # The reads of the next two tiles will need room: make it now, by writing back
+                # what will be evicted first, so that those reads never wait for a write.
+                missing = sum(cost(p.nbytes) for shard in todo[i:i + 2 * len(tile)]
+                              for p in parts(shard)
+                              if not p.state.on_host and p.state is not R.NVME_LOADING)
+                placement.clean_ahead(missing, protect=protect | upcoming, horizon=after_step)
+            if not self.pipeline_step:
+                for part in [*tile, *changed]:
+                    placement.reap(part, wait=True)

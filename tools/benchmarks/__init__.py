@@ -1,0 +1,1 @@
+"""The benchmarks behind the make targets: each prints its figures against baselines measured in the same run."""

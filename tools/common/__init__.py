@@ -1,0 +1,1 @@
+"""What the command-line tools and benchmarks share: argument parsing, units, aggregation, the machine's description, the demo's GPT."""
