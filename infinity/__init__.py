@@ -11,15 +11,31 @@ The public API is this module's names::
 """
 
 from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
-from infinity.errors import (AttachError, BudgetError, CheckpointError, ConfigError,
-                             InfinityError, ParameterAccessError, RankError)
 from infinity.core.residency import Residency, ResidencyError
 from infinity.core.store import TieredStore
+from infinity.errors import (
+    AttachError,
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    InfinityError,
+    ParameterAccessError,
+    RankError,
+)
 
 __all__ = [
-    "AioConfig", "AttachError", "BatchConfig", "BudgetError", "CheckpointError", "ConfigError",
+    "AioConfig",
+    "AttachError",
+    "BatchConfig",
+    "BudgetError",
+    "CheckpointError",
+    "ConfigError",
     "InfinityError",
-    "OffloadConfig", "ParameterAccessError", "PrecisionConfig", "RankError", "Residency",
+    "OffloadConfig",
+    "ParameterAccessError",
+    "PrecisionConfig",
+    "RankError",
+    "Residency",
     "ResidencyError",
     "TieredStore",
 ]

@@ -25,10 +25,11 @@ import logging
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 from infinity.errors import ConfigError
 
@@ -46,11 +47,20 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 _SIZE_RE = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
 }
 
 
@@ -66,8 +76,12 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
 def _parse_size_parts(value: object, name: str) -> tuple[int, bool]:
     """(bytes, whether a unit was written); the DeepSpeed mapping reads unit-less as elements."""
     if isinstance(value, bool):
-        raise _bad(name, value, "a byte count (integer or string such as '64MiB')",
-                   "true/false is not a size; write a number")
+        raise _bad(
+            name,
+            value,
+            "a byte count (integer or string such as '64MiB')",
+            "true/false is not a size; write a number",
+        )
     if isinstance(value, int):
         exact, unit = Fraction(value), False
     elif isinstance(value, float):
@@ -77,16 +91,25 @@ def _parse_size_parts(value: object, name: str) -> tuple[int, bool]:
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match is None or match.group(2).lower() not in _UNITS:
-            raise _bad(name, value, "a byte count such as 67108864, '64MiB', '512MB' or '1.5G'",
-                       "units are B, K/KiB, M/MiB, G/GiB, T/TiB (x1024) and KB, MB, GB, TB (x1000)")
+            raise _bad(
+                name,
+                value,
+                "a byte count such as 67108864, '64MiB', '512MB' or '1.5G'",
+                "units are B, K/KiB, M/MiB, G/GiB, T/TiB (x1024) and KB, MB, GB, TB (x1000)",
+            )
         exact = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
         unit = bool(match.group(2))
     else:
-        raise _bad(name, value, "a byte count (integer or string such as '64MiB')",
-                   f"got a {type(value).__name__}")
+        raise _bad(
+            name,
+            value,
+            "a byte count (integer or string such as '64MiB')",
+            f"got a {type(value).__name__}",
+        )
     if exact.denominator != 1 or exact < 0:
-        raise _bad(name, value, "a whole, non-negative number of bytes",
-                   "round it to a whole byte count")
+        raise _bad(
+            name, value, "a whole, non-negative number of bytes", "round it to a whole byte count"
+        )
     return int(exact), unit
 
 
@@ -116,8 +139,9 @@ def check_keys(data: Mapping[str, Any], valid: Iterable[str], where: str) -> Non
         if close:
             problems.append(f"unknown key {key!r} in {where}; did you mean {close[0]!r}?")
         else:
-            problems.append(f"unknown key {key!r} in {where}; valid keys are: "
-                            + ", ".join(sorted(valid)))
+            problems.append(
+                f"unknown key {key!r} in {where}; valid keys are: " + ", ".join(sorted(valid))
+            )
     if problems:
         first = next(k for k in data if k not in valid)
         raise ConfigError("\n".join(problems), field=str(first))
@@ -129,16 +153,20 @@ def load_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}; "
-                          "check the path") from exc
+        raise ConfigError(
+            f"cannot read config file {path}: {exc.strerror or exc}; check the path"
+        ) from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
-                          f"column {exc.colno}") from exc
+        raise ConfigError(
+            f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+            f"column {exc.colno}"
+        ) from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a JSON object ({{...}}), "
-                          f"not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a JSON object ({{...}}), not a {type(data).__name__}"
+        )
     return data
 
 
@@ -148,16 +176,17 @@ def _bad(name: str, value: object, expected: str, fix: str) -> ConfigError:
 
 # --------------------------------------------------------------------------- field validation
 
+
 @dataclass(frozen=True)
 class _Rule:
-    kind: str                      # int | float | bool | bool_or_auto | choice | paths | device
+    kind: str  # int | float | bool | bool_or_auto | choice | paths | device
     #                                | section
     lo: float | None = None
     hi: float | None = None
-    optional: bool = False         # None allowed
+    optional: bool = False  # None allowed
     choices: tuple[str, ...] = ()
-    size: bool = False             # byte count: size strings accepted in from_dict
-    fix: str = ""                  # what to do, appended to the message
+    size: bool = False  # byte count: size strings accepted in from_dict
+    fix: str = ""  # what to do, appended to the message
 
 
 def _rule(**kwargs: Any) -> dict[str, _Rule]:
@@ -201,15 +230,19 @@ class _Validated:
                 value = parse_size(value, name=name)  # "64MiB" reads the same everywhere
             numeric = (int,) if rule.kind == "int" else (int, float)
             if isinstance(value, bool) or not isinstance(value, numeric):
-                hint = ("in Python, pass an int (or use parse_size / from_dict for strings like "
-                        "'64MiB')" if rule.size and isinstance(value, str)
-                        else f"got a {type(value).__name__}, write it as a number")
+                hint = (
+                    "in Python, pass an int (or use parse_size / from_dict for strings like "
+                    "'64MiB')"
+                    if rule.size and isinstance(value, str)
+                    else f"got a {type(value).__name__}, write it as a number"
+                )
                 raise _bad(name, value, expected, hint)
             number = float(value) if rule.kind == "float" else value
             if rule.kind == "float" and not math.isfinite(number):
                 raise _bad(name, value, f"a finite number ({expected})", fix)
-            if ((rule.lo is not None and number < rule.lo)
-                    or (rule.hi is not None and number > rule.hi)):
+            if (rule.lo is not None and number < rule.lo) or (
+                rule.hi is not None and number > rule.hi
+            ):
                 raise _bad(name, value, expected, fix)
             return number
         if rule.kind == "bool":
@@ -236,8 +269,12 @@ class _Validated:
         if rule.kind == "section":
             section_cls = spec.default_factory
             if not isinstance(value, section_cls):
-                raise _bad(name, value, f"a {section_cls.__name__} instance",
-                           "pass the dataclass, or a dict through from_dict/replace")
+                raise _bad(
+                    name,
+                    value,
+                    f"a {section_cls.__name__} instance",
+                    "pass the dataclass, or a dict through from_dict/replace",
+                )
             return value
         raise AssertionError(f"unknown rule kind {rule.kind}")
 
@@ -250,32 +287,43 @@ def _check_device(name: str, value: Any) -> str:
         value = str(value)  # accept torch.device without importing torch here
     match = _DEVICE_RE.match(value) if isinstance(value, str) else None
     if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
-        raise _bad(name, value, "'auto', 'cpu', 'cuda' or 'cuda:N'",
-                   "'auto' picks cuda when available, else cpu")
+        raise _bad(
+            name,
+            value,
+            "'auto', 'cpu', 'cuda' or 'cuda:N'",
+            "'auto' picks cuda when available, else cpu",
+        )
     return value
 
 
 def _normalise_paths(name: str, value: Any) -> tuple[Path, ...]:
     items = [value] if isinstance(value, (str, os.PathLike)) else value
     if not isinstance(items, (list, tuple)):
-        raise _bad(name, value, "a path or a list of paths",
-                   "use [] for a private temporary directory")
+        raise _bad(
+            name, value, "a path or a list of paths", "use [] for a private temporary directory"
+        )
     out: list[Path] = []
     for item in items:
         if isinstance(item, str) and not item.strip():
             raise _bad(name, value, "non-empty paths", "use [] for a private temporary directory")
         if not isinstance(item, (str, os.PathLike)):
-            raise _bad(name, value, "a path or a list of paths",
-                       f"entry {item!r} is a {type(item).__name__}")
+            raise _bad(
+                name,
+                value,
+                "a path or a list of paths",
+                f"entry {item!r} is a {type(item).__name__}",
+            )
         path = Path(item).expanduser()
         if path in out:
-            raise _bad(name, value, "distinct directories",
-                       f"{path} is listed twice; list each drive once")
+            raise _bad(
+                name, value, "distinct directories", f"{path} is listed twice; list each drive once"
+            )
         out.append(path)
     return tuple(out)
 
 
 # --------------------------------------------------------------------------- the dataclasses
+
 
 @dataclass(frozen=True)
 class AioConfig(_Validated):
@@ -300,21 +348,41 @@ class AioConfig(_Validated):
     _section: ClassVar[str] = "aio"
 
     backend: str = field(default="auto", metadata=_rule(kind="choice", choices=BACKENDS))
-    block_size: int = field(default=1 << 20, metadata=_rule(
-        kind="int", lo=ALIGNMENT, size=True,
-        fix="use a multiple of 4096 such as '1MiB' (note MB means 10**6 bytes)"))
+    block_size: int = field(
+        default=1 << 20,
+        metadata=_rule(
+            kind="int",
+            lo=ALIGNMENT,
+            size=True,
+            fix="use a multiple of 4096 such as '1MiB' (note MB means 10**6 bytes)",
+        ),
+    )
     queue_depth: int = field(default=8, metadata=_rule(kind="int", lo=1, hi=1024))
-    thread_count: int | None = field(default=None, metadata=_rule(
-        kind="int", lo=1, hi=1024, optional=True, fix="use null to follow queue_depth"))
-    request_timeout: float | None = field(default=60.0, metadata=_rule(
-        kind="float", lo=0.001, optional=True,
-        fix="use a number of seconds such as 60, or null to wait forever"))
+    thread_count: int | None = field(
+        default=None,
+        metadata=_rule(
+            kind="int", lo=1, hi=1024, optional=True, fix="use null to follow queue_depth"
+        ),
+    )
+    request_timeout: float | None = field(
+        default=60.0,
+        metadata=_rule(
+            kind="float",
+            lo=0.001,
+            optional=True,
+            fix="use a number of seconds such as 60, or null to wait forever",
+        ),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size % ALIGNMENT:
-            raise _bad("aio.block_size", self.block_size, f"a multiple of {ALIGNMENT}",
-                       "use a power of two such as 1048576 ('1MiB'); MB means 10**6 bytes")
+            raise _bad(
+                "aio.block_size",
+                self.block_size,
+                f"a multiple of {ALIGNMENT}",
+                "use a power of two such as 1048576 ('1MiB'); MB means 10**6 bytes",
+            )
 
 
 @dataclass(frozen=True)
@@ -341,21 +409,31 @@ class PrecisionConfig(_Validated):
     _section: ClassVar[str] = "precision"
 
     dtype: str = field(default="fp32", metadata=_rule(kind="choice", choices=DTYPES))
-    loss_scale: float = field(default=0.0, metadata=_rule(
-        kind="float", lo=0, fix="use 0 for dynamic loss scaling or a positive static scale"))
+    loss_scale: float = field(
+        default=0.0,
+        metadata=_rule(
+            kind="float", lo=0, fix="use 0 for dynamic loss scaling or a positive static scale"
+        ),
+    )
     initial_scale_power: int = field(default=16, metadata=_rule(kind="int", lo=0, hi=63))
     loss_scale_window: int = field(default=1000, metadata=_rule(kind="int", lo=1))
     hysteresis: int = field(default=2, metadata=_rule(kind="int", lo=1))
-    min_loss_scale: float = field(default=1.0, metadata=_rule(
-        kind="float", lo=0, fix="use a positive scale such as 1"))
-    storage_dtype: str = field(default="auto", metadata=_rule(kind="choice",
-                                                               choices=("auto",) + DTYPES))
+    min_loss_scale: float = field(
+        default=1.0, metadata=_rule(kind="float", lo=0, fix="use a positive scale such as 1")
+    )
+    storage_dtype: str = field(
+        default="auto", metadata=_rule(kind="choice", choices=("auto",) + DTYPES)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.min_loss_scale == 0:
-            raise _bad("precision.min_loss_scale", self.min_loss_scale, "a number > 0",
-                       "use a positive scale such as 1")
+            raise _bad(
+                "precision.min_loss_scale",
+                self.min_loss_scale,
+                "a number > 0",
+                "use a positive scale such as 1",
+            )
 
     @property
     def itemsize(self) -> int:
@@ -377,10 +455,12 @@ class BatchConfig(_Validated):
 
     _section: ClassVar[str] = "batch"
 
-    train_batch_size: int | None = field(default=None, metadata=_rule(kind="int", lo=1,
-                                                                      optional=True))
-    micro_batch_size: int | None = field(default=None, metadata=_rule(kind="int", lo=1,
-                                                                      optional=True))
+    train_batch_size: int | None = field(
+        default=None, metadata=_rule(kind="int", lo=1, optional=True)
+    )
+    micro_batch_size: int | None = field(
+        default=None, metadata=_rule(kind="int", lo=1, optional=True)
+    )
     gradient_accumulation_steps: int = field(default=1, metadata=_rule(kind="int", lo=1))
 
     def __post_init__(self) -> None:
@@ -388,9 +468,12 @@ class BatchConfig(_Validated):
         if self.train_batch_size is not None and self.micro_batch_size is not None:
             step = self.micro_batch_size * self.gradient_accumulation_steps
             if self.train_batch_size % step:
-                raise _bad("batch.train_batch_size", self.train_batch_size,
-                           f"a multiple of micro_batch_size x gradient_accumulation_steps = {step}",
-                           "fix one of the three batch settings or leave one unset")
+                raise _bad(
+                    "batch.train_batch_size",
+                    self.train_batch_size,
+                    f"a multiple of micro_batch_size x gradient_accumulation_steps = {step}",
+                    "fix one of the three batch settings or leave one unset",
+                )
 
 
 _SIZE_FIX = "use a byte count such as 1073741824 or, in JSON, '1GiB'"
@@ -488,46 +571,85 @@ class OffloadConfig(_Validated):
     """
 
     device: str = field(default="auto", metadata=_rule(kind="device"))
-    offload_param: str = field(default="nvme", metadata=_rule(kind="choice",
-                                                              choices=OFFLOAD_TARGETS))
-    offload_optimizer: str = field(default="none", metadata=_rule(kind="choice",
-                                                                  choices=OFFLOAD_TARGETS))
-    offload_activations: str = field(default="none", metadata=_rule(kind="choice",
-                                                                    choices=OFFLOAD_TARGETS))
+    offload_param: str = field(
+        default="nvme", metadata=_rule(kind="choice", choices=OFFLOAD_TARGETS)
+    )
+    offload_optimizer: str = field(
+        default="none", metadata=_rule(kind="choice", choices=OFFLOAD_TARGETS)
+    )
+    offload_activations: str = field(
+        default="none", metadata=_rule(kind="choice", choices=OFFLOAD_TARGETS)
+    )
     nvme_path: tuple[Path, ...] = field(default=(), metadata=_rule(kind="paths"))
-    buffer_count: int = field(default=5, metadata=_rule(
-        kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"))
-    buffer_size: int = field(default=64 << 20, metadata=_rule(
-        kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"))
+    buffer_count: int = field(
+        default=5,
+        metadata=_rule(kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"),
+    )
+    buffer_size: int = field(
+        default=64 << 20,
+        metadata=_rule(
+            kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"
+        ),
+    )
     pin_memory: bool = field(default=True, metadata=_rule(kind="bool"))
-    max_in_cpu: int = field(default=0, metadata=_rule(
-        kind="int", lo=0, size=True, fix="use 0 to keep no params cached in host RAM"))
-    device_budget: int | None = field(default=None, metadata=_rule(
-        kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"))
-    host_budget: int | None = field(default=None, metadata=_rule(
-        kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"))
-    prefetch_depth: int = field(default=2, metadata=_rule(
-        kind="int", lo=0, fix="use 0 to disable prefetch"))
-    prefetch_bytes: int | None = field(default=None, metadata=_rule(
-        kind="int", lo=0, optional=True, size=True, fix="use null for no byte cap"))
+    max_in_cpu: int = field(
+        default=0,
+        metadata=_rule(
+            kind="int", lo=0, size=True, fix="use 0 to keep no params cached in host RAM"
+        ),
+    )
+    device_budget: int | None = field(
+        default=None,
+        metadata=_rule(
+            kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"
+        ),
+    )
+    host_budget: int | None = field(
+        default=None,
+        metadata=_rule(
+            kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"
+        ),
+    )
+    prefetch_depth: int = field(
+        default=2, metadata=_rule(kind="int", lo=0, fix="use 0 to disable prefetch")
+    )
+    prefetch_bytes: int | None = field(
+        default=None,
+        metadata=_rule(kind="int", lo=0, optional=True, size=True, fix="use null for no byte cap"),
+    )
     param_persistence_threshold: int = field(default=0, metadata=_rule(kind="int", lo=0))
-    gradient_clipping: float = field(default=0.0, metadata=_rule(
-        kind="float", lo=0, fix="use 0 to disable clipping"))
+    gradient_clipping: float = field(
+        default=0.0, metadata=_rule(kind="float", lo=0, fix="use 0 to disable clipping")
+    )
     keep_swap_files: bool = field(default=False, metadata=_rule(kind="bool"))
     verify_checksums: bool = field(default=True, metadata=_rule(kind="bool"))
     fused_optimizer: bool = field(default=True, metadata=_rule(kind="bool"))
     step_in_backward: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     overlap_comm: bool = field(default=True, metadata=_rule(kind="bool"))
-    reduce_bucket_size: int = field(default=64 << 20, metadata=_rule(
-        kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"))
-    checkpoint_staging: int = field(default=64 << 20, metadata=_rule(
-        kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"))
-    zero_stage: int = field(default=3, metadata=_rule(
-        kind="int", lo=1, hi=3, fix="use 3 (parameters, gradients and optimizer state "
-        "partitioned), 2 (gradients and optimizer state) or 1 (optimizer state)"))
+    reduce_bucket_size: int = field(
+        default=64 << 20,
+        metadata=_rule(kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"),
+    )
+    checkpoint_staging: int = field(
+        default=64 << 20,
+        metadata=_rule(
+            kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"
+        ),
+    )
+    zero_stage: int = field(
+        default=3,
+        metadata=_rule(
+            kind="int",
+            lo=1,
+            hi=3,
+            fix="use 3 (parameters, gradients and optimizer state "
+            "partitioned), 2 (gradients and optimizer state) or 1 (optimizer state)",
+        ),
+    )
     aio: AioConfig = field(default_factory=AioConfig, metadata=_rule(kind="section"))
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig,
-                                       metadata=_rule(kind="section"))
+    precision: PrecisionConfig = field(
+        default_factory=PrecisionConfig, metadata=_rule(kind="section")
+    )
     batch: BatchConfig = field(default_factory=BatchConfig, metadata=_rule(kind="section"))
 
     def __post_init__(self) -> None:
@@ -539,13 +661,16 @@ class OffloadConfig(_Validated):
                     f"step_in_backward=True cannot be combined with gradient_clipping="
                     f"{self.gradient_clipping:g}: clipping by the global norm needs every "
                     f"gradient before the first update; set gradient_clipping=0 or "
-                    f"step_in_backward=False", field="step_in_backward")
+                    f"step_in_backward=False",
+                    field="step_in_backward",
+                )
             if self.precision.dtype == "fp16":
                 raise ConfigError(
                     "step_in_backward=True cannot be combined with precision.dtype='fp16': the "
                     "loss scaler must see every gradient before it can skip an overflowed "
                     "step; use bf16 or fp32, or step_in_backward=False",
-                    field="step_in_backward")
+                    field="step_in_backward",
+                )
 
     # ------------------------------------------------------------------ constructors
 
@@ -600,42 +725,57 @@ class OffloadConfig(_Validated):
         """A short multi-line summary for logs and demos."""
         p, a = self.precision, self.aio
         where = ", ".join(str(x) for x in self.nvme_path) or "a private temporary directory"
-        uses_nvme = "nvme" in (self.offload_param, self.offload_optimizer,
-                               self.offload_activations)
+        uses_nvme = "nvme" in (self.offload_param, self.offload_optimizer, self.offload_activations)
         if p.dtype == "fp16":
-            scale = (f"static loss scale {p.loss_scale:g}" if p.loss_scale
-                     else f"dynamic loss scale from 2**{p.initial_scale_power}, window "
-                          f"{p.loss_scale_window}, hysteresis {p.hysteresis}, "
-                          f"min {p.min_loss_scale:g}")
+            scale = (
+                f"static loss scale {p.loss_scale:g}"
+                if p.loss_scale
+                else f"dynamic loss scale from 2**{p.initial_scale_power}, window "
+                f"{p.loss_scale_window}, hysteresis {p.hysteresis}, "
+                f"min {p.min_loss_scale:g}"
+            )
             precision = f"fp16 ({scale})"
         else:
             precision = p.dtype
-        threads = (f", {a.thread_count or a.queue_depth} threads"
-                   if a.backend in ("threads", "buffered") else "")
+        threads = (
+            f", {a.thread_count or a.queue_depth} threads"
+            if a.backend in ("threads", "buffered")
+            else ""
+        )
         offloading = (self.offload_param, self.offload_optimizer) != ("none", "none")
         lines = [
             "infinity offload config",
             f"  device            {self.device}",
             f"  parameters        {self._tier(self.offload_param)}"
-            + (f", host cache up to {format_size(self.max_in_cpu)}"
-               if self.offload_param == "nvme" and self.max_in_cpu else ""),
+            + (
+                f", host cache up to {format_size(self.max_in_cpu)}"
+                if self.offload_param == "nvme" and self.max_in_cpu
+                else ""
+            ),
             f"  optimizer state   {self._tier(self.offload_optimizer)}",
         ]
         if offloading:
-            lines.append(f"  swap buffers      {self.buffer_count} x "
-                         f"{format_size(self.buffer_size)} = "
-                         f"{format_size(self.swap_buffer_bytes())} host RAM"
-                         f"{' (pinned)' if self.pin_memory else ''}")
+            lines.append(
+                f"  swap buffers      {self.buffer_count} x "
+                f"{format_size(self.buffer_size)} = "
+                f"{format_size(self.swap_buffer_bytes())} host RAM"
+                f"{' (pinned)' if self.pin_memory else ''}"
+            )
         if uses_nvme:
             lines.append(f"  nvme_path         {where}")
-            lines.append(f"  aio               {a.backend}, {format_size(a.block_size)} requests, "
-                         f"queue depth {a.queue_depth}{threads}")
+            lines.append(
+                f"  aio               {a.backend}, {format_size(a.block_size)} requests, "
+                f"queue depth {a.queue_depth}{threads}"
+            )
         lines += [
             f"  budgets           device {format_size(self.device_budget)}, "
             f"host {format_size(self.host_budget)}",
             f"  prefetch          {self.prefetch_depth} module(s) ahead"
-            + (f", at most {format_size(self.prefetch_bytes)}" if self.prefetch_bytes is not None
-               else ""),
+            + (
+                f", at most {format_size(self.prefetch_bytes)}"
+                if self.prefetch_bytes is not None
+                else ""
+            ),
             f"  precision         {precision}",
         ]
         if self.gradient_clipping:
@@ -645,8 +785,10 @@ class OffloadConfig(_Validated):
         if self.step_in_backward is True:
             lines.append("  optimizer update  in backward, as each gradient completes")
         elif self.step_in_backward == "auto":
-            lines.append("  optimizer update  in backward from the second step, if the first "
-                         "shows the loop allows it")
+            lines.append(
+                "  optimizer update  in backward from the second step, if the first "
+                "shows the loop allows it"
+            )
         if self.param_persistence_threshold:
             lines.append(f"  persistent params <= {self.param_persistence_threshold} elements")
         return "\n".join(lines)
@@ -665,8 +807,10 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a JSON object ({{...}}), got {type(data).__name__} "
-                          f"{data!r}", field=None if where.startswith("the ") else where)
+        raise ConfigError(
+            f"{where} must be a JSON object ({{...}}), got {type(data).__name__} {data!r}",
+            field=None if where.startswith("the ") else where,
+        )
     known = {f.name: f for f in fields(cls)}
     check_keys(data, known, where)
     kwargs: dict[str, Any] = {}
@@ -692,4 +836,3 @@ def _as_dict(obj: Any) -> dict[str, Any]:
             value = [str(p) for p in value]
         out[f.name] = value
     return out
-

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from swap.errors import OffloadError
 
-
 #: Base class of every error the runtime raises, the swap layer's included (it is the swap
 #: layer's root class, so ``except InfinityError`` catches a bad nvme_path or a full disk too).
 InfinityError = OffloadError

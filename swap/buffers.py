@@ -15,7 +15,7 @@ import logging
 import mmap
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,8 +38,9 @@ class HostBuffer:
 
     __slots__ = ("index", "nbytes", "array", "tensor", "address", "pool")
 
-    def __init__(self, index: int, array: np.ndarray, tensor: torch.Tensor,
-                 pool: "BufferPool | None") -> None:
+    def __init__(
+        self, index: int, array: np.ndarray, tensor: torch.Tensor, pool: BufferPool | None
+    ) -> None:
         self.index = index
         self.array = array
         self.tensor = tensor
@@ -52,11 +53,15 @@ class HostBuffer:
         itemsize = torch.empty((), dtype=dtype).element_size()
         end = byte_offset + numel * itemsize
         if byte_offset % itemsize:
-            raise ValueError(f"byte_offset {byte_offset} is not a multiple of the {itemsize}-byte "
-                             f"size of {dtype}")
+            raise ValueError(
+                f"byte_offset {byte_offset} is not a multiple of the {itemsize}-byte "
+                f"size of {dtype}"
+            )
         if byte_offset < 0 or numel < 0 or end > self.nbytes:
-            raise ValueError(f"view of {numel} x {dtype} at byte {byte_offset} does not fit in a "
-                             f"{self.nbytes}-byte buffer")
+            raise ValueError(
+                f"view of {numel} x {dtype} at byte {byte_offset} does not fit in a "
+                f"{self.nbytes}-byte buffer"
+            )
         return self.tensor[byte_offset:end].view(dtype)
 
     def memoryview(self, start: int = 0, stop: int | None = None) -> memoryview:
@@ -110,8 +115,9 @@ def advise_huge_pages(address: int, length: int) -> bool:
     return _madvise(start, stop - start, _MADV_HUGEPAGE) == 0
 
 
-def _allocate(total: int, pin: bool, prefault: bool = True
-              ) -> tuple[np.ndarray, torch.Tensor, object]:
+def _allocate(
+    total: int, pin: bool, prefault: bool = True
+) -> tuple[np.ndarray, torch.Tensor, object]:
     """Returns (uint8 array, uint8 tensor, owner) over ``total`` page-aligned bytes, faulted in
     unless ``prefault`` is False (then each page is faulted by its first use)."""
     if pin:
@@ -142,8 +148,15 @@ class BufferPool:
     gradually (a cache), where touching it all up front would only raise the peak RSS.
     """
 
-    def __init__(self, buffer_count: int, buffer_size: int, *, pin_memory: bool | None = None,
-                 name: str = "swap", prefault: bool = True) -> None:
+    def __init__(
+        self,
+        buffer_count: int,
+        buffer_size: int,
+        *,
+        pin_memory: bool | None = None,
+        name: str = "swap",
+        prefault: bool = True,
+    ) -> None:
         if not isinstance(buffer_count, int) or isinstance(buffer_count, bool) or buffer_count < 1:
             raise SwapConfigError(f"buffer_count must be a positive integer, got {buffer_count!r}")
         if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
@@ -156,23 +169,34 @@ class BufferPool:
             pin_memory = cuda
         self.pinned = bool(pin_memory and cuda)
         if pin_memory and not cuda:
-            log.info("%s pool: CUDA is not available, buffers are plain aligned memory (not pinned)",
-                     name)
+            log.info(
+                "%s pool: CUDA is not available, buffers are plain aligned memory (not pinned)",
+                name,
+            )
         total = self.buffer_size * buffer_count
         self._array, self._tensor, self._owner = _allocate(total, self.pinned, prefault)
         if self._array.ctypes.data % ALIGNMENT:
             raise RuntimeError("pool allocation is not page aligned")
         self._buffers = [
-            HostBuffer(i, self._array[i * self.buffer_size:(i + 1) * self.buffer_size],
-                       self._tensor[i * self.buffer_size:(i + 1) * self.buffer_size], self)
+            HostBuffer(
+                i,
+                self._array[i * self.buffer_size : (i + 1) * self.buffer_size],
+                self._tensor[i * self.buffer_size : (i + 1) * self.buffer_size],
+                self,
+            )
             for i in range(buffer_count)
         ]
         self._free: list[int] = list(range(buffer_count - 1, -1, -1))
         self._holders: dict[int, str] = {}
         self._cond = threading.Condition()
         self._closed = False
-        log.debug("%s pool: %d x %d bytes (%s)", name, buffer_count, self.buffer_size,
-                  "pinned" if self.pinned else "pageable")
+        log.debug(
+            "%s pool: %d x %d bytes (%s)",
+            name,
+            buffer_count,
+            self.buffer_size,
+            "pinned" if self.pinned else "pageable",
+        )
 
     @property
     def nbytes(self) -> int:
@@ -207,13 +231,17 @@ class BufferPool:
                         f"all {self.buffer_count} buffers of the {self.name} pool "
                         f"({self.buffer_size} bytes each) are in use and none was released within "
                         f"{timeout:g} s (held by {held}). Raise buffer_count, or release buffers "
-                        f"before acquiring more.")
+                        f"before acquiring more."
+                    )
                 self._cond.wait(remaining)
 
     def release(self, buffer: HostBuffer) -> None:
         with self._cond:
-            if buffer.pool is not self or buffer.index in self._free or \
-                    buffer.index not in self._holders:
+            if (
+                buffer.pool is not self
+                or buffer.index in self._free
+                or buffer.index not in self._holders
+            ):
                 raise ValueError(f"{buffer!r} is not held from this pool")
             del self._holders[buffer.index]
             self._free.append(buffer.index)
@@ -252,7 +280,7 @@ class BufferPool:
         if self._closed:
             raise RuntimeError(f"the {self.name} pool is closed")
 
-    def __enter__(self) -> "BufferPool":
+    def __enter__(self) -> BufferPool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -11,15 +11,15 @@ Each transfer returns a ``concurrent.futures.Future`` resolving to its logical b
 ``read_sync``/``write_sync`` are the blocking forms.
 
 Threads: requests complete on the backend's threads (the uring completion thread, the pool's
-workers), which do bookkeeping and submit the next requests. Checksums are computed on the
-engine's hasher thread, one call per integrity chunk with the GIL released (see
-``swap.integrity``): a write's chunks while the write is in flight, a read's chunk once all
-its bytes arrived. The completion thread never waits for the interpreter in between, and the
-training thread loses the interpreter once per chunk instead of for every hashed byte. Done-callbacks of the transfer futures run on one dispatcher
-thread of the engine, so a callback that blocks (``read_sync`` in a done-callback, a slow
-consumer) holds up other callbacks but never the I/O itself. A transfer future's
-``result``/``exception``/``done`` read the transfer's own state, not the dispatcher's progress,
-so waiting on another transfer inside a callback works; only ``concurrent.futures.wait``/
+workers), which do bookkeeping and submit the next requests. Checksums are computed on the engine's
+hasher thread, one call per integrity chunk with the GIL released (see ``swap.integrity``): a
+write's chunks while the write is in flight, a read's chunk once all its bytes arrived. The
+completion thread never waits for the interpreter in between, and the training thread loses the
+interpreter once per chunk instead of for every hashed byte. Done-callbacks of the transfer futures
+run on one dispatcher thread of the engine, so a callback that blocks (``read_sync`` in a
+done-callback, a slow consumer) holds up other callbacks but never the I/O itself. A transfer
+future's ``result``/``exception``/``done`` read the transfer's own state, not the dispatcher's
+progress, so waiting on another transfer inside a callback works; only ``concurrent.futures.wait``/
 ``as_completed`` inside a callback would wait on the dispatcher.
 
 Short transfers are continued from where they stopped (the kernel may return fewer bytes than
@@ -35,16 +35,17 @@ from __future__ import annotations
 
 import atexit
 import errno
-import os
 import logging
+import os
 import queue
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op
 from swap.buffers import ALIGNMENT, HostBuffer, align_up
@@ -89,7 +90,7 @@ def chain_length(settings: EngineSettings, max_chain: int) -> int:
 
 # Engines not yet closed. Their threads keep them alive, so an engine its owner forgot to close
 # still gets closed (and its swap files, often GiBs, removed) when the interpreter exits.
-_open_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
+_open_engines: weakref.WeakSet[SwapEngine] = weakref.WeakSet()
 
 
 def _forget_engines_in_child() -> None:
@@ -107,16 +108,22 @@ def _close_open_engines() -> None:
     for engine in list(_open_engines):
         try:
             engine.close()
-        except Exception:  # noqa: BLE001 - exiting anyway: report, then close the next one
+        except Exception:
             log.exception("closing a swap engine at exit failed")
 
 
 class SwapEngine(TimeoutsMixin):
     """Swap files under ``paths`` plus a backend; see the module docstring."""
 
-    def __init__(self, paths: Sequence[Path | str] | Path | str,
-                 settings: EngineSettings | None = None, *, keep_files: bool = False,
-                 backend: IOBackend | None = None, label: str = "") -> None:
+    def __init__(
+        self,
+        paths: Sequence[Path | str] | Path | str,
+        settings: EngineSettings | None = None,
+        *,
+        keep_files: bool = False,
+        backend: IOBackend | None = None,
+        label: str = "",
+    ) -> None:
         """``label`` goes into the run directories' names (``infinity-swap-<label>...``): a
         rank number, so that one rank's files are recognisable next to another's."""
         if isinstance(paths, (str, Path)):
@@ -129,21 +136,30 @@ class SwapEngine(TimeoutsMixin):
             raise SwapConfigError("nvme_path lists no directory")
         if backend is None:
             name = choose_backend_for(self.settings.backend, roots)
-            backend = make_backend(name, self.settings.queue_depth * len(roots),
-                                   self.settings.thread_count, self.settings.close_timeout)
+            backend = make_backend(
+                name,
+                self.settings.queue_depth * len(roots),
+                self.settings.thread_count,
+                self.settings.close_timeout,
+            )
         self.backend = backend
         self.window = backend.queue_depth  # queue slots over all drives
         self.drive_depth = min(self.settings.queue_depth, self.window)
         self.chain_length = chain_length(self.settings, backend.max_chain)
         try:
-            self.space = SwapSpace(roots, direct=backend.direct, file_size=self.settings.file_size,
-                                   stripe_size=max(self.settings.block_size, ALIGNMENT),
-                                   label=label)
+            self.space = SwapSpace(
+                roots,
+                direct=backend.direct,
+                file_size=self.settings.file_size,
+                stripe_size=max(self.settings.block_size, ALIGNMENT),
+                label=label,
+            )
         except BaseException:
             backend.close()
             raise
-        self._integrity = (Integrity(self.settings.chunk_size) if self.settings.verify_checksums
-                           else None)
+        self._integrity = (
+            Integrity(self.settings.chunk_size) if self.settings.verify_checksums else None
+        )
         self._stats = StatsRecorder()
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
@@ -167,8 +183,9 @@ class SwapEngine(TimeoutsMixin):
         self._local = threading.local()
         self._closed = False
         self._resolve: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._dispatcher = threading.Thread(target=self._dispatch, name="swap-callbacks",
-                                            daemon=True)
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="swap-callbacks", daemon=True
+        )
         self._dispatcher.start()
         self._hasher: threading.Thread | None = None
         if self._integrity is not None:
@@ -176,10 +193,16 @@ class SwapEngine(TimeoutsMixin):
             self._hasher.start()
         self._start_watchdog()
         _open_engines.add(self)
-        log.info("swap engine: backend=%s block_size=%d queue_depth=%d dirs=%s verify=%s "
-                 "request_timeout=%s", backend.name, self.settings.block_size,
-                 self.settings.queue_depth, [str(d) for d in self.space.run_dirs],
-                 self.settings.verify_checksums, self.settings.request_timeout)
+        log.info(
+            "swap engine: backend=%s block_size=%d queue_depth=%d dirs=%s verify=%s "
+            "request_timeout=%s",
+            backend.name,
+            self.settings.block_size,
+            self.settings.queue_depth,
+            [str(d) for d in self.space.run_dirs],
+            self.settings.verify_checksums,
+            self.settings.request_timeout,
+        )
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> Extent:
@@ -193,9 +216,11 @@ class SwapEngine(TimeoutsMixin):
                 raise ValueError(f"double free: extent #{extent.serial} was freed already")
             if self._extent_zombies.get(extent.serial):
                 self._deferred_free[extent.serial] = extent
-                log.warning("extent #%d freed while a request that timed out may still write to "
-                            "it; its space is held back until that request completes",
-                            extent.serial)
+                log.warning(
+                    "extent #%d freed while a request that timed out may still write to "
+                    "it; its space is held back until that request completes",
+                    extent.serial,
+                )
                 extent = None
         if extent is not None:
             self.space.free(extent)
@@ -203,28 +228,45 @@ class SwapEngine(TimeoutsMixin):
             self._integrity.forget(extent)
 
     # -- transfers --------------------------------------------------------------------------
-    def write(self, extent: Extent, buffer: HostBuffer, *, nbytes: int | None = None,
-              extent_offset: int = 0, buffer_offset: int = 0,
-              tag: Any = None) -> TransferFuture:
+    def write(
+        self,
+        extent: Extent,
+        buffer: HostBuffer,
+        *,
+        nbytes: int | None = None,
+        extent_offset: int = 0,
+        buffer_offset: int = 0,
+        tag: Any = None,
+    ) -> TransferFuture:
         """Writes ``nbytes`` from ``buffer[buffer_offset:]`` to ``extent[extent_offset:]``.
 
         Direct I/O moves whole 4096-byte blocks, so a write whose ``nbytes`` is not a multiple
         of 4096 writes zeros after it up to the block end, and zeroes those buffer bytes to say
         so; it must therefore end at the extent's end, where those bytes are padding. ``tag``
         (short, JSON-able) names what the bytes are; reads may ask for it back."""
-        return self._start(Op.WRITE, extent, buffer, nbytes, extent_offset, buffer_offset,
-                           tag).future
+        return self._start(
+            Op.WRITE, extent, buffer, nbytes, extent_offset, buffer_offset, tag
+        ).future
 
-    def read(self, extent: Extent, buffer: HostBuffer, *, nbytes: int | None = None,
-             extent_offset: int = 0, buffer_offset: int = 0, tag: Any = None) -> TransferFuture:
+    def read(
+        self,
+        extent: Extent,
+        buffer: HostBuffer,
+        *,
+        nbytes: int | None = None,
+        extent_offset: int = 0,
+        buffer_offset: int = 0,
+        tag: Any = None,
+    ) -> TransferFuture:
         """Reads ``nbytes`` of ``extent[extent_offset:]`` into ``buffer[buffer_offset:]``.
 
         The buffer must have room for ``nbytes`` rounded up to 4096; bytes past ``nbytes`` in
         that rounded span are overwritten with what the extent holds there. With verification
         on, the future fails with :class:`IntegrityError` unless the bytes are those last
         written there, and (given ``tag``) that write had this tag."""
-        return self._start(Op.READ, extent, buffer, nbytes, extent_offset, buffer_offset,
-                           tag).future
+        return self._start(
+            Op.READ, extent, buffer, nbytes, extent_offset, buffer_offset, tag
+        ).future
 
     def write_sync(self, extent: Extent, buffer: HostBuffer, **kwargs: Any) -> int:
         return self._start(Op.WRITE, extent, buffer, **_range(kwargs)).future.result()
@@ -232,40 +274,60 @@ class SwapEngine(TimeoutsMixin):
     def read_sync(self, extent: Extent, buffer: HostBuffer, **kwargs: Any) -> int:
         return self._start(Op.READ, extent, buffer, **_range(kwargs)).future.result()
 
-    def _start(self, op: Op, extent: Extent, buffer: HostBuffer, nbytes: int | None = None,
-               extent_offset: int = 0, buffer_offset: int = 0, tag: Any = None) -> Transfer:
+    def _start(
+        self,
+        op: Op,
+        extent: Extent,
+        buffer: HostBuffer,
+        nbytes: int | None = None,
+        extent_offset: int = 0,
+        buffer_offset: int = 0,
+        tag: Any = None,
+    ) -> Transfer:
         if nbytes is None:
             nbytes = extent.nbytes - extent_offset
         if extent_offset % ALIGNMENT or buffer_offset % ALIGNMENT or buffer_offset < 0:
-            raise ValueError(f"extent_offset and buffer_offset must be non-negative multiples of "
-                             f"{ALIGNMENT}, got {extent_offset} and {buffer_offset}")
+            raise ValueError(
+                f"extent_offset and buffer_offset must be non-negative multiples of "
+                f"{ALIGNMENT}, got {extent_offset} and {buffer_offset}"
+            )
         if nbytes < 0 or extent_offset < 0 or extent_offset + nbytes > extent.nbytes:
-            raise ValueError(f"range [{extent_offset}, {extent_offset + nbytes}) is outside the "
-                             f"extent's {extent.nbytes} bytes")
+            raise ValueError(
+                f"range [{extent_offset}, {extent_offset + nbytes}) is outside the "
+                f"extent's {extent.nbytes} bytes"
+            )
         self.space.check_extent(extent)
         if extent.serial in self._deferred_free:
             raise ValueError(f"extent #{extent.serial} ({extent.nbytes} bytes) was freed")
         padded = align_up(nbytes)
         if buffer_offset + padded > buffer.nbytes:
-            raise ValueError(f"{op.value} of {nbytes} bytes (padded to {padded}) at buffer offset "
-                             f"{buffer_offset} does not fit in a {buffer.nbytes}-byte buffer")
+            raise ValueError(
+                f"{op.value} of {nbytes} bytes (padded to {padded}) at buffer offset "
+                f"{buffer_offset} does not fit in a {buffer.nbytes}-byte buffer"
+            )
         if op is Op.WRITE and padded > nbytes:
             if extent_offset + nbytes != extent.nbytes:
-                raise ValueError(f"a write of {nbytes} bytes (not a multiple of {ALIGNMENT}) "
-                                 f"must end at the extent's end ({extent.nbytes}), else the "
-                                 f"block padding would overwrite the bytes after it")
+                raise ValueError(
+                    f"a write of {nbytes} bytes (not a multiple of {ALIGNMENT}) "
+                    f"must end at the extent's end ({extent.nbytes}), else the "
+                    f"block padding would overwrite the bytes after it"
+                )
             # Deterministic padding: the file holds exactly what was written, then zeros.
-            buffer.array[buffer_offset + nbytes:buffer_offset + padded] = 0
+            buffer.array[buffer_offset + nbytes : buffer_offset + padded] = 0
         check, refused = None, None
         if self._integrity is not None:
             try:
-                check = self._integrity.begin(op is Op.WRITE, extent, extent_offset,
-                                              extent_offset + padded, tag)
+                check = self._integrity.begin(
+                    op is Op.WRITE, extent, extent_offset, extent_offset + padded, tag
+                )
             except IntegrityError as exc:  # the read cannot return what it asks for: no I/O
                 refused = exc
         transfer = Transfer(op, nbytes, buffer, extent, check)
-        pieces, covered = ([], []) if refused else self._pieces(
-            transfer, extent, extent_offset, buffer_offset, padded)
+        pieces, covered = (
+            ([], [])
+            if refused
+            else self._pieces(transfer, extent, extent_offset, buffer_offset, padded)
+        )
         chunks = covered if op is Op.WRITE else []
         try:
             self._enqueue(transfer, op, pieces, chunks, refused)
@@ -276,8 +338,14 @@ class SwapEngine(TimeoutsMixin):
             self._pump()
         return transfer
 
-    def _enqueue(self, transfer: Transfer, op: Op, pieces: list[Piece], chunks: list[Chunk],
-                 refused: IntegrityError | None) -> None:
+    def _enqueue(
+        self,
+        transfer: Transfer,
+        op: Op,
+        pieces: list[Piece],
+        chunks: list[Chunk],
+        refused: IntegrityError | None,
+    ) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the swap engine is closed")
@@ -300,8 +368,14 @@ class SwapEngine(TimeoutsMixin):
             if self._zombies:
                 self._fail_stalled_locked()
 
-    def _pieces(self, transfer: Transfer, extent: Extent, extent_offset: int,
-                buffer_offset: int, padded: int) -> tuple[list[Piece], list[Chunk]]:
+    def _pieces(
+        self,
+        transfer: Transfer,
+        extent: Extent,
+        extent_offset: int,
+        buffer_offset: int,
+        padded: int,
+    ) -> tuple[list[Piece], list[Chunk]]:
         """Requests of at most block_size bytes, cut on the block_size grid of the extent, and
         the integrity chunks the transfer covers entirely; each request is tagged with the
         chunk it is part of. ``transfer.chunk_left`` counts the bytes each chunk awaits."""
@@ -323,13 +397,24 @@ class SwapEngine(TimeoutsMixin):
                     if chunk is None:  # its first byte: where a mismatch is reported
                         start = index * size
                         chunk = chunks[index] = Chunk(
-                            index, buffer_offset + (start - extent_offset),
-                            min(size, extent.nbytes - start), file.path,
-                            file_offset + done - (at - start))
+                            index,
+                            buffer_offset + (start - extent_offset),
+                            min(size, extent.nbytes - start),
+                            file.path,
+                            file_offset + done - (at - start),
+                        )
                         transfer.chunk_left[index] = 0
                     transfer.chunk_left[index] += take
-                pieces.append(Piece(transfer, file, file_offset + done,
-                                    base + buffer_offset + (at - extent_offset), take, chunk))
+                pieces.append(
+                    Piece(
+                        transfer,
+                        file,
+                        file_offset + done,
+                        base + buffer_offset + (at - extent_offset),
+                        take,
+                        chunk,
+                    )
+                )
                 done += take
         return pieces, list(chunks.values())
 
@@ -379,11 +464,13 @@ class SwapEngine(TimeoutsMixin):
             hooked = 0
             try:
                 self._stats.request_submitted(transfer.op.value, len(pieces))
-                requests = [IORequest(transfer.op, piece.file.fd, piece.offset, piece.address,
-                                      piece.length) for piece in pieces]
+                requests = [
+                    IORequest(transfer.op, piece.file.fd, piece.offset, piece.address, piece.length)
+                    for piece in pieces
+                ]
                 try:
                     futures = self.backend.submit_chain(requests)
-                except Exception as exc:  # noqa: BLE001 - any failure fails this transfer
+                except Exception as exc:
                     stage = "settled"
                     for piece in pieces:
                         self._on_done(piece, None, exc)
@@ -417,14 +504,16 @@ class SwapEngine(TimeoutsMixin):
                 # all run at once); chains grow only once there is more than slots.
                 length = min(self.chain_length, -(-len(drive_queue) // free))
                 chain = [drive_queue.popleft()]
-                while (len(chain) < length and drive_queue
-                       and chain[-1].continued_by(drive_queue[0])):
+                while (
+                    len(chain) < length and drive_queue and chain[-1].continued_by(drive_queue[0])
+                ):
                     chain.append(drive_queue.popleft())
                 return chain
         return None
 
-    def _on_done(self, piece: Piece, future: "Future[int] | None",
-                 error: BaseException | None) -> None:
+    def _on_done(
+        self, piece: Piece, future: Future[int] | None, error: BaseException | None
+    ) -> None:
         transfer = piece.transfer
         result = 0
         if future is not None:
@@ -439,12 +528,20 @@ class SwapEngine(TimeoutsMixin):
         if error is None and result < piece.length:
             if result <= 0 or (self.backend.direct and result % ALIGNMENT):
                 error = OSError(0, "short transfer")
-                detail = ("the file is shorter than the extent (truncated or replaced swap file?)"
-                          if transfer.op is Op.READ and result == 0
-                          else f"the kernel moved {result} of {piece.length} bytes")
+                detail = (
+                    "the file is shorter than the extent (truncated or replaced swap file?)"
+                    if transfer.op is Op.READ and result == 0
+                    else f"the kernel moved {result} of {piece.length} bytes"
+                )
             else:
-                requeue = Piece(transfer, piece.file, piece.offset + result,
-                                piece.address + result, piece.length - result, piece.chunk)
+                requeue = Piece(
+                    transfer,
+                    piece.file,
+                    piece.offset + result,
+                    piece.address + result,
+                    piece.length - result,
+                    piece.chunk,
+                )
         elif error is not None and not getattr(error, "errno", 0):
             detail = f"{type(error).__name__}: {error}"
         with self._lock:
@@ -479,8 +576,9 @@ class SwapEngine(TimeoutsMixin):
                     self._queues[piece.file.drive].appendleft(requeue)
                 elif error is not None and transfer.error is None and not transfer.done:
                     err = getattr(error, "errno", 0) or 0
-                    transfer.error = SwapIOError(transfer.op.value, piece.file.path, piece.offset,
-                                                 piece.length, err, detail)
+                    transfer.error = SwapIOError(
+                        transfer.op.value, piece.file.path, piece.offset, piece.length, err, detail
+                    )
                     transfer.error.__cause__ = error
                     self._stats.note_error()
                 self._finish_locked(transfer)
@@ -491,8 +589,7 @@ class SwapEngine(TimeoutsMixin):
             self._stats.request_done()
             self._pump()
 
-    def _chunk_bytes_arrived_locked(self, transfer: Transfer, chunk: Chunk,
-                                    nbytes: int) -> None:
+    def _chunk_bytes_arrived_locked(self, transfer: Transfer, chunk: Chunk, nbytes: int) -> None:
         left = transfer.chunk_left.get(chunk.index)
         if left is None:
             return
@@ -521,7 +618,7 @@ class SwapEngine(TimeoutsMixin):
             started = time.thread_time()
             try:
                 failure = integrity.chunk_done(transfer.check, chunk, transfer.buffer.array)
-            except Exception as exc:  # noqa: BLE001 - a bug must fail the transfer, not strand it
+            except Exception as exc:
                 failure = exc
             self._hash_cpu += time.thread_time() - started
             with self._lock:
@@ -575,7 +672,9 @@ class SwapEngine(TimeoutsMixin):
         return self._stats.snapshot(
             self.backend.counters.thread_cpu_seconds + self._hash_cpu,
             checksum_seconds=integrity.seconds if integrity else 0.0,
-            integrity_errors=integrity.errors if integrity else 0, quarantined=quarantined)
+            integrity_errors=integrity.errors if integrity else 0,
+            quarantined=quarantined,
+        )
 
     @property
     def backend_name(self) -> str:
@@ -603,9 +702,13 @@ class SwapEngine(TimeoutsMixin):
                     break
                 self._drained.wait(remaining)
             if self._inflight - self._zombies or self._queued:
-                log.error("swap engine: closing with %d request(s) in flight and %d queued after "
-                          "%.3g s; their transfers fail", self._inflight - self._zombies,
-                          self._queued, self.settings.close_timeout)
+                log.error(
+                    "swap engine: closing with %d request(s) in flight and %d queued after "
+                    "%.3g s; their transfers fail",
+                    self._inflight - self._zombies,
+                    self._queued,
+                    self.settings.close_timeout,
+                )
                 for drive_queue in self._queues:
                     drive_queue.clear()
                 self._queued = 0
@@ -642,12 +745,13 @@ class SwapEngine(TimeoutsMixin):
                 transfer.error = TransferTimeoutError(
                     f"the swap engine was closed before this {transfer.op.value} of "
                     f"{transfer.nbytes} bytes finished (close_timeout="
-                    f"{self.settings.close_timeout:g} s)")
+                    f"{self.settings.close_timeout:g} s)"
+                )
                 self._stats.note_error()
             transfer.outstanding = transfer.queued = 0
             self._finish_locked(transfer)
 
-    def __enter__(self) -> "SwapEngine":
+    def __enter__(self) -> SwapEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -32,8 +32,9 @@ class NvmePathError(SwapError):
 class SwapSpaceError(SwapError):
     """The swap directory cannot hold the bytes asked for (full disk, quota, preflight check)."""
 
-    def __init__(self, message: str, *, path: Path | None = None, needed: int = 0,
-                 available: int = 0) -> None:
+    def __init__(
+        self, message: str, *, path: Path | None = None, needed: int = 0, available: int = 0
+    ) -> None:
         super().__init__(message)
         self.path = path
         self.needed = needed
@@ -50,8 +51,9 @@ class SwapIOError(SwapError, OSError):
     Carries the operation, file, offset and length of the failing request and the OS error.
     """
 
-    def __init__(self, op: str, path: Path | str, offset: int, length: int, err: int,
-                 detail: str = "") -> None:
+    def __init__(
+        self, op: str, path: Path | str, offset: int, length: int, err: int, detail: str = ""
+    ) -> None:
         self.op = op
         self.path = Path(path)
         self.offset = offset
@@ -60,8 +62,10 @@ class SwapIOError(SwapError, OSError):
         cause = os.strerror(err) if err else "unexpected result"
         name = errno_mod.errorcode.get(err, str(err)) if err else ""
         hint = _HINTS.get(err, "")
-        text = (f"{op} of {length} bytes at offset {offset} in {self.path} failed: "
-                f"{name + ' ' if name else ''}({cause})")
+        text = (
+            f"{op} of {length} bytes at offset {offset} in {self.path} failed: "
+            f"{name + ' ' if name else ''}({cause})"
+        )
         if detail:
             text += f"; {detail}"
         if hint:
@@ -80,9 +84,16 @@ class IntegrityError(SwapError):
     ``expected`` the identity (tag) the read asked for, ``found`` what the bytes turned out to be
     (another extent's or version's bytes, zeros, or nothing known)."""
 
-    def __init__(self, message: str, *, path: Path | str | None = None, offset: int | None = None,
-                 extent: int | None = None, expected: object = None,
-                 found: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Path | str | None = None,
+        offset: int | None = None,
+        extent: int | None = None,
+        expected: object = None,
+        found: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.path = Path(path) if path is not None else None
         self.offset = offset
@@ -97,8 +108,14 @@ class TransferTimeoutError(SwapError, TimeoutError):
     one request is to blame; ``quarantine`` (a ``swap.transfer.Quarantined``) then says which
     buffer range the kernel may still write, and its ``released`` event when it no longer can."""
 
-    def __init__(self, message: str, *, path: Path | str | None = None, offset: int | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Path | str | None = None,
+        offset: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.path = Path(path) if path is not None else None
         self.offset = offset
@@ -110,8 +127,10 @@ _HINTS = {
     errno_mod.ENOSPC: "The file system is full: free space or point nvme_path at a larger drive",
     errno_mod.EDQUOT: "The disk quota is exhausted: raise it or point nvme_path elsewhere",
     errno_mod.EIO: "The device reported an I/O error: check the drive (dmesg, smartctl)",
-    errno_mod.EINVAL: ("The request was rejected; with O_DIRECT this usually means a misaligned "
-                       "buffer or offset, or a file system that does not support direct I/O"),
+    errno_mod.EINVAL: (
+        "The request was rejected; with O_DIRECT this usually means a misaligned "
+        "buffer or offset, or a file system that does not support direct I/O"
+    ),
     errno_mod.EROFS: "The file system is read-only: point nvme_path at a writable directory",
     errno_mod.EACCES: "Permission denied: point nvme_path at a directory this user can write",
 }

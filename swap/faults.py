@@ -33,8 +33,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 from swap.backends.base import IOBackend, IORequest, Op, resolve
 from swap.buffers import ALIGNMENT
@@ -101,20 +101,38 @@ class FaultInjectingBackend(IOBackend):
         self._closed = False
 
     # -- configuration ----------------------------------------------------------------------
-    def inject(self, kind: str, op: str = "any", times: int | None = 1, probability: float = 1.0,
-               delay: float = 0.0, after: int = 0) -> "FaultInjectingBackend":
+    def inject(
+        self,
+        kind: str,
+        op: str = "any",
+        times: int | None = 1,
+        probability: float = 1.0,
+        delay: float = 0.0,
+        after: int = 0,
+    ) -> FaultInjectingBackend:
         """Makes the next ``times`` matching requests (None: all of them) fail with ``kind``,
         each with ``probability``, after letting the first ``after`` matching ones through."""
         _check_kind(kind)
         if kind in _WRITE_ONLY and op == "read":
             raise ValueError(f"fault {kind!r} applies to writes only")
-        self._add(_Rule((kind,), _check_op(op), _check_times(times),
-                        _check_probability(probability), _check_delay(delay), _check_after(after)))
+        self._add(
+            _Rule(
+                (kind,),
+                _check_op(op),
+                _check_times(times),
+                _check_probability(probability),
+                _check_delay(delay),
+                _check_after(after),
+            )
+        )
         return self
 
-    def random_faults(self, rate: float, kinds: tuple[str, ...] | list[str] = ("eio", "short",
-                                                                               "slow"),
-                      max_delay: float = 0.05) -> "FaultInjectingBackend":
+    def random_faults(
+        self,
+        rate: float,
+        kinds: tuple[str, ...] | list[str] = ("eio", "short", "slow"),
+        max_delay: float = 0.05,
+    ) -> FaultInjectingBackend:
         """Random mode: every request gets, with probability ``rate``, a fault drawn uniformly
         from the ``kinds`` that apply to it; ``slow`` waits uniform(0, ``max_delay``) s."""
         kinds = tuple(kinds)
@@ -122,8 +140,17 @@ class FaultInjectingBackend(IOBackend):
             raise ValueError("random_faults needs at least one kind")
         for kind in kinds:
             _check_kind(kind)
-        self._add(_Rule(kinds, "any", None, _check_probability(rate), _check_delay(max_delay), 0,
-                        random_delay=True))
+        self._add(
+            _Rule(
+                kinds,
+                "any",
+                None,
+                _check_probability(rate),
+                _check_delay(max_delay),
+                0,
+                random_delay=True,
+            )
+        )
         return self
 
     def clear(self) -> None:
@@ -141,13 +168,13 @@ class FaultInjectingBackend(IOBackend):
             self._rules.append(rule)
 
     # -- I/O --------------------------------------------------------------------------------
-    def plugged(self) -> ContextManager[None]:
+    def plugged(self) -> AbstractContextManager[None]:
         return self.inner.plugged()
 
     def flush(self) -> None:
         self.inner.flush()
 
-    def submit(self, request: IORequest) -> "Future[int]":
+    def submit(self, request: IORequest) -> Future[int]:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the {self.name} backend is closed")
@@ -157,8 +184,14 @@ class FaultInjectingBackend(IOBackend):
                 self.injected[kind] += 1
         if kind is None:
             return self.inner.submit(request)
-        log.debug("injecting %s into a %s of %d bytes at offset %d (fd %d)", kind,
-                  request.op.value, request.length, request.offset, request.fd)
+        log.debug(
+            "injecting %s into a %s of %d bytes at offset %d (fd %d)",
+            kind,
+            request.op.value,
+            request.length,
+            request.offset,
+            request.fd,
+        )
         if kind == "eio":
             return _failed(OSError(errno.EIO, "Input/output error (injected fault)"))
         if kind == "enospc":
@@ -168,8 +201,9 @@ class FaultInjectingBackend(IOBackend):
             future.set_result(request.length)
             return future
         if kind == "short":
-            return self.inner.submit(dataclasses.replace(request,
-                                                         length=_short_length(request.length)))
+            return self.inner.submit(
+                dataclasses.replace(request, length=_short_length(request.length))
+            )
         future = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
@@ -177,8 +211,9 @@ class FaultInjectingBackend(IOBackend):
                 self._hung.append((future, request))
             else:  # slow
                 self._sequence += 1
-                heapq.heappush(self._timers, (time.monotonic() + delay, self._sequence, future,
-                                              request))
+                heapq.heappush(
+                    self._timers, (time.monotonic() + delay, self._sequence, future, request)
+                )
                 self._start_timer_locked()
                 self._timer_cond.notify()
         return future
@@ -204,15 +239,17 @@ class FaultInjectingBackend(IOBackend):
 
     def _start_timer_locked(self) -> None:
         if self._timer_thread is None:
-            self._timer_thread = threading.Thread(target=self._run_timers,
-                                                  name="swap-fault-timer", daemon=True)
+            self._timer_thread = threading.Thread(
+                target=self._run_timers, name="swap-fault-timer", daemon=True
+            )
             self._timer_thread.start()
 
     def _run_timers(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and (not self._timers
-                                            or self._timers[0][0] > time.monotonic()):
+                while not self._closed and (
+                    not self._timers or self._timers[0][0] > time.monotonic()
+                ):
                     wait = self._timers[0][0] - time.monotonic() if self._timers else None
                     self._timer_cond.wait(wait)
                 if self._closed:
@@ -221,7 +258,7 @@ class FaultInjectingBackend(IOBackend):
             # Outside the lock: the inner backend may complete inline and run engine callbacks.
             try:
                 inner = self.inner.submit(request)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the timer goes on
+            except Exception as exc:
                 resolve(future, None, exc)
                 continue
             inner.add_done_callback(lambda f, outer=future: _chain(f, outer))
@@ -236,12 +273,18 @@ class FaultInjectingBackend(IOBackend):
             self._timer_cond.notify_all()
         # Neither kind ever reached the inner backend, so their memory is untouched: a plain
         # ECANCELED, not an abandoned request whose buffer must stay quarantined.
-        for future, request in hung:
-            resolve(future, None, OSError(errno.ECANCELED, "the backend was closed; injected "
-                                                            "hang released"))
-        for _, _, future, request in delayed:
-            resolve(future, None, OSError(errno.ECANCELED, "the backend was closed while the "
-                                                            "request was delayed"))
+        for future, _request in hung:
+            resolve(
+                future,
+                None,
+                OSError(errno.ECANCELED, "the backend was closed; injected hang released"),
+            )
+        for _, _, future, _request in delayed:
+            resolve(
+                future,
+                None,
+                OSError(errno.ECANCELED, "the backend was closed while the request was delayed"),
+            )
         if self._timer_thread is not None and self._timer_thread is not threading.current_thread():
             self._timer_thread.join(5.0)
         self.inner.close()
@@ -250,19 +293,18 @@ class FaultInjectingBackend(IOBackend):
         return f"FaultInjectingBackend({self.inner!r}, injected={dict(self.injected)})"
 
 
-def _failed(error: BaseException) -> "Future[int]":
+def _failed(error: BaseException) -> Future[int]:
     future: Future[int] = Future()
     future.set_exception(error)
     return future
 
 
-def _chain(inner: "Future[int]", outer: "Future[int]") -> None:
+def _chain(inner: Future[int], outer: Future[int]) -> None:
     if inner.cancelled():
         resolve(outer, None, OSError(errno.ECANCELED, "the inner backend cancelled the request"))
     else:
         error = inner.exception()
         resolve(outer, None if error is not None else inner.result(), error)
-
 
 
 def _check_kind(kind: str) -> None:

@@ -1,10 +1,11 @@
 """Swap directories, preallocated swap files and the extent allocator.
 
 Layout: each directory of ``nvme_path`` gets one private run directory (mode 0700, random name,
-created exclusively), locked by the live process; directories of runs that died are reclaimed
-by the next run on the same directory (:mod:`swap.leftovers`). Inside it live swap files (mode 0600, ``O_EXCL | O_NOFOLLOW``), each
-preallocated with ``posix_fallocate`` so that writes land in allocated blocks and never extend the
-file: extending writes go through the kernel's worker threads and lose about half the throughput.
+created exclusively), locked by the live process; directories of runs that died are reclaimed by the
+next run on the same directory (:mod:`swap.leftovers`). Inside it live swap files (mode 0600,
+``O_EXCL | O_NOFOLLOW``), each preallocated with ``posix_fallocate`` so that writes land in
+allocated blocks and never extend the file: extending writes go through the kernel's worker threads
+and lose about half the throughput.
 
 An :class:`Extent` is the home of one shard's bytes. With several directories (one per drive)
 it is striped RAID-0 style in ``stripe_size`` units, so one large transfer keeps every drive busy.
@@ -38,16 +39,22 @@ def check_directory(path: Path) -> Path:
     """Resolves ``path`` and checks that a run directory can be made in it; raises NvmePathError."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise NvmePathError(f"nvme_path {path} does not exist: create it (mkdir -p {path}) or "
-                            f"point nvme_path at an existing directory on your NVMe drive")
+        raise NvmePathError(
+            f"nvme_path {path} does not exist: create it (mkdir -p {path}) or "
+            f"point nvme_path at an existing directory on your NVMe drive"
+        )
     if not path.is_dir():
         raise NvmePathError(f"nvme_path {path} is not a directory: point nvme_path at a directory")
     if os.statvfs(path).f_flag & os.ST_RDONLY:
-        raise NvmePathError(f"nvme_path {path} is on a read-only file system: point nvme_path at "
-                            f"a directory on a writable drive")
+        raise NvmePathError(
+            f"nvme_path {path} is on a read-only file system: point nvme_path at "
+            f"a directory on a writable drive"
+        )
     if not os.access(path, os.W_OK | os.X_OK):
-        raise NvmePathError(f"nvme_path {path} is not writable by this user: fix its permissions "
-                            f"or choose another directory")
+        raise NvmePathError(
+            f"nvme_path {path} is not writable by this user: fix its permissions "
+            f"or choose another directory"
+        )
     return path.resolve()
 
 
@@ -68,13 +75,18 @@ class SwapFile:
             # Nothing was created, so nothing is removed: a name that already exists (a planted
             # file or symlink) belongs to someone else and is left alone.
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise SwapSpaceError(f"cannot create swap file {path}: {exc}. Free space or "
-                                     f"inodes on that file system", path=path,
-                                     needed=capacity) from exc
+                raise SwapSpaceError(
+                    f"cannot create swap file {path}: {exc}. Free space or "
+                    f"inodes on that file system",
+                    path=path,
+                    needed=capacity,
+                ) from exc
             if exc.errno in (errno.EEXIST, errno.ELOOP):
-                raise NvmePathError(f"refusing to use swap file {path}: something else already "
-                                    f"exists under that name in the private swap directory "
-                                    f"(planted file or symlink?)") from exc
+                raise NvmePathError(
+                    f"refusing to use swap file {path}: something else already "
+                    f"exists under that name in the private swap directory "
+                    f"(planted file or symlink?)"
+                ) from exc
             raise NvmePathError(f"cannot create swap file {path}: {exc}") from exc
         try:
             os.posix_fallocate(self.fd, 0, capacity)
@@ -97,8 +109,11 @@ class SwapFile:
                 raise SwapSpaceError(
                     f"cannot preallocate {capacity} bytes for swap file {path}: only {free} bytes "
                     f"free on that file system. Free space, lower the offloaded size, or add "
-                    f"another directory to nvme_path", path=path, needed=capacity,
-                    available=free) from exc
+                    f"another directory to nvme_path",
+                    path=path,
+                    needed=capacity,
+                    available=free,
+                ) from exc
             raise NvmePathError(f"cannot preallocate swap file {path}: {exc}") from exc
 
     def close(self, remove: bool) -> None:
@@ -115,6 +130,7 @@ class SwapFile:
 @dataclass(frozen=True, slots=True)
 class Segment:
     """A contiguous, aligned run of bytes in one swap file."""
+
     file: SwapFile
     offset: int
     length: int
@@ -127,6 +143,7 @@ class Extent:
     ``serial`` is unique per allocation, so a stale extent (freed, its space since handed to a
     new extent with the same layout) never compares equal to the new one: freeing it twice is
     caught instead of freeing the new owner's bytes."""
+
     segments: tuple[Segment, ...]
     nbytes: int
     stripe_size: int
@@ -150,8 +167,9 @@ class Extent:
             unit, within = divmod(offset, self.stripe_size)
             seg = self.segments[unit % count]
             take = min(self.stripe_size - within, end - offset)
-            pieces.append((seg.file, seg.offset + (unit // count) * self.stripe_size + within,
-                           offset, take))
+            pieces.append(
+                (seg.file, seg.offset + (unit // count) * self.stripe_size + within, offset, take)
+            )
             offset += take
         return pieces
 
@@ -177,8 +195,12 @@ class RangeAllocator:
 
     def give(self, start: int, length: int) -> None:
         i = bisect.bisect_left(self.starts, start)
-        if i > 0 and self.starts[i - 1] + self.lengths[i - 1] > start or \
-                i < len(self.starts) and start + length > self.starts[i]:
+        if (
+            i > 0
+            and self.starts[i - 1] + self.lengths[i - 1] > start
+            or i < len(self.starts)
+            and start + length > self.starts[i]
+        ):
             raise ValueError(f"double free of swap range [{start}, {start + length})")
         if i > 0 and self.starts[i - 1] + self.lengths[i - 1] == start:
             i -= 1
@@ -198,8 +220,9 @@ class RangeAllocator:
 class _DriveSpace:
     """The run directory on one drive and its swap files."""
 
-    def __init__(self, root: Path, direct: bool, file_size: int, index: int,
-                 label: str = "") -> None:
+    def __init__(
+        self, root: Path, direct: bool, file_size: int, index: int, label: str = ""
+    ) -> None:
         self.root = root
         self.direct = direct
         self.file_size = file_size
@@ -224,8 +247,9 @@ class _DriveSpace:
             if start is not None:
                 return Segment(file, start, length)
         capacity = max(self.file_size, length)
-        file = SwapFile(self.run_dir / f"swap-{len(self.files):04d}.bin", capacity, self.direct,
-                        self.index)
+        file = SwapFile(
+            self.run_dir / f"swap-{len(self.files):04d}.bin", capacity, self.direct, self.index
+        )
         self.slot[file] = len(self.files)
         self.files.append(file)
         self.free.append(RangeAllocator(capacity))
@@ -254,9 +278,15 @@ class SwapSpace:
     existing file has a free range large enough.
     """
 
-    def __init__(self, paths: list[Path] | tuple[Path, ...], *, direct: bool,
-                 file_size: int = 1 << 30, stripe_size: int = 1 << 20,
-                 label: str = "") -> None:
+    def __init__(
+        self,
+        paths: list[Path] | tuple[Path, ...],
+        *,
+        direct: bool,
+        file_size: int = 1 << 30,
+        stripe_size: int = 1 << 20,
+        label: str = "",
+    ) -> None:
         if not paths:
             raise NvmePathError("nvme_path lists no directory")
         if stripe_size % ALIGNMENT:
@@ -275,8 +305,10 @@ class SwapSpace:
                 self._drives.append(_DriveSpace(root, direct, self.file_size, i, label))
         except OSError as exc:
             self.close(keep=False)
-            raise NvmePathError(f"cannot create a swap directory in {root}: {exc}. Point nvme_path "
-                                f"at a writable directory") from exc
+            raise NvmePathError(
+                f"cannot create a swap directory in {root}: {exc}. Point nvme_path "
+                f"at a writable directory"
+            ) from exc
         self._closed = False
         self._next_drive = 0
         self._serial = 0
@@ -301,8 +333,10 @@ class SwapSpace:
         count = len(self._drives)
         if count > 1 and capacity > self.stripe_size:
             units = -(-capacity // self.stripe_size)
-            per_drive = [(units // count + (1 if i < units % count else 0)) * self.stripe_size
-                         for i in range(count)]
+            per_drive = [
+                (units // count + (1 if i < units % count else 0)) * self.stripe_size
+                for i in range(count)
+            ]
         else:
             per_drive = [capacity]
         segments = []
@@ -328,10 +362,13 @@ class SwapSpace:
         with self._lock:
             if self._closed:
                 return
-            if extent.serial not in self._live or \
-                    not all(self._holds(s.file) for s in extent.segments):
-                raise ValueError(f"double free (or foreign extent): extent #{extent.serial} of "
-                                 f"{extent.nbytes} bytes is not allocated from this swap space")
+            if extent.serial not in self._live or not all(
+                self._holds(s.file) for s in extent.segments
+            ):
+                raise ValueError(
+                    f"double free (or foreign extent): extent #{extent.serial} of "
+                    f"{extent.nbytes} bytes is not allocated from this swap space"
+                )
             for segment in extent.segments:
                 self._drive_of(segment).give(segment)
             self._live.discard(extent.serial)
@@ -342,11 +379,14 @@ class SwapSpace:
         with self._lock:
             if self._closed:
                 raise RuntimeError("swap space is closed")
-            if extent.serial not in self._live or \
-                    not all(self._holds(s.file) for s in extent.segments):
-                raise ValueError(f"extent #{extent.serial} ({extent.nbytes} bytes) is not "
-                                 f"allocated from this swap space (freed already, or another "
-                                 f"engine's)")
+            if extent.serial not in self._live or not all(
+                self._holds(s.file) for s in extent.segments
+            ):
+                raise ValueError(
+                    f"extent #{extent.serial} ({extent.nbytes} bytes) is not "
+                    f"allocated from this swap space (freed already, or another "
+                    f"engine's)"
+                )
 
     def _holds(self, file: SwapFile) -> bool:
         return file.drive < len(self._drives) and file in self._drives[file.drive].slot
@@ -359,8 +399,9 @@ class SwapSpace:
     @property
     def allocated_bytes(self) -> int:
         with self._lock:
-            return sum(f.capacity for d in self._drives for f in d.files) - \
-                sum(fl.free_bytes for d in self._drives for fl in d.free)
+            return sum(f.capacity for d in self._drives for f in d.files) - sum(
+                fl.free_bytes for d in self._drives for fl in d.free
+            )
 
     @property
     def file_bytes(self) -> int:

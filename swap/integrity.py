@@ -68,7 +68,7 @@ def checksum(data: Any, release_gil: bool = False) -> int:
         return xxhash.xxh3_64_intdigest(view)
     state = xxhash.xxh3_64()
     for start in range(0, len(view), _SLICE):
-        state.update(view[start:start + _SLICE])
+        state.update(view[start : start + _SLICE])
     return state.intdigest()
 
 
@@ -79,8 +79,9 @@ def tag_key(tag: object) -> str | None:
     try:
         text = json.dumps(tag, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"tag must be JSON-serialisable (str, int, list, dict...), got "
-                        f"{tag!r}: {exc}") from exc
+        raise TypeError(
+            f"tag must be JSON-serialisable (str, int, list, dict...), got {tag!r}: {exc}"
+        ) from exc
     if len(text) > MAX_TAG_CHARS:
         raise ValueError(f"tag is {len(text)} characters as JSON; keep it under {MAX_TAG_CHARS}")
     return text
@@ -92,8 +93,9 @@ def describe(key: str | None) -> str:
         return "untagged data"
     value = json.loads(key)
     if isinstance(value, dict):
-        return " ".join(f"{k} {json.dumps(v) if not isinstance(v, str) else v}"
-                        for k, v in value.items())
+        return " ".join(
+            f"{k} {json.dumps(v) if not isinstance(v, str) else v}" for k, v in value.items()
+        )
     if isinstance(value, str):
         return value
     if isinstance(value, list) and len(value) == 2:  # the store's (shard_id, version)
@@ -104,6 +106,7 @@ def describe(key: str | None) -> str:
 @dataclass(frozen=True)
 class _Version:
     """What one write left in an extent. Never mutated: a new write makes a new one."""
+
     tag: str | None
     sums: np.ndarray  # uint64 per chunk
     valid: np.ndarray  # bool per chunk: False where the bytes are unknown
@@ -121,10 +124,12 @@ class _Record:
 
 class Chunk:
     """One chunk a transfer covers entirely: where it is in the buffer and on disk."""
+
     __slots__ = ("index", "buffer_start", "length", "path", "file_offset")
 
-    def __init__(self, index: int, buffer_start: int, length: int, path: Path,
-                 file_offset: int) -> None:
+    def __init__(
+        self, index: int, buffer_start: int, length: int, path: Path, file_offset: int
+    ) -> None:
         self.index = index
         self.buffer_start = buffer_start
         self.length = length
@@ -134,10 +139,19 @@ class Chunk:
 
 class TransferCheck:
     """The integrity side of one transfer."""
+
     __slots__ = ("write", "extent", "tag", "first", "stop", "partial", "sums", "expected")
 
-    def __init__(self, write: bool, extent: Extent, tag: str | None, first: int, stop: int,
-                 partial: list[int], expected: _Version | None) -> None:
+    def __init__(
+        self,
+        write: bool,
+        extent: Extent,
+        tag: str | None,
+        first: int,
+        stop: int,
+        partial: list[int],
+        expected: _Version | None,
+    ) -> None:
         self.write = write
         self.extent = extent
         self.tag = tag
@@ -162,8 +176,9 @@ class Integrity:
         return -(-extent.nbytes // self.chunk_size)
 
     # -- per transfer -----------------------------------------------------------------------
-    def begin(self, write: bool, extent: Extent, start: int, end: int,
-              tag: object) -> TransferCheck | None:
+    def begin(
+        self, write: bool, extent: Extent, start: int, end: int, tag: object
+    ) -> TransferCheck | None:
         """The check of a transfer of extent bytes [start, end) (end may include padding).
         Raises IntegrityError when a read cannot return what it asks for."""
         key = tag_key(tag)
@@ -174,8 +189,9 @@ class Integrity:
         stop = max(stop, first)
         partial = []  # at most the chunks holding the first and the last byte
         if start < logical_end:
-            partial = sorted({i for i in (start // size, (logical_end - 1) // size)
-                              if not first <= i < stop})
+            partial = sorted(
+                {i for i in (start // size, (logical_end - 1) // size) if not first <= i < stop}
+            )
         if write:
             return TransferCheck(True, extent, key, first, stop, partial, None)
         with self._lock:
@@ -184,28 +200,43 @@ class Integrity:
             failed = record.failed if record is not None else None
         where = f"extent #{extent.serial} ({extent.nbytes} bytes)"
         if failed is not None:
-            raise self._error(f"read of {where} refused: the last write to it failed ({failed}), "
-                              f"so its contents are undefined. Write it again before reading",
-                              extent, key, "the remains of a failed write")
+            raise self._error(
+                f"read of {where} refused: the last write to it failed ({failed}), "
+                f"so its contents are undefined. Write it again before reading",
+                extent,
+                key,
+                "the remains of a failed write",
+            )
         if current is None:
             if key is None:
                 return None  # nothing recorded, nothing asked: an unverified raw read
-            raise self._error(f"read of {where} expects {describe(key)}, but no write to it was "
-                              f"recorded (never written, or written with verify_checksums off)",
-                              extent, key, "nothing recorded")
+            raise self._error(
+                f"read of {where} expects {describe(key)}, but no write to it was "
+                f"recorded (never written, or written with verify_checksums off)",
+                extent,
+                key,
+                "nothing recorded",
+            )
         if key is not None and current.tag != key:
-            raise self._error(f"read of {where} expects {describe(key)}, but the last write there "
-                              f"was {describe(current.tag)}: wrong extent, or that version was "
-                              f"never written", extent, key, describe(current.tag))
+            raise self._error(
+                f"read of {where} expects {describe(key)}, but the last write there "
+                f"was {describe(current.tag)}: wrong extent, or that version was "
+                f"never written",
+                extent,
+                key,
+                describe(current.tag),
+            )
         return TransferCheck(False, extent, key, first, stop, partial, current)
 
-    def chunk_done(self, check: TransferCheck, chunk: Chunk, array: np.ndarray) -> \
-            IntegrityError | None:
+    def chunk_done(
+        self, check: TransferCheck, chunk: Chunk, array: np.ndarray
+    ) -> IntegrityError | None:
         """Hashes a chunk whose bytes are all in ``array`` (the transfer's buffer): a write
         records it, a read compares it. Runs on the engine's hasher thread."""
         started = time.thread_time()
-        value = checksum(array[chunk.buffer_start:chunk.buffer_start + chunk.length],
-                         release_gil=True)
+        value = checksum(
+            array[chunk.buffer_start : chunk.buffer_start + chunk.length], release_gil=True
+        )
         elapsed = time.thread_time() - started
         with self._lock:
             self.seconds += elapsed
@@ -213,8 +244,11 @@ class Integrity:
             check.sums[chunk.index - check.first] = value
             return None
         expected = check.expected
-        if expected is None or not expected.valid[chunk.index] or \
-                int(expected.sums[chunk.index]) == value:
+        if (
+            expected is None
+            or not expected.valid[chunk.index]
+            or int(expected.sums[chunk.index]) == value
+        ):
             return None
         return self._mismatch(check, chunk, int(expected.sums[chunk.index]), value)
 
@@ -233,8 +267,8 @@ class Integrity:
                 base = record.current
                 sums = base.sums.copy() if base else np.zeros(count, dtype=np.uint64)
                 valid = base.valid.copy() if base else np.zeros(count, dtype=bool)
-                sums[check.first:check.stop] = check.sums
-                valid[check.first:check.stop] = True
+                sums[check.first : check.stop] = check.sums
+                valid[check.first : check.stop] = True
                 valid[check.partial] = False
                 tag = check.tag if check.tag is not None or base is None else base.tag
                 version = _Version(tag, sums, valid)
@@ -256,55 +290,87 @@ class Integrity:
                 self._freed.append((extent.serial, record.current))
 
     # -- diagnosis --------------------------------------------------------------------------
-    def _mismatch(self, check: TransferCheck, chunk: Chunk, expected: int,
-                  found: int) -> IntegrityError:
+    def _mismatch(
+        self, check: TransferCheck, chunk: Chunk, expected: int, found: int
+    ) -> IntegrityError:
         extent = check.extent
         start = chunk.index * self.chunk_size
         what = self._identify(extent.serial, chunk.index, found, chunk.length)
-        message = (f"read of extent #{extent.serial} ({extent.nbytes} bytes, "
-                   f"{describe(check.expected.tag)}) failed verification at offset "
-                   f"{chunk.file_offset} in {chunk.path} (extent bytes [{start}, "
-                   f"{start + chunk.length}), chunk {chunk.index}): {ALGORITHM} {found:016x}, "
-                   f"expected {expected:016x}: {what}")
-        return self._error(message, extent, check.expected.tag, what, chunk.path,
-                           chunk.file_offset)
+        message = (
+            f"read of extent #{extent.serial} ({extent.nbytes} bytes, "
+            f"{describe(check.expected.tag)}) failed verification at offset "
+            f"{chunk.file_offset} in {chunk.path} (extent bytes [{start}, "
+            f"{start + chunk.length}), chunk {chunk.index}): {ALGORITHM} {found:016x}, "
+            f"expected {expected:016x}: {what}"
+        )
+        return self._error(message, extent, check.expected.tag, what, chunk.path, chunk.file_offset)
 
     def _identify(self, serial: int, index: int, found: int, length: int) -> str:
         """What bytes with checksum ``found`` are, as far as this engine knows."""
         with self._lock:
             record = self._records.get(serial)
             previous = record.previous if record is not None else None
-            if previous is not None and previous.valid[index] and \
-                    int(previous.sums[index]) == found:
-                return (f"holds the bytes of {describe(previous.tag)}, this extent's previous "
-                        f"write: the last write did not land (stale extent)")
+            if (
+                previous is not None
+                and previous.valid[index]
+                and int(previous.sums[index]) == found
+            ):
+                return (
+                    f"holds the bytes of {describe(previous.tag)}, this extent's previous "
+                    f"write: the last write did not land (stale extent)"
+                )
             if found == checksum(bytes(length)):
-                return ("reads back as all zeros: a write that never reached the disk, or a file "
-                        "zeroed or replaced behind the engine's back")
+                return (
+                    "reads back as all zeros: a write that never reached the disk, or a file "
+                    "zeroed or replaced behind the engine's back"
+                )
             # The extent's own current version too: a chunk holding another chunk's bytes.
-            candidates = [(other, r.current, "") for other, r in self._records.items()
-                          if r.current is not None]
-            candidates += [(other, r.previous, "an older version: ")
-                           for other, r in self._records.items() if r.previous is not None]
+            candidates = [
+                (other, r.current, "")
+                for other, r in self._records.items()
+                if r.current is not None
+            ]
+            candidates += [
+                (other, r.previous, "an older version: ")
+                for other, r in self._records.items()
+                if r.previous is not None
+            ]
             candidates += [(other, v, "freed extent: ") for other, v in reversed(self._freed)]
         for other, version, note in candidates:
             hits = np.flatnonzero((version.sums == np.uint64(found)) & version.valid)
             if hits.size:
                 at = int(hits[0]) if index not in hits else index
-                return (f"holds the bytes of {note}{describe(version.tag)} (extent #{other}, "
-                        f"chunk {at}): extents swapped or stale")
-        return ("matches nothing this engine wrote: corrupted on the device or changed behind "
-                "the engine's back (flipped bits, torn or misdirected write)")
+                return (
+                    f"holds the bytes of {note}{describe(version.tag)} (extent #{other}, "
+                    f"chunk {at}): extents swapped or stale"
+                )
+        return (
+            "matches nothing this engine wrote: corrupted on the device or changed behind "
+            "the engine's back (flipped bits, torn or misdirected write)"
+        )
 
-    def _error(self, message: str, extent: Extent, key: str | None, found: str,
-               path: Path | None = None, offset: int | None = None) -> IntegrityError:
+    def _error(
+        self,
+        message: str,
+        extent: Extent,
+        key: str | None,
+        found: str,
+        path: Path | None = None,
+        offset: int | None = None,
+    ) -> IntegrityError:
         with self._lock:
             self.errors += 1
         if path is None and extent.segments:
             path, offset = extent.segments[0].file.path, extent.segments[0].offset
         log.error("%s", message)
-        return IntegrityError(message, path=path, offset=offset, extent=extent.serial,
-                              expected=json.loads(key) if key is not None else None, found=found)
+        return IntegrityError(
+            message,
+            path=path,
+            offset=offset,
+            extent=extent.serial,
+            expected=json.loads(key) if key is not None else None,
+            found=found,
+        )
 
     # -- sidecar ----------------------------------------------------------------------------
     def sidecar(self) -> dict:
@@ -314,18 +380,31 @@ class Integrity:
         extents = []
         for serial, record in sorted(records):
             version = record.current
-            extents.append({
-                "serial": serial, "nbytes": record.extent.nbytes,
-                "stripe_size": record.extent.stripe_size,
-                "segments": [{"file": str(s.file.path), "offset": s.offset, "length": s.length}
-                             for s in record.extent.segments],
-                "tag": json.loads(version.tag) if version and version.tag else None,
-                "failed": record.failed,
-                "chunks": [f"{int(v):016x}" if ok else None
-                           for v, ok in zip(version.sums, version.valid)] if version else [],
-            })
-        return {"format": 1, "algorithm": ALGORITHM, "chunk_size": self.chunk_size,
-                "extents": extents}
+            extents.append(
+                {
+                    "serial": serial,
+                    "nbytes": record.extent.nbytes,
+                    "stripe_size": record.extent.stripe_size,
+                    "segments": [
+                        {"file": str(s.file.path), "offset": s.offset, "length": s.length}
+                        for s in record.extent.segments
+                    ],
+                    "tag": json.loads(version.tag) if version and version.tag else None,
+                    "failed": record.failed,
+                    "chunks": [
+                        f"{int(v):016x}" if ok else None
+                        for v, ok in zip(version.sums, version.valid)
+                    ]
+                    if version
+                    else [],
+                }
+            )
+        return {
+            "format": 1,
+            "algorithm": ALGORITHM,
+            "chunk_size": self.chunk_size,
+            "extents": extents,
+        }
 
     def write_sidecar(self, path: Path) -> None:
         path = Path(path)
@@ -344,9 +423,15 @@ def verify_sidecar(path: Path | str) -> list[str]:
     problems = []
     for entry in data["extents"]:
         files = {s["file"]: SimpleNamespace(path=Path(s["file"])) for s in entry["segments"]}
-        extent = Extent(tuple(Segment(files[s["file"]], s["offset"], s["length"])  # type: ignore
-                              for s in entry["segments"]), entry["nbytes"], entry["stripe_size"],
-                        entry["serial"])
+        extent = Extent(
+            tuple(
+                Segment(files[s["file"]], s["offset"], s["length"])  # type: ignore
+                for s in entry["segments"]
+            ),
+            entry["nbytes"],
+            entry["stripe_size"],
+            entry["serial"],
+        )
         for index, expected in enumerate(entry["chunks"]):
             if expected is None:
                 continue
@@ -359,7 +444,9 @@ def verify_sidecar(path: Path | str) -> list[str]:
                     handle.seek(offset)
                     data_bytes += handle.read(take)
             if len(data_bytes) < length or f"{checksum(bytes(data_bytes)):016x}" != expected:
-                problems.append(f"extent #{entry['serial']} chunk {index} ({pieces[0][0].path} "
-                                f"offset {pieces[0][1]}): checksum mismatch"
-                                + (" (file too short)" if len(data_bytes) < length else ""))
+                problems.append(
+                    f"extent #{entry['serial']} chunk {index} ({pieces[0][0].path} "
+                    f"offset {pieces[0][1]}): checksum mismatch"
+                    + (" (file too short)" if len(data_bytes) < length else "")
+                )
     return problems

@@ -35,6 +35,7 @@ KEPT_NAME = "kept"
 @dataclass(frozen=True)
 class Leftover:
     """A run directory whose run is gone: its path, the bytes its files take, its age."""
+
     path: Path
     nbytes: int
     age_seconds: float
@@ -88,14 +89,19 @@ def reclaim_leftovers(root: Path, prefix: str) -> list[Leftover]:
             leftover = _describe(run_dir)
             shutil.rmtree(run_dir)
         except OSError as exc:
-            log.warning("could not remove the swap directory %s of a run that is gone: %s",
-                        run_dir, exc)
+            log.warning(
+                "could not remove the swap directory %s of a run that is gone: %s", run_dir, exc
+            )
             continue
         finally:
             os.close(fd)
-        log.warning("removed the swap directory %s of a run that ended without cleaning up "
-                    "(%d bytes, %.1f hours old)", run_dir, leftover.nbytes,
-                    leftover.age_seconds / 3600)
+        log.warning(
+            "removed the swap directory %s of a run that ended without cleaning up "
+            "(%d bytes, %.1f hours old)",
+            run_dir,
+            leftover.nbytes,
+            leftover.age_seconds / 3600,
+        )
         removed.append(leftover)
     return removed
 
@@ -104,9 +110,11 @@ def describe(found: list[Leftover]) -> str:
     """One line for a report: how many directories of dead runs, how many bytes, the oldest."""
     total = sum(f.nbytes for f in found)
     oldest = max(f.age_seconds for f in found) / 3600
-    return (f"{len(found)} swap director{'y' if len(found) == 1 else 'ies'} of runs that died "
-            f"without cleaning up ({total / 2**20:.1f} MiB, oldest {oldest:.1f} h): "
-            f"{', '.join(str(f.path) for f in found)}")
+    return (
+        f"{len(found)} swap director{'y' if len(found) == 1 else 'ies'} of runs that died "
+        f"without cleaning up ({total / 2**20:.1f} MiB, oldest {oldest:.1f} h): "
+        f"{', '.join(str(f.path) for f in found)}"
+    )
 
 
 def _candidates(root: Path, prefix: str) -> list[Path]:

@@ -67,8 +67,11 @@ def _uring_works(directory: Path) -> str | None:
         return reason
     path = Path(directory) / f".infinity-probe-{uuid.uuid4().hex}"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                     | os.O_DIRECT, 0o600)
+        fd = os.open(
+            path,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT,
+            0o600,
+        )
     except OSError as exc:
         return f"cannot create a probe file: {exc}"
     region = mmap.mmap(-1, ALIGNMENT)
@@ -110,12 +113,16 @@ def choose_backend(name: str, directory: Path) -> str:
     if name == "auto":
         return cached
     if cached == "buffered":
-        raise NvmePathError(f"aio backend {name!r} needs O_DIRECT, which the file system of "
-                            f"{directory} refuses: use backend 'auto' or 'buffered', or a "
-                            f"directory on a local NVMe file system (ext4, xfs)")
+        raise NvmePathError(
+            f"aio backend {name!r} needs O_DIRECT, which the file system of "
+            f"{directory} refuses: use backend 'auto' or 'buffered', or a "
+            f"directory on a local NVMe file system (ext4, xfs)"
+        )
     if name == "uring" and cached != "uring":
-        raise SwapConfigError(f"aio backend 'uring' does not work in {directory} "
-                              f"({_uring_works(directory)}); use 'auto' or 'threads'")
+        raise SwapConfigError(
+            f"aio backend 'uring' does not work in {directory} "
+            f"({_uring_works(directory)}); use 'auto' or 'threads'"
+        )
     return name
 
 
@@ -126,8 +133,11 @@ def choose_backend_for(name: str, directories: list[Path]) -> str:
     choices = [choose_backend(name, d) for d in directories]
     chosen = max(choices, key=_RANK.index)
     if len(set(choices)) > 1:
-        log.warning("swap directories support different backends (%s); using %r for all",
-                    ", ".join(f"{d}: {c}" for d, c in zip(directories, choices)), chosen)
+        log.warning(
+            "swap directories support different backends (%s); using %r for all",
+            ", ".join(f"{d}: {c}" for d, c in zip(directories, choices)),
+            chosen,
+        )
     return chosen
 
 
@@ -145,13 +155,20 @@ def _probe(directory: Path) -> str:
     why_not_direct = probe_direct_io(directory)
     if why_not_direct:
         cached = "buffered"
-        log.warning("%s: %s; swapping through the page cache (backend 'buffered'), which is "
-                    "slower and uses host memory for cached copies", directory, why_not_direct)
+        log.warning(
+            "%s: %s; swapping through the page cache (backend 'buffered'), which is "
+            "slower and uses host memory for cached copies",
+            directory,
+            why_not_direct,
+        )
     else:
         why_not_uring = _uring_works(directory)
         if why_not_uring:
-            log.info("%s: io_uring unavailable (%s); using the thread-pool backend",
-                     directory, why_not_uring)
+            log.info(
+                "%s: io_uring unavailable (%s); using the thread-pool backend",
+                directory,
+                why_not_uring,
+            )
             cached = "threads"
         else:
             cached = "uring"
@@ -160,8 +177,9 @@ def _probe(directory: Path) -> str:
     return cached
 
 
-def make_backend(name: str, queue_depth: int, thread_count: int | None = None,
-                 close_timeout: float = 30.0) -> IOBackend:
+def make_backend(
+    name: str, queue_depth: int, thread_count: int | None = None, close_timeout: float = 30.0
+) -> IOBackend:
     if name == "uring":
         return UringBackend(queue_depth, close_timeout)
     if name == "threads":

@@ -24,6 +24,7 @@ class EngineSettings:
     ``block_size``; None: the larger of ``block_size`` and 64 MiB). Each chunk is hashed in one
     call with the GIL released, so larger chunks mean fewer hand-offs of the interpreter; a
     partial transfer verifies only the chunks it covers whole."""
+
     backend: str = "auto"
     block_size: int = 1 << 20
     queue_depth: int = 8
@@ -46,27 +47,36 @@ class EngineSettings:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SwapConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size % ALIGNMENT:
-            raise SwapConfigError(f"block_size must be a multiple of {ALIGNMENT}, got "
-                                  f"{self.block_size}")
-        if self.thread_count is not None and (not isinstance(self.thread_count, int)
-                                              or isinstance(self.thread_count, bool)
-                                              or self.thread_count < 1):
-            raise SwapConfigError(f"thread_count must be a positive integer, got "
-                                  f"{self.thread_count!r}")
+            raise SwapConfigError(
+                f"block_size must be a multiple of {ALIGNMENT}, got {self.block_size}"
+            )
+        if self.thread_count is not None and (
+            not isinstance(self.thread_count, int)
+            or isinstance(self.thread_count, bool)
+            or self.thread_count < 1
+        ):
+            raise SwapConfigError(
+                f"thread_count must be a positive integer, got {self.thread_count!r}"
+            )
         for name in ("close_timeout", "request_timeout"):
             value = getattr(self, name)
             if name == "request_timeout" and value is None:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise SwapConfigError(f"{name} must be a positive number of seconds"
-                                      f"{' or None' if name == 'request_timeout' else ''}, got "
-                                      f"{value!r}")
+                raise SwapConfigError(
+                    f"{name} must be a positive number of seconds"
+                    f"{' or None' if name == 'request_timeout' else ''}, got "
+                    f"{value!r}"
+                )
         if self.checksum_chunk is not None and (
-                not isinstance(self.checksum_chunk, int) or isinstance(self.checksum_chunk, bool)
-                or self.checksum_chunk < 1):
-            raise SwapConfigError(f"checksum_chunk must be a positive integer or None, got "
-                                  f"{self.checksum_chunk!r}")
+            not isinstance(self.checksum_chunk, int)
+            or isinstance(self.checksum_chunk, bool)
+            or self.checksum_chunk < 1
+        ):
+            raise SwapConfigError(
+                f"checksum_chunk must be a positive integer or None, got {self.checksum_chunk!r}"
+            )
         if not isinstance(self.verify_checksums, bool):
-            raise SwapConfigError(f"verify_checksums must be true or false, got "
-                                  f"{self.verify_checksums!r}")
-
+            raise SwapConfigError(
+                f"verify_checksums must be true or false, got {self.verify_checksums!r}"
+            )

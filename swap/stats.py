@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot. ``*_seconds`` are wall seconds during which at least one transfer of that
     direction was in flight, so ``bytes / seconds`` is the achieved bandwidth while busy."""
+
     bytes_read: int = 0
     bytes_written: int = 0
     read_seconds: float = 0.0
@@ -128,17 +129,32 @@ class StatsRecorder:
         with self.lock:
             self.timeouts += 1
 
-    def snapshot(self, cpu_seconds: float, *, checksum_seconds: float = 0.0,
-                 integrity_errors: int = 0, quarantined: int = 0) -> EngineStats:
+    def snapshot(
+        self,
+        cpu_seconds: float,
+        *,
+        checksum_seconds: float = 0.0,
+        integrity_errors: int = 0,
+        quarantined: int = 0,
+    ) -> EngineStats:
         with self.lock:
             now = time.perf_counter()
             return EngineStats(
-                bytes_read=self.bytes["read"], bytes_written=self.bytes["write"],
+                bytes_read=self.bytes["read"],
+                bytes_written=self.bytes["write"],
                 read_seconds=self.clocks["read"].elapsed(now),
                 write_seconds=self.clocks["write"].elapsed(now),
                 busy_seconds=self.busy.elapsed(now),
-                read_requests=self.requests["read"], write_requests=self.requests["write"],
-                read_transfers=self.transfers["read"], write_transfers=self.transfers["write"],
-                inflight_peak=self.inflight_peak, cpu_seconds=cpu_seconds, errors=self.errors,
-                retries=self.retries, timeouts=self.timeouts, integrity_errors=integrity_errors,
-                checksum_seconds=checksum_seconds, quarantined=quarantined)
+                read_requests=self.requests["read"],
+                write_requests=self.requests["write"],
+                read_transfers=self.transfers["read"],
+                write_transfers=self.transfers["write"],
+                inflight_peak=self.inflight_peak,
+                cpu_seconds=cpu_seconds,
+                errors=self.errors,
+                retries=self.retries,
+                timeouts=self.timeouts,
+                integrity_errors=integrity_errors,
+                checksum_seconds=checksum_seconds,
+                quarantined=quarantined,
+            )

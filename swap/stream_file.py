@@ -1,22 +1,22 @@
 """Whole files written and read at the disk's speed: a stream of pieces appended to one file
 through the swap backends (O_DIRECT where the file system allows it), for checkpoints.
 
-Through the page cache, a file of a few GB is written at the pace of the kernel's writeback
-(a quarter of the disk's bandwidth measured on this project's virtio disk) and then fsynced.
+Through the page cache, a file of a few GB is written at the pace of the kernel's writeback (a
+quarter of the disk's bandwidth measured on this project's virtio disk) and then fsynced.
 :class:`StreamWriter` instead copies each piece into aligned buffers and keeps up to
-``buffer_count`` of them in flight with the backend; every piece starts at a multiple of 4096
-bytes (zero padding in between), so a reader can read it back with O_DIRECT too
-(:func:`read_pieces`, which keeps several reads in flight the same way). Every call returns when its bytes are copied, not written; ``close``
-waits for the writes, fsyncs and reports the first failure, naming the file.
+``buffer_count`` of them in flight with the backend; every piece starts at a multiple of 4096 bytes
+(zero padding in between), so a reader can read it back with O_DIRECT too (:func:`read_pieces`,
+which keeps several reads in flight the same way). Every call returns when its bytes are copied, not
+written; ``close`` waits for the writes, fsyncs and reports the first failure, naming the file.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -29,8 +29,14 @@ from swap.probe import choose_backend_for, make_backend
 class StreamWriter:
     """Appends pieces to ``path`` (created, must not exist); see the module docstring."""
 
-    def __init__(self, path: Path, *, buffer_size: int = 16 << 20, buffer_count: int = 4,
-                 backend: str = "auto") -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        buffer_size: int = 16 << 20,
+        buffer_count: int = 4,
+        backend: str = "auto",
+    ) -> None:
         self.path = Path(path)
         name = choose_backend_for(backend, [self.path.parent])
         self.backend = make_backend(name, buffer_count)
@@ -46,8 +52,8 @@ class StreamWriter:
         self.free = list(self.pool.buffers)
         self.in_flight: list[tuple[Future[int], object, int]] = []
         self.buffer = self.free.pop()
-        self.filled = 0           # bytes in the current buffer
-        self.flushed = 0          # file offset where the current buffer goes
+        self.filled = 0  # bytes in the current buffer
+        self.flushed = 0  # file offset where the current buffer goes
         self.error: BaseException | None = None
         self.closed = False
 
@@ -64,7 +70,7 @@ class StreamWriter:
         while done < len(view):
             room = self.buffer.nbytes - self.filled
             take = min(room, len(view) - done)
-            self.buffer.memoryview(self.filled, self.filled + take)[:] = view[done:done + take]
+            self.buffer.memoryview(self.filled, self.filled + take)[:] = view[done : done + take]
             self.filled += take
             done += take
             if self.filled == self.buffer.nbytes:
@@ -83,8 +89,9 @@ class StreamWriter:
         length = align_up(self.filled)
         if length > self.filled:  # the file's tail: padded to the block size
             self.buffer.memoryview(self.filled, length)[:] = bytes(length - self.filled)
-        future = self.backend.submit(IORequest(Op.WRITE, self.fd, self.flushed,
-                                               self.buffer.address, length))
+        future = self.backend.submit(
+            IORequest(Op.WRITE, self.fd, self.flushed, self.buffer.address, length)
+        )
         self.in_flight.append((future, self.buffer, length))
         self.flushed += self.filled
         self.filled = 0
@@ -123,15 +130,21 @@ class StreamWriter:
             raise SwapIOError(f"writing {self.path} failed: {self.error}") from self.error
         return self.flushed
 
-    def __enter__(self) -> "StreamWriter":
+    def __enter__(self) -> StreamWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def read_pieces(path: Path, pieces: list[tuple[int, int]], *, request_size: int = 8 << 20,
-                depth: int = 4, backend: str = "auto") -> Iterator[tuple[int, torch.Tensor]]:
+def read_pieces(
+    path: Path,
+    pieces: list[tuple[int, int]],
+    *,
+    request_size: int = 8 << 20,
+    depth: int = 4,
+    backend: str = "auto",
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Reads ``pieces`` ((offset, length), offsets multiples of 4096 as :class:`StreamWriter`
     places them) of ``path``, in file order, with up to ``depth`` requests of ``request_size``
     bytes in flight through the backend (O_DIRECT where allowed), each straight into the
@@ -146,8 +159,9 @@ def read_pieces(path: Path, pieces: list[tuple[int, int]], *, request_size: int 
         if offset % ALIGNMENT:
             raise ValueError(f"piece at {offset} of {path} is not 4096-aligned")
         for start in range(0, align_up(length), request_size):
-            requests.append((index, offset + start, min(request_size, align_up(length) - start),
-                             start))
+            requests.append(
+                (index, offset + start, min(request_size, align_up(length) - start), start)
+            )
     left = {i: 0 for i in order}
     for request in requests:
         left[request[0]] += 1
@@ -172,8 +186,9 @@ def read_pieces(path: Path, pieces: list[tuple[int, int]], *, request_size: int 
                 if index not in memory:
                     memory[index] = _aligned(align_up(pieces[index][1]))
                 address = memory[index].data_ptr() + start
-                flight.append((io.submit(IORequest(Op.READ, fd, file_offset, address, length)),
-                               next_request))
+                flight.append(
+                    (io.submit(IORequest(Op.READ, fd, file_offset, address, length)), next_request)
+                )
                 next_request = next(pending, None)
             future, (index, _, length, start) = flight.pop(0)
             try:
@@ -183,7 +198,7 @@ def read_pieces(path: Path, pieces: list[tuple[int, int]], *, request_size: int 
             got[index] = got.get(index, 0) + max(0, min(n, pieces[index][1] - start))
             left[index] -= 1
             if not left[index]:
-                yield index, memory.pop(index)[:got[index]]
+                yield index, memory.pop(index)[: got[index]]
     finally:
         for future, _ in flight:
             try:
@@ -198,7 +213,7 @@ def _aligned(nbytes: int) -> torch.Tensor:
     """``nbytes`` of uint8 starting at a multiple of 4096 (what O_DIRECT reads into)."""
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     shift = -raw.data_ptr() % ALIGNMENT
-    return raw[shift:shift + nbytes]
+    return raw[shift : shift + nbytes]
 
 
 __all__ = ["ALIGNMENT", "StreamWriter", "read_pieces"]

@@ -37,22 +37,23 @@ _abandoned: list[Quarantined] = []
 class TimeoutsMixin:
     """The watchdog thread and the quarantine bookkeeping of :class:`SwapEngine`."""
 
-    def _start_watchdog(self: "SwapEngine") -> None:
+    def _start_watchdog(self: SwapEngine) -> None:
         self._watch = threading.Condition(self._lock)
         self._watch_stop = False
         self._watchdog: threading.Thread | None = None
         if self.settings.request_timeout is not None:
             # Its own thread, not the dispatcher: a callback blocking on a hung transfer would
             # otherwise stop the very thread that is to time it out.
-            self._watchdog = threading.Thread(target=self._watch_requests, name="swap-watchdog",
-                                              daemon=True)
+            self._watchdog = threading.Thread(
+                target=self._watch_requests, name="swap-watchdog", daemon=True
+            )
             self._watchdog.start()
 
-    def _stop_watchdog_locked(self: "SwapEngine") -> None:
+    def _stop_watchdog_locked(self: SwapEngine) -> None:
         self._watch_stop = True
         self._watch.notify_all()
 
-    def _watch_requests(self: "SwapEngine") -> None:
+    def _watch_requests(self: SwapEngine) -> None:
         timeout = self.settings.request_timeout
         assert timeout is not None
         with self._lock:
@@ -69,7 +70,7 @@ class TimeoutsMixin:
                 wait = timeout / 2 if oldest is None else max(oldest + timeout - now, 0.001)
                 self._watch.wait(wait)
 
-    def _expire_locked(self: "SwapEngine", piece: Piece, timeout: float) -> None:
+    def _expire_locked(self: SwapEngine, piece: Piece, timeout: float) -> None:
         transfer = piece.transfer
         piece.timed_out = True
         self._flying.discard(piece)
@@ -81,27 +82,37 @@ class TimeoutsMixin:
             self._drive_stalled[chain.drive] += 1
         transfer.outstanding -= 1
         start = piece.address - transfer.buffer.address
-        record = Quarantined(transfer.op.value, piece.file.path, piece.offset, piece.length,
-                             transfer.extent.serial, transfer.buffer, start, start + piece.length)
+        record = Quarantined(
+            transfer.op.value,
+            piece.file.path,
+            piece.offset,
+            piece.length,
+            transfer.extent.serial,
+            transfer.buffer,
+            start,
+            start + piece.length,
+        )
         self._quarantine[piece] = record
         serial = transfer.extent.serial
         self._extent_zombies[serial] = self._extent_zombies.get(serial, 0) + 1
         self._stats.note_timeout()
-        message = (f"{transfer.op.value} of {piece.length} bytes at offset {piece.offset} in "
-                   f"{piece.file.path} did not complete within request_timeout={timeout:g} s "
-                   f"(device hung or overloaded); the transfer of {transfer.nbytes} bytes fails. "
-                   f"The request may still complete in the kernel, so its buffer range "
-                   f"[{start}, {start + piece.length}) of buffer #{transfer.buffer.index} and the "
-                   f"extent's space are quarantined: do not reuse that buffer range "
-                   f"(SwapEngine.quarantined() lists it)")
+        message = (
+            f"{transfer.op.value} of {piece.length} bytes at offset {piece.offset} in "
+            f"{piece.file.path} did not complete within request_timeout={timeout:g} s "
+            f"(device hung or overloaded); the transfer of {transfer.nbytes} bytes fails. "
+            f"The request may still complete in the kernel, so its buffer range "
+            f"[{start}, {start + piece.length}) of buffer #{transfer.buffer.index} and the "
+            f"extent's space are quarantined: do not reuse that buffer range "
+            f"(SwapEngine.quarantined() lists it)"
+        )
         log.error("swap engine: %s", message)
-        error = TransferTimeoutError(message, path=piece.file.path, offset=piece.offset,
-                                     timeout=timeout)
+        error = TransferTimeoutError(
+            message, path=piece.file.path, offset=piece.offset, timeout=timeout
+        )
         error.quarantine = record  # the caller can wait for record.released before reusing
         self._fail_transfer_locked(transfer, error)
 
-    def _fail_transfer_locked(self: "SwapEngine", transfer: Transfer,
-                              error: BaseException) -> None:
+    def _fail_transfer_locked(self: SwapEngine, transfer: Transfer, error: BaseException) -> None:
         """Fails ``transfer`` now: its queued requests are dropped at once (no slot may ever
         free up to pop them) and it finishes when its requests still in flight complete."""
         if transfer.error is None and not transfer.done:
@@ -118,7 +129,7 @@ class TimeoutsMixin:
         self._finish_locked(transfer)
         self._notify_if_drained_locked()
 
-    def _fail_stalled_locked(self: "SwapEngine") -> None:
+    def _fail_stalled_locked(self: SwapEngine) -> None:
         """Fails the queued transfers of a drive whose every slot is held by a hung request:
         nothing would ever start them, so waiting would be a hang."""
         stalled_all = self._stalled >= self.window
@@ -128,15 +139,21 @@ class TimeoutsMixin:
                 continue
             for transfer in list(dict.fromkeys(p.transfer for p in drive_queue)):
                 piece = next(p for p in drive_queue if p.transfer is transfer)
-                self._fail_transfer_locked(transfer, TransferTimeoutError(
-                    f"{transfer.op.value} of {transfer.nbytes} bytes at offset {piece.offset} in "
-                    f"{piece.file.path} cannot start: all {stalled or self._stalled} request "
-                    f"slots are held by requests that exceeded request_timeout="
-                    f"{self.settings.request_timeout:g} s (device hung)",
-                    path=piece.file.path, offset=piece.offset,
-                    timeout=self.settings.request_timeout))
+                self._fail_transfer_locked(
+                    transfer,
+                    TransferTimeoutError(
+                        f"{transfer.op.value} of {transfer.nbytes} bytes at offset "
+                        f"{piece.offset} in {piece.file.path} cannot start: all "
+                        f"{stalled or self._stalled} request "
+                        f"slots are held by requests that exceeded request_timeout="
+                        f"{self.settings.request_timeout:g} s (device hung)",
+                        path=piece.file.path,
+                        offset=piece.offset,
+                        timeout=self.settings.request_timeout,
+                    ),
+                )
 
-    def _zombie_done_locked(self: "SwapEngine", piece: Piece, error: BaseException | None) -> None:
+    def _zombie_done_locked(self: SwapEngine, piece: Piece, error: BaseException | None) -> None:
         """A request that timed out completed after all: its slot and quarantine are released,
         unless the backend only gave up on it (then it may still run)."""
         self._zombies -= 1
@@ -158,20 +175,28 @@ class TimeoutsMixin:
             if self._integrity is not None:
                 self._integrity.forget(extent)
 
-    def _abandon_locked(self: "SwapEngine", piece: Piece) -> None:
+    def _abandon_locked(self: SwapEngine, piece: Piece) -> None:
         transfer = piece.transfer
         start = piece.address - transfer.buffer.address
         record = self._quarantine.pop(piece, None) or Quarantined(
-            transfer.op.value, piece.file.path, piece.offset, piece.length,
-            transfer.extent.serial, transfer.buffer, start, start + piece.length)
+            transfer.op.value,
+            piece.file.path,
+            piece.offset,
+            piece.length,
+            transfer.extent.serial,
+            transfer.buffer,
+            start,
+            start + piece.length,
+        )
         _abandoned.append(record)
-        log.error("swap engine: abandoned %s: the kernel may still complete it, so its buffer "
-                  "stays referenced (and must stay unused) for the life of the process",
-                  record.describe())
+        log.error(
+            "swap engine: abandoned %s: the kernel may still complete it, so its buffer "
+            "stays referenced (and must stay unused) for the life of the process",
+            record.describe(),
+        )
 
-    def quarantined(self: "SwapEngine") -> list[Quarantined]:
+    def quarantined(self: SwapEngine) -> list[Quarantined]:
         """Requests that timed out and have not completed: their buffer ranges must not be
         reused, and their extents' space is held back."""
         with self._lock:
             return list(self._quarantine.values())
-

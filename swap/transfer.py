@@ -16,11 +16,25 @@ from swap.integrity import Chunk, TransferCheck
 
 
 class Transfer:
-    __slots__ = ("op", "future", "nbytes", "outstanding", "queued", "error", "buffer", "done",
-                 "event", "extent", "check", "hashing", "chunk_left")
+    __slots__ = (
+        "op",
+        "future",
+        "nbytes",
+        "outstanding",
+        "queued",
+        "error",
+        "buffer",
+        "done",
+        "event",
+        "extent",
+        "check",
+        "hashing",
+        "chunk_left",
+    )
 
-    def __init__(self, op: Op, nbytes: int, buffer: HostBuffer, extent: Extent,
-                 check: TransferCheck | None) -> None:
+    def __init__(
+        self, op: Op, nbytes: int, buffer: HostBuffer, extent: Extent, check: TransferCheck | None
+    ) -> None:
         self.op = op
         self.future = TransferFuture(self)
         self.future.set_running_or_notify_cancel()
@@ -66,6 +80,7 @@ class TransferFuture(Future):
 class Chain:
     """Requests of one transfer submitted together (``IOBackend.submit_chain``): they hold one
     queue slot of their drive until the last of them completes."""
+
     __slots__ = ("drive", "left", "stalled")
 
     def __init__(self, drive: int, left: int) -> None:
@@ -77,6 +92,7 @@ class Chain:
 @dataclass(slots=True, eq=False)  # identity hashing: pieces live in sets
 class Piece:
     """One request: at most block_size bytes inside one integrity chunk and one stripe unit."""
+
     transfer: Transfer
     file: SwapFile
     offset: int
@@ -90,11 +106,14 @@ class Piece:
     #: interrupted the submit after the backend had already taken the completion callback)
     settled: bool = False
 
-    def continued_by(self, other: "Piece") -> bool:
+    def continued_by(self, other: Piece) -> bool:
         """Whether ``other`` starts where this ends, in the file and in memory."""
-        return (other.transfer is self.transfer and other.file is self.file
-                and other.offset == self.offset + self.length
-                and other.address == self.address + self.length)
+        return (
+            other.transfer is self.transfer
+            and other.file is self.file
+            and other.offset == self.offset + self.length
+            and other.address == self.address + self.length
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,7 @@ class Quarantined:
     ``path`` at ``offset``. The engine keeps a reference to the buffer (so its memory is never
     unmapped under the kernel) and keeps the extent's space from being handed to another extent
     until the request completes; the caller must not put other data in that buffer range."""
+
     op: str
     path: Path
     offset: int
@@ -120,6 +140,8 @@ class Quarantined:
     released: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
     def describe(self) -> str:
-        return (f"{self.op} of {self.length} bytes at offset {self.offset} in {self.path} "
-                f"(extent #{self.extent}, buffer #{self.buffer.index} bytes "
-                f"[{self.buffer_start}, {self.buffer_end}))")
+        return (
+            f"{self.op} of {self.length} bytes at offset {self.offset} in {self.path} "
+            f"(extent #{self.extent}, buffer #{self.buffer.index} bytes "
+            f"[{self.buffer_start}, {self.buffer_end}))"
+        )

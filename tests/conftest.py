@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
 
 import swap.probe
-from swap import BufferPool, EngineSettings, SwapEngine, SwapConfigError
+from swap import BufferPool, EngineSettings, SwapConfigError, SwapEngine
 
 #: every backend a real engine can run on; "uring" is skipped where io_uring is unavailable
 REAL_BACKENDS = ("uring", "threads", "buffered")
@@ -25,8 +25,9 @@ def fs_type(path: Path) -> str:
         for line in mounts:
             fields = line.split()
             point = fields[1].replace("\\040", " ")
-            if (target == point or target.startswith(point.rstrip("/") + "/")) and \
-                    len(point) >= len(best):
+            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(
+                point
+            ) >= len(best):
                 best, kind = point, fields[2]
     return kind
 
@@ -38,11 +39,11 @@ def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
 
 
 def fill(buffer, data: torch.Tensor, offset: int = 0) -> None:
-    buffer.tensor[offset:offset + data.numel()].copy_(data)
+    buffer.tensor[offset : offset + data.numel()].copy_(data)
 
 
 def contents(buffer, nbytes: int, offset: int = 0) -> torch.Tensor:
-    return buffer.tensor[offset:offset + nbytes].clone()
+    return buffer.tensor[offset : offset + nbytes].clone()
 
 
 @pytest.fixture
@@ -67,16 +68,18 @@ def make_engine() -> Iterator[Callable[..., SwapEngine]]:
     """Builds engines (``make_engine(dirs, backend=..., **settings)``), closed at teardown."""
     engines: list[SwapEngine] = []
 
-    def build(dirs, backend: str = "auto", *, keep_files: bool = False, io=None,
-              **settings) -> SwapEngine:
+    def build(
+        dirs, backend: str = "auto", *, keep_files: bool = False, io=None, **settings
+    ) -> SwapEngine:
         settings.setdefault("file_size", 1 << 20)
         settings.setdefault("block_size", 64 << 10)
         # One checksum per request, so tests can name the request a fault hit; the tests of
         # chunks spanning several requests (and of the default) pass checksum_chunk.
         settings.setdefault("checksum_chunk", settings["block_size"])
         try:
-            engine = SwapEngine(dirs, EngineSettings(backend=backend, **settings),
-                                keep_files=keep_files, backend=io)
+            engine = SwapEngine(
+                dirs, EngineSettings(backend=backend, **settings), keep_files=keep_files, backend=io
+            )
         except SwapConfigError as exc:
             if backend == "uring" and "uring" in str(exc):
                 pytest.skip(f"io_uring unavailable here: {exc}")
@@ -105,8 +108,11 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         point = tmp_path / f"mnt{len(mounted)}"
         point.mkdir()
         options = f"size={size},mode=0755" + (",ro" if ro else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(point)

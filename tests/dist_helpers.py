@@ -8,7 +8,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, function: Callable, args: tuple,
-           results: Any, timeout: float) -> None:
+def _entry(
+    rank: int, world: int, port: int, function: Callable, args: tuple, results: Any, timeout: float
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two cores, several ranks
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
+    )
     try:
         results.put((rank, "ok", _portable(function(rank, world, *args))))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         dist.destroy_process_group()
@@ -47,17 +50,25 @@ def _portable(value: Any) -> Any:
     return value
 
 
-def run_ranks(function: Callable, world: int, *args: Any, timeout: float = 120.0,
-              collective_timeout: float = 60.0) -> dict[int, Any]:
-    """``function(rank, world, *args)`` on ``world`` spawned ranks (a module-level function:
-    it is pickled); returns {rank: result}, tensors in it as numpy arrays. A rank that raised fails the call with its
-    traceback; one that does not finish within ``timeout`` seconds is killed."""
+def run_ranks(
+    function: Callable,
+    world: int,
+    *args: Any,
+    timeout: float = 120.0,
+    collective_timeout: float = 60.0,
+) -> dict[int, Any]:
+    """``function(rank, world, *args)`` on ``world`` spawned ranks (a module-level function: it is
+    pickled); returns {rank: result}, tensors in it as numpy arrays. A rank that raised fails the
+    call with its traceback; one that does not finish within ``timeout`` seconds is killed."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_entry, args=(rank, world, port, function, args,
-                                                      results, collective_timeout))
-                 for rank in range(world)]
+    processes = [
+        context.Process(
+            target=_entry, args=(rank, world, port, function, args, results, collective_timeout)
+        )
+        for rank in range(world)
+    ]
     for process in processes:
         process.start()
     outcome: dict[int, tuple[str, Any]] = {}

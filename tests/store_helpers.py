@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -18,10 +18,18 @@ def make_model(config: GPTConfig = SMALL, seed: int = 0) -> TinyGPT:
     return TinyGPT(config)
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
-          micro_batches: int = 1, scheduler_factory: Callable | None = None,
-          config: GPTConfig = SMALL, batch: int = 4, seed: int = 1,
-          after_backward: Callable[[torch.nn.Module], object] | None = None) -> list[float]:
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    *,
+    micro_batches: int = 1,
+    scheduler_factory: Callable | None = None,
+    config: GPTConfig = SMALL,
+    batch: int = 4,
+    seed: int = 1,
+    after_backward: Callable[[torch.nn.Module], object] | None = None,
+) -> list[float]:
     """The loop; ``after_backward(model)`` runs before each optimizer.step() (clipping, norm
     logging), as a trainer's would."""
     data = synthetic_batches(config, batch, seed=seed)
@@ -53,9 +61,16 @@ def default_adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
-def compare(reference: torch.nn.Module, steps: int, config_kwargs: dict, *,
-            optimizer_factory: Callable | None = None, plain_factory: Callable | None = None,
-            tmp_path=None, **train_kwargs):
+def compare(
+    reference: torch.nn.Module,
+    steps: int,
+    config_kwargs: dict,
+    *,
+    optimizer_factory: Callable | None = None,
+    plain_factory: Callable | None = None,
+    tmp_path=None,
+    **train_kwargs,
+):
     """Trains a copy of ``reference`` plainly and attached; returns both losses, both final
     state dicts and the store's stats."""
     optimizer_factory = optimizer_factory or fused_adamw
@@ -80,5 +95,6 @@ def assert_equivalent(plain_losses, losses, plain_state, state, loss_tol=1e-5):
         assert abs(a - b) <= loss_tol, f"step {step}: loss {b} vs plain {a}"
     assert plain_state.keys() == state.keys()
     for key in plain_state:
-        torch.testing.assert_close(state[key], plain_state[key], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            state[key], plain_state[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
+        )

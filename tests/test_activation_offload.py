@@ -54,8 +54,9 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, width: int = 64, heads: int = 4, layers: int = 3,
-                 ckpt: str = "none") -> None:
+    def __init__(
+        self, width: int = 64, heads: int = 4, layers: int = 3, ckpt: str = "none"
+    ) -> None:
         super().__init__()
         self.ckpt = ckpt
         self.inp = nn.Linear(width, width)  # reentrant checkpoint needs inputs requiring grad
@@ -88,8 +89,9 @@ def batches(kind: str, seed: int = 1):
         yield x, y
 
 
-def run(model: nn.Module, kind: str, tmp_path, steps: int = STEPS, micro: int = MICRO,
-        **config) -> tuple[list, list, dict, dict]:
+def run(
+    model: nn.Module, kind: str, tmp_path, steps: int = STEPS, micro: int = MICRO, **config
+) -> tuple[list, list, dict, dict]:
     """Trains an attached copy; returns losses, per-step grads, final params and stats."""
     config = {"device": "cpu", "nvme_path": str(tmp_path), "buffer_size": 1 << 18, **config}
     store = infinity.TieredStore(infinity.OffloadConfig(**config))
@@ -115,14 +117,19 @@ def run(model: nn.Module, kind: str, tmp_path, steps: int = STEPS, micro: int = 
 def assert_bit_equal(reference, result) -> None:
     losses, grads, params, _ = result
     ref_losses, ref_grads, ref_params, _ = reference
-    differ = [(i, (b - a).item()) for i, (a, b) in enumerate(zip(ref_losses, losses))
-              if not torch.equal(a, b)]
+    differ = [
+        (i, (b - a).item())
+        for i, (a, b) in enumerate(zip(ref_losses, losses))
+        if not torch.equal(a, b)
+    ]
     # the first step's grads first: they tell a forward that differs from a backward that does
     for step, (ref_step, step_grads) in enumerate(zip(ref_grads, grads)):
         for index, (a, b) in enumerate(zip(ref_step, step_grads)):
-            assert torch.equal(a, b), (f"step {step}: grad {index} differs by up to "
-                                       f"{(a - b).abs().max().item():.3g}; losses differing "
-                                       f"(micro-batch, difference): {differ}")
+            assert torch.equal(a, b), (
+                f"step {step}: grad {index} differs by up to "
+                f"{(a - b).abs().max().item():.3g}; losses differing "
+                f"(micro-batch, difference): {differ}"
+            )
     assert not differ, f"losses differ (micro-batch, difference): {differ}"
     assert ref_params.keys() == params.keys()
     for key in ref_params:
@@ -130,8 +137,10 @@ def assert_bit_equal(reference, result) -> None:
 
 
 @pytest.mark.parametrize("param", ["nvme", "cpu"])
-@pytest.mark.parametrize("kind,ckpt", [("mlp", "none"), ("stack", "none"),
-                                       ("stack", "non-reentrant"), ("stack", "reentrant")])
+@pytest.mark.parametrize(
+    "kind,ckpt",
+    [("mlp", "none"), ("stack", "none"), ("stack", "non-reentrant"), ("stack", "reentrant")],
+)
 def test_offloaded_training_is_bit_equal(tmp_path, kind, ckpt, param):
     model = make(kind, ckpt)
     reference = run(model, kind, tmp_path, offload_param=param)
@@ -161,6 +170,7 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
         if storage.data_ptr() not in params:
             storages[storage.data_ptr()] = storage.nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x).sum()
     return sum(storages.values())
@@ -169,12 +179,26 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 def test_checkpointing_offloads_only_the_boundaries(tmp_path):
     """With torch.utils.checkpoint only what the outer graph saves passes the hooks: each
     block's input, and the inputs of the layers outside the blocks (inp, head)."""
-    plain = run(make("stack"), "stack", tmp_path, steps=1, micro=1, offload_param="cpu",
-                offload_activations="cpu")[3]["activations"]
+    plain = run(
+        make("stack"),
+        "stack",
+        tmp_path,
+        steps=1,
+        micro=1,
+        offload_param="cpu",
+        offload_activations="cpu",
+    )[3]["activations"]
     for ckpt in ("non-reentrant", "reentrant"):
         model = make("stack", ckpt)
-        stats = run(model, "stack", tmp_path, steps=1, micro=1, offload_param="cpu",
-                    offload_activations="cpu")[3]["activations"]
+        stats = run(
+            model,
+            "stack",
+            tmp_path,
+            steps=1,
+            micro=1,
+            offload_param="cpu",
+            offload_activations="cpu",
+        )[3]["activations"]
         assert stats["offloaded_tensors"] == len(model.blocks) + 2, (ckpt, stats)
         assert stats["offloaded_tensors"] < plain["offloaded_tensors"] / 4
 
@@ -183,11 +207,17 @@ def test_activations_larger_than_the_device_budget_train(tmp_path):
     torch.manual_seed(0)
     model = MLP(width=512, depth=8)
     x = torch.randn(512, 512)
-    device_budget = 4 * 512 * 512 * 4 + (1 << 20)   # a few layers' parameters
+    device_budget = 4 * 512 * 512 * 4 + (1 << 20)  # a few layers' parameters
     kept = saved_bytes(model, x)
     assert kept > device_budget  # without offload the activations alone exceed the budget
-    config = dict(device="cpu", offload_param="nvme", nvme_path=str(tmp_path),
-                  device_budget=device_budget, buffer_size=1 << 20, prefetch_depth=1)
+    config = dict(
+        device="cpu",
+        offload_param="nvme",
+        nvme_path=str(tmp_path),
+        device_budget=device_budget,
+        buffer_size=1 << 20,
+        prefetch_depth=1,
+    )
     store = infinity.TieredStore(infinity.OffloadConfig(offload_activations="nvme", **config))
     attached, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
     for _ in range(2):
@@ -211,11 +241,12 @@ def test_parameters_and_small_tensors_stay(tmp_path):
     and tensors under 64 KiB stay."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256))
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        device="cpu", offload_param="cpu", offload_activations="cpu"))
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(device="cpu", offload_param="cpu", offload_activations="cpu")
+    )
     attached, _ = store.attach(model)
     attached(torch.randn(128, 256, requires_grad=True)).sum().backward()
-    attached(torch.randn(8, 256, requires_grad=True)).sum().backward()   # 8 KiB: stays
+    attached(torch.randn(8, 256, requires_grad=True)).sum().backward()  # 8 KiB: stays
     stats = store.stats()["activations"]
     store.close()
     assert stats["offloaded_tensors"] == 1
@@ -237,13 +268,17 @@ def test_a_failed_read_names_the_activation(tmp_path):
     def wrap(inner):
         backend.append(FaultInjectingBackend(inner))
         return backend[-1]
-    config = infinity.OffloadConfig(device="cpu", offload_param="cpu", offload_activations="nvme",
-                                    nvme_path=str(tmp_path))
+
+    config = infinity.OffloadConfig(
+        device="cpu", offload_param="cpu", offload_activations="nvme", nvme_path=str(tmp_path)
+    )
     store = infinity.TieredStore(config, backend_wrapper=wrap)
     model, _ = store.attach(make("mlp"))
     loss = model(torch.randn(128, 256)).sum()
     backend[0].inject("eio", op="read", times=None)
-    with pytest.raises(ActivationOffloadError, match="from the forward of module 'head'.*from NVMe.*EIO"):
+    with pytest.raises(
+        ActivationOffloadError, match="from the forward of module 'head'.*from NVMe.*EIO"
+    ):
         loss.backward()
     store.close()
 
@@ -252,9 +287,14 @@ def test_host_budget_too_small_for_cpu_activations(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     params = sum(p.numel() * 4 for p in model.parameters())
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        device="cpu", offload_param="cpu", offload_activations="cpu",
-        host_budget=params + 100_000))
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            device="cpu",
+            offload_param="cpu",
+            offload_activations="cpu",
+            host_budget=params + 100_000,
+        )
+    )
     attached, _ = store.attach(model)
     with pytest.raises(infinity.BudgetError, match="Raise host_budget.*offload_activations='nvme'"):
         attached(torch.randn(512, 256)).sum().backward()
@@ -264,5 +304,7 @@ def test_host_budget_too_small_for_cpu_activations(tmp_path):
 def test_bad_setting_names_the_choices():
     with pytest.raises(infinity.ConfigError, match="offload_activations.*'none', 'cpu', 'nvme'"):
         infinity.OffloadConfig(offload_activations="gpu")
-    assert infinity.OffloadConfig.from_dict({"offload_activations": "nvme"}) \
-        .offload_activations == "nvme"
+    assert (
+        infinity.OffloadConfig.from_dict({"offload_activations": "nvme"}).offload_activations
+        == "nvme"
+    )

@@ -27,12 +27,24 @@ from infinity import AttachError, BudgetError, ConfigError, OffloadConfig, Tiere
 from swap import NvmePathError, SwapSpaceError
 
 #: small swap buffers keep every store here fast; the per-test nvme_path is added to these
-BASE: dict[str, Any] = {"device": "cpu", "offload_param": "nvme", "buffer_size": 1 << 16,
-                        "buffer_count": 2, "aio": {"block_size": 1 << 16}}
+BASE: dict[str, Any] = {
+    "device": "cpu",
+    "offload_param": "nvme",
+    "buffer_size": 1 << 16,
+    "buffer_count": 2,
+    "aio": {"block_size": 1 << 16},
+}
 FAKED = "the file system refuses O_DIRECT (faked by the test)"
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-              "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-              "_load_state_dict_post_hooks")
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def make_model(width: int = 32, seed: int = 0) -> nn.Sequential:
@@ -52,8 +64,9 @@ def config(nvme_path: Path | str, /, **changes: Any) -> OffloadConfig:
     return OffloadConfig.from_dict(data)
 
 
-def sgd_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
-              width: int = 32) -> list[float]:
+def sgd_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, width: int = 32
+) -> list[float]:
     generator = torch.Generator().manual_seed(7)
     losses = []
     for _ in range(steps):
@@ -88,8 +101,12 @@ def snapshot(model: nn.Module, *dirs: Path, width: int = 32) -> Snapshot:
     x = torch.randn(3, width, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         output = model(x)
-    return Snapshot({n: (p, p.detach().clone()) for n, p in model.named_parameters()}, x,
-                    output, {d: tree(d) for d in dirs if d.is_dir()})
+    return Snapshot(
+        {n: (p, p.detach().clone()) for n, p in model.named_parameters()},
+        x,
+        output,
+        {d: tree(d) for d in dirs if d.is_dir()},
+    )
 
 
 def assert_no_hooks(model: nn.Module) -> None:
@@ -101,8 +118,7 @@ def assert_no_hooks(model: nn.Module) -> None:
         assert not param._backward_hooks, f"{name} backward hook"
 
 
-def assert_intact(model: nn.Module, before: Snapshot, reattach_dir: Path,
-                  width: int = 32) -> None:
+def assert_intact(model: nn.Module, before: Snapshot, reattach_dir: Path, width: int = 32) -> None:
     """Nothing left on disk or on the model, values unchanged, and a new store works."""
     for directory, listing in before.dirs.items():
         assert tree(directory) == listing, f"{directory} changed"
@@ -132,13 +148,18 @@ def assert_intact(model: nn.Module, before: Snapshot, reattach_dir: Path,
     store.close()
     assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
     for (name, value), (_, reference) in zip(model.named_parameters(), plain.named_parameters()):
-        torch.testing.assert_close(value, reference, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, reference, msg=lambda m, name=name: f"{name}: {m}")
     assert_no_hooks(model)
     assert tree(reattach_dir) == before_reattach
 
 
-def refused(error_type: type[BaseException], caplog: pytest.LogCaptureFixture,
-            call: Any, *args: Any, chained: bool = False) -> BaseException:
+def refused(
+    error_type: type[BaseException],
+    caplog: pytest.LogCaptureFixture,
+    call: Any,
+    *args: Any,
+    chained: bool = False,
+) -> BaseException:
     """Runs ``call(*args)`` and returns its error: exactly ``error_type`` (not a subclass, not
     a second error raised while cleaning up after the first), with no error logged."""
     with caplog.at_level(logging.WARNING):
@@ -163,48 +184,72 @@ CONFIG_CASES = [
     ({"device_budget": 0}, "device_budget", ["device_budget=0", "use null"]),
     ({"host_budget": "lots"}, "host_budget", ["host_budget='lots'", "'64MiB'"]),
     ({"prefetch_depth": -1}, "prefetch_depth", ["prefetch_depth=-1", "use 0 to disable"]),
-    ({"gradient_clipping": "1.0"}, "gradient_clipping", ["gradient_clipping='1.0'",
-                                                         "got a str"]),
-    ({"gradient_clipping": float("inf")}, "gradient_clipping", ["gradient_clipping=inf",
-                                                                "finite"]),
+    ({"gradient_clipping": "1.0"}, "gradient_clipping", ["gradient_clipping='1.0'", "got a str"]),
+    ({"gradient_clipping": float("inf")}, "gradient_clipping", ["gradient_clipping=inf", "finite"]),
     ({"pin_memory": "yes"}, "pin_memory", ["pin_memory='yes'", "true or false"]),
-    ({"offload_param": "disk"}, "offload_param", ["offload_param='disk'",
-                                                  "'none', 'cpu', 'nvme'"]),
+    ({"offload_param": "disk"}, "offload_param", ["offload_param='disk'", "'none', 'cpu', 'nvme'"]),
     ({"offload_optimizer": "NVME"}, "offload_optimizer", ["'NVME'", "did you mean 'nvme'"]),
     ({"device": "gpu"}, "device", ["device='gpu'", "'cuda:N'"]),
     ({"nvme_path": 5}, "nvme_path", ["nvme_path=5", "a path or a list of paths"]),
     ({"nvme_path": [""]}, "nvme_path", ["nvme_path=['']", "non-empty", "use []"]),
-    ({"aio": {"block_size": "1MB"}}, "aio.block_size", ["aio.block_size=1000000",
-                                                        "multiple of 4096", "10**6"]),
+    (
+        {"aio": {"block_size": "1MB"}},
+        "aio.block_size",
+        ["aio.block_size=1000000", "multiple of 4096", "10**6"],
+    ),
     ({"aio": {"queue_depth": 0}}, "aio.queue_depth", ["aio.queue_depth=0", "1..1024"]),
     ({"aio": {"queue_depth": 4096}}, "aio.queue_depth", ["aio.queue_depth=4096", "1..1024"]),
     ({"aio": {"thread_count": 0}}, "aio.thread_count", ["aio.thread_count=0", "null"]),
-    ({"aio": {"backend": "spdk"}}, "aio.backend", ["aio.backend='spdk'",
-                                                   "'auto', 'uring', 'threads', 'buffered'"]),
+    (
+        {"aio": {"backend": "spdk"}},
+        "aio.backend",
+        ["aio.backend='spdk'", "'auto', 'uring', 'threads', 'buffered'"],
+    ),
     ({"aio": "fast"}, "aio", ["'fast'", "JSON object"]),
-    ({"precision": {"dtype": "fp8"}}, "precision.dtype", ["precision.dtype='fp8'",
-                                                          "'fp32', 'bf16', 'fp16'"]),
-    ({"precision": {"initial_scale_power": 64}}, "precision.initial_scale_power",
-     ["initial_scale_power=64", "0..63"]),
-    ({"precision": {"min_loss_scale": 0}}, "precision.min_loss_scale",
-     ["min_loss_scale=0", "positive scale"]),
-    ({"precision": {"loss_scale": -1.0}}, "precision.loss_scale",
-     ["loss_scale=-1.0", "use 0 for dynamic"]),
-    ({"batch": {"train_batch_size": 10, "micro_batch_size": 3}}, "batch.train_batch_size",
-     ["train_batch_size=10", "multiple of", "= 3"]),
+    (
+        {"precision": {"dtype": "fp8"}},
+        "precision.dtype",
+        ["precision.dtype='fp8'", "'fp32', 'bf16', 'fp16'"],
+    ),
+    (
+        {"precision": {"initial_scale_power": 64}},
+        "precision.initial_scale_power",
+        ["initial_scale_power=64", "0..63"],
+    ),
+    (
+        {"precision": {"min_loss_scale": 0}},
+        "precision.min_loss_scale",
+        ["min_loss_scale=0", "positive scale"],
+    ),
+    (
+        {"precision": {"loss_scale": -1.0}},
+        "precision.loss_scale",
+        ["loss_scale=-1.0", "use 0 for dynamic"],
+    ),
+    (
+        {"batch": {"train_batch_size": 10, "micro_batch_size": 3}},
+        "batch.train_batch_size",
+        ["train_batch_size=10", "multiple of", "= 3"],
+    ),
     # unknown keys: the closest valid key is suggested
-    ({"bufer_size": 1 << 16}, "bufer_size", ["unknown key 'bufer_size'",
-                                             "did you mean 'buffer_size'"]),
-    ({"aio": {"queue_dept": 4}}, "queue_dept", ["'queue_dept' in aio",
-                                                "did you mean 'queue_depth'"]),
-    ({"precision": {"dtpye": "bf16"}}, "dtpye", ["'dtpye' in precision",
-                                                 "did you mean 'dtype'"]),
+    (
+        {"bufer_size": 1 << 16},
+        "bufer_size",
+        ["unknown key 'bufer_size'", "did you mean 'buffer_size'"],
+    ),
+    (
+        {"aio": {"queue_dept": 4}},
+        "queue_dept",
+        ["'queue_dept' in aio", "did you mean 'queue_depth'"],
+    ),
+    ({"precision": {"dtpye": "bf16"}}, "dtpye", ["'dtpye' in precision", "did you mean 'dtype'"]),
     ({"zzz": 1}, "zzz", ["unknown key 'zzz'", "valid keys are", "buffer_count"]),
 ]
 
 
-@pytest.mark.parametrize("changes,field,words", CONFIG_CASES,
-                         ids=[f"{c[1]}-{i}" for i, c in enumerate(CONFIG_CASES)])
+@pytest.mark.parametrize(
+    "changes,field,words", CONFIG_CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(CONFIG_CASES)]
+)
 def test_bad_config_value_is_one_clear_error(tmp_path, caplog, changes, field, words):
     model = make_model()
     before = snapshot(model, tmp_path)
@@ -223,17 +268,35 @@ def test_bad_config_value_is_one_clear_error(tmp_path, caplog, changes, field, w
 def test_python_api_wrong_types_name_the_fix(tmp_path, caplog):
     model = make_model()
     before = snapshot(model, tmp_path)
-    error = refused(ConfigError, caplog, lambda: TieredStore(
-        OffloadConfig(device="cpu", nvme_path=tmp_path, buffer_count="2")).attach(model))
+    error = refused(
+        ConfigError,
+        caplog,
+        lambda: TieredStore(
+            OffloadConfig(device="cpu", nvme_path=tmp_path, buffer_count="2")
+        ).attach(model),
+    )
     assert "buffer_count='2'" in str(error) and "got a str, write it as a number" in str(error)
-    error = refused(ConfigError, caplog, lambda: TieredStore(
-        OffloadConfig(device="cpu", nvme_path=tmp_path, pin_memory=1)).attach(model))
+    error = refused(
+        ConfigError,
+        caplog,
+        lambda: TieredStore(OffloadConfig(device="cpu", nvme_path=tmp_path, pin_memory=1)).attach(
+            model
+        ),
+    )
     assert "pin_memory=1" in str(error) and "true or false" in str(error)
-    error = refused(ConfigError, caplog, lambda: TieredStore(
-        OffloadConfig(device="cpu", nvme_path=tmp_path, precision={"dtype": "bf16"})))
+    error = refused(
+        ConfigError,
+        caplog,
+        lambda: TieredStore(
+            OffloadConfig(device="cpu", nvme_path=tmp_path, precision={"dtype": "bf16"})
+        ),
+    )
     assert "precision=" in str(error) and "PrecisionConfig" in str(error)
-    error = refused(ConfigError, caplog, lambda: TieredStore(
-        OffloadConfig(device="cpu").replace(precision={"dtpye": "bf16"})))
+    error = refused(
+        ConfigError,
+        caplog,
+        lambda: TieredStore(OffloadConfig(device="cpu").replace(precision={"dtpye": "bf16"})),
+    )
     assert "did you mean 'dtype'" in str(error)
     assert_intact(model, before, tmp_path)
 
@@ -242,8 +305,9 @@ def test_python_api_wrong_types_name_the_fix(tmp_path, caplog):
 def test_cuda_device_without_cuda_is_refused_at_construction(tmp_path, caplog):
     model = make_model()
     before = snapshot(model, tmp_path)
-    error = refused(AttachError, caplog,
-                    lambda: TieredStore(config(tmp_path, device="cuda:1")).attach(model))
+    error = refused(
+        AttachError, caplog, lambda: TieredStore(config(tmp_path, device="cuda:1")).attach(model)
+    )
     assert "'cuda:1'" in str(error) and "CUDA is not available" in str(error)
     assert "device='auto' or 'cpu'" in str(error)
     assert_intact(model, before, tmp_path)
@@ -284,8 +348,9 @@ def test_read_only_nvme_path(tmp_path, mount_tmpfs, caplog):
     assert_intact(model, before, tmp_path)
 
 
-def test_no_direct_io_with_auto_falls_back_to_buffered(tmp_path, caplog, monkeypatch,
-                                                       fresh_probe_cache):
+def test_no_direct_io_with_auto_falls_back_to_buffered(
+    tmp_path, caplog, monkeypatch, fresh_probe_cache
+):
     monkeypatch.setattr(swap.probe, "probe_direct_io", lambda directory: FAKED)
     model = make_model()
     plain = copy.deepcopy(model)
@@ -304,8 +369,9 @@ def test_no_direct_io_with_auto_falls_back_to_buffered(tmp_path, caplog, monkeyp
 
 
 @pytest.mark.parametrize("backend", ["uring", "threads"])
-def test_no_direct_io_with_an_explicit_direct_backend_is_refused(tmp_path, caplog, monkeypatch,
-                                                                 fresh_probe_cache, backend):
+def test_no_direct_io_with_an_explicit_direct_backend_is_refused(
+    tmp_path, caplog, monkeypatch, fresh_probe_cache, backend
+):
     monkeypatch.setattr(swap.probe, "probe_direct_io", lambda directory: FAKED)
     model = make_model()
     before = snapshot(model, tmp_path)
@@ -347,8 +413,11 @@ def test_buffer_count_one_works_and_warns_that_it_serialises_io(tmp_path, caplog
     store = TieredStore(config(tmp_path, buffer_count=1, buffer_size=4096))
     with caplog.at_level(logging.WARNING, logger="infinity.core.store"):
         model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and r.name == "infinity.core.store"]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name == "infinity.core.store"
+    ]
     assert len(warnings) == 1 and "buffer_count=1" in warnings[0]
     assert "serialised" in warnings[0] and "buffer_count >= 2" in warnings[0]
     assert sgd_steps(model, optimizer, 3) == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
@@ -371,17 +440,27 @@ def test_budget_smaller_than_needed_is_refused_with_the_bytes(tmp_path, caplog, 
     layer = _param_bytes(model[0])  # 32 x 32 weights + 32 biases, fp32
     if case == "device":
         cfg = config(tmp_path, device_budget=1024)
-        words = ["device_budget of 1024 bytes", "module '0'", f"take {layer} bytes",
-                 f"set device_budget to at least {layer}"]
+        words = [
+            "device_budget of 1024 bytes",
+            "module '0'",
+            f"take {layer} bytes",
+            f"set device_budget to at least {layer}",
+        ]
     elif case == "host-nvme":
         cfg = config(tmp_path, host_budget=1000)
-        words = ["host_budget of 1000 bytes", "less than one buffer (65536 bytes)",
-                 "raise host_budget or lower buffer_size"]
+        words = [
+            "host_budget of 1000 bytes",
+            "less than one buffer (65536 bytes)",
+            "raise host_budget or lower buffer_size",
+        ]
     else:
         cfg = config(tmp_path, offload_param="cpu", host_budget=1000)
         total = sum(p.numel() * 4 for p in model.parameters())
-        words = [f"every parameter in host memory ({total} bytes)", "host_budget is 1000",
-                 "raise host_budget or use offload_param='nvme'"]
+        words = [
+            f"every parameter in host memory ({total} bytes)",
+            "host_budget is 1000",
+            "raise host_budget or use offload_param='nvme'",
+        ]
     error = refused(BudgetError, caplog, TieredStore(cfg).attach, model)
     for word in words:
         assert word in str(error), f"{word!r} not in {str(error)!r}"
@@ -392,8 +471,9 @@ def test_budget_smaller_than_needed_is_refused_with_the_bytes(tmp_path, caplog, 
 def test_optimizer_with_a_parameter_not_in_the_model(tmp_path, caplog):
     model = make_model()
     stray = nn.Parameter(torch.zeros(3, 5))
-    optimizer = torch.optim.SGD([{"params": list(model.parameters())},
-                                 {"params": [stray], "lr": 0.5}], lr=0.1)
+    optimizer = torch.optim.SGD(
+        [{"params": list(model.parameters())}, {"params": [stray], "lr": 0.5}], lr=0.1
+    )
     before = snapshot(model, tmp_path)
     error = refused(AttachError, caplog, TieredStore(config(tmp_path)).attach, model, optimizer)
     assert "param_groups[1]" in str(error) and "shape (3, 5)" in str(error)
@@ -405,8 +485,9 @@ def test_optimizer_with_a_parameter_not_in_the_model(tmp_path, caplog):
 def test_optimizer_that_is_not_an_optimizer(tmp_path, caplog):
     model = make_model()
     before = snapshot(model, tmp_path)
-    error = refused(AttachError, caplog, TieredStore(config(tmp_path)).attach, model,
-                    model.parameters())
+    error = refused(
+        AttachError, caplog, TieredStore(config(tmp_path)).attach, model, model.parameters()
+    )
     assert "torch.optim.Optimizer" in str(error) and "got generator" in str(error)
     assert_intact(model, before, tmp_path)
 

@@ -12,12 +12,41 @@ def test_clip_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     """Every config runs in its own process and is reported; the plain run really clips (its
     norm is positive and above a max_norm chosen under it); the attached runs count their I/O."""
     from tools.benchmarks import bench_clip
+
     out = tmp_path / "clip.json"
-    assert bench_clip.main([
-        "--layers", "2", "--width", "64", "--batch", "4", "--steps", "1", "--warmup", "1",
-        "--repeats", "1", "--host-budget", "0.05", "--arena", "0.003", "--device-budget", "0.001",
-        "--buffer-size", str(256 << 10), "--max-norm", "0.01", "--nvme-path", str(tmp_path),
-        "--json", str(out)]) == 0
+    assert (
+        bench_clip.main(
+            [
+                "--layers",
+                "2",
+                "--width",
+                "64",
+                "--batch",
+                "4",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--repeats",
+                "1",
+                "--host-budget",
+                "0.05",
+                "--arena",
+                "0.003",
+                "--device-budget",
+                "0.001",
+                "--buffer-size",
+                str(256 << 10),
+                "--max-norm",
+                "0.01",
+                "--nvme-path",
+                str(tmp_path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"plain", "plain+clip", "nvme", "nvme+clip"}
     for name, results in report["runs"].items():

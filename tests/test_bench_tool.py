@@ -13,15 +13,24 @@ import pytest
 from swap import BufferPool, EngineSettings
 from swap.probe import choose_backend
 from tools.commands import bench
-from tools.disk import aiofiles_baseline
 from tools.common.aggregate import harmonic_mean, summarize
+from tools.common.units import format_size, parse_size
+from tools.disk import aiofiles_baseline
 from tools.disk.fio import FioError, FioJob, parse_fio_json
 from tools.disk.gil_probe import measure_interference
-from tools.disk.recommend import (AIO_KEYS, CONFIG_KEYS, Candidate, check_config, choose_buffers,
-                             choose_point, config_dict, recommend, write_config)
+from tools.disk.recommend import (
+    AIO_KEYS,
+    CONFIG_KEYS,
+    Candidate,
+    check_config,
+    choose_buffers,
+    choose_point,
+    config_dict,
+    recommend,
+    write_config,
+)
 from tools.disk.report import aiofiles_lines
 from tools.disk.sweep import Point, PointResult, Sample, fill_pattern
-from tools.common.units import format_size, parse_size
 
 MIB = 1 << 20
 
@@ -49,6 +58,7 @@ FIO_READ = """fio: note: both iodepth >= 1 and synchronous I/O engine are select
 
 # ------------------------------------------------------------------ units and aggregation
 
+
 def test_sizes_parse_and_format() -> None:
     assert parse_size("256K") == 256 << 10
     assert parse_size("1M") == parse_size("1MiB") == parse_size("1mb") == MIB
@@ -57,8 +67,13 @@ def test_sizes_parse_and_format() -> None:
     for bad in ("", "x", "-1M", "0", "1.5"):
         with pytest.raises(ValueError):
             parse_size(bad)
-    assert [format_size(n) for n in (256 << 10, MIB, 4 * MIB, 1 << 30, 4097)] == \
-        ["256K", "1M", "4M", "1G", "4097"]
+    assert [format_size(n) for n in (256 << 10, MIB, 4 * MIB, 1 << 30, 4097)] == [
+        "256K",
+        "1M",
+        "4M",
+        "1G",
+        "4097",
+    ]
 
 
 def test_summarize_median_min_max() -> None:
@@ -76,8 +91,14 @@ def test_summarize_median_min_max() -> None:
 
 def _sample(gbps: float, cpu: float = 0.1) -> Sample:
     nbytes = 1 << 30
-    return Sample(nbytes=nbytes, seconds=nbytes / gbps / 1e9, process_cpu=cpu, backend_cpu=cpu / 2,
-                  requests=1024, busy_seconds=0.0)
+    return Sample(
+        nbytes=nbytes,
+        seconds=nbytes / gbps / 1e9,
+        process_cpu=cpu,
+        backend_cpu=cpu / 2,
+        requests=1024,
+        busy_seconds=0.0,
+    )
 
 
 def test_point_result_aggregates_repeats_and_skips_failures() -> None:
@@ -97,8 +118,9 @@ def test_point_result_aggregates_repeats_and_skips_failures() -> None:
 
 
 def test_grid_thread_counts_never_exceed_queue_depth() -> None:
-    args = bench.parse_args(["--block-sizes", "1M", "--queue-depths", "1,2,8",
-                             "--thread-counts", "qd,2,4"])
+    args = bench.parse_args(
+        ["--block-sizes", "1M", "--queue-depths", "1,2,8", "--thread-counts", "qd,2,4"]
+    )
     points = bench.grid(args, ["uring", "threads"])
     assert [p.thread_count for p in points if p.backend == "uring"] == [None] * 3
     threads = [(p.queue_depth, p.thread_count) for p in points if p.backend == "threads"]
@@ -116,8 +138,16 @@ def test_quick_preset_and_explicit_flags() -> None:
 
 # ------------------------------------------------------------------ recommendation and config
 
-def _candidate(backend: str, bs: int, qd: int, read: float, write: float, cpu: float = 0.1,
-               threads: int | None = None) -> Candidate:
+
+def _candidate(
+    backend: str,
+    bs: int,
+    qd: int,
+    read: float,
+    write: float,
+    cpu: float = 0.1,
+    threads: int | None = None,
+) -> Candidate:
     return Candidate(backend, bs, qd, threads, read, write, cpu)
 
 
@@ -162,15 +192,19 @@ def test_choose_buffers_least_memory_regime() -> None:
 
 def test_config_round_trip_has_exactly_the_native_keys(tmp_path: Path) -> None:
     choice = _candidate("uring", MIB, 8, 2.0, 3.0)
-    rec = recommend([choice, _candidate("threads", MIB, 8, 1.0, 1.0)],
-                    {64 * MIB: {1: {"read": 2.0, "write": 3.0}}})
+    rec = recommend(
+        [choice, _candidate("threads", MIB, 8, 1.0, 1.0)],
+        {64 * MIB: {1: {"read": 2.0, "write": 3.0}}},
+    )
     assert rec.candidate == choice
     target = tmp_path / "aio.json"
     sibling = write_config(target, rec.config(), {"point": vars(choice)})
     loaded = json.loads(target.read_text())
-    assert loaded == {"aio": {"backend": "uring", "block_size": MIB, "queue_depth": 8,
-                              "thread_count": None},
-                      "buffer_count": 3, "buffer_size": 64 * MIB}
+    assert loaded == {
+        "aio": {"backend": "uring", "block_size": MIB, "queue_depth": 8, "thread_count": None},
+        "buffer_count": 3,
+        "buffer_size": 64 * MIB,
+    }
     assert tuple(loaded) == CONFIG_KEYS and tuple(loaded["aio"]) == AIO_KEYS
     assert sibling == tmp_path / "aio.measured.json" and "point" in json.loads(sibling.read_text())
     # What the swap layer and the pool are built from accepts it as is.
@@ -194,6 +228,7 @@ def test_config_loads_in_the_runtime(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ fio
 
+
 def test_parse_fio_json() -> None:
     result = parse_fio_json(FIO_READ, "read")
     assert result.io_bytes == 256 * MIB
@@ -211,9 +246,17 @@ def test_parse_fio_json() -> None:
 
 def test_fio_command_is_direct_and_sized() -> None:
     command = FioJob("read", MIB, 16, 256 * MIB).command("fio", Path("/x/fio.dat"))
-    for flag in ("--direct=1", "--ioengine=io_uring", "--rw=read", f"--bs={MIB}", "--iodepth=16",
-                 f"--size={256 * MIB}", "--output-format=json", "--filename=/x/fio.dat",
-                 "--iomem=mmap"):
+    for flag in (
+        "--direct=1",
+        "--ioengine=io_uring",
+        "--rw=read",
+        f"--bs={MIB}",
+        "--iodepth=16",
+        f"--size={256 * MIB}",
+        "--output-format=json",
+        "--filename=/x/fio.dat",
+        "--iomem=mmap",
+    ):
         assert flag in command
     assert "--time_based" not in command
     timed = FioJob("write", MIB, 4, MIB, "libaio", runtime=1.5).command("fio", Path("f"))
@@ -221,6 +264,7 @@ def test_fio_command_is_direct_and_sized() -> None:
 
 
 # ------------------------------------------------------------------ measurements
+
 
 def test_interference_probe_runs(tmp_path: Path) -> None:
     backend = choose_backend("auto", tmp_path)
@@ -241,12 +285,43 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = tmp_path / "out.json"
     config = tmp_path / "aio.json"
     plot = tmp_path / "bench.png"
-    code = bench.main([
-        "--path", str(data), "--size", "8M", "--backends", backend, "--block-sizes", "1M",
-        "--queue-depths", "2", "--thread-counts", "qd", "--repeats", "1", "--buffers", "2",
-        "--buffer-size", "4M", "--fio-block-sizes", "1M", "--fio-depths", "2",
-        "--sweep-limit", "4M", "--no-interference", "--no-progress", "--json", str(out),
-        "--write-config", str(config), "--plot", str(plot), *fio])
+    code = bench.main(
+        [
+            "--path",
+            str(data),
+            "--size",
+            "8M",
+            "--backends",
+            backend,
+            "--block-sizes",
+            "1M",
+            "--queue-depths",
+            "2",
+            "--thread-counts",
+            "qd",
+            "--repeats",
+            "1",
+            "--buffers",
+            "2",
+            "--buffer-size",
+            "4M",
+            "--fio-block-sizes",
+            "1M",
+            "--fio-depths",
+            "2",
+            "--sweep-limit",
+            "4M",
+            "--no-interference",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--write-config",
+            str(config),
+            "--plot",
+            str(plot),
+            *fio,
+        ]
+    )
     assert code == 0
     stdout = capsys.readouterr().out
     assert "Swap engine, GB/s" in stdout and "Summary (medians)" in stdout
@@ -274,8 +349,9 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert list(data.iterdir()) == []  # swap run dir, fio's and aiofiles' files are gone
 
 
-def test_aiofiles_baseline_missing_and_cleanup(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_aiofiles_baseline_missing_and_cleanup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("aiofiles")
     entry = aiofiles_baseline.measure(tmp_path, 2 * MIB, 256 << 10, 2)
     assert entry["available"] and len(entry["repeats"]) == 2 and not entry["note"]
@@ -294,11 +370,39 @@ def test_overlap_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     in its own process, and the NVMe runs (updates in the step, and in backward) really swap
     (the arena holds a fraction of the state)."""
     from tools.benchmarks import bench_overlap
+
     out = tmp_path / "overlap.json"
-    assert bench_overlap.main([
-        "--layers", "4", "--width", "256", "--batch", "4", "--steps", "2", "--warmup", "1",
-        "--repeats", "1", "--host-budget", "0.05", "--arena", "0.003", "--device-budget", "0.001",
-        "--buffer-size", str(256 << 10), "--nvme-path", str(tmp_path), "--json", str(out)]) == 0
+    assert (
+        bench_overlap.main(
+            [
+                "--layers",
+                "4",
+                "--width",
+                "256",
+                "--batch",
+                "4",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--repeats",
+                "1",
+                "--host-budget",
+                "0.05",
+                "--arena",
+                "0.003",
+                "--device-budget",
+                "0.001",
+                "--buffer-size",
+                str(256 << 10),
+                "--nvme-path",
+                str(tmp_path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"plain", "fits", "nvme@0.00", "nvme+sib@0.00"}
     for name in ("nvme@0.00", "nvme+sib@0.00"):

@@ -22,33 +22,40 @@ from tests.store_helpers import SMALL, make_model
 from tools.common.tiny_gpt import synthetic_batches
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 6       # the uninterrupted run
-SAVED_AT = 3    # steps done when the checkpoint is taken
-MICRO = 2       # micro-batches per step
+STEPS = 6  # the uninterrupted run
+SAVED_AT = 3  # steps done when the checkpoint is taken
+MICRO = 2  # micro-batches per step
 
 
 def _config(kind: str, swap: str) -> infinity.OffloadConfig:
     common = {"buffer_size": 8192, "buffer_count": 8, "device": "cpu"}
     if kind == "nvme":
-        return infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=swap, **common)
+        return infinity.OffloadConfig(
+            offload_param="nvme", offload_optimizer="nvme", nvme_path=swap, **common
+        )
     if kind == "cpu":
         return infinity.OffloadConfig(offload_param="cpu", offload_optimizer="cpu", **common)
     if kind == "fp16":
-        return infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=swap, precision=infinity.PrecisionConfig(
-                                          dtype="fp16", initial_scale_power=8), **common)
+        return infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=swap,
+            precision=infinity.PrecisionConfig(dtype="fp16", initial_scale_power=8),
+            **common,
+        )
     raise ValueError(kind)
 
 
-def _train(kind: str, swap: str, checkpoint: str, mode: str, rank: int = 0,
-           world: int = 1, seed: int = 0) -> list[float]:
+def _train(
+    kind: str, swap: str, checkpoint: str, mode: str, rank: int = 0, world: int = 1, seed: int = 0
+) -> list[float]:
     """``mode``: "whole" trains STEPS steps and saves after SAVED_AT; "resume" loads and trains
     the rest. Each rank takes its share of every micro-batch."""
     model = make_model(seed=seed)
     store = infinity.TieredStore(_config(kind, swap))
-    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3,
-                                                             weight_decay=0.1))
+    model, optimizer = store.attach(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     data = synthetic_batches(SMALL, 4, seed=1)
     batches = [[next(data) for _ in range(MICRO)] for _ in range(STEPS)]
@@ -61,13 +68,15 @@ def _train(kind: str, swap: str, checkpoint: str, mode: str, rank: int = 0,
     share = 4 // world
     for step in range(first, STEPS):
         if mode.startswith("whole") and step == SAVED_AT:
-            store.save_checkpoint(checkpoint, extra={"scheduler": scheduler.state_dict(),
-                                                     "step": step},
-                                  async_save=mode == "whole-async")
+            store.save_checkpoint(
+                checkpoint,
+                extra={"scheduler": scheduler.state_dict(), "step": step},
+                async_save=mode == "whole-async",
+            )
         total = torch.zeros(())
         for tokens, targets in batches[step]:
-            tokens = tokens[rank * share:(rank + 1) * share]
-            targets = targets[rank * share:(rank + 1) * share]
+            tokens = tokens[rank * share : (rank + 1) * share]
+            targets = targets[rank * share : (rank + 1) * share]
             loss = model(tokens, targets) / MICRO
             loss.backward()
             total += loss.detach()
@@ -83,10 +92,13 @@ def _train(kind: str, swap: str, checkpoint: str, mode: str, rank: int = 0,
 
 
 def _in_fresh_process(*args: str) -> list[float]:
-    code = ("import json, sys; from tests.test_checkpoint import _train; "
-            "print(json.dumps(_train(*sys.argv[1:])))")
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=180)
+    code = (
+        "import json, sys; from tests.test_checkpoint import _train; "
+        "print(json.dumps(_train(*sys.argv[1:])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -105,28 +117,28 @@ def test_resume_in_a_fresh_process_is_bit_exact(kind, tmp_path):
 
 
 def _ranks_train(rank: int, world: int, swap: str, checkpoint: str, mode: str) -> list[float]:
-    return _train("nvme", os.path.join(swap, f"r{rank}"), checkpoint, mode, rank, world,
-                  seed=rank)
+    return _train("nvme", os.path.join(swap, f"r{rank}"), checkpoint, mode, rank, world, seed=rank)
 
 
-@pytest.mark.parametrize("saved_by, resumed_by, mode", [
-    (2, 2, "whole"), (2, 2, "whole-async"), (2, 1, "whole"), (1, 2, "whole")])
-def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by, mode,
-                                                            tmp_path):
+@pytest.mark.parametrize(
+    "saved_by, resumed_by, mode",
+    [(2, 2, "whole"), (2, 2, "whole-async"), (2, 1, "whole"), (1, 2, "whole")],
+)
+def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by, mode, tmp_path):
     checkpoint = str(tmp_path / "ckpt")
     for rank in range(2):
         (tmp_path / f"r{rank}").mkdir()
     if saved_by == 1:
         whole = _train("nvme", str(tmp_path / "r0"), checkpoint, mode)
     else:
-        whole = run_ranks(_ranks_train, saved_by, str(tmp_path), checkpoint, mode,
-                          timeout=240)[0]
+        whole = run_ranks(_ranks_train, saved_by, str(tmp_path), checkpoint, mode, timeout=240)[0]
     assert len(list(Path(checkpoint).glob("data-*.bin"))) == saved_by
     if resumed_by == 1:
         resumed = _in_fresh_process("nvme", str(tmp_path / "r0"), checkpoint, "resume")
     else:
-        results = run_ranks(_ranks_train, resumed_by, str(tmp_path), checkpoint, "resume",
-                            timeout=240)
+        results = run_ranks(
+            _ranks_train, resumed_by, str(tmp_path), checkpoint, "resume", timeout=240
+        )
         assert results[0] == results[1]
         resumed = results[0]
     tolerance = 0.0 if saved_by == resumed_by else 1e-5
@@ -134,7 +146,7 @@ def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by
         assert abs(a - b) <= tolerance * abs(a), (whole[SAVED_AT:], resumed)
 
 
-_KILLED_SAVE = r'''
+_KILLED_SAVE = r"""
 import os, signal, sys
 import torch
 import infinity
@@ -156,13 +168,18 @@ with store.gathered(modify=True):
     for p in model.parameters():
         p.data.add_(1.0)
 store.save_checkpoint(sys.argv[1], extra={"which": "second"})
-'''
+"""
 
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
     checkpoint = tmp_path / "ckpt"
-    done = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(checkpoint)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(checkpoint)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     assert (tmp_path / "ckpt.partial").exists()  # what the killed save had written
     reference = make_model()
@@ -201,14 +218,16 @@ def test_a_flipped_byte_or_a_truncated_file_is_detected(tmp_path):
     data = checkpoint / "data-0.bin"
     original = data.read_bytes()
     # A byte inside a chunk (pieces start at multiples of 4096, with padding between).
-    location = max(json.loads((checkpoint / "metadata.json").read_text())["storage"].values(),
-                   key=lambda loc: loc["offset"])
+    location = max(
+        json.loads((checkpoint / "metadata.json").read_text())["storage"].values(),
+        key=lambda loc: loc["offset"],
+    )
     flipped = bytearray(original)
     flipped[location["offset"] + location["length"] // 2] ^= 0x10
     data.write_bytes(bytes(flipped))
     with pytest.raises(infinity.CheckpointError, match="data-0.bin is corrupt"):
         _load(checkpoint)
-    data.write_bytes(original[:location["offset"] + location["length"] // 2])
+    data.write_bytes(original[: location["offset"] + location["length"] // 2])
     with pytest.raises(infinity.CheckpointError, match="data-0.bin is truncated"):
         _load(checkpoint)
     data.write_bytes(original)
@@ -245,8 +264,13 @@ def test_extra_takes_json_and_tensors_but_nothing_pickled(tmp_path):
     model = make_model()
     with infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu", device="cpu")) as store:
         store.attach(model, torch.optim.AdamW(model.parameters()))
-        extra = {"step": 7, "lrs": (0.1, 0.2), 3: "int key", "t": torch.arange(4.0),
-                 "nan": float("nan")}
+        extra = {
+            "step": 7,
+            "lrs": (0.1, 0.2),
+            3: "int key",
+            "t": torch.arange(4.0),
+            "nan": float("nan"),
+        }
         store.save_checkpoint(tmp_path / "ckpt", extra=extra)
         back = store.load_checkpoint(tmp_path / "ckpt")
         assert back["step"] == 7 and back["lrs"] == (0.1, 0.2) and back[3] == "int key"
@@ -258,16 +282,32 @@ def test_extra_takes_json_and_tensors_but_nothing_pickled(tmp_path):
 def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tools.commands.export import main as export_main
+
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,
-        nvme_path=str(tmp_path)))
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            buffer_size=8192,
+            buffer_count=8,
+            nvme_path=str(tmp_path),
+        )
+    )
     with store:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         for _ in range(2):
@@ -278,16 +318,19 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path
             trained = model(input_ids=tokens).logits
         store.save_checkpoint(tmp_path / "ckpt")
     # Small output files, so the export is sharded with an index.
-    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"),
-                        "--max-shard-size", "20KB"]) == 0
+    assert (
+        export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "20KB"])
+        == 0
+    )
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert (tmp_path / "out" / "config.json").exists()
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=tokens).logits, trained)
     assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "half"), "--dtype", "bf16"]) == 0
-    half = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "half",
-                                                         torch_dtype=torch.bfloat16)
+    half = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "half", torch_dtype=torch.bfloat16
+    )
     assert next(half.parameters()).dtype == torch.bfloat16
 
 
@@ -312,8 +355,9 @@ def test_an_async_save_is_the_state_at_the_call_while_training_goes_on(kind, tmp
     # A staging cap of a few chunks: most are copied out during the next forward, the rest by
     # the step, just before it changes them.
     # Updates in optimizer.step(): the save is taken between backward and the step's updates.
-    config = _config(kind, str(tmp_path)).replace(checkpoint_staging=16 << 10,
-                                                  step_in_backward=False)
+    config = _config(kind, str(tmp_path)).replace(
+        checkpoint_staging=16 << 10, step_in_backward=False
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
         run(store, model, optimizer, batches[:3])
@@ -329,8 +373,9 @@ def test_an_async_save_is_the_state_at_the_call_while_training_goes_on(kind, tmp
         figures = store._checkpoints.last
     assert figures["bytes_written"] > 0 and figures["copied_before_change"] > 0
     model = make_model(seed=4)
-    with infinity.TieredStore(_config(kind, str(tmp_path)).replace(
-            step_in_backward=False)) as store:
+    with infinity.TieredStore(
+        _config(kind, str(tmp_path)).replace(step_in_backward=False)
+    ) as store:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
         assert store.load_checkpoint(tmp_path / "ckpt") == {"at": 3}
         assert run(store, model, optimizer, batches[3:]) == whole

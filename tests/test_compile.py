@@ -55,8 +55,13 @@ def test_compiled_attached_model_trains_as_the_compiled_plain_one(mode, tmp_path
     model = copy.deepcopy(reference)
     if mode == "block-before":
         _compile(model, mode)
-    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=8192, buffer_count=8, nvme_path=str(tmp_path))
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=8192,
+        buffer_count=8,
+        nvme_path=str(tmp_path),
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(model, fused_adamw(model.parameters()))
         if mode != "block-before":

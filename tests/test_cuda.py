@@ -16,8 +16,9 @@ import infinity
 from tests.store_helpers import SMALL, make_model
 from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA device (make gpu-check runs these on one)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check runs these on one)"
+)
 
 CUDA = torch.device("cuda")
 
@@ -43,8 +44,15 @@ def _loop(model, optimizer, steps=4, micro_batches=1, config=SMALL, autocast=Non
 
 
 def _store(tmp_path, **overrides):
-    settings = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 8192,
-                "buffer_count": 8, "nvme_path": str(tmp_path), "device": "cuda", **overrides}
+    settings = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 8192,
+        "buffer_count": 8,
+        "nvme_path": str(tmp_path),
+        "device": "cuda",
+        **overrides,
+    }
     return infinity.TieredStore(infinity.OffloadConfig(**settings))
 
 
@@ -83,8 +91,9 @@ def test_mixed_precision_on_cuda_follows_autocast(dtype, name, tmp_path):
 
 
 def test_activation_checkpointing_on_cuda(tmp_path):
-    config = GPTConfig(vocab_size=64, context=16, layers=4, width=32, heads=4,
-                       checkpoint_blocks=True)
+    config = GPTConfig(
+        vocab_size=64, context=16, layers=4, width=32, heads=4, checkpoint_blocks=True
+    )
     torch.manual_seed(0)
     reference = TinyGPT(config)
     plain = copy.deepcopy(reference).to(CUDA)
@@ -150,8 +159,11 @@ def test_a_slot_is_not_reused_before_its_copy_finished(tmp_path):
         entry = store.registry.entries[0]
         placement.gather(entry, hold=False)
         shard = entry.shards[0]
-        if shard.copy_event is not None and shard in placement.in_arena and \
-                shard.state is infinity.Residency.DEVICE_HOST_NVME:
+        if (
+            shard.copy_event is not None
+            and shard in placement.in_arena
+            and shard.state is infinity.Residency.DEVICE_HOST_NVME
+        ):
             event = shard.copy_event
             placement._free_slot(shard)
             assert event.query()  # freeing the slot waited for the copy out of it
@@ -167,8 +179,9 @@ def test_prefetch_under_a_tight_budget_keeps_stream_order(tmp_path):
     expected = _loop(plain, _adamw(plain.parameters()), steps=5)
     model = copy.deepcopy(reference)
     per_block = sum(p.numel() * 4 for p in reference.blocks[0].parameters())
-    with _store(tmp_path, device_budget=3 * per_block + (64 << 10), prefetch_depth=2,
-                buffer_count=6) as store:
+    with _store(
+        tmp_path, device_budget=3 * per_block + (64 << 10), prefetch_depth=2, buffer_count=6
+    ) as store:
         model, optimizer = store.attach(model, _adamw(model.parameters()))
         got = _loop(model, optimizer, steps=5)
         assert store.stats()["prefetched_loads"] > 0

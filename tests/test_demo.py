@@ -10,11 +10,40 @@ import pytest
 
 from tools.commands import demo
 
-TINY = ["--layers", "2", "--width", "64", "--vocab", "128", "--context", "32", "--batch", "4",
-        "--steps", "8", "--lr", "3e-3", "--seed", "1"]
+TINY = [
+    "--layers",
+    "2",
+    "--width",
+    "64",
+    "--vocab",
+    "128",
+    "--context",
+    "32",
+    "--batch",
+    "4",
+    "--steps",
+    "8",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "1",
+]
 #: table rows that must be there, each with a number in it
-ROWS = ("steps", "loss", "step time", "swap read", "swap written", "achieved", "overlap",
-        "stalls", "peak device", "peak host", "peak nvme", "peak RSS", "wall time")
+ROWS = (
+    "steps",
+    "loss",
+    "step time",
+    "swap read",
+    "swap written",
+    "achieved",
+    "overlap",
+    "stalls",
+    "peak device",
+    "peak host",
+    "peak nvme",
+    "peak RSS",
+    "wall time",
+)
 
 
 def test_tiny_run_trains_from_nvme_reports_and_cleans_up(tmp_path: Path, monkeypatch, capsys):
@@ -61,8 +90,9 @@ def test_tiny_run_trains_from_nvme_reports_and_cleans_up(tmp_path: Path, monkeyp
 
 def test_missing_nvme_path_is_a_user_error(tmp_path: Path, capsys):
     missing = tmp_path / "no" / "such" / "drive"
-    code = demo.main([*TINY, "--steps", "1", "--nvme-path", str(missing),
-                      "--out", str(tmp_path / "out")])
+    code = demo.main(
+        [*TINY, "--steps", "1", "--nvme-path", str(missing), "--out", str(tmp_path / "out")]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert str(missing) in err and "does not exist" in err
@@ -73,19 +103,21 @@ def test_missing_nvme_path_is_a_user_error(tmp_path: Path, capsys):
 def test_config_typo_reports_the_config_error(tmp_path: Path, capsys):
     config = tmp_path / "offload.json"
     config.write_text(json.dumps({"offload_parm": "nvme"}))
-    code = demo.main([*TINY, "--steps", "1", "--config", str(config),
-                      "--nvme-path", str(tmp_path)])
+    code = demo.main([*TINY, "--steps", "1", "--config", str(config), "--nvme-path", str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err
     assert "offload_parm" in err and "did you mean 'offload_param'" in err
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--host-budget", "12 parsecs"], "--host-budget"),
-    (["--steps", "0"], "--steps"),
-    (["--width", "66"], "multiple of 4"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--host-budget", "12 parsecs"], "--host-budget"),
+        (["--steps", "0"], "--steps"),
+        (["--width", "66"], "multiple of 4"),
+    ],
+)
 def test_bad_flags_exit_2_with_the_flag_named(tmp_path: Path, capsys, argv, message):
     assert demo.main([*TINY, "--nvme-path", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""infinity-generate (tools/commands/generate.py) on tiny Hugging Face models, and bench_infer's CLI."""
+"""infinity-generate (tools/commands/generate.py) on tiny Hugging Face models, and bench_infer's
+CLI."""
 
 from __future__ import annotations
 
@@ -22,18 +23,37 @@ BUDGETS = ["--host-budget", "128KiB", "--buffer-size", "16KiB", "--device-budget
 
 
 def _llama() -> torch.nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    )
 
 
 def _gpt2() -> torch.nn.Module:
     # A wide initialisation, so greedy decoding does not just repeat the last token. The
     # embeddings are tied (GPT-2's lm_head is wte): the checkpoint holds one copy.
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5,
-        bos_token_id=1, eos_token_id=2))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=96,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            initializer_range=0.5,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +75,35 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-@pytest.mark.parametrize("rows", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 10, 11, 12]]],
-                         ids=["batch1", "batch2"])
+@pytest.mark.parametrize(
+    "rows", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 10, 11, 12]]], ids=["batch1", "batch2"]
+)
 def test_greedy_ids_equal_plain_generate(tmp_path, capsys, saved, name, rows):
     model, path = saved[name]
     ids = torch.tensor(rows)
     pad = generate.pad_token_id(model.generation_config)
     with torch.no_grad():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS, pad_token_id=pad)
-    argv = ["--model", str(path), "--nvme-path", str(tmp_path), "--device", "cpu",
-            "--max-new-tokens", str(NEW_TOKENS), "--disk-gbps", "1", "--json", *BUDGETS]
+        expected = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=pad,
+        )
+    argv = [
+        "--model",
+        str(path),
+        "--nvme-path",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--disk-gbps",
+        "1",
+        "--json",
+        *BUDGETS,
+    ]
     for row in rows:
         argv += ["--token-ids", ",".join(map(str, row))]
     code, out, err = _run(capsys, *argv)
@@ -87,11 +125,29 @@ def test_bf16_compute_equals_the_plain_model_in_bf16(tmp_path, capsys, saved):
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         expected = plain.to(torch.bfloat16).generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=NEW_TOKENS, pad_token_id=0)
-    code, out, err = _run(capsys, "--model", str(path), "--nvme-path", str(tmp_path),
-                          "--token-ids", "5,6,7,8", "--dtype", "bf16", "--max-new-tokens",
-                          str(NEW_TOKENS), "--disk-gbps", "1", "--json", *BUDGETS)
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(path),
+        "--nvme-path",
+        str(tmp_path),
+        "--token-ids",
+        "5,6,7,8",
+        "--dtype",
+        "bf16",
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--disk-gbps",
+        "1",
+        "--json",
+        *BUDGETS,
+    )
     assert code == 0, err
     summary = json.loads(out)
     assert summary["dtype"] == "bfloat16"
@@ -101,9 +157,22 @@ def test_bf16_compute_equals_the_plain_model_in_bf16(tmp_path, capsys, saved):
 
 def test_sampling_is_seeded(tmp_path, capsys, saved):
     _, path = saved["llama"]
-    argv = ["--model", str(path), "--nvme-path", str(tmp_path), "--token-ids", "5,6,7,8",
-            "--sample", "--temperature", "2", "--max-new-tokens", "8", "--disk-gbps", "1",
-            "--json"]
+    argv = [
+        "--model",
+        str(path),
+        "--nvme-path",
+        str(tmp_path),
+        "--token-ids",
+        "5,6,7,8",
+        "--sample",
+        "--temperature",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--disk-gbps",
+        "1",
+        "--json",
+    ]
     runs = []
     for seed in ("1", "1", "2"):
         code, out, err = _run(capsys, *argv, "--seed", seed)
@@ -115,14 +184,27 @@ def test_sampling_is_seeded(tmp_path, capsys, saved):
 
 def test_batch_size_repeats_the_prompt_and_prints_a_summary(tmp_path, capsys, saved):
     _, path = saved["llama"]
-    code, out, err = _run(capsys, "--model", str(path), "--nvme-path", str(tmp_path),
-                          "--token-ids", "5,6,7", "--batch-size", "3", "--max-new-tokens", "4",
-                          "--disk-gbps", "2.5", "--ignore-eos", *BUDGETS)
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(path),
+        "--nvme-path",
+        str(tmp_path),
+        "--token-ids",
+        "5,6,7",
+        "--batch-size",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--disk-gbps",
+        "2.5",
+        "--ignore-eos",
+        *BUDGETS,
+    )
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("[")]
     assert len(rows) == 3 and len(set(row[4:] for row in rows)) == 1
-    for label in ("tokens/s", "prefill", "decode", "bytes read", "disk reads 2.50 GB/s",
-                  "stalls"):
+    for label in ("tokens/s", "prefill", "decode", "bytes read", "disk reads 2.50 GB/s", "stalls"):
         assert label in out
 
 
@@ -134,24 +216,39 @@ def test_prompt_with_a_tokenizer(tmp_path, capsys, saved):
     core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="[UNK]", pad_token="<pad>", eos_token="</s>")
+        tokenizer_object=core, unk_token="[UNK]", pad_token="<pad>", eos_token="</s>"
+    )
     with_tokenizer = tmp_path / "with-tokenizer"
     model.save_pretrained(with_tokenizer)
     tokenizer.save_pretrained(with_tokenizer)
-    code, out, err = _run(capsys, "--model", str(with_tokenizer), "--nvme-path", str(tmp_path),
-                          "--prompt", "hello world", "--max-new-tokens", "3", "--disk-gbps", "1",
-                          "--json")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(with_tokenizer),
+        "--nvme-path",
+        str(tmp_path),
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "3",
+        "--disk-gbps",
+        "1",
+        "--json",
+    )
     assert code == 0, err
     summary = json.loads(out)
     assert summary["sequences"][0][:2] == [4, 5]
     assert summary["texts"][0].startswith("hello world")
 
 
-@pytest.mark.parametrize("case, fix", [
-    ("missing", "does not exist"),
-    ("empty", "config.json"),
-    ("no-weights", "safetensors"),
-])
+@pytest.mark.parametrize(
+    "case, fix",
+    [
+        ("missing", "does not exist"),
+        ("empty", "config.json"),
+        ("no-weights", "safetensors"),
+    ],
+)
 def test_bad_model_directory_is_one_line(tmp_path, capsys, case, fix):
     path = tmp_path / case
     if case != "missing":
@@ -165,20 +262,25 @@ def test_bad_model_directory_is_one_line(tmp_path, capsys, case, fix):
 
 def test_prompt_without_tokenizer_names_token_ids(tmp_path, capsys, saved):
     _, path = saved["llama"]
-    code, _, err = _run(capsys, "--model", str(path), "--nvme-path", str(tmp_path),
-                        "--prompt", "hello")
+    code, _, err = _run(
+        capsys, "--model", str(path), "--nvme-path", str(tmp_path), "--prompt", "hello"
+    )
     assert code == 2 and "--token-ids" in err and "tokenizer" in err
 
 
-@pytest.mark.parametrize("argv, fix", [
-    (["--nvme-path", "/nonexistent/swap"], "mkdir -p"),
-    (["--token-ids", "1,x"], "comma-separated integers"),
-    (["--token-ids", "1,999"], "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "argv, fix",
+    [
+        (["--nvme-path", "/nonexistent/swap"], "mkdir -p"),
+        (["--token-ids", "1,x"], "comma-separated integers"),
+        (["--token-ids", "1,999"], "outside the vocabulary"),
+    ],
+)
 def test_bad_flags_are_one_line(capsys, saved, argv, fix):
     _, path = saved["llama"]
-    code, _, err = _run(capsys, "--model", str(path), "--token-ids", "1,2", "--disk-gbps", "1",
-                        *argv)
+    code, _, err = _run(
+        capsys, "--model", str(path), "--token-ids", "1,2", "--disk-gbps", "1", *argv
+    )
     assert code == 2 and fix in err and "Traceback" not in err
 
 

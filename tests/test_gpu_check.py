@@ -16,15 +16,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real")
 def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tools.benchmarks.gpu_check", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.benchmarks.gpu_check", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 2
     assert "no CUDA device here" in done.stdout
     assert "Traceback" not in done.stderr
 
 
-_WITHOUT_LIBURING = r'''
+_WITHOUT_LIBURING = r"""
 import logging, sys
 sys.modules["liburing"] = None  # as on a machine without the package: importing it fails
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -44,12 +49,17 @@ for _ in range(2):
     optimizer.zero_grad()
 print("backend", store.stats()["backend"], "loss", loss.item())
 store.close()
-'''
+"""
 
 
 def test_the_store_works_without_the_liburing_package(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _WITHOUT_LIBURING, str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_LIBURING, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "backend threads" in done.stdout
     said = [line for line in done.stderr.splitlines() if "liburing" in line]

@@ -17,8 +17,12 @@ from tools.common.tiny_gpt import synthetic_batches
 # Small buffers: the embedding and the MLP weights are cut into several shards each, and the
 # arena (8 x 8 KiB) holds a fraction of masters, gradients and Adam moments, so gradients go
 # to the swap files and come back.
-NVME = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 8 << 10,
-        "buffer_count": 8}
+NVME = {
+    "offload_param": "nvme",
+    "offload_optimizer": "nvme",
+    "buffer_size": 8 << 10,
+    "buffer_count": 8,
+}
 CPU = {"offload_param": "cpu", "offload_optimizer": "cpu"}
 
 
@@ -40,14 +44,20 @@ def _equal_states(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), f"{key} differs by {(a[key] - b[key]).abs().max()}"
 
 
-@pytest.mark.parametrize("offload, micro_batches", [("cpu", 1), ("cpu", 2), ("nvme", 1),
-                                                    ("nvme", 2)])
+@pytest.mark.parametrize(
+    "offload, micro_batches", [("cpu", 1), ("cpu", 2), ("nvme", 1), ("nvme", 2)]
+)
 def test_clip_grad_norm_in_the_loop_gives_the_plain_run(tmp_path, offload, micro_batches):
     steps = 4
     clip = Clip(0.05)  # below every step's norm: each step is clipped
     plain_losses, losses, plain_state, state, stats = compare(
-        make_model(), steps, dict(CPU if offload == "cpu" else NVME), tmp_path=tmp_path,
-        micro_batches=micro_batches, after_backward=clip)
+        make_model(),
+        steps,
+        dict(CPU if offload == "cpu" else NVME),
+        tmp_path=tmp_path,
+        micro_batches=micro_batches,
+        after_backward=clip,
+    )
     plain_norms, norms = clip.norms[:steps], clip.norms[steps:]
     assert min(plain_norms) > 0.05  # it did clip
     if offload == "cpu":
@@ -73,21 +83,31 @@ def test_clip_grad_norm_under_bf16_matches_the_gradient_clipping_setting(tmp_pat
     runs = []
     for in_loop in (False, True):
         clip = Clip(0.05)
-        config = infinity.OffloadConfig(**NVME, nvme_path=str(tmp_path), precision=precision,
-                                        gradient_clipping=0.0 if in_loop else 0.05)
+        config = infinity.OffloadConfig(
+            **NVME,
+            nvme_path=str(tmp_path),
+            precision=precision,
+            gradient_clipping=0.0 if in_loop else 0.05,
+        )
         model = make_model()
         with infinity.TieredStore(config) as store:
             model, optimizer = store.attach(model, fused_adamw(model.parameters()))
             norms = []
 
-            def log_norm(m: torch.nn.Module) -> None:
+            def log_norm(m: torch.nn.Module, in_loop: bool = in_loop, clip: Clip = clip) -> None:
                 if in_loop:
                     clip(m)
 
             losses = train(model, optimizer, steps, after_backward=log_norm)
             norms = clip.norms if in_loop else None
-            runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()},
-                         norms, store.last_grad_norm))
+            runs.append(
+                (
+                    losses,
+                    {k: v.clone() for k, v in model.state_dict().items()},
+                    norms,
+                    store.last_grad_norm,
+                )
+            )
     (setting_losses, setting_state, _, _), (loop_losses, loop_state, loop_norms, _) = runs
     assert all(p.dtype == torch.float32 for p in loop_state.values())
     for a, b in zip(setting_losses, loop_losses):
@@ -130,14 +150,15 @@ def test_clip_grad_value_and_in_place_edits_of_p_grad_reach_the_step(tmp_path):
     def edit(model: torch.nn.Module) -> None:
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
         params = list(model.parameters())
-        params[0].grad[:3] = 0                  # __setitem__ on the gradient
-        params[1].grad.add_(1e-3)               # any other in-place op
-        params[2].grad.data.mul_(0.5)           # through .data
-        params[3].grad = params[3].grad * 2     # assignment
+        params[0].grad[:3] = 0  # __setitem__ on the gradient
+        params[1].grad.add_(1e-3)  # any other in-place op
+        params[2].grad.data.mul_(0.5)  # through .data
+        params[3].grad = params[3].grad * 2  # assignment
 
     for config in (CPU, NVME):
         plain_losses, losses, plain_state, state, _ = compare(
-            make_model(), 3, dict(config), tmp_path=tmp_path, after_backward=edit)
+            make_model(), 3, dict(config), tmp_path=tmp_path, after_backward=edit
+        )
         assert losses == plain_losses
         _equal_states(plain_state, state)
 
@@ -145,6 +166,7 @@ def test_clip_grad_value_and_in_place_edits_of_p_grad_reach_the_step(tmp_path):
 def test_clearing_gradients_from_the_loop(tmp_path):
     """p.grad = None and model.zero_grad() drop the store's gradient (the step skips the
     parameter, as the plain optimizer does); zero_() keeps a zero gradient (it still steps)."""
+
     def drop_some(model: torch.nn.Module) -> None:
         params = list(model.parameters())
         params[0].grad = None
@@ -152,7 +174,8 @@ def test_clearing_gradients_from_the_loop(tmp_path):
         model.blocks[0].zero_grad()
 
     plain_losses, losses, plain_state, state, _ = compare(
-        make_model(), 3, dict(NVME), tmp_path=tmp_path, after_backward=drop_some)
+        make_model(), 3, dict(NVME), tmp_path=tmp_path, after_backward=drop_some
+    )
     assert losses == plain_losses
     for key in plain_state:
         torch.testing.assert_close(state[key], plain_state[key], rtol=0, atol=1e-6)
@@ -162,7 +185,8 @@ def test_the_setting_and_the_loop_do_not_clip_twice(tmp_path):
     clip = Clip(0.05)
     config = dict(NVME, gradient_clipping=0.05)
     plain_losses, losses, plain_state, state, _ = compare(
-        make_model(), 3, config, tmp_path=tmp_path, after_backward=clip)
+        make_model(), 3, config, tmp_path=tmp_path, after_backward=clip
+    )
     for a, b in zip(plain_losses, losses):
         assert abs(a - b) <= 1e-6
     for key in plain_state:

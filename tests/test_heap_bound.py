@@ -16,8 +16,10 @@ import pytest
 
 from infinity.core.memory import resident_bytes
 
-pytestmark = pytest.mark.skipif(not ctypes.util.find_library("c") or resident_bytes() == 0,
-                                reason="needs glibc and /proc/self/statm")
+pytestmark = pytest.mark.skipif(
+    not ctypes.util.find_library("c") or resident_bytes() == 0,
+    reason="needs glibc and /proc/self/statm",
+)
 
 MIB = 1 << 20
 HOST, DEVICE, WIDTH, LAYERS = 24 * MIB, 8 * MIB, 1024, 8
@@ -67,9 +69,24 @@ def _run(mode: str, path, bounded: str = "bounded") -> dict:
     # control below would stay bounded too (measured: 33 MiB above the process either way).
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(path), str(HOST), str(DEVICE), str(WIDTH),
-         str(LAYERS), bounded], capture_output=True, text=True, timeout=180, check=False,
-        env=env)
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            mode,
+            str(path),
+            str(HOST),
+            str(DEVICE),
+            str(WIDTH),
+            str(LAYERS),
+            bounded,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -92,5 +109,4 @@ def test_the_control_without_the_bound_exceeds_it(tmp_path):
     RSS passes the limit above, so the test above measures the store's bound, not luck."""
     run = _run("backward", tmp_path, "unbounded")
     above = [rss - run["base"] for rss in run["rss"]]
-    assert max(above) > HOST + DEVICE + 2 * LARGEST + 8 * MIB, \
-        [round(a / MIB, 1) for a in above]
+    assert max(above) > HOST + DEVICE + 2 * LARGEST + 8 * MIB, [round(a / MIB, 1) for a in above]

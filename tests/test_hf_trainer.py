@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it (transformers' "torch" extra)
 
 import infinity  # noqa: E402
-from tests.test_transformers import NVME, VOCAB, CONTEXT, llama  # noqa: E402
+from tests.test_transformers import CONTEXT, NVME, VOCAB, llama  # noqa: E402
 
 BATCH, ACCUMULATE, STEPS, LR, MAX_GRAD_NORM = 4, 2, 10, 1e-2, 1.0
 
@@ -46,20 +46,34 @@ class CountingSequences(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
-def arguments(output_dir) -> "transformers.TrainingArguments":
+def arguments(output_dir) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
-        output_dir=str(output_dir), use_cpu=True, seed=0,
-        per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
-        max_steps=STEPS, max_grad_norm=MAX_GRAD_NORM,
+        output_dir=str(output_dir),
+        use_cpu=True,
+        seed=0,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        max_steps=STEPS,
+        max_grad_norm=MAX_GRAD_NORM,
         # Unused: the optimizer and the scheduler are ours (optimizers=...).
-        learning_rate=LR, weight_decay=0.1,
-        logging_strategy="steps", logging_steps=1, eval_strategy="no", save_strategy="no",
-        report_to=[], disable_tqdm=True,
+        learning_rate=LR,
+        weight_decay=0.1,
+        logging_strategy="steps",
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
         # Identical batches in both runs, in dataset order, in this process.
-        train_sampling_strategy="sequential", dataloader_num_workers=0,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
         dataloader_drop_last=True,
         # Nothing that changes numerics or wraps the model: fp32, no compile, no tf32.
-        bf16=False, fp16=False, tf32=None, torch_compile=False)
+        bf16=False,
+        fp16=False,
+        tf32=None,
+        torch_compile=False,
+    )
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -69,21 +83,27 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def schedule(optimizer: torch.optim.Optimizer):
     return transformers.get_linear_schedule_with_warmup(
-        optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+        optimizer, num_warmup_steps=2, num_training_steps=STEPS
+    )
 
 
 def train(model, optimizer, output_dir) -> tuple[list[float], list[float], list[float]]:
     """Trainer.train() with our optimizer and scheduler; returns the logged loss, grad_norm and
     learning_rate of every optimizer step."""
     trainer = transformers.Trainer(
-        model=model, args=arguments(output_dir), train_dataset=CountingSequences(
-            BATCH * ACCUMULATE * STEPS),
-        optimizers=(optimizer, schedule(optimizer)))
+        model=model,
+        args=arguments(output_dir),
+        train_dataset=CountingSequences(BATCH * ACCUMULATE * STEPS),
+        optimizers=(optimizer, schedule(optimizer)),
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in logs] == list(range(1, STEPS + 1)), logs
-    return ([e["loss"] for e in logs], [e["grad_norm"] for e in logs],
-            [e["learning_rate"] for e in logs])
+    return (
+        [e["loss"] for e in logs],
+        [e["grad_norm"] for e in logs],
+        [e["learning_rate"] for e in logs],
+    )
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,8 +126,9 @@ def test_trainer_with_clipping_and_accumulation_matches_plain_run(tmp_path, offl
     assert plain_lrs == pytest.approx(expected_lrs)
 
     attached = copy.deepcopy(reference)
-    config = infinity.OffloadConfig(nvme_path=str(tmp_path),
-                                    **{**NVME, "offload_optimizer": offload_optimizer})
+    config = infinity.OffloadConfig(
+        nvme_path=str(tmp_path), **{**NVME, "offload_optimizer": offload_optimizer}
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(attached, adamw(attached))
         losses, norms, lrs = train(model, optimizer, tmp_path / "attached")
@@ -124,5 +145,6 @@ def test_trainer_with_clipping_and_accumulation_matches_plain_run(tmp_path, offl
     plain_state = plain.state_dict()
     assert plain_state.keys() == state.keys()
     for key in plain_state:
-        torch.testing.assert_close(state[key], plain_state[key], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            state[key], plain_state[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
+        )

@@ -25,17 +25,33 @@ SHARD = 1 << 14  # bytes per shard: every weight matrix is a few shards or one
 
 def llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
 
 def gpt2() -> torch.nn.Module:
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64, bos_token_id=1,
-        eos_token_id=2, attn_implementation="eager")
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
 
@@ -47,15 +63,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def attached(model: torch.nn.Module, arena_share: float = 0.25, device_share: float = 0.5,
-             **precision: str) -> infinity.TieredStore:
+def attached(
+    model: torch.nn.Module, arena_share: float = 0.25, device_share: float = 0.5, **precision: str
+) -> infinity.TieredStore:
     """Attaches ``model`` (no optimizer) with an arena of about ``arena_share`` of its weights
     and a device budget of ``device_share`` of them."""
     arena = max(4 * SHARD, int(weight_bytes(model) * arena_share) // SHARD * SHARD)
     config = infinity.OffloadConfig(
-        device="cpu", offload_param="nvme", buffer_size=SHARD, buffer_count=arena // SHARD,
-        host_budget=arena, device_budget=int(weight_bytes(model) * device_share),
-        precision=infinity.PrecisionConfig(**precision))
+        device="cpu",
+        offload_param="nvme",
+        buffer_size=SHARD,
+        buffer_count=arena // SHARD,
+        host_budget=arena,
+        device_budget=int(weight_bytes(model) * device_share),
+        precision=infinity.PrecisionConfig(**precision),
+    )
     store = infinity.TieredStore(config)
     store.attach(model)
     return store
@@ -78,8 +100,9 @@ def test_forward_and_greedy_generate_equal_in_ram(name: str, batch: int) -> None
     with attached(model) as store, torch.no_grad():
         for _ in range(3):  # recording, then following the trace
             assert torch.equal(model(ids).logits, logits)
-        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False,
-                                          pad_token_id=0), tokens)
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), tokens
+        )
         stats = store.stats()
         assert stats["bytes_read"] > weight_bytes(plain)  # really streamed from the files
         assert stats["trace_departures"] == 0  # prefill and decode steps share one trace
@@ -123,8 +146,10 @@ def test_each_weight_read_once_per_forward(name: str) -> None:
         after = store.stats()
     read = after["bytes_read"] - before["bytes_read"]
     arena, device = store.budgets["arena"], store.budgets["device"]
-    assert forwards * (weights - arena - device) <= read <= forwards * weights + arena, \
-        (read / (forwards * weights), arena / weights)
+    assert forwards * (weights - arena - device) <= read <= forwards * weights + arena, (
+        read / (forwards * weights),
+        arena / weights,
+    )
     assert after["demand_loads"] == before["demand_loads"]
 
 
@@ -172,10 +197,13 @@ def test_bf16_storage_gives_the_bf16_weights_output() -> None:
 def test_bf16_storage_refused_with_an_optimizer() -> None:
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters())
-    config = infinity.OffloadConfig(device="cpu", offload_param="nvme",
-                                    precision=infinity.PrecisionConfig(storage_dtype="bf16"))
-    with infinity.TieredStore(config) as store, \
-            pytest.raises(AttachError, match="storage_dtype='bf16'.*inference"):
+    config = infinity.OffloadConfig(
+        device="cpu", offload_param="nvme", precision=infinity.PrecisionConfig(storage_dtype="bf16")
+    )
+    with (
+        infinity.TieredStore(config) as store,
+        pytest.raises(AttachError, match="storage_dtype='bf16'.*inference"),
+    ):
         store.attach(model, optimizer)
 
 
@@ -203,8 +231,14 @@ def test_training_after_inference_equals_plain(no_autograd) -> None:
     plain = llama()
     model = copy.deepcopy(plain)
     ids = prompt(4, length=16)
-    config = infinity.OffloadConfig(device="cpu", offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=SHARD, buffer_count=24, host_budget=24 * SHARD)
+    config = infinity.OffloadConfig(
+        device="cpu",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=SHARD,
+        buffer_count=24,
+        host_budget=24 * SHARD,
+    )
     losses = {}
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     with infinity.TieredStore(config) as store:

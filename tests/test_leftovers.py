@@ -35,8 +35,13 @@ _KILLED_RUN = textwrap.dedent("""
 
 
 def _killed_run(path: Path) -> Path:
-    result = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == -9, result.stderr[-2000:]
     run_dir = Path(result.stdout.strip())
     assert run_dir.is_dir() and any(p.name.startswith("swap-") for p in run_dir.iterdir())
@@ -68,24 +73,30 @@ def test_a_killed_runs_directory_is_reclaimed_and_nothing_else(tmp_path):
     nvme.mkdir()
     (tmp_path / "elsewhere").mkdir()
     settings = EngineSettings(file_size=1 << 20)
-    live = [SwapEngine(nvme, settings) for _ in range(2)]     # two live runs
+    live = [SwapEngine(nvme, settings) for _ in range(2)]  # two live runs
     for engine in live:
         engine.allocate(4096)
-    kept = SwapEngine(nvme, settings, keep_files=True)      # one kept on purpose
+    kept = SwapEngine(nvme, settings, keep_files=True)  # one kept on purpose
     kept.allocate(4096)
     (kept_dir,) = kept.space.run_dirs
     kept.close()
     assert (kept_dir / KEPT_NAME).exists() and not (kept_dir / LOCK_NAME).exists()
-    dead = _killed_run(nvme)                                  # and one killed
+    dead = _killed_run(nvme)  # and one killed
     decoys = _decoys(nvme, tmp_path / "elsewhere")
     live_dirs = [d for engine in live for d in engine.space.run_dirs]
 
-    found = find_leftovers(nvme, RUN_DIR_PREFIX)              # reporting removes nothing
+    found = find_leftovers(nvme, RUN_DIR_PREFIX)  # reporting removes nothing
     assert [f.path for f in found] == [dead] and found[0].nbytes > 0 and dead.exists()
 
-    with infinity.TieredStore(infinity.OffloadConfig(
-            offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,
-            nvme_path=str(nvme))) as store:
+    with infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            buffer_size=8192,
+            buffer_count=8,
+            nvme_path=str(nvme),
+        )
+    ) as store:
         model = make_model()
         model, optimizer = store.attach(model, fused_adamw(model.parameters()))
         assert [f.path for f in store.engine.space.reclaimed] == [dead]

@@ -9,8 +9,10 @@ import pytest
 from infinity.core.memory import HeapWatch, bound_heap_retention, resident_bytes
 from swap import huge_pages_on_request
 
-pytestmark = pytest.mark.skipif(not ctypes.util.find_library("c") or resident_bytes() == 0,
-                                reason="needs glibc and /proc/self/statm")
+pytestmark = pytest.mark.skipif(
+    not ctypes.util.find_library("c") or resident_bytes() == 0,
+    reason="needs glibc and /proc/self/statm",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -47,10 +49,18 @@ def _attached(tmp_path, offload_optimizer: str):
     import torch
 
     from infinity import OffloadConfig, TieredStore
+
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer=offload_optimizer,
-                                      nvme_path=str(tmp_path), buffer_size=1 << 18,
-                                      buffer_count=8, host_budget=4 << 20))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer=offload_optimizer,
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 18,
+            buffer_count=8,
+            host_budget=4 << 20,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
     return store, model, optimizer
 
@@ -59,6 +69,7 @@ def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
     import torch
 
     from infinity import OffloadConfig, TieredStore
+
     store, model, optimizer = _attached(tmp_path, "nvme")
     watch = store._heap_watch
     assert watch is not None and watch.limit > 4 << 20
@@ -92,9 +103,12 @@ def test_host_tensor_bytes_counts_each_storage_once():
     import torch
 
     from infinity.core.memory import host_tensor_bytes
+
     moment = torch.zeros(1000)
-    state = {0: {"step": torch.tensor(3.0), "exp_avg": moment, "exp_avg_sq": torch.zeros(10, 10)},
-             1: {"exp_avg": moment[:10], "other": [torch.zeros(5, dtype=torch.float64)]}}
+    state = {
+        0: {"step": torch.tensor(3.0), "exp_avg": moment, "exp_avg_sq": torch.zeros(10, 10)},
+        1: {"exp_avg": moment[:10], "other": [torch.zeros(5, dtype=torch.float64)]},
+    }
     assert host_tensor_bytes(state) == 4 + 4000 + 400 + 40
     assert host_tensor_bytes({}) == 0
 
@@ -142,8 +156,14 @@ def _huge_page_child(when: str, variable: str | None = None) -> tuple[dict, str]
     if variable is not None:
         env["THP_MEM_ALLOC_ENABLE"] = variable
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    done = subprocess.run([sys.executable, "-c", _HUGE_PAGE_CHILD, when], env=env, timeout=120,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGE_CHILD, when],
+        env=env,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 

@@ -23,9 +23,14 @@ def _config(tmp_path, optimizer_tier: str) -> OffloadConfig:
     tmp_path.mkdir(exist_ok=True)
     # 4 KiB buffers: the embedding and LM head are several shards each, and 8 buffers hold
     # a fraction of the state, so most of it lives on NVMe when optimizer_tier is nvme.
-    return OffloadConfig(offload_param="nvme", offload_optimizer=optimizer_tier,
-                         nvme_path=str(tmp_path), buffer_size=1 << 12, buffer_count=8,
-                         host_budget=1 << 16)
+    return OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer=optimizer_tier,
+        nvme_path=str(tmp_path),
+        buffer_size=1 << 12,
+        buffer_count=8,
+        host_budget=1 << 16,
+    )
 
 
 def _run(model, optimizer, steps, seed):
@@ -38,8 +43,13 @@ def _assert_same_state(got: dict, want: dict) -> None:
     for index, state in want["state"].items():
         assert list(got["state"][index]) == list(state), index
         for key, value in state.items():
-            torch.testing.assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"param {index} {key}: {m}")
+            torch.testing.assert_close(
+                got["state"][index][key],
+                value,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, index=index, key=key: f"param {index} {key}: {m}",
+            )
 
 
 @pytest.mark.parametrize("optimizer_tier", ["cpu", "nvme"])

@@ -21,8 +21,12 @@ from tests.store_helpers import SMALL, fused_adamw, make_model, train
 from tools.common.tiny_gpt import synthetic_batches
 
 ROOT = Path(__file__).resolve().parents[1]
-NVME = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 8 << 10,
-        "buffer_count": 8}
+NVME = {
+    "offload_param": "nvme",
+    "offload_optimizer": "nvme",
+    "buffer_size": 8 << 10,
+    "buffer_count": 8,
+}
 CPU = {"offload_param": "cpu", "offload_optimizer": "cpu"}
 
 # Each op of the table, in a fresh process after attach (params on nvme, then on cpu): the
@@ -109,10 +113,12 @@ WRITES = ["data_zero", "vector_to_parameters"]
 
 @pytest.mark.parametrize("op", READS + WRITES)
 def test_each_op_outside_forward_in_a_fresh_process(op):
-    result = subprocess.run([sys.executable, "-c", _CHILD, op], cwd=ROOT, capture_output=True,
-                            text=True, timeout=180)
-    assert result.returncode == 0, \
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD, op], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, (
         f"{op}: exit {result.returncode} (a negative code is a signal)\n{result.stderr[-3000:]}"
+    )
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [line["config"] for line in lines] == ["nvme", "cpu"]
     for line in lines:
@@ -130,10 +136,10 @@ def test_writes_inside_gathered_take_effect_and_training_continues_like_plain(tm
 
     def edit(m: nn.Module) -> None:
         torch.manual_seed(5)
-        nn.init.normal_(m.blocks[1].fc.weight, std=0.01)      # re-initialise a layer
+        nn.init.normal_(m.blocks[1].fc.weight, std=0.01)  # re-initialise a layer
         m.blocks[2].fc.bias.zero_()
-        m.norm.weight[:4] = 2.0                               # part of a parameter
-        m.blocks[0].fc.weight.data.mul_(0.5)                  # through .data
+        m.norm.weight[:4] = 2.0  # part of a parameter
+        m.blocks[0].fc.weight.data.mul_(0.5)  # through .data
 
     try:
         plain_losses = train(plain, plain_optimizer, 2)
@@ -169,14 +175,14 @@ def test_gathered_read_only_and_its_errors(tmp_path):
                 block.fc.weight.zero_()
         assert block.fc.weight.detach().sum().item() == total
         with pytest.raises(BudgetError, match="pass fewer"):
-            with store.gathered():                        # the whole model: over the budget
+            with store.gathered():  # the whole model: over the budget
                 pass
         with pytest.raises(ParameterAccessError, match="parameters of the attached model"):
             with store.gathered([torch.zeros(3)]):
                 pass
         before = store.stats()["bytes_written"]
         with store.gathered(block.parameters(), modify=True):
-            pass                                          # nothing changed: nothing written
+            pass  # nothing changed: nothing written
         assert store.stats()["bytes_written"] == before
         assert not store.placement.audit()
 
@@ -192,7 +198,7 @@ def test_views_outside_forward_are_read_only_snapshots(tmp_path):
             row.fill_(1.0)
         with pytest.raises(ParameterAccessError, match="copy, not the store"):
             weight.view(-1)[:3].zero_()
-        alias = weight.data                # stays tied to the parameter
+        alias = weight.data  # stays tied to the parameter
         values = alias.clone()
         with store.gathered([weight], modify=True):
             alias.add_(1.0)
@@ -210,6 +216,7 @@ def test_views_outside_forward_are_read_only_snapshots(tmp_path):
 def test_reads_outside_forward_are_differentiable(tmp_path):
     """A penalty on the weights computed outside any module's forward (an L2 term in the loop)
     sends its gradient to the parameters as in plain torch."""
+
     def penalised(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
         losses = []
         data = synthetic_batches(SMALL, 4, seed=1)
@@ -243,7 +250,7 @@ def test_a_forward_may_read_a_parameter_of_a_module_it_does_not_call(tmp_path):
             self.out = nn.Linear(8, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            hidden = torch.relu(x @ self.inner.weight.t())   # inner's forward never runs
+            hidden = torch.relu(x @ self.inner.weight.t())  # inner's forward never runs
             return self.out(hidden)
 
     def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
@@ -268,8 +275,9 @@ def test_a_forward_may_read_a_parameter_of_a_module_it_does_not_call(tmp_path):
 
 def test_bf16_edit_writes_back_only_the_elements_that_changed(tmp_path):
     model = make_model()
-    config = infinity.OffloadConfig(**NVME, nvme_path=str(tmp_path),
-                                    precision=infinity.PrecisionConfig(dtype="bf16"))
+    config = infinity.OffloadConfig(
+        **NVME, nvme_path=str(tmp_path), precision=infinity.PrecisionConfig(dtype="bf16")
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(model, fused_adamw(model.parameters()))
         train(model, optimizer, 1)
@@ -305,8 +313,9 @@ def _freeze_base(model: nn.Module) -> None:
             param.requires_grad_(False)
 
 
-def _lora_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
-                seed: int = 1) -> list[float]:
+def _lora_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int = 1
+) -> list[float]:
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
@@ -324,21 +333,27 @@ def test_lora_frozen_base_weights_are_never_written_back(tmp_path):
     attached = copy.deepcopy(reference)
     _freeze_base(reference)
     reference_optimizer = fused_adamw(reference.parameters())
-    reference_losses = _lora_steps(reference, reference_optimizer, 2) + \
-        _lora_steps(reference, reference_optimizer, 4, seed=2)
+    reference_losses = _lora_steps(reference, reference_optimizer, 2) + _lora_steps(
+        reference, reference_optimizer, 4, seed=2
+    )
     # 4 x 64 KiB of frozen base weights through a 128 KiB arena and a 160 KiB device tier:
     # they stream through both each step.
-    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=64 << 10, buffer_count=2,
-                                    device_budget=160 << 10, nvme_path=str(tmp_path))
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=64 << 10,
+        buffer_count=2,
+        device_budget=160 << 10,
+        nvme_path=str(tmp_path),
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(attached, fused_adamw(attached.parameters()))
-        _freeze_base(model)                                  # frozen after attach
+        _freeze_base(model)  # frozen after attach
         losses = _lora_steps(model, optimizer, 2)
         written: list[str] = []
         store_async = store.placement.store_async
 
-        def recording(shard, *args, **kwargs):               # every write-back, by shard
+        def recording(shard, *args, **kwargs):  # every write-back, by shard
             written.append(shard.id)
             return store_async(shard, *args, **kwargs)
 

@@ -21,15 +21,36 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 DISK = ["--disk-gbps", "1.5,1"]
 #: one candidate: everything on NVMe, a host budget far below the state, so every step streams
-STREAMING = ["--offload-param", "nvme", "--offload-optimizer", "nvme", "--host-budget", "256KiB",
-             "--device-budget", "256KiB", "--buffer-size", "32KiB", "--steps", "2"]
+STREAMING = [
+    "--offload-param",
+    "nvme",
+    "--offload-optimizer",
+    "nvme",
+    "--host-budget",
+    "256KiB",
+    "--device-budget",
+    "256KiB",
+    "--buffer-size",
+    "32KiB",
+    "--steps",
+    "2",
+]
 
 
 def _llama_config(layers: int = 2, **changes) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(**{
-        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64, "tie_word_embeddings": False, **changes})
+    return transformers.LlamaConfig(
+        **{
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            **changes,
+        }
+    )
 
 
 def _config_dir(tmp_path: Path, name: str, layers: int = 2, **changes) -> Path:
@@ -47,15 +68,40 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_table_and_written_config_load(tmp_path, capsys):
     config_dir = _config_dir(tmp_path, "llama")
     best, report = tmp_path / "best.json", tmp_path / "plan.json"
-    code, out, err = _run(capsys, "--hf-config", str(config_dir), "--batch", "2",
-                          "--seq-len", "16", *DISK, "--steps", "2",
-                          "--write-config", str(best), "--json", str(report))
+    code, out, err = _run(
+        capsys,
+        "--hf-config",
+        str(config_dir),
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        *DISK,
+        "--steps",
+        "2",
+        "--write-config",
+        str(best),
+        "--json",
+        str(report),
+    )
     assert code == 0, err
     assert "the model itself" in out
     header = next(line for line in out.splitlines() if line.startswith("#"))
-    for column in ("param/optim", "host budget", "device budget", "buffers", "step s",
-                   "tokens/s", "read GB", "write GB", "peak dev", "peak host", "peak nvme",
-                   "peak RSS", "bound"):
+    for column in (
+        "param/optim",
+        "host budget",
+        "device budget",
+        "buffers",
+        "step s",
+        "tokens/s",
+        "read GB",
+        "write GB",
+        "peak dev",
+        "peak host",
+        "peak nvme",
+        "peak RSS",
+        "bound",
+    ):
         assert column in header
     rows = [line for line in out.splitlines() if re.match(r"^\d+\s", line)]
     assert rows
@@ -77,18 +123,40 @@ def test_table_and_written_config_load(tmp_path, capsys):
 
 
 def test_module_path_and_this_machine(tmp_path, capsys):
-    code, out, err = _run(capsys, "--module", "tools.common.tiny_gpt:TinyGPT",
-                          "--args", '{"layers": 2, "width": 32, "vocab_size": 64}',
-                          "--batch", "2", "--seq-len", "16", *DISK, *STREAMING)
+    code, out, err = _run(
+        capsys,
+        "--module",
+        "tools.common.tiny_gpt:TinyGPT",
+        "--args",
+        '{"layers": 2, "width": 32, "vocab_size": 64}',
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        *DISK,
+        *STREAMING,
+    )
     assert code == 0, err
     assert "tools.common.tiny_gpt:TinyGPT" in out and "nvme/nvme" in out
 
 
 def _plan_json(capsys, tmp_path: Path, config_dir: Path, name: str) -> dict:
     report = tmp_path / f"{name}.json"
-    code, out, err = _run(capsys, "--hf-config", str(config_dir), "--batch", "2",
-                          "--seq-len", "16", *DISK, *STREAMING, "--max-local-params", "20000",
-                          "--json", str(report))
+    code, out, err = _run(
+        capsys,
+        "--hf-config",
+        str(config_dir),
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        *DISK,
+        *STREAMING,
+        "--max-local-params",
+        "20000",
+        "--json",
+        str(report),
+    )
     assert code == 0, err
     assert "scaled-down copy" in out
     return json.loads(report.read_text())
@@ -112,9 +180,15 @@ def test_scaled_copy_bytes_follow_parameters(tmp_path, capsys):
 
 
 def _recorded(model: torch.nn.Module, tmp_path: Path) -> planner.Recording:
-    config = infinity.OffloadConfig(device="cpu", offload_param="nvme",
-                                    offload_optimizer="nvme", nvme_path=(tmp_path,),
-                                    host_budget=1 << 20, buffer_size=64 << 10, buffer_count=4)
+    config = infinity.OffloadConfig(
+        device="cpu",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(tmp_path,),
+        host_budget=1 << 20,
+        buffer_size=64 << 10,
+        buffer_count=4,
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
         tokens = torch.randint(0, 256, (2, 16))
@@ -122,8 +196,9 @@ def _recorded(model: torch.nn.Module, tmp_path: Path) -> planner.Recording:
             model(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        assert [name for name, _ in planner_scaled.module_table(model)] == \
-            store.placement.module_names
+        assert [
+            name for name, _ in planner_scaled.module_table(model)
+        ] == store.placement.module_names
         return planner.recording_of(store)
 
 
@@ -145,31 +220,39 @@ def test_extrapolated_trace_is_the_full_models(tmp_path, tied):
 def test_narrower_copy_scales_compute_by_flops(tmp_path):
     torch.manual_seed(0)
     small = transformers.LlamaForCausalLM(_llama_config(2))
-    full_config = _llama_config(3, hidden_size=64, intermediate_size=128,
-                                num_attention_heads=8, num_key_value_heads=4)
+    full_config = _llama_config(
+        3, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4
+    )
     with torch.device("meta"):
         full = transformers.LlamaForCausalLM(full_config)
     recording = _recorded(small, tmp_path)
     extrapolated = planner_scaled.recording_for_scaled(small, recording, full)
     table = dict(planner_scaled.module_table(full))
     names = [name for name, _ in planner_scaled.module_table(full)]
-    seconds = {names[e.module]: c for e, c in zip(extrapolated.trace.events,
-                                                  extrapolated.trace.compute)
-               if e.kind == "fwd"}
-    small_seconds = {name: c for (name, _), e, c in
-                     ((planner_scaled.module_table(small)[e.module], e, c)
-                      for e, c in zip(recording.trace.events, recording.trace.compute))
-                     if e.kind == "fwd"}
+    seconds = {
+        names[e.module]: c
+        for e, c in zip(extrapolated.trace.events, extrapolated.trace.compute)
+        if e.kind == "fwd"
+    }
+    small_seconds = {
+        name: c
+        for (name, _), e, c in (
+            (planner_scaled.module_table(small)[e.module], e, c)
+            for e, c in zip(recording.trace.events, recording.trace.compute)
+        )
+        if e.kind == "fwd"
+    }
     # A linear layer twice as wide both ways: 4x the FLOPs; layer 2 repeats the copy's layers.
     for layer in (0, 2):
         name = f"model.layers.{layer}.mlp.up_proj"
         assert name in table
-        mean = (small_seconds["model.layers.0.mlp.up_proj"] +
-                small_seconds["model.layers.1.mlp.up_proj"]) / 2
+        mean = (
+            small_seconds["model.layers.0.mlp.up_proj"]
+            + small_seconds["model.layers.1.mlp.up_proj"]
+        ) / 2
         assert seconds[name] == pytest.approx(4 * mean)
     # An embedding's lookup grows with its width only.
-    assert seconds["model.embed_tokens"] == pytest.approx(
-        2 * small_seconds["model.embed_tokens"])
+    assert seconds["model.embed_tokens"] == pytest.approx(2 * small_seconds["model.embed_tokens"])
 
 
 def test_skeleton_per_rank_holds_a_slice():
@@ -183,10 +266,28 @@ def test_skeleton_per_rank_holds_a_slice():
 
 def test_budget_below_one_module_does_not_fit(tmp_path, capsys):
     config_dir = _config_dir(tmp_path, "llama")
-    code, out, err = _run(capsys, "--hf-config", str(config_dir), "--batch", "2",
-                          "--seq-len", "16", *DISK, "--offload-param", "nvme",
-                          "--offload-optimizer", "nvme", "--host-budget", "1MiB",
-                          "--device-budget", "4KiB", "--buffer-size", "64KiB", "--steps", "2")
+    code, out, err = _run(
+        capsys,
+        "--hf-config",
+        str(config_dir),
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        *DISK,
+        "--offload-param",
+        "nvme",
+        "--offload-optimizer",
+        "nvme",
+        "--host-budget",
+        "1MiB",
+        "--device-budget",
+        "4KiB",
+        "--buffer-size",
+        "64KiB",
+        "--steps",
+        "2",
+    )
     assert code == 0, err
     assert "no candidate fits" in out and "do not fit" in out
     match = re.search(r"cannot hold module '([^']+)'", out)
@@ -194,17 +295,38 @@ def test_budget_below_one_module_does_not_fit(tmp_path, capsys):
     model = transformers.LlamaForCausalLM(_llama_config())
     assert match.group(1) in dict(model.named_modules())
     # Nothing to write: said in one line, exit 2.
-    code, out, err = _run(capsys, "--hf-config", str(config_dir), "--batch", "2",
-                          "--seq-len", "16", *DISK, "--offload-param", "nvme",
-                          "--offload-optimizer", "nvme", "--host-budget", "1MiB",
-                          "--device-budget", "4KiB", "--buffer-size", "64KiB", "--steps", "2",
-                          "--write-config", str(tmp_path / "best.json"))
+    code, out, err = _run(
+        capsys,
+        "--hf-config",
+        str(config_dir),
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        *DISK,
+        "--offload-param",
+        "nvme",
+        "--offload-optimizer",
+        "nvme",
+        "--host-budget",
+        "1MiB",
+        "--device-budget",
+        "4KiB",
+        "--buffer-size",
+        "64KiB",
+        "--steps",
+        "2",
+        "--write-config",
+        str(tmp_path / "best.json"),
+    )
     assert code == 2 and "no candidate fits" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "best.json").exists()
 
 
-@pytest.mark.parametrize("case", ["missing config", "bad disk json", "missing disk json",
-                                  "no disk", "bad module", "bad args"])
+@pytest.mark.parametrize(
+    "case",
+    ["missing config", "bad disk json", "missing disk json", "no disk", "bad module", "bad args"],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     config_dir = _config_dir(tmp_path, "llama")
     bad_json = tmp_path / "bench.json"
@@ -221,22 +343,32 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("infinity-plan: error:"), err
-    expected = {"missing config": "does not exist", "bad disk json": "infinity-bench",
-                "missing disk json": "does not exist", "no disk": "--disk-gbps",
-                "bad module": "Nope", "bad args": "JSON"}[case]
+    expected = {
+        "missing config": "does not exist",
+        "bad disk json": "infinity-bench",
+        "missing disk json": "does not exist",
+        "no disk": "--disk-gbps",
+        "bad module": "Nope",
+        "bad args": "JSON",
+    }[case]
     assert expected in lines[0]
 
 
 def test_extrapolated_trace_of_a_sequential_stack(tmp_path):
-    """An nn.Sequential of Linear, ReLU, ... (tools.benchmarks.bench_overlap's MLP) repeats every other
-    child; the extrapolated trace is the one the full stack records."""
+    """An nn.Sequential of Linear, ReLU, ... (tools.benchmarks.bench_overlap's MLP) repeats every
+    other child; the extrapolated trace is the one the full stack records."""
     from tools.benchmarks.bench_overlap import mlp
 
     def recorded(model: torch.nn.Module) -> planner.Recording:
-        config = infinity.OffloadConfig(device="cpu", offload_param="nvme",
-                                        offload_optimizer="nvme", nvme_path=(tmp_path,),
-                                        host_budget=1 << 20, buffer_size=16 << 10,
-                                        buffer_count=8)
+        config = infinity.OffloadConfig(
+            device="cpu",
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=(tmp_path,),
+            host_budget=1 << 20,
+            buffer_size=16 << 10,
+            buffer_count=8,
+        )
         with infinity.TieredStore(config) as store:
             model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
             for _ in range(2):

@@ -41,18 +41,27 @@ def _synchronous(store: infinity.TieredStore) -> None:
         future = write(*args, **kwargs)
         future.result()
         return future
+
     engine.read, engine.write = read_done, write_done
 
 
 def _config(**changes: Any) -> infinity.OffloadConfig:
-    base = dict(device="cpu", offload_param="nvme", offload_optimizer="nvme",
-                buffer_size=SHARD, buffer_count=16, host_budget=16 * SHARD,
-                verify_checksums=False, fused_optimizer=False)
+    base = dict(
+        device="cpu",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=SHARD,
+        buffer_count=16,
+        host_budget=16 * SHARD,
+        verify_checksums=False,
+        fused_optimizer=False,
+    )
     return infinity.OffloadConfig(**{**base, **changes})
 
 
-def _run(config: infinity.OffloadConfig, steps: int = planner.ITERATIONS
-         ) -> tuple[infinity.TieredStore, dict[str, Any], torch.nn.Module]:
+def _run(
+    config: infinity.OffloadConfig, steps: int = planner.ITERATIONS
+) -> tuple[infinity.TieredStore, dict[str, Any], torch.nn.Module]:
     """Trains the small GPT ``steps`` steps with a synchronous engine; returns the open store
     and the bytes each step after the first ``planner.WARMUP`` moved (what a prediction
     averages), as lists, and as their means rounded to whole bytes."""
@@ -77,11 +86,15 @@ def _run(config: infinity.OffloadConfig, steps: int = planner.ITERATIONS
     return store, moved, model
 
 
-@pytest.mark.parametrize("changes", [
-    {},
-    {"offload_optimizer": "cpu", "host_budget": 64 * SHARD},
-    {"buffer_count": 24, "host_budget": 24 * SHARD, "prefetch_depth": 4},
-], ids=["nvme-tight", "optimizer-on-cpu", "wider-arena"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"offload_optimizer": "cpu", "host_budget": 64 * SHARD},
+        {"buffer_count": 24, "host_budget": 24 * SHARD, "prefetch_depth": 4},
+    ],
+    ids=["nvme-tight", "optimizer-on-cpu", "wider-arena"],
+)
 def test_prediction_equals_the_store_for_the_same_config(changes: dict) -> None:
     store, moved, _ = _run(_config(**changes))
     try:
@@ -104,19 +117,23 @@ def test_prediction_for_other_budgets_equals_runs_with_them() -> None:
     """Recorded at one arena, predicted at two others: each equals a real run there."""
     store, _, _ = _run(_config())
     try:
-        predictions = {count: store.predict(disk=INSTANT, buffer_count=count,
-                                             host_budget=count * SHARD)
-                       for count in (12, 28)}
+        predictions = {
+            count: store.predict(disk=INSTANT, buffer_count=count, host_budget=count * SHARD)
+            for count in (12, 28)
+        }
     finally:
         store.close()
     for count, prediction in predictions.items():
         other, moved, _ = _run(_config(buffer_count=count, host_budget=count * SHARD))
         stats = other.stats()
         other.close()
-        assert (prediction["bytes_read"], prediction["bytes_written"]) == \
-            (moved["bytes_read"], moved["bytes_written"]), count
-        assert prediction["iterations"]["bytes_written"] == \
-            moved["per_step"]["bytes_written"], count
+        assert (prediction["bytes_read"], prediction["bytes_written"]) == (
+            moved["bytes_read"],
+            moved["bytes_written"],
+        ), count
+        assert prediction["iterations"]["bytes_written"] == moved["per_step"]["bytes_written"], (
+            count
+        )
         assert prediction["peak_bytes"]["host"] == stats["peak_bytes"]["host"], count
     assert predictions[12]["bytes_read"] > predictions[28]["bytes_read"]
 
@@ -126,8 +143,9 @@ def test_time_follows_the_disk_and_the_device() -> None:
     try:
         slow = store.predict(disk=DiskProfile(1e-4, 1e-4))
         fast = store.predict(disk=DiskProfile(100.0, 100.0))
-        quicker = store.predict(disk=DiskProfile(100.0, 100.0),
-                                device=device_profile("H100", here_tflops=0.1))
+        quicker = store.predict(
+            disk=DiskProfile(100.0, 100.0), device=device_profile("H100", here_tflops=0.1)
+        )
     finally:
         store.close()
     # At 100 kB/s the step's megabytes take half a minute, most of it waiting for the disk.
@@ -162,8 +180,10 @@ def test_predict_needs_a_followed_iteration() -> None:
 
 def test_disk_profile_from_bench_json(tmp_path) -> None:
     path = tmp_path / "bench.json"
-    path.write_text('{"best": {"uring": {"read": {"gbps": 2.5}, "write": {"gbps": 3.5}}, '
-                    '"threads": {"read": {"gbps": 2.0}}}}')
+    path.write_text(
+        '{"best": {"uring": {"read": {"gbps": 2.5}, "write": {"gbps": 3.5}}, '
+        '"threads": {"read": {"gbps": 2.0}}}}'
+    )
     disk = DiskProfile.from_bench_json(path)
     assert (disk.read_gbps, disk.write_gbps, disk.shared) == (2.5, 3.5, True)
     assert disk.scaled(4).read_gbps == 10.0

@@ -38,10 +38,16 @@ def test_bf16_follows_the_autocast_reference_and_keeps_fp32_masters(tmp_path):
     steps = 20
     plain = _autocast_reference(copy.deepcopy(reference), steps, torch.bfloat16)
     model = copy.deepcopy(reference)
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=str(tmp_path), buffer_size=1 << 14,
-                                      buffer_count=16,
-                                      precision=infinity.PrecisionConfig(dtype="bf16")))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 14,
+            buffer_count=16,
+            precision=infinity.PrecisionConfig(dtype="bf16"),
+        )
+    )
     model, optimizer = store.attach(model, _fast_adamw(model.parameters()))
     losses = train(model, optimizer, steps)
     # Working copies are bf16 on the device; masters stay fp32 in the shards.
@@ -59,9 +65,12 @@ def test_bf16_follows_the_autocast_reference_and_keeps_fp32_masters(tmp_path):
 
 def test_fp16_overflow_skips_exactly_that_step_and_lowers_the_scale(tmp_path):
     reference = make_model()
-    config = OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path), buffer_size=1 << 16,
-                           precision=infinity.PrecisionConfig(dtype="fp16", hysteresis=1,
-                                                              initial_scale_power=8))
+    config = OffloadConfig(
+        offload_param="nvme",
+        nvme_path=str(tmp_path),
+        buffer_size=1 << 16,
+        precision=infinity.PrecisionConfig(dtype="fp16", hysteresis=1, initial_scale_power=8),
+    )
     model = copy.deepcopy(reference)
     store = TieredStore(config)
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
@@ -94,9 +103,12 @@ def test_fp16_scaled_training_matches_unscaled_fp16_gradients(tmp_path):
     losses, states = {}, {}
     for power in (0, 10):
         model = make_model()
-        store = TieredStore(OffloadConfig(
-            offload_param="cpu", precision=infinity.PrecisionConfig(
-                dtype="fp16", loss_scale=float(2 ** power))))
+        store = TieredStore(
+            OffloadConfig(
+                offload_param="cpu",
+                precision=infinity.PrecisionConfig(dtype="fp16", loss_scale=float(2**power)),
+            )
+        )
         model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
         losses[power] = train(model, optimizer, 5)
         states[power] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -111,9 +123,11 @@ def test_fp16_scaled_training_matches_unscaled_fp16_gradients(tmp_path):
 
 
 def test_loss_scaler_rules():
-    scaler = LossScaler(infinity.PrecisionConfig(dtype="fp16", initial_scale_power=4,
-                                                 loss_scale_window=2, hysteresis=2,
-                                                 min_loss_scale=4))
+    scaler = LossScaler(
+        infinity.PrecisionConfig(
+            dtype="fp16", initial_scale_power=4, loss_scale_window=2, hysteresis=2, min_loss_scale=4
+        )
+    )
     scaler.update(overflow=True)
     assert scaler.scale == 16  # first overflow tolerated (hysteresis 2)
     scaler.update(overflow=True)
@@ -146,9 +160,16 @@ def test_gradient_clipping_matches_clip_grad_norm(tmp_path):
     plain = copy.deepcopy(reference)
     plain_losses = clipped_train(plain, fused_adamw(plain.parameters()), 8)
     model = copy.deepcopy(reference)
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=str(tmp_path), buffer_size=1 << 14,
-                                      buffer_count=16, gradient_clipping=max_norm))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 14,
+            buffer_count=16,
+            gradient_clipping=max_norm,
+        )
+    )
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
     losses = train(model, optimizer, 8)
     assert store.last_grad_norm > max_norm  # clipping was active

@@ -15,11 +15,20 @@ from infinity.checkpointing.pretrained import CheckpointError  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _config() -> "transformers.LlamaConfig":
+def _config() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +44,15 @@ def checkpoints(tmp_path_factory):
 
 
 def _store(tmp_path) -> infinity.TieredStore:
-    return infinity.TieredStore(infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,
-        nvme_path=str(tmp_path)))
+    return infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            buffer_size=8192,
+            buffer_count=8,
+            nvme_path=str(tmp_path),
+        )
+    )
 
 
 def _empty_llama() -> torch.nn.Module:
@@ -54,8 +69,9 @@ def test_meta_built_llama_gives_from_pretrained_logits(tmp_path, checkpoints, la
         expected = reference(input_ids=tokens).logits
     with _store(tmp_path) as store:
         model = _empty_llama()
-        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                        initialise=initialise)
+        model, optimizer = store.attach(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), initialise=initialise
+        )
         if not initialise:
             assert store.stats()["bytes_written"] == 0  # nothing written before the load
         with pytest.raises(infinity.ParameterAccessError, match="has no values yet"):
@@ -65,7 +81,7 @@ def test_meta_built_llama_gives_from_pretrained_logits(tmp_path, checkpoints, la
         assert result.missing_keys == [] and result.unexpected_keys == []
         with torch.no_grad():
             assert torch.equal(model(input_ids=tokens).logits, expected)
-        loss = model(input_ids=tokens, labels=tokens).loss   # and it trains
+        loss = model(input_ids=tokens, labels=tokens).loss  # and it trains
         loss.backward()
         optimizer.step()
         assert torch.isfinite(loss)

@@ -24,14 +24,23 @@ def _attach(rank: int, world: int, config: dict, per_rank: dict) -> str:
         store.close()
 
 
-@pytest.mark.parametrize("config, per_rank, expected", [
-    ({"offload_param": "cpu"}, {}, "attached (partitioned)"),
-    ({"offload_param": "nvme", "zero_stage": 2}, {},
-     "zero_stage=2 keeps every parameter whole"),
-    ({"offload_param": "cpu", "step_in_backward": True}, {},
-     "step_in_backward=True is not supported across ranks"),
-    ({"offload_param": "cpu"}, {1: 5}, "RankError: ranks disagree on the model's parameters"),
-])
+@pytest.mark.parametrize(
+    "config, per_rank, expected",
+    [
+        ({"offload_param": "cpu"}, {}, "attached (partitioned)"),
+        (
+            {"offload_param": "nvme", "zero_stage": 2},
+            {},
+            "zero_stage=2 keeps every parameter whole",
+        ),
+        (
+            {"offload_param": "cpu", "step_in_backward": True},
+            {},
+            "step_in_backward=True is not supported across ranks",
+        ),
+        ({"offload_param": "cpu"}, {1: 5}, "RankError: ranks disagree on the model's parameters"),
+    ],
+)
 def test_attach_across_two_ranks(config, per_rank, expected):
     outcome = run_ranks(_attach, 2, config, per_rank, timeout=120)
     for rank in range(2):

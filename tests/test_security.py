@@ -16,8 +16,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,21 +37,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def make_model(width: int = 32, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
-                         nn.ReLU(), nn.Linear(width, width))
+    return nn.Sequential(
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+    )
 
 
 def config(nvme_path: Path, **changes: Any) -> OffloadConfig:
     # 4 KiB slots, two of them: one 32x32 fp32 weight per slot, so the arena cannot cache the
     # model and every step reads and writes swap files.
-    settings: dict[str, Any] = {"device": "cpu", "offload_param": "nvme",
-                                "nvme_path": str(nvme_path), "buffer_size": 4096,
-                                "buffer_count": 2, "aio": {"block_size": 4096}}
+    settings: dict[str, Any] = {
+        "device": "cpu",
+        "offload_param": "nvme",
+        "nvme_path": str(nvme_path),
+        "buffer_size": 4096,
+        "buffer_count": 2,
+        "aio": {"block_size": 4096},
+    }
     return OffloadConfig.from_dict({**settings, **changes})
 
 
-def steps(model: nn.Module, optimizer: torch.optim.Optimizer, count: int, seed: int = 0
-          ) -> list[float]:
+def steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, count: int, seed: int = 0
+) -> list[float]:
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(count):
@@ -139,8 +151,16 @@ def test_a_name_planted_where_a_swap_file_goes_is_refused(tmp_path, monkeypatch,
 
 # -- no pickle -----------------------------------------------------------------------------------
 #: modules whose loading runs code from the bytes loaded
-PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "joblib",
-                  "marshal"}
+PICKLE_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "dill",
+    "cloudpickle",
+    "shelve",
+    "joblib",
+    "marshal",
+}
 
 
 def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
@@ -154,8 +174,9 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                aliases[alias.asname or alias.name.split(".")[0]] = \
+                aliases[alias.asname or alias.name.split(".")[0]] = (
                     alias.name if alias.asname else alias.name.split(".")[0]
+                )
                 if alias.name.split(".")[0] in PICKLE_MODULES:
                     found.append(f"{filename}:{node.lineno}: import {alias.name}")
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -185,14 +206,19 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
             flag = next((k.value for k in node.keywords if k.arg == "allow_pickle"), None)
             if flag is not None and not (isinstance(flag, ast.Constant) and flag.value is False):
                 found.append(where)
-        elif parts[-1] in ("read_pickle", "Unpickler", "loads", "load") and \
-                parts[0] in PICKLE_MODULES:
+        elif (
+            parts[-1] in ("read_pickle", "Unpickler", "loads", "load")
+            and parts[0] in PICKLE_MODULES
+        ):
             found.append(where)
         elif parts[-1] in ("read_pickle", "Unpickler"):
             found.append(where)
-        elif name in ("__import__", "importlib.import_module") and node.args and \
-                isinstance(node.args[0], ast.Constant) and \
-                str(node.args[0].value).split(".")[0] in PICKLE_MODULES:
+        elif (
+            name in ("__import__", "importlib.import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).split(".")[0] in PICKLE_MODULES
+        ):
             found.append(where)
     return sorted(set(found))
 
@@ -201,47 +227,56 @@ def _own_reader(call: ast.Call, aliases: dict[str, str]) -> bool:
     """A DCP load given a storage reader of ours (infinity.checkpointing.storage, whose reader
     keeps tensors and JSON only: its planner refuses bytes, which DCP would torch.load)."""
     reader = next((k.value for k in call.keywords if k.arg == "storage_reader"), None)
-    return reader is not None and \
-        aliases.get("InfinityStorageReader", "").startswith("infinity.checkpointing.storage.")
+    return reader is not None and aliases.get("InfinityStorageReader", "").startswith(
+        "infinity.checkpointing.storage."
+    )
 
 
 def test_nothing_is_ever_unpickled_from_disk():
     sources = [p for d in ("swap", "infinity", "tools") for p in sorted((ROOT / d).rglob("*.py"))]
     assert len(sources) > 20 and ROOT / "swap" / "engine.py" in sources
-    found = [hit for path in sources
-             for hit in unsafe_loads(path.read_text(encoding="utf-8"),
-                                     str(path.relative_to(ROOT)))]
+    found = [
+        hit
+        for path in sources
+        for hit in unsafe_loads(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    ]
     assert found == [], "code that can unpickle: " + "; ".join(found)
 
 
-@pytest.mark.parametrize("snippet", [
-    "import pickle\nstate = pickle.load(open(path, 'rb'))",
-    "from pickle import loads",
-    "import _pickle as cp",
-    "import torch\nstate = torch.load(path)",
-    "import torch\nstate = torch.load(path, weights_only=True)",
-    "from torch import load\nstate = load(path)",
-    "import torch.serialization as s\ns.load(path)",
-    "import torch as t\nt.serialization.load(path)",
-    "import numpy as np\na = np.load(path, allow_pickle=True)",
-    "import numpy\nflag = True\na = numpy.load(path, allow_pickle=flag)",
-    "import pandas as pd\nframe = pd.read_pickle(path)",
-    "import importlib\nm = importlib.import_module('pickle')",
-    "m = __import__('dill')",
-    "import shelve",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import pickle\nstate = pickle.load(open(path, 'rb'))",
+        "from pickle import loads",
+        "import _pickle as cp",
+        "import torch\nstate = torch.load(path)",
+        "import torch\nstate = torch.load(path, weights_only=True)",
+        "from torch import load\nstate = load(path)",
+        "import torch.serialization as s\ns.load(path)",
+        "import torch as t\nt.serialization.load(path)",
+        "import numpy as np\na = np.load(path, allow_pickle=True)",
+        "import numpy\nflag = True\na = numpy.load(path, allow_pickle=flag)",
+        "import pandas as pd\nframe = pd.read_pickle(path)",
+        "import importlib\nm = importlib.import_module('pickle')",
+        "m = __import__('dill')",
+        "import shelve",
+    ],
+)
 def test_the_pickle_scan_catches(snippet):
     assert unsafe_loads(snippet), snippet
 
 
-@pytest.mark.parametrize("snippet", [
-    '"""Parameters are loaded from swap files; nothing uses pickle or torch.load."""',
-    "# torch.load(path) would unpickle; we read raw bytes instead",
-    "import numpy as np\na = np.load(path)",
-    "import numpy as np\na = np.load(path, allow_pickle=False)",
-    "import json\nconfig = json.load(handle)",
-    "import torch\nt = torch.frombuffer(raw, dtype=torch.float32)",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        '"""Parameters are loaded from swap files; nothing uses pickle or torch.load."""',
+        "# torch.load(path) would unpickle; we read raw bytes instead",
+        "import numpy as np\na = np.load(path)",
+        "import numpy as np\na = np.load(path, allow_pickle=False)",
+        "import json\nconfig = json.load(handle)",
+        "import torch\nt = torch.frombuffer(raw, dtype=torch.float32)",
+    ],
+)
 def test_the_pickle_scan_passes_safe_code(snippet):
     assert unsafe_loads(snippet) == []
 
@@ -312,8 +347,13 @@ def run_child(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[Path]]:
     home.mkdir()
     temp.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(home), mode], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(home), mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     selector = selectors.DefaultSelector()
     selector.register(child.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + 60
@@ -456,7 +496,7 @@ def test_a_forked_child_never_removes_its_parents_swap_files(tmp_path, no_sigter
         try:
             lifecycle._close_at_exit()
             swap.engine._close_open_engines()
-        except BaseException:  # noqa: BLE001 - report through the status, never into pytest
+        except BaseException:
             code = 98
         finally:
             os._exit(code)
@@ -473,11 +513,15 @@ def test_a_forked_child_never_removes_its_parents_swap_files(tmp_path, no_sigter
 def test_two_stores_on_one_nvme_path_never_collide(tmp_path):
     models = [make_model(seed=1), make_model(seed=2)]
     plains = [copy.deepcopy(m) for m in models]
-    plain_losses = [steps(p, torch.optim.SGD(p.parameters(), lr=0.1, momentum=0.9), 4, seed=i)
-                    for i, p in enumerate(plains)]
+    plain_losses = [
+        steps(p, torch.optim.SGD(p.parameters(), lr=0.1, momentum=0.9), 4, seed=i)
+        for i, p in enumerate(plains)
+    ]
     stores = [TieredStore(config(tmp_path)) for _ in models]
-    attached = [s.attach(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
-                for s, m in zip(stores, models)]
+    attached = [
+        s.attach(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+        for s, m in zip(stores, models)
+    ]
     run_dirs = [s.engine.space.run_dirs[0] for s in stores]
     assert run_dirs[0] != run_dirs[1] and {d.parent for d in run_dirs} == {tmp_path.resolve()}
     assert not set(swap_files(stores[0])) & set(swap_files(stores[1]))
@@ -499,7 +543,8 @@ def test_two_stores_on_one_nvme_path_never_collide(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [run_dirs[1].name]
     stores[1].close()
     for model, plain in zip(models, plains):
-        for (name, value), (_, reference) in zip(model.named_parameters(),
-                                                 plain.named_parameters()):
-            torch.testing.assert_close(value, reference, msg=lambda m: f"{name}: {m}")
+        for (name, value), (_, reference) in zip(
+            model.named_parameters(), plain.named_parameters()
+        ):
+            torch.testing.assert_close(value, reference, msg=lambda m, name=name: f"{name}: {m}")
     assert list(tmp_path.iterdir()) == []

@@ -20,23 +20,46 @@ import infinity
 from infinity.errors import ConfigError
 from swap import SwapIOError
 from tests.store_helpers import SMALL, assert_equivalent, compare, make_model
-from tests.test_store_faults import Rig, assert_same, batch
-from tests.test_store_hooks import (GPT, CheckpointedGPT, SharedWeights, Twice, adamw,  # noqa: F401
-                                    gpt_batches, gpt_loop, run_pair, seeded, stores,
-                                    vector_loop, vectors)
+from tests.test_store_faults import Rig, batch
+from tests.test_store_hooks import (
+    GPT,
+    CheckpointedGPT,
+    SharedWeights,
+    Twice,
+    adamw,
+    gpt_batches,
+    gpt_loop,
+    run_pair,
+    seeded,
+    vector_loop,
+    vectors,
+)
 
 #: a staging arena of a quarter of SMALL's training state: masters and Adam state are swapped
 #: every step, and updates must wait for reads
-TIGHT = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 14,
-         "buffer_count": 16, "step_in_backward": True}
+TIGHT = {
+    "offload_param": "nvme",
+    "offload_optimizer": "nvme",
+    "buffer_size": 1 << 14,
+    "buffer_count": 16,
+    "step_in_backward": True,
+}
 
 
-@pytest.mark.parametrize("config", [
-    TIGHT,
-    {"offload_param": "nvme", "offload_optimizer": "cpu", "buffer_size": 1 << 16,
-     "step_in_backward": True},
-    {"offload_param": "cpu", "step_in_backward": True},
-], ids=["state_on_nvme", "state_in_memory", "params_on_cpu"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        TIGHT,
+        {
+            "offload_param": "nvme",
+            "offload_optimizer": "cpu",
+            "buffer_size": 1 << 16,
+            "step_in_backward": True,
+        },
+        {"offload_param": "cpu", "step_in_backward": True},
+    ],
+    ids=["state_on_nvme", "state_in_memory", "params_on_cpu"],
+)
 def test_training_matches_plain(tmp_path, config):
     result = compare(make_model(), 12, dict(config), tmp_path=tmp_path)
     assert_equivalent(*result[:4])
@@ -46,6 +69,7 @@ def test_training_matches_plain(tmp_path, config):
 def test_lr_scheduler_sets_the_rate_the_next_backward_uses(tmp_path):
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
     result = compare(make_model(), 8, dict(TIGHT), tmp_path=tmp_path, scheduler_factory=scheduler)
     assert_equivalent(*result[:4])
 
@@ -54,8 +78,14 @@ def test_lr_scheduler_sets_the_rate_the_next_backward_uses(tmp_path):
 def test_activation_checkpointing(stores, tmp_path, reentrant):
     # Reentrant checkpointing runs nested backward passes, where a gradient may be partial:
     # their entries are updated by optimizer.step() instead.
-    mode = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 16,
-            "buffer_count": 2, "device_budget": 1 << 16, "step_in_backward": True}
+    mode = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 1 << 16,
+        "buffer_count": 2,
+        "device_budget": 1 << 16,
+        "step_in_backward": True,
+    }
     reference = seeded(lambda: CheckpointedGPT(GPT, reentrant))
     store, _, _ = run_pair(stores, tmp_path, reference, gpt_loop(gpt_batches(5)), mode)
     assert all(e.holds == 0 for e in store.registry.entries)
@@ -65,10 +95,17 @@ def test_activation_checkpointing(stores, tmp_path, reentrant):
 def test_shared_parameters_and_modules_called_twice(stores, tmp_path, factory):
     # A parameter used by two modules, or a module run twice, is updated once, after its
     # gradient has every contribution.
-    mode = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 12,
-            "buffer_count": 4, "device_budget": 1 << 12, "step_in_backward": True}
-    run_pair(stores, tmp_path, seeded(factory), vector_loop(vectors(6)), mode,
-             optimizer_factory=adamw)
+    mode = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 1 << 12,
+        "buffer_count": 4,
+        "device_budget": 1 << 12,
+        "step_in_backward": True,
+    }
+    run_pair(
+        stores, tmp_path, seeded(factory), vector_loop(vectors(6)), mode, optimizer_factory=adamw
+    )
 
 
 def attached(tmp_path, config: dict, model: torch.nn.Module):
@@ -98,8 +135,13 @@ def test_backward_applies_the_update_and_step_finishes_it(tmp_path):
             # Every parameter already holds its updated value, before optimizer.step().
             after_backward = {k: v.clone() for k, v in model.state_dict().items()}
             for key, value in plain.state_dict().items():
-                torch.testing.assert_close(after_backward[key], value, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"step {step}, {key}: {m}")
+                torch.testing.assert_close(
+                    after_backward[key],
+                    value,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, step=step, key=key: f"step {step}, {key}: {m}",
+                )
             optimizer.step()
             optimizer.zero_grad()
             assert store.steps == before_step + 1
@@ -114,8 +156,9 @@ def transferred_kinds(tmp_path, step_in_backward: bool) -> set[str]:
     """The kinds of shard (param, grad, optim:...) that the swap files saw in two steps after
     the first, under TIGHT's arena."""
     tmp_path.mkdir()
-    store, model, optimizer = attached(tmp_path, {**TIGHT, "step_in_backward": step_in_backward},
-                                       make_model())
+    store, model, optimizer = attached(
+        tmp_path, {**TIGHT, "step_in_backward": step_in_backward}, make_model()
+    )
     try:
         batches = gpt_batches(3, SMALL)
         tokens, targets = batches[0]
@@ -127,8 +170,9 @@ def transferred_kinds(tmp_path, step_in_backward: bool) -> set[str]:
                 model(tokens, targets).backward()
                 optimizer.step()
                 optimizer.zero_grad()
-        return {t.shard.split("@")[1] if "@" in t.shard else "param"
-                for t in store.timeline.transfers}
+        return {
+            t.shard.split("@")[1] if "@" in t.shard else "param" for t in store.timeline.transfers
+        }
     finally:
         store.close()
 
@@ -147,10 +191,14 @@ def test_host_gradients_are_used_in_place_and_parked_when_the_update_waits(tmp_p
     # autograd left it. Where the update has to wait for optimizer.step() (entries of nested
     # backward passes under reentrant checkpointing), the gradient moves into its companion
     # shard, inside the host budget, instead of staying outside it.
-    config = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 16,
-              "buffer_count": 4, "step_in_backward": True}
-    store, model, optimizer = attached(tmp_path, config, seeded(lambda: CheckpointedGPT(GPT,
-                                                                                       True)))
+    config = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 1 << 16,
+        "buffer_count": 4,
+        "step_in_backward": True,
+    }
+    store, model, optimizer = attached(tmp_path, config, seeded(lambda: CheckpointedGPT(GPT, True)))
     plain = seeded(lambda: CheckpointedGPT(GPT, True))
     plain_opt = adamw(plain)
     try:
@@ -160,8 +208,11 @@ def test_host_gradients_are_used_in_place_and_parked_when_the_update_waits(tmp_p
             plain_opt.zero_grad()
             model(tokens, targets).backward()
             placement = store.placement
-            waiting = [s for s in placement.registry.shards.values()
-                       if s.kind == "param" and placement.has_grad(s)]
+            waiting = [
+                s
+                for s in placement.registry.shards.values()
+                if s.kind == "param" and placement.has_grad(s)
+            ]
             updated = [e for e in store.registry.entries if e.index in store._updated_in_backward]
             assert waiting and updated  # both paths ran: some updates waited, some did not
             assert all(s.grad is None and placement.grad_in_companion(s) for s in waiting)
@@ -245,14 +296,18 @@ def test_an_update_that_fails_in_backward_is_finished_by_step(tmp_path):
         rig.plain_step()
         after = rig.plain_values()
         values = rig.values()
-        updated = [name for name in values
-                   if torch.allclose(values[name], after[name], rtol=1e-5, atol=1e-6)]
+        updated = [
+            name
+            for name in values
+            if torch.allclose(values[name], after[name], rtol=1e-5, atol=1e-6)
+        ]
         kept = [name for name in values if torch.equal(values[name], before[name])]
         assert sorted(updated + kept) == sorted(values), "a value is neither old nor new"
         # Backward runs from the last layer: the updated ones are the last layers.
         order = [name for name in values]
-        assert updated and kept and all(order.index(k) < order.index(u)
-                                        for k in kept for u in updated), (updated, kept)
+        assert (
+            updated and kept and all(order.index(k) < order.index(u) for k in kept for u in updated)
+        ), (updated, kept)
         rig.check()
         loss = rig.step()
         assert torch.isfinite(torch.tensor(loss))
@@ -261,10 +316,13 @@ def test_an_update_that_fails_in_backward_is_finished_by_step(tmp_path):
         rig.close()
 
 
-@pytest.mark.parametrize("changes,needle", [
-    ({"gradient_clipping": 1.0}, "gradient_clipping"),
-    ({"precision": infinity.PrecisionConfig(dtype="fp16")}, "fp16"),
-])
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"gradient_clipping": 1.0}, "gradient_clipping"),
+        ({"precision": infinity.PrecisionConfig(dtype="fp16")}, "fp16"),
+    ],
+)
 def test_config_refuses_what_needs_every_gradient_first(changes, needle):
     with pytest.raises(ConfigError, match=needle) as caught:
         infinity.OffloadConfig(step_in_backward=True, **changes)
@@ -278,11 +336,11 @@ def test_sgd_with_momentum_and_no_swap_files():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     plain = copy.deepcopy(model)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu",
-                                                        step_in_backward=True))
+    store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu", step_in_backward=True))
     try:
-        model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                               momentum=0.9))
+        model, optimizer = store.attach(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        )
         for x, y in vectors(4, batch=4):
             x = x[:, :8]
             for net, opt in ((model, optimizer), (plain, plain_opt)):

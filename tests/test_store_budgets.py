@@ -9,8 +9,7 @@ import torch
 
 import infinity
 from infinity import BudgetError, OffloadConfig, TieredStore
-from tests.store_helpers import (SMALL, assert_equivalent, compare, fused_adamw, make_model,
-                                 train)
+from tests.store_helpers import SMALL, assert_equivalent, compare, fused_adamw, make_model, train
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -20,8 +19,12 @@ def param_bytes(model: torch.nn.Module) -> int:
 def test_device_peak_stays_within_a_quarter_budget(tmp_path):
     model = make_model()
     budget = param_bytes(model) // 4
-    result = compare(model, 6, {"offload_param": "nvme", "buffer_size": 1 << 16,
-                                "device_budget": budget}, tmp_path=tmp_path)
+    result = compare(
+        model,
+        6,
+        {"offload_param": "nvme", "buffer_size": 1 << 16, "device_budget": budget},
+        tmp_path=tmp_path,
+    )
     assert_equivalent(*result[:4])
     stats = result[4]
     assert stats["budgets"]["device"] == budget
@@ -32,9 +35,17 @@ def test_host_peak_stays_within_budget_with_params_on_nvme(tmp_path):
     model = make_model()
     host_budget = 6 * 4096 * 4  # far below the model's parameter bytes
     assert host_budget < param_bytes(model)
-    result = compare(model, 4, {"offload_param": "nvme", "buffer_size": 16384,
-                                "buffer_count": 8, "host_budget": host_budget},
-                     tmp_path=tmp_path)
+    result = compare(
+        model,
+        4,
+        {
+            "offload_param": "nvme",
+            "buffer_size": 16384,
+            "buffer_count": 8,
+            "host_budget": host_budget,
+        },
+        tmp_path=tmp_path,
+    )
     assert_equivalent(*result[:4])
     stats = result[4]
     assert 0 < stats["peak_bytes"]["host"] <= host_budget
@@ -43,8 +54,9 @@ def test_host_peak_stays_within_budget_with_params_on_nvme(tmp_path):
 
 def test_device_budget_smaller_than_one_module_is_refused_at_attach(tmp_path):
     model = make_model()
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
-                                      device_budget=1024))
+    store = TieredStore(
+        OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path), device_budget=1024)
+    )
     with pytest.raises(BudgetError) as info:
         store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     message = str(info.value)
@@ -65,8 +77,9 @@ def test_host_budget_below_model_with_cpu_offload_is_refused():
 def test_stats_account_every_tier_exactly(tmp_path):
     model = make_model()
     total = param_bytes(model)
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
-                                      buffer_size=1 << 16))
+    store = TieredStore(
+        OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path), buffer_size=1 << 16)
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     stats = store.stats()
     assert stats["budgets"]["params"] == total
@@ -87,8 +100,14 @@ def test_stats_account_every_tier_exactly(tmp_path):
 def test_stats_count_the_copies_between_device_and_host(tmp_path, optimizer_tier):
     model = make_model()
     total = param_bytes(model)
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer=optimizer_tier,
-                                      nvme_path=str(tmp_path), buffer_size=1 << 16))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer=optimizer_tier,
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 16,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert store.stats()["bytes_to_device"] == 0
     x = torch.randint(0, SMALL.vocab_size, (2, SMALL.context))
@@ -207,28 +226,46 @@ def test_meta_module_without_reset_parameters_waits_for_a_checkpoint(tmp_path):
 
 def test_small_parameters_persist_on_the_device(tmp_path):
     threshold = 64  # LayerNorm weights/biases and the 32-element biases
-    result = compare(make_model(), 6, {"offload_param": "nvme", "buffer_size": 1 << 16,
-                                       "param_persistence_threshold": threshold},
-                     tmp_path=tmp_path)
+    result = compare(
+        make_model(),
+        6,
+        {"offload_param": "nvme", "buffer_size": 1 << 16, "param_persistence_threshold": threshold},
+        tmp_path=tmp_path,
+    )
     assert_equivalent(*result[:4])
     model = make_model()
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
-                                      param_persistence_threshold=threshold,
-                                      device_budget=param_bytes(model) // 4))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            nvme_path=str(tmp_path),
+            param_persistence_threshold=threshold,
+            device_budget=param_bytes(model) // 4,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     train(model, optimizer, 2)
     small = [e for e in store.registry.entries if e.numel <= threshold]
     assert small and all(e.resident for e in small)  # refreshed after each step, never evicted
-    assert all(not e.resident for e in store.registry.entries
-               if e.numel > threshold and e.holds == 0) or \
-        store.stats()["peak_bytes"]["device"] <= param_bytes(model) // 4
+    assert (
+        all(not e.resident for e in store.registry.entries if e.numel > threshold and e.holds == 0)
+        or store.stats()["peak_bytes"]["device"] <= param_bytes(model) // 4
+    )
     store.close()
 
 
 def test_prefetch_bytes_zero_disables_prefetch(tmp_path):
-    result = compare(make_model(), 3, {"offload_param": "nvme", "buffer_size": 1 << 14,
-                                       "buffer_count": 16, "prefetch_depth": 3,
-                                       "prefetch_bytes": 0}, tmp_path=tmp_path)
+    result = compare(
+        make_model(),
+        3,
+        {
+            "offload_param": "nvme",
+            "buffer_size": 1 << 14,
+            "buffer_count": 16,
+            "prefetch_depth": 3,
+            "prefetch_bytes": 0,
+        },
+        tmp_path=tmp_path,
+    )
     assert_equivalent(*result[:4])
     assert result[4]["prefetched_loads"] == 0 and result[4]["demand_loads"] > 0
 
@@ -236,8 +273,15 @@ def test_prefetch_bytes_zero_disables_prefetch(tmp_path):
 def test_max_in_cpu_sizes_the_host_cache(tmp_path):
     model = make_model()
     cache = 64 << 10
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
-                                      buffer_size=4096, buffer_count=2, max_in_cpu=cache))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=4096,
+            buffer_count=2,
+            max_in_cpu=cache,
+        )
+    )
     store.attach(model)
     assert store.budgets["arena"] == cache and store.budgets["host"] == cache
     store.close()
@@ -245,9 +289,15 @@ def test_max_in_cpu_sizes_the_host_cache(tmp_path):
 
 def test_when_the_arena_caches_everything_steady_steps_touch_no_disk(tmp_path):
     model = make_model()
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=str(tmp_path), buffer_size=1 << 16,
-                                      buffer_count=64))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 16,
+            buffer_count=64,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     train(model, optimizer, 2)  # the first steps create the optimizer state
     before = store.stats()
@@ -261,27 +311,40 @@ def test_when_the_arena_caches_everything_steady_steps_touch_no_disk(tmp_path):
 
 def test_kept_swap_files_hold_the_final_values_after_lazy_write_back(tmp_path):
     from swap.files import RUN_DIR_PREFIX
+
     model = make_model()
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
-                                      buffer_size=1 << 16, buffer_count=64,
-                                      keep_swap_files=True))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 16,
+            buffer_count=64,
+            keep_swap_files=True,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     train(model, optimizer, 2)
     shard = store.registry.shards["blocks.0.fc.weight"]
     extent = shard.extent
-    expected = store.materialize(shard.entry).reshape(-1)[:shard.numel].clone()
+    expected = store.materialize(shard.entry).reshape(-1)[: shard.numel].clone()
     store.close()
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith(RUN_DIR_PREFIX)]
     segment = extent.segments[0]
-    raw = segment.file.path.read_bytes()[segment.offset:segment.offset + shard.nbytes]
+    raw = segment.file.path.read_bytes()[segment.offset : segment.offset + shard.nbytes]
     assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32), expected)
 
 
 def _arena_for_everything(tmp_path, block: int) -> int:
     """The arena bytes that cache the small GPT's whole state (params and AdamW on NVMe)."""
-    probe = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=str(tmp_path), buffer_size=block,
-                                      buffer_count=4096))
+    probe = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=block,
+            buffer_count=4096,
+        )
+    )
     model = make_model()
     probe.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     needed = probe.budgets["arena"]
@@ -298,10 +361,18 @@ def test_a_nearly_sufficient_arena_writes_back_only_what_it_evicts(tmp_path):
     updated_per_step = 3 * param_bytes(model)  # master weights and two moments
     # Updates in optimizer.step(): in backward no gradient needs the arena, and this one then
     # caches everything.
-    result = compare(make_model(), 6, {
-        "offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": block,
-        "buffer_count": int(0.8 * needed) // block, "step_in_backward": False},
-        tmp_path=tmp_path)
+    result = compare(
+        make_model(),
+        6,
+        {
+            "offload_param": "nvme",
+            "offload_optimizer": "nvme",
+            "buffer_size": block,
+            "buffer_count": int(0.8 * needed) // block,
+            "step_in_backward": False,
+        },
+        tmp_path=tmp_path,
+    )
     assert_equivalent(*result[:4])
     stats = result[4]
     assert stats["bytes_read"] > 0  # the arena really is too small
@@ -322,16 +393,21 @@ def test_write_backs_a_pass_waited_for_start_ahead_in_the_next_forward(tmp_path)
     plain_losses = train(plain, fused_adamw(plain.parameters()), 6)
     runs = {}
     for ahead in (True, False):
-        store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                          nvme_path=str(tmp_path), buffer_size=block,
-                                          buffer_count=int(0.8 * needed) // block,
-                                          step_in_backward=False))
+        store = TieredStore(
+            OffloadConfig(
+                offload_param="nvme",
+                offload_optimizer="nvme",
+                nvme_path=str(tmp_path),
+                buffer_size=block,
+                buffer_count=int(0.8 * needed) // block,
+                step_in_backward=False,
+            )
+        )
         model = make_model()
         model, optimizer = store.attach(model, fused_adamw(model.parameters()))
         store.placement.write_ahead_enabled = ahead
         losses = train(model, optimizer, 6)
-        runs[ahead] = (losses, {k: v.clone() for k, v in model.state_dict().items()},
-                       store.stats())
+        runs[ahead] = (losses, {k: v.clone() for k, v in model.state_dict().items()}, store.stats())
         store.close()
     for losses, state, _ in runs.values():
         assert_equivalent(plain_losses, losses, plain.state_dict(), state)
@@ -351,17 +427,26 @@ def test_step_reads_ahead_without_evicting_shards_it_has_still_to_update(tmp_pat
     needed = _arena_for_everything(tmp_path, block)
     plain = make_model()
     plain_losses = train(plain, fused_adamw(plain.parameters()), 6)
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=str(tmp_path), buffer_size=block,
-                                      buffer_count=int(0.7 * needed) // block,
-                                      step_in_backward=False))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=block,
+            buffer_count=int(0.7 * needed) // block,
+            step_in_backward=False,
+        )
+    )
     model = make_model()
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
     placement = store.placement
     ahead_writes: list[str] = []  # shards they wrote while the step had still to update them
     state = {"ahead": False}
-    load_async, clean_ahead, store_async = (placement.load_async, placement.clean_ahead,
-                                            placement.store_async)
+    load_async, clean_ahead, store_async = (
+        placement.load_async,
+        placement.clean_ahead,
+        placement.store_async,
+    )
 
     def tracked_load(shard, *args, read_ahead=False, **kwargs):
         state["ahead"] = read_ahead
@@ -378,8 +463,7 @@ def test_step_reads_ahead_without_evicting_shards_it_has_still_to_update(tmp_pat
             state["ahead"] = False
 
     def tracked_store(shard):
-        if state["ahead"] and placement.masters_due and \
-                shard.entry.index not in placement.stepped:
+        if state["ahead"] and placement.masters_due and shard.entry.index not in placement.stepped:
             ahead_writes.append(shard.id)
         return store_async(shard)
 

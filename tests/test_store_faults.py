@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.config import AioConfig
-from infinity.errors import BudgetError
-from infinity.core.residency import Residency as R
 from infinity.checkpointing.state_dict import write_entry
+from infinity.config import AioConfig
+from infinity.core.residency import Residency as R
+from infinity.errors import BudgetError
 from swap import FaultInjectingBackend, IntegrityError, SwapIOError, TransferTimeoutError
 
 WIDTH = 64  # a weight is 16 KiB: four pages, so "short" faults apply to its transfers
@@ -36,10 +36,18 @@ SHARD = WIDTH * WIDTH * 4
 #: for the GIL behind the training thread (first fused-Adam call: ~0.5 s here) must not time out
 REQUEST_TIMEOUT = 1.0
 #: the error a persistent fault of each kind surfaces as
-ERRORS = {"eio": SwapIOError, "enospc": SwapIOError, "hang": TransferTimeoutError,
-          "drop": IntegrityError}
-CASES = [(kind, op) for kind in ("eio", "short", "enospc", "slow", "hang", "drop")
-         for op in ("read", "write") if not (kind == "enospc" and op == "read")]
+ERRORS = {
+    "eio": SwapIOError,
+    "enospc": SwapIOError,
+    "hang": TransferTimeoutError,
+    "drop": IntegrityError,
+}
+CASES = [
+    (kind, op)
+    for kind in ("eio", "short", "enospc", "slow", "hang", "drop")
+    for op in ("read", "write")
+    if not (kind == "enospc" and op == "read")
+]
 
 
 class Net(nn.Module):
@@ -69,8 +77,15 @@ class Rig:
     """An attached Net (params, and with ``optimizer`` its Adam state, on NVMe) over a
     fault-injecting backend, next to a plain copy trained on the same batches."""
 
-    def __init__(self, path: Path, optimizer: bool = True, buffer_count: int = 8,
-                 queue_depth: int = 64, optimizer_tier: str = "nvme", **config) -> None:
+    def __init__(
+        self,
+        path: Path,
+        optimizer: bool = True,
+        buffer_count: int = 8,
+        queue_depth: int = 64,
+        optimizer_tier: str = "nvme",
+        **config,
+    ) -> None:
         torch.manual_seed(0)
         model = Net()
         self.path = path
@@ -85,15 +100,25 @@ class Rig:
         # Faults in optimizer.step()'s pipeline; test_step_in_backward covers them in backward.
         config.setdefault("step_in_backward", False)
         config = OffloadConfig(
-            offload_param="nvme", offload_optimizer=optimizer_tier if optimizer else "none",
-            nvme_path=str(path), buffer_size=SHARD, buffer_count=buffer_count,
-            device_budget=2 * (SHARD + WIDTH * 4), prefetch_depth=1,
-            aio=AioConfig(queue_depth=queue_depth), **config)
-        self.store = TieredStore(config, backend_wrapper=wrap, engine_overrides={
-            "request_timeout": REQUEST_TIMEOUT, "close_timeout": 5.0})
+            offload_param="nvme",
+            offload_optimizer=optimizer_tier if optimizer else "none",
+            nvme_path=str(path),
+            buffer_size=SHARD,
+            buffer_count=buffer_count,
+            device_budget=2 * (SHARD + WIDTH * 4),
+            prefetch_depth=1,
+            aio=AioConfig(queue_depth=queue_depth),
+            **config,
+        )
+        self.store = TieredStore(
+            config,
+            backend_wrapper=wrap,
+            engine_overrides={"request_timeout": REQUEST_TIMEOUT, "close_timeout": 5.0},
+        )
         self.threads = set(threading.enumerate())
         self.model, self.opt = self.store.attach(
-            model, torch.optim.Adam(model.parameters(), lr=1e-2) if optimizer else None)
+            model, torch.optim.Adam(model.parameters(), lr=1e-2) if optimizer else None
+        )
         self.placement = self.store.placement
         self.entries = self.store.registry.entries
         self.step_count = 0
@@ -134,8 +159,9 @@ class Rig:
         assert not any(self.path.rglob("*")), f"left behind: {list(self.path.rglob('*'))}"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            alive = [t.name for t in threading.enumerate()
-                     if t not in self.threads and t.is_alive()]
+            alive = [
+                t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()
+            ]
             if not alive:
                 return
             time.sleep(0.02)
@@ -148,8 +174,13 @@ def assert_same(values: dict, reference: dict, exact: bool = True) -> None:
         if exact:
             assert torch.equal(values[name], reference[name]), name
         else:
-            torch.testing.assert_close(values[name], reference[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                values[name],
+                reference[name],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, name=name: f"{name}: {m}",
+            )
 
 
 def assert_names_the_place(error: BaseException, root: Path) -> None:
@@ -160,6 +191,7 @@ def assert_names_the_place(error: BaseException, root: Path) -> None:
 
 
 # -- transient faults: retried, training unaffected ---------------------------------------------
+
 
 @pytest.mark.parametrize("kind,op", [c for c in CASES if c != ("drop", "write")])
 def test_a_transient_fault_does_not_change_training(tmp_path, kind, op):
@@ -210,6 +242,7 @@ def test_a_dropped_read_is_caught_by_verification_and_read_again(tmp_path):
 
 # -- persistent faults on single operations, against an exact reference ---------------------------
 
+
 def _random_ops(rig: Rig, reference: dict, rng: random.Random, count: int) -> BaseException | None:
     """Writes, reads, gathers and device drops of random entries until one raises; the
     reference follows every write that returned (an entry is one shard, so a write either
@@ -220,8 +253,9 @@ def _random_ops(rig: Rig, reference: dict, rng: random.Random, count: int) -> Ba
         op = rng.choice(["write", "write", "read", "gather", "drop", "evict"])
         try:
             if op == "write":
-                value = torch.randn(entry.shape, generator=torch.Generator().manual_seed(
-                    rng.randrange(1 << 30)))
+                value = torch.randn(
+                    entry.shape, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))
+                )
                 write_entry(store, entry, value)
                 reference[entry.name] = value
             elif op == "read":
@@ -273,8 +307,9 @@ def test_a_persistent_fault_fails_cleanly_and_nothing_is_lost(tmp_path, kind, op
         rig.close()
 
 
-@pytest.mark.parametrize("kind,op", [("eio", "read"), ("eio", "write"), ("hang", "read"),
-                                     ("enospc", "write")])
+@pytest.mark.parametrize(
+    "kind,op", [("eio", "read"), ("eio", "write"), ("hang", "read"), ("enospc", "write")]
+)
 def test_a_training_step_under_a_persistent_fault(tmp_path, kind, op):
     """The step fails with the named error; the parameters are then each either as before the
     step or as after it (tiles already updated stay so), never anything else; training goes
@@ -306,8 +341,9 @@ def test_a_training_step_under_a_persistent_fault(tmp_path, kind, op):
         rig.plain_step()
         after = rig.plain_values()
         for name, value in rig.values().items():
-            assert (torch.allclose(value, before[name], rtol=1e-5, atol=1e-6)
-                    or torch.allclose(value, after[name], rtol=1e-5, atol=1e-6)), name
+            assert torch.allclose(value, before[name], rtol=1e-5, atol=1e-6) or torch.allclose(
+                value, after[name], rtol=1e-5, atol=1e-6
+            ), name
         rig.opt.zero_grad()
         for _ in range(2):
             assert torch.isfinite(torch.tensor(rig.step()))
@@ -317,6 +353,7 @@ def test_a_training_step_under_a_persistent_fault(tmp_path, kind, op):
 
 
 # -- integrity: what verification catches under an attached model ---------------------------------
+
 
 def _evict_everything(rig: Rig) -> None:
     """Leaves every parameter shard on NVMe only, so the next use reads it from its file."""
@@ -376,8 +413,11 @@ def test_a_swapped_extent_is_refused_before_any_io(tmp_path):
         _evict_everything(rig)
         a, b = rig.entries[0].shards[0], rig.entries[2].shards[0]
         a.extent, b.extent = b.extent, a.extent
-        with pytest.raises(IntegrityError, match=f"expects shard {a.id} version {a.version}, "
-                                                  f"but the last write there was shard {b.id}"):
+        with pytest.raises(
+            IntegrityError,
+            match=f"expects shard {a.id} version {a.version}, "
+            f"but the last write there was shard {b.id}",
+        ):
             rig.store.materialize(rig.entries[0])
         a.extent, b.extent = b.extent, a.extent
         assert_same(rig.values(), good)
@@ -409,6 +449,7 @@ def test_a_dropped_write_is_detected_at_the_next_read(tmp_path):
 
 
 # -- eviction and teardown ------------------------------------------------------------------------
+
 
 def test_failed_write_backs_keep_dirty_copies_and_eviction_names_the_error(tmp_path):
     """Every write fails: the arena fills with dirty shards that cannot be cleaned. Eviction
@@ -470,15 +511,15 @@ def test_a_hung_read_quarantines_its_slot_until_the_engine_lets_go(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer_tier", ["nvme", "cpu"])
-def test_a_step_that_failed_part_way_is_finished_by_calling_step_again(tmp_path,
-                                                                        optimizer_tier):
+def test_a_step_that_failed_part_way_is_finished_by_calling_step_again(tmp_path, optimizer_tier):
     """A persistent read fault stops optimizer.step() after some shards were updated; the
     error says how many, and once the fault is gone a second optimizer.step() updates exactly
     the rest (none twice, gradients in host memory or on NVMe): the parameters then match the
     plain run."""
     # Host gradients: an arena of three weights, so the step reads masters back from NVMe.
-    rig = Rig(tmp_path, optimizer_tier=optimizer_tier,
-              buffer_count=8 if optimizer_tier == "nvme" else 3)
+    rig = Rig(
+        tmp_path, optimizer_tier=optimizer_tier, buffer_count=8 if optimizer_tier == "nvme" else 3
+    )
     try:
         rig.step()
         rig.plain_step()

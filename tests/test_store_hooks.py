@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,8 +23,12 @@ from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 GPT = GPTConfig(vocab_size=64, context=16, layers=3, width=32, heads=4)
 # The model (~170 KB) is larger than the staging arena (2 x 64 KiB) and the device budget, so
 # shards are evicted to NVMe and device copies are dropped and gathered again within a step.
-NVME = {"offload_param": "nvme", "buffer_size": 1 << 16, "buffer_count": 2,
-        "device_budget": 1 << 16}
+NVME = {
+    "offload_param": "nvme",
+    "buffer_size": 1 << 16,
+    "buffer_count": 2,
+    "device_budget": 1 << 16,
+}
 CPU = {"offload_param": "cpu", "device_budget": 1 << 16}
 MODES = {"nvme": NVME, "cpu": CPU}
 RTOL, ATOL, LOSS_TOL = 1e-5, 1e-6, 1e-5
@@ -44,11 +48,11 @@ class SharedWeights(nn.Module):
         super().__init__()
         self.a = nn.Linear(16, 16)
         self.b = nn.Linear(16, 16)
-        self.b.weight = self.a.weight            # shared by two different modules
+        self.b.weight = self.a.weight  # shared by two different modules
         self.inner = nn.Linear(16, 8)
-        self.w = self.inner.weight               # the parent owns it too, and uses it itself
+        self.w = self.inner.weight  # the parent owns it too, and uses it itself
         self.head = nn.Linear(8, 4)
-        self.head.alias = self.head.weight       # two names for one Parameter in one module
+        self.head.alias = self.head.weight  # two names for one Parameter in one module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x)) + torch.sigmoid(self.b(x))
@@ -115,8 +119,13 @@ def seeded(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
 
 def vectors(steps: int, seed: int = 1, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 16, generator=generator),
-             torch.randint(0, 4, (batch,), generator=generator)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(batch, 16, generator=generator),
+            torch.randint(0, 4, (batch,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
 
 
 def gpt_batches(steps: int, config: GPTConfig = GPT, batch: int = 4):
@@ -151,8 +160,9 @@ def stores():
         store.close()
 
 
-def attach(stores: list, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-           mode: dict, tmp_path) -> tuple[infinity.TieredStore, nn.Module, torch.optim.Optimizer]:
+def attach(
+    stores: list, model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: dict, tmp_path
+) -> tuple[infinity.TieredStore, nn.Module, torch.optim.Optimizer]:
     kwargs = dict(mode)
     if kwargs["offload_param"] == "nvme":
         kwargs["nvme_path"] = str(tmp_path)
@@ -169,8 +179,9 @@ def assert_records_equal(plain: list, attached: list) -> None:
             assert abs(a - b) <= LOSS_TOL, f"record {i}: {b} vs plain {a}"
         else:
             assert b.shape == a.shape and b.numel() > 0
-            torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"record {i}: {m}")
+            torch.testing.assert_close(
+                b, a, rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"record {i}: {m}"
+            )
 
 
 def assert_state_equal(plain: dict, attached: dict) -> None:
@@ -178,19 +189,27 @@ def assert_state_equal(plain: dict, attached: dict) -> None:
     for key, value in plain.items():
         got = attached[key]
         assert isinstance(got, torch.Tensor) and got.shape == value.shape, key
-        torch.testing.assert_close(got, value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            got, value, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
-def run_pair(stores, tmp_path, reference: nn.Module, loop: Callable, mode: dict,
-             optimizer_factory: Callable = adamw, seed: int = 123):
+def run_pair(
+    stores,
+    tmp_path,
+    reference: nn.Module,
+    loop: Callable,
+    mode: dict,
+    optimizer_factory: Callable = adamw,
+    seed: int = 123,
+):
     """Runs ``loop(model, optimizer) -> records`` on a plain copy and an attached copy of
     ``reference`` (same RNG seed) and checks records and final parameters agree."""
     plain = copy.deepcopy(reference)
     torch.manual_seed(seed)
     plain_records = loop(plain, optimizer_factory(plain))
     attached = copy.deepcopy(reference)
-    store, model, optimizer = attach(stores, attached, optimizer_factory(attached), mode,
-                                     tmp_path)
+    store, model, optimizer = attach(stores, attached, optimizer_factory(attached), mode, tmp_path)
     torch.manual_seed(seed)
     records = loop(model, optimizer)
     assert_records_equal(plain_records, records)
@@ -208,6 +227,7 @@ def gpt_loop(batches, **kwargs):
             optimizer.zero_grad()
             losses.append(loss.item())
         return losses
+
     return loop
 
 
@@ -221,6 +241,7 @@ def vector_loop(batches):
             optimizer.zero_grad()
             losses.append(loss.item())
         return losses
+
     return loop
 
 
@@ -228,8 +249,9 @@ def vector_loop(batches):
 @pytest.mark.parametrize("mode", MODES)
 def test_tied_weights_are_one_entry_and_train_like_plain(stores, tmp_path, mode):
     reference = gpt()
-    store, model, plain = run_pair(stores, tmp_path, reference, gpt_loop(gpt_batches(5)),
-                                   MODES[mode])
+    store, model, plain = run_pair(
+        stores, tmp_path, reference, gpt_loop(gpt_batches(5)), MODES[mode]
+    )
     # The tied Parameter is registered once: one entry, under the first name.
     tied = [e for e in store.registry.entries if e.param is model.embed.weight]
     assert len(tied) == 1 and tied[0].name == "embed.weight"
@@ -240,8 +262,9 @@ def test_tied_weights_are_one_entry_and_train_like_plain(stores, tmp_path, mode)
     assert "embed.weight" in state and "head.weight" in state
     assert state["embed.weight"].shape == (GPT.vocab_size, GPT.width)
     torch.testing.assert_close(state["head.weight"], state["embed.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(state["head.weight"], plain.head.weight.detach(), rtol=RTOL,
-                               atol=ATOL)
+    torch.testing.assert_close(
+        state["head.weight"], plain.head.weight.detach(), rtol=RTOL, atol=ATOL
+    )
     if mode == "nvme":
         stats = store.stats()
         assert stats["bytes_read"] > 0 and stats["bytes_written"] > 0
@@ -250,8 +273,7 @@ def test_tied_weights_are_one_entry_and_train_like_plain(stores, tmp_path, mode)
 @pytest.mark.parametrize("mode", MODES)
 def test_parameter_shared_by_two_modules(stores, tmp_path, mode):
     reference = seeded(SharedWeights)
-    store, model, _ = run_pair(stores, tmp_path, reference, vector_loop(vectors(6)),
-                               MODES[mode])
+    store, model, _ = run_pair(stores, tmp_path, reference, vector_loop(vectors(6)), MODES[mode])
     assert model.b.weight is model.a.weight and model.w is model.inner.weight
     assert len(store.registry.entries) == len(list(reference.parameters())) == 7
     # state_dict has every name of every shared Parameter, with its real values.
@@ -274,8 +296,9 @@ def test_parameter_shared_by_two_modules(stores, tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_module_called_twice_in_one_forward(stores, tmp_path, mode):
-    store, model, _ = run_pair(stores, tmp_path, seeded(Twice), vector_loop(vectors(6)),
-                               MODES[mode])
+    store, model, _ = run_pair(
+        stores, tmp_path, seeded(Twice), vector_loop(vectors(6)), MODES[mode]
+    )
     # Every hold was released after each backward pass.
     assert all(e.holds == 0 for e in store.registry.entries)
     assert not store.hooks.backward_holds
@@ -299,6 +322,7 @@ def test_no_grad_inference_between_training_steps(stores, tmp_path, mode):
                     records.append(model(probe))
                     records.append(model(probe, probe).item())
         return records
+
     store, _, _ = run_pair(stores, tmp_path, gpt(), loop, MODES[mode])
     assert all(e.holds == 0 for e in store.registry.entries)
 
@@ -319,6 +343,7 @@ def test_inference_between_backward_and_step(stores, tmp_path):
             optimizer.zero_grad()
             records.append(loss.item())
         return records
+
     run_pair(stores, tmp_path, gpt(), loop, NVME)
 
 
@@ -346,6 +371,7 @@ def test_eval_train_switching_with_dropout(stores, tmp_path, mode):
                 records.append(model(probe_tokens, probe_targets).detach())
         model.train()
         return records
+
     plain_model = gpt(config)
     _, model, _ = run_pair(stores, tmp_path, plain_model, loop, MODES[mode])
     assert model.training
@@ -383,8 +409,9 @@ def test_state_dict_returns_the_trained_values(stores, tmp_path, mode):
     # A prefix and a destination dict work as in torch.
     prefixed = model.state_dict(prefix="model.")
     assert list(prefixed) == ["model." + k for k in expected]
-    torch.testing.assert_close(prefixed["model.blocks.1.fc.weight"],
-                               expected["blocks.1.fc.weight"], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(
+        prefixed["model.blocks.1.fc.weight"], expected["blocks.1.fc.weight"], rtol=RTOL, atol=ATOL
+    )
     # Parameters hold placeholders again afterwards: state_dict did not leave them gathered.
     assert model.blocks[0].fc.weight.untyped_storage().nbytes() == 0
 
@@ -416,6 +443,7 @@ def test_load_state_dict_values_are_used_by_the_next_forward(stores, tmp_path, m
         with torch.no_grad():
             records.append(model(probe))
         return records
+
     store, model, _ = run_pair(stores, tmp_path, gpt(), loop, MODES[mode])
     # The attached model copied into the Parameters it registered instead of replacing them.
     assert store.registry.entry_of(model.norm.weight) is not None
@@ -449,9 +477,11 @@ def test_load_state_dict_errors_are_the_normal_ones(stores, tmp_path, mode):
     bad_shape["blocks.1.fc.weight"] = torch.zeros(3, 5)
     message = _load_error(model, bad_shape)
     assert message == _load_error(plain, bad_shape)
-    assert "size mismatch for blocks.1.fc.weight: copying a param with shape " \
-           "torch.Size([3, 5]) from checkpoint, the shape in current model is " \
-           "torch.Size([128, 32])." in message
+    assert (
+        "size mismatch for blocks.1.fc.weight: copying a param with shape "
+        "torch.Size([3, 5]) from checkpoint, the shape in current model is "
+        "torch.Size([128, 32])." in message
+    )
 
     missing = {k: v for k, v in good.items() if k != "blocks.0.qkv.bias"}
     assert _load_error(model, missing) == _load_error(plain, missing)
@@ -487,14 +517,14 @@ def test_to_device_and_dtype_after_attach(stores, tmp_path, mode):
         model.float()
         records += gpt_loop(batches[2:])(model, optimizer)
         return records
+
     run_pair(stores, tmp_path, gpt(), loop, MODES[mode])
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_frozen_parameters_stay_frozen(stores, tmp_path, mode):
     reference = seeded(Frozen)
-    _, model, plain = run_pair(stores, tmp_path, reference, vector_loop(vectors(6)),
-                               MODES[mode])
+    _, model, plain = run_pair(stores, tmp_path, reference, vector_loop(vectors(6)), MODES[mode])
     state = model.state_dict()
     for key in ("mid.weight", "frozen_norm.weight", "frozen_norm.bias"):
         torch.testing.assert_close(state[key], reference.state_dict()[key], rtol=0, atol=0)
@@ -509,15 +539,18 @@ def test_param_group_edits_are_honoured(stores, tmp_path, mode):
     def two_groups(model):
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         rest = [p for n, p in model.named_parameters() if p.dim() < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                  {"params": rest, "weight_decay": 0.0}], lr=1e-2, fused=True)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=1e-2,
+            fused=True,
+        )
 
     def loop(model, optimizer):
         records = []
         for i, (tokens, targets) in enumerate(batches):
             if i == 2:
                 optimizer.param_groups[0]["lr"] = 3e-2
-                optimizer.param_groups[1]["lr"] = 0.0   # these parameters stop moving
+                optimizer.param_groups[1]["lr"] = 0.0  # these parameters stop moving
             if i == 4:
                 for group in optimizer.param_groups:
                     group["lr"] = 1e-3
@@ -531,6 +564,7 @@ def test_param_group_edits_are_honoured(stores, tmp_path, mode):
                 records.append(model.state_dict()["norm.bias"].clone())
         assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 1e-3]
         return records
+
     run_pair(stores, tmp_path, gpt(), loop, MODES[mode], optimizer_factory=two_groups)
 
 
@@ -552,6 +586,7 @@ def test_gradient_accumulation_without_zero_grad(stores, tmp_path, mode):
         optimizer.zero_grad(set_to_none=False)
         optimizer.step()
         return records
+
     run_pair(stores, tmp_path, gpt(), loop, MODES[mode])
 
 
@@ -591,6 +626,7 @@ def test_backward_twice_over_a_retained_graph(stores, tmp_path, mode):
             optimizer.zero_grad()
             records.append(loss.item())
         return records
+
     run_pair(stores, tmp_path, gpt(), loop, MODES[mode])
 
 
@@ -610,6 +646,7 @@ def test_inference_mode_between_training_steps(stores, tmp_path, mode):
             optimizer.zero_grad()
             records.append(loss.item())
         return records
+
     store, model, _ = run_pair(stores, tmp_path, gpt(), loop, MODES[mode])
     with torch.inference_mode():
         model(probe)
@@ -633,7 +670,8 @@ def test_training_continues_after_a_backward_that_raised(stores, tmp_path, mode)
 
     def loop(model, optimizer):
         handle = model.blocks[0].register_forward_hook(
-            lambda module, args, out: out.register_hook(boom) and None)
+            lambda module, args, out: out.register_hook(boom) and None
+        )
         records = []
         for i, (tokens, targets) in enumerate(batches):
             fail[0] = i == 1
@@ -648,10 +686,12 @@ def test_training_continues_after_a_backward_that_raised(stores, tmp_path, mode)
             records.append(loss.item())
         handle.remove()
         return records
+
     # Updates in optimizer.step(): with updates in backward, the ones the failed pass ran stay
     # applied (test_update_timing covers that).
-    store, _, _ = run_pair(stores, tmp_path, reference, loop,
-                           {**MODES[mode], "step_in_backward": False})
+    store, _, _ = run_pair(
+        stores, tmp_path, reference, loop, {**MODES[mode], "step_in_backward": False}
+    )
     assert all(e.holds == 0 for e in store.registry.entries)
     assert not store.hooks.backward_holds and not store.hooks._callback_queued
 
@@ -675,9 +715,13 @@ class Encoder(nn.Module):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_torch_transformer_layers(stores, tmp_path, mode):
-    batches = [(torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(i)),
-                torch.randint(0, 4, (4,), generator=torch.Generator().manual_seed(i)))
-               for i in range(4)]
+    batches = [
+        (
+            torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(i)),
+            torch.randint(0, 4, (4,), generator=torch.Generator().manual_seed(i)),
+        )
+        for i in range(4)
+    ]
 
     def loop(model, optimizer):
         records = vector_loop(batches)(model, optimizer)
@@ -687,6 +731,7 @@ def test_torch_transformer_layers(stores, tmp_path, mode):
         model.train()
         records += vector_loop(batches[:2])(model, optimizer)
         return records
+
     run_pair(stores, tmp_path, seeded(Encoder), loop, MODES[mode])
 
 
@@ -709,6 +754,7 @@ def test_parameter_unfrozen_after_attach_trains(stores, tmp_path, mode):
         records = vector_loop(batches[:3])(model, optimizer)
         model.b.requires_grad_(True)  # gradual unfreezing
         return records + vector_loop(batches[3:])(model, optimizer)
+
     reference = seeded(Unfrozen)
     _, model, _ = run_pair(stores, tmp_path, reference, loop, MODES[mode])
     assert not torch.equal(model.state_dict()["b.weight"], reference.b.weight.detach())
@@ -742,6 +788,7 @@ def test_module_returning_its_own_parameter(stores, tmp_path, mode):
         with torch.no_grad():
             records.append(model.queries().clone())
         return records
+
     store, model, _ = run_pair(stores, tmp_path, seeded(UsesQueries), loop, MODES[mode])
     if store.placement is not None:
         # What the parent got is a copy: evicting the parameter's device bytes cannot pull

@@ -23,14 +23,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.errors import BudgetError
 from infinity.checkpointing.state_dict import write_entry
+from infinity.errors import BudgetError
 
 WIDTH = 32  # a weight is 4 KiB: one slot
 LAYERS = 4
@@ -69,12 +75,20 @@ class StoreMachine(RuleBasedStateMachine):
         self.plain = copy.deepcopy(model)
         self.plain_opt = torch.optim.Adam(self.plain.parameters(), lr=1e-2, fused=True)
         self.reference = dict(self.plain.named_parameters())  # name -> plain parameter
-        self.store = TieredStore(OffloadConfig(
-            offload_param="nvme", offload_optimizer="nvme", nvme_path=str(self.path),
-            buffer_size=SLOT, buffer_count=6, device_budget=2 * (SLOT + WIDTH * 4),
-            prefetch_depth=1))
+        self.store = TieredStore(
+            OffloadConfig(
+                offload_param="nvme",
+                offload_optimizer="nvme",
+                nvme_path=str(self.path),
+                buffer_size=SLOT,
+                buffer_count=6,
+                device_budget=2 * (SLOT + WIDTH * 4),
+                prefetch_depth=1,
+            )
+        )
         self.model, self.opt = self.store.attach(
-            model, torch.optim.Adam(model.parameters(), lr=1e-2))
+            model, torch.optim.Adam(model.parameters(), lr=1e-2)
+        )
         self.placement = self.store.placement
         self.entries = self.store.registry.entries
         self.held: list = []  # entries gathered by a rule and not yet released, with repeats
@@ -98,7 +112,7 @@ class StoreMachine(RuleBasedStateMachine):
                 rounds += 1
                 if rounds % 10 == 0:
                     self.store.timeline.summary()
-        except BaseException as exc:  # noqa: BLE001 - reported by teardown
+        except BaseException as exc:
             self.monitor_errors.append(exc)
 
     def _count(self) -> None:
@@ -224,9 +238,15 @@ def test_random_operations_keep_the_store_exact():
     global operations, training_steps
     operations = training_steps = 0
     started = time.monotonic()
-    run_state_machine_as_test(StoreMachine, settings=settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        StoreMachine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     elapsed = time.monotonic() - started
     print(f"{operations} operations ({training_steps} training steps) in {elapsed:.1f} s")
     assert operations >= MIN_OPERATIONS, f"only {operations} operations in {elapsed:.0f} s"

@@ -7,13 +7,14 @@ import logging
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.core.policies import BeladyEviction, LRUEviction, LookaheadPrefetch
-from infinity.core.residency import TRANSITIONS, Residency, ResidencyError, check_transition
 from infinity.checkpointing.state_dict import write_entry
+from infinity.core.policies import BeladyEviction, LookaheadPrefetch, LRUEviction
+from infinity.core.residency import TRANSITIONS, Residency, ResidencyError, check_transition
 from infinity.core.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
 from tests.store_helpers import assert_equivalent, compare, make_model
 
@@ -54,8 +55,15 @@ def test_departure_from_the_trace_warns_once_and_still_trains_right(tmp_path, ca
     plain = copy.deepcopy(reference)
     plain_losses = _branchy_run(plain, torch.optim.Adam(plain.parameters(), lr=0.01), pattern)
     attached = copy.deepcopy(reference)
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path),
-                                      buffer_size=4096, buffer_count=3, prefetch_depth=2))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=4096,
+            buffer_count=3,
+            prefetch_depth=2,
+        )
+    )
     model, optimizer = store.attach(attached, torch.optim.Adam(attached.parameters(), lr=0.01))
     with caplog.at_level(logging.WARNING, logger="infinity.core.trace"):
         losses = _branchy_run(model, optimizer, pattern)
@@ -69,9 +77,12 @@ def test_departure_from_the_trace_warns_once_and_still_trains_right(tmp_path, ca
 
 
 def test_prefetch_runs_ahead_once_a_trace_exists(tmp_path):
-    result = compare(make_model(), 4, {"offload_param": "nvme", "buffer_size": 1 << 14,
-                                       "buffer_count": 16, "prefetch_depth": 3},
-                     tmp_path=tmp_path)
+    result = compare(
+        make_model(),
+        4,
+        {"offload_param": "nvme", "buffer_size": 1 << 14, "buffer_count": 16, "prefetch_depth": 3},
+        tmp_path=tmp_path,
+    )
     assert_equivalent(*result[:4])
     assert result[4]["prefetched_loads"] > 0
 
@@ -91,8 +102,9 @@ def test_belady_evicts_the_furthest_next_use_first():
     follower.observe(Event(FORWARD, 1, (1,)))
     # At position 2: next uses are 2 -> 0 events away, 3 -> 1, 1 -> 2, 0 -> 3.
     trace, position = follower.trace, follower.position
-    order = BeladyEviction().order([0, 1, 2, 3], lambda e: trace.next_use(e, position),
-                                   recency=lambda e: 0)
+    order = BeladyEviction().order(
+        [0, 1, 2, 3], lambda e: trace.next_use(e, position), recency=lambda e: 0
+    )
     assert order == [0, 1, 3, 2]
 
 
@@ -138,12 +150,19 @@ class Stack(nn.Module):
 
 ENTRIES = 6
 operations = st.lists(
-    st.tuples(st.sampled_from(["gather", "drop", "write", "read", "load", "drain"]),
-              st.integers(0, ENTRIES - 1), st.integers(0, 1000)),
-    min_size=1, max_size=40)
+    st.tuples(
+        st.sampled_from(["gather", "drop", "write", "read", "load", "drain"]),
+        st.integers(0, ENTRIES - 1),
+        st.integers(0, 1000),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=operations)
 def test_residency_machine_always_reads_back_the_last_write(tmp_path_factory, ops):
     """Random gathers, device drops, writes, reads, loads and drains against a dict reference,
@@ -151,8 +170,15 @@ def test_residency_machine_always_reads_back_the_last_write(tmp_path_factory, op
     path = tmp_path_factory.mktemp("nvme")
     model = Stack(ENTRIES)
     reference = {i: layer.weight.detach().clone() for i, layer in enumerate(model.layers)}
-    store = TieredStore(OffloadConfig(offload_param="nvme", nvme_path=str(path),
-                                      buffer_size=4096, buffer_count=3, device_budget=3 * 256))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            nvme_path=str(path),
+            buffer_size=4096,
+            buffer_count=3,
+            device_budget=3 * 256,
+        )
+    )
     store.attach(model)
     placement = store.placement
     entries = store.registry.entries
@@ -200,8 +226,14 @@ def test_backward_events_are_recorded_in_order(tmp_path):
     x.sum().backward()
     recording = store.follower.recording
     kinds = [(e.kind, e.module) for e in recording.events]
-    assert kinds == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2),
-                     (BACKWARD, 2), (BACKWARD, 1), (BACKWARD, 0)]
+    assert kinds == [
+        (FORWARD, 0),
+        (FORWARD, 1),
+        (FORWARD, 2),
+        (BACKWARD, 2),
+        (BACKWARD, 1),
+        (BACKWARD, 0),
+    ]
     store.close()
 
 
@@ -212,10 +244,18 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
     import torch
 
     from infinity import OffloadConfig, TieredStore
+
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
-    store = TieredStore(OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                      nvme_path=str(tmp_path), buffer_size=1 << 16,
-                                      buffer_count=64, step_in_backward=False))
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 16,
+            buffer_count=64,
+            step_in_backward=False,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
 
     def backward() -> None:
@@ -229,8 +269,10 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
     placement = store.placement
     next_use = placement._next_use()
     end = len(placement.follower.trace) - placement.follower.position + 0.5
-    masters = sorted((s for s in store.registry.shards.values() if s.kind == "param"),
-                     key=lambda s: s.entry.index)
+    masters = sorted(
+        (s for s in store.registry.shards.values() if s.kind == "param"),
+        key=lambda s: s.entry.index,
+    )
     uses = [next_use(s) for s in masters]
     # All are needed by the step, in its order, before the next iteration goes past its first
     # module (by the trace alone, the last layer's master would wait for the next forward).
@@ -241,6 +283,7 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
     next_use = placement._next_use()
     trace, position = placement.follower.trace, placement.follower.position
     # stepped: back to the next forward
-    assert [next_use(s) for s in masters] == [trace.next_use(s.entry.index, position)
-                                              for s in masters]
+    assert [next_use(s) for s in masters] == [
+        trace.next_use(s.entry.index, position) for s in masters
+    ]
     store.close()

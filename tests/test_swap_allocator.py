@@ -146,8 +146,9 @@ def test_striped_extents_map_every_byte_once(tmp_path, count):
             # a sub-range maps onto the same places as the whole
             sub = extent.locate(stripe, padded - stripe)
             whole = [p for p in extent.locate(0, padded) if p[2] >= stripe]
-            assert [(id(f), o, e, n) for f, o, e, n in sub] == \
-                [(id(f), o, e, n) for f, o, e, n in whole]
+            assert [(id(f), o, e, n) for f, o, e, n in sub] == [
+                (id(f), o, e, n) for f, o, e, n in whole
+            ]
     finally:
         s.close()
 

@@ -22,8 +22,9 @@ TIMEOUT = 20
 BLOCK = 64 << 10
 BLOCKS = 16
 
-needs_uring = pytest.mark.skipif(uring_unavailable_reason() is not None,
-                                 reason="io_uring unavailable")
+needs_uring = pytest.mark.skipif(
+    uring_unavailable_reason() is not None, reason="io_uring unavailable"
+)
 
 
 @pytest.fixture
@@ -54,17 +55,20 @@ def test_chain_length_fills_the_drive_queue_within_the_backend_limit():
 
 
 @needs_uring
-def test_uring_hands_a_whole_transfer_to_the_kernel_with_one_submit(make_engine, disk_dir,
-                                                                     buffers, monkeypatch):
+def test_uring_hands_a_whole_transfer_to_the_kernel_with_one_submit(
+    make_engine, disk_dir, buffers, monkeypatch
+):
     """16 requests on 2 queue slots: two chains of 8 go in with one io_uring_submit, and no
     completion has to take the GIL to start the next request (before chains: 8 or more
     submits, one per completion the thread woke up for)."""
     import swap.backends.uring as uring_module
+
     engine = make_engine(disk_dir, "uring", block_size=BLOCK, queue_depth=2)
     submits: list[int] = []
     real_submit = uring_module._uring.io_uring_submit
-    monkeypatch.setattr(uring_module._uring, "io_uring_submit",
-                        lambda ring: submits.append(1) or real_submit(ring))
+    monkeypatch.setattr(
+        uring_module._uring, "io_uring_submit", lambda ring: submits.append(1) or real_submit(ring)
+    )
     chains = record_chains(engine.backend)
     extent = engine.allocate(BLOCKS * BLOCK)
     data = random_bytes(BLOCKS * BLOCK, seed=1)
@@ -116,9 +120,12 @@ def test_a_chain_must_be_contiguous_for_the_thread_backend(buffers):
     backend = ThreadBackend(2)
     try:
         with pytest.raises(ValueError, match="continue"):
-            backend.submit_chain([IORequest(Op.READ, 0, 0, buffers[0].address, ALIGNMENT),
-                                  IORequest(Op.READ, 0, 2 * ALIGNMENT, buffers[0].address,
-                                            ALIGNMENT)])
+            backend.submit_chain(
+                [
+                    IORequest(Op.READ, 0, 0, buffers[0].address, ALIGNMENT),
+                    IORequest(Op.READ, 0, 2 * ALIGNMENT, buffers[0].address, ALIGNMENT),
+                ]
+            )
     finally:
         backend.close()
 
@@ -133,9 +140,12 @@ def test_uring_chain_runs_in_order_and_holds_one_slot(tmp_path, buffers):
     try:
         payload = random_bytes(ALIGNMENT, seed=3)
         fill(buffers[0], payload, offset=ALIGNMENT)
-        first, second = backend.submit_chain([
-            IORequest(Op.READ, read_end, 0, buffers[0].address, ALIGNMENT),
-            IORequest(Op.WRITE, fd, 0, buffers[0].address + ALIGNMENT, ALIGNMENT)])
+        first, second = backend.submit_chain(
+            [
+                IORequest(Op.READ, read_end, 0, buffers[0].address, ALIGNMENT),
+                IORequest(Op.WRITE, fd, 0, buffers[0].address + ALIGNMENT, ALIGNMENT),
+            ]
+        )
         time.sleep(0.05)
         assert not first.done() and not second.done() and os.fstat(fd).st_size == 0
         with pytest.raises(RuntimeError, match="queue_depth"):
@@ -145,8 +155,10 @@ def test_uring_chain_runs_in_order_and_holds_one_slot(tmp_path, buffers):
         with open(tmp_path / "f.bin", "rb") as f:
             assert f.read() == payload.numpy().tobytes()
         # the slot is free again
-        assert backend.submit(IORequest(Op.READ, fd, 0, buffers[1].address,
-                                        ALIGNMENT)).result(TIMEOUT) == ALIGNMENT
+        assert (
+            backend.submit(IORequest(Op.READ, fd, 0, buffers[1].address, ALIGNMENT)).result(TIMEOUT)
+            == ALIGNMENT
+        )
     finally:
         backend.close()
         os.close(fd)
@@ -164,9 +176,12 @@ def test_uring_chain_requests_keep_their_own_outcome(tmp_path, buffers):
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     backend = UringBackend(2)
     try:
-        failed, written = backend.submit_chain([
-            IORequest(Op.WRITE, read_only, 0, buffers[0].address, ALIGNMENT),
-            IORequest(Op.WRITE, fd, 0, buffers[0].address, ALIGNMENT)])
+        failed, written = backend.submit_chain(
+            [
+                IORequest(Op.WRITE, read_only, 0, buffers[0].address, ALIGNMENT),
+                IORequest(Op.WRITE, fd, 0, buffers[0].address, ALIGNMENT),
+            ]
+        )
         error = failed.exception(TIMEOUT)
         assert isinstance(error, OSError) and error.errno == errno.EBADF
         assert written.result(TIMEOUT) == ALIGNMENT
@@ -181,6 +196,7 @@ def test_an_interrupted_chain_leaves_nothing_in_the_ring(tmp_path, buffers, monk
     """An exception after some of a chain's slots were taken: none of its requests runs, and
     the backend stays usable."""
     import swap.backends.uring as uring_module
+
     fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     os.posix_fallocate(fd, 0, 2 * ALIGNMENT)
     backend = UringBackend(2)
@@ -197,15 +213,22 @@ def test_an_interrupted_chain_leaves_nothing_in_the_ring(tmp_path, buffers, monk
         fill(buffers[0], random_bytes(2 * ALIGNMENT, seed=4))
         monkeypatch.setattr(uring_module._uring, "io_uring_prep_writev", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            backend.submit_chain([IORequest(Op.WRITE, fd, i * ALIGNMENT,
-                                            buffers[0].address + i * ALIGNMENT, ALIGNMENT)
-                                  for i in range(2)])
+            backend.submit_chain(
+                [
+                    IORequest(
+                        Op.WRITE, fd, i * ALIGNMENT, buffers[0].address + i * ALIGNMENT, ALIGNMENT
+                    )
+                    for i in range(2)
+                ]
+            )
         monkeypatch.undo()
         time.sleep(0.05)
         with open(tmp_path / "f.bin", "rb") as f:
             assert f.read() == b"\0" * 2 * ALIGNMENT  # the prepared first write never ran
-        assert backend.submit(IORequest(Op.READ, fd, 0, buffers[1].address,
-                                        ALIGNMENT)).result(TIMEOUT) == ALIGNMENT
+        assert (
+            backend.submit(IORequest(Op.READ, fd, 0, buffers[1].address, ALIGNMENT)).result(TIMEOUT)
+            == ALIGNMENT
+        )
         started = time.monotonic()
         backend.close()
         assert time.monotonic() - started < 2
@@ -225,8 +248,9 @@ def test_hung_chain_fails_queued_transfers_instead_of_hanging(make_engine, disk_
             return super()._run_batch(requests)
 
     backend = Hanging(1)
-    engine = make_engine(disk_dir, io=backend, block_size=BLOCK, queue_depth=1,
-                         request_timeout=0.3, close_timeout=5)
+    engine = make_engine(
+        disk_dir, io=backend, block_size=BLOCK, queue_depth=1, request_timeout=0.3, close_timeout=5
+    )
     extent = engine.allocate(4 * BLOCK)
     stuck = engine.write(extent, buffers[0])
     error = stuck.exception(TIMEOUT)
@@ -264,6 +288,7 @@ def test_a_signal_during_the_submit_settles_each_request_once(make_engine, disk_
                 register(callback)
                 first.add_done_callback = register  # once
                 raise KeyboardInterrupt
+
             first.add_done_callback = register_then_raise
         return futures
 

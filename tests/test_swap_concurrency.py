@@ -36,8 +36,12 @@ def test_callback_starts_a_new_transfer(engine, pool):
 
     def then_read(_written: Future) -> None:
         engine.read(extent, sink).add_done_callback(
-            lambda f: read_back.set_exception(f.exception()) if f.exception()
-            else read_back.set_result(f.result()))
+            lambda f: (
+                read_back.set_exception(f.exception())
+                if f.exception()
+                else read_back.set_result(f.result())
+            )
+        )
 
     engine.write(extent, source).add_done_callback(then_read)
     assert read_back.result(timeout=TIMEOUT) == 30_000
@@ -96,7 +100,8 @@ def test_chain_of_transfers_each_started_by_the_last(engine, pool):
             return
         fill(buffer, payloads[index])
         engine.write(extents[index], buffer).add_done_callback(
-            lambda f: finished.set_exception(f.exception()) if f.exception() else step(index + 1))
+            lambda f: finished.set_exception(f.exception()) if f.exception() else step(index + 1)
+        )
 
     step(0)
     assert finished.result(timeout=TIMEOUT)
@@ -146,7 +151,7 @@ class CountingBackend(IOBackend):
         self.peak: Counter[int] = Counter()
         self.total_peak = 0
 
-    def submit(self, request: IORequest) -> "Future[int]":
+    def submit(self, request: IORequest) -> Future[int]:
         with self.lock:
             self.now[request.fd] += 1
             self.peak[request.fd] = max(self.peak[request.fd], self.now[request.fd])
@@ -174,12 +179,15 @@ def test_queue_depth_holds_per_directory_and_in_total(make_engine, tmp_path, bac
     except OSError as exc:
         pytest.skip(f"{backend} unavailable: {exc}")
     counting = CountingBackend(inner)
-    engine = make_engine(dirs, io=counting, block_size=ALIGNMENT, queue_depth=queue_depth,
-                         file_size=1 << 20)
+    engine = make_engine(
+        dirs, io=counting, block_size=ALIGNMENT, queue_depth=queue_depth, file_size=1 << 20
+    )
     with BufferPool(6, 64 << 10) as pool:
         # small extents rotate over the directories; large ones stripe over all three
-        extents = [engine.allocate(n) for n in (ALIGNMENT, 3 * ALIGNMENT, 40_000, 60_000,
-                                                2 * ALIGNMENT, 50_000)]
+        extents = [
+            engine.allocate(n)
+            for n in (ALIGNMENT, 3 * ALIGNMENT, 40_000, 60_000, 2 * ALIGNMENT, 50_000)
+        ]
         buffers = [pool.acquire() for _ in extents]
         data = [random_bytes(e.nbytes, i) for i, e in enumerate(extents)]
         for buffer, payload in zip(buffers, data):
@@ -189,8 +197,9 @@ def test_queue_depth_holds_per_directory_and_in_total(make_engine, tmp_path, bac
         assert not not_done and all(f.exception() is None for f in futures)
         for buffer in buffers:
             buffer.array[:] = 0
-        assert [engine.read(e, b).result(TIMEOUT) for e, b in zip(extents, buffers)] == \
-            [e.nbytes for e in extents]
+        assert [engine.read(e, b).result(TIMEOUT) for e, b in zip(extents, buffers)] == [
+            e.nbytes for e in extents
+        ]
         for buffer, payload in zip(buffers, data):
             assert torch.equal(contents(buffer, payload.numel()), payload)
     # one file per directory here, so per-descriptor peaks are per-directory peaks
@@ -250,16 +259,19 @@ def test_close_from_a_callback(engine, pool):
     assert time.monotonic() - started < 1
 
 
-def test_an_exception_raised_while_a_transfer_is_queued_still_submits_it(make_engine, disk_dir,
-                                                                          pool, monkeypatch):
+def test_an_exception_raised_while_a_transfer_is_queued_still_submits_it(
+    make_engine, disk_dir, pool, monkeypatch
+):
     """A signal handler may raise (KeyboardInterrupt, a user's SystemExit) at any bytecode of
     the caller's thread, here after the requests were queued and before the checksums were:
     the requests must still go out, or close() would wait its whole timeout for them."""
-    engine = make_engine(disk_dir, "threads", block_size=16 << 10, checksum_chunk=32 << 10,
-                         close_timeout=30.0)
+    engine = make_engine(
+        disk_dir, "threads", block_size=16 << 10, checksum_chunk=32 << 10, close_timeout=30.0
+    )
     extent = engine.allocate(64 << 10)
     buffer = pool.acquire()
     fill(buffer, random_bytes(64 << 10, 5))
+
     class Interrupting:  # the engine's hash-job queue, raising at the first job
         def __init__(self, jobs):
             self.jobs, self.calls = jobs, 0
@@ -310,8 +322,9 @@ def test_thread_backend_moves_queued_contiguous_requests_with_one_call(disk_dir,
         backend = Recording(8, thread_count=1)
 
         def request(op, block, buffer):
-            return backend.submit(IORequest(op, fd, block * ALIGNMENT,
-                                            buffer.address + block * ALIGNMENT, ALIGNMENT))
+            return backend.submit(
+                IORequest(op, fd, block * ALIGNMENT, buffer.address + block * ALIGNMENT, ALIGNMENT)
+            )
 
         held = request(Op.WRITE, 0, source)
         time.sleep(0.05)  # the worker now waits at the gate with block 0
@@ -331,6 +344,7 @@ def test_thread_backend_moves_queued_contiguous_requests_with_one_call(disk_dir,
 
 def test_a_short_run_leaves_its_later_requests_short():
     from swap.backends.threads import _split
+
     assert _split(10, [4, 4, 4]) == [4, 4, 2]
     assert _split(3, [4, 4]) == [3, 0]
     assert _split(8, [4, 4]) == [4, 4]

@@ -12,8 +12,16 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from swap import (ALIGNMENT, BufferPool, IOBackend, IORequest, Op, SwapIOError,
-                  TransferTimeoutError, align_up)
+from swap import (
+    ALIGNMENT,
+    BufferPool,
+    IOBackend,
+    IORequest,
+    Op,
+    SwapIOError,
+    TransferTimeoutError,
+    align_up,
+)
 from swap.backends.base import memory_at
 from swap.backends.threads import ThreadBackend
 from swap.backends.uring import UringBackend, uring_unavailable_reason
@@ -27,9 +35,18 @@ class FakeBackend(IOBackend):
 
     name = "fake"
 
-    def __init__(self, queue_depth: int = 4, *, direct: bool = False, cap: int | None = None,
-                 report=None, threaded: bool = False, error: OSError | None = None,
-                 refuse: bool = False, hang: bool = False) -> None:
+    def __init__(
+        self,
+        queue_depth: int = 4,
+        *,
+        direct: bool = False,
+        cap: int | None = None,
+        report=None,
+        threaded: bool = False,
+        error: OSError | None = None,
+        refuse: bool = False,
+        hang: bool = False,
+    ) -> None:
         super().__init__(queue_depth)
         self.direct = direct
         self.cap, self.report, self.threaded = cap, report, threaded
@@ -37,7 +54,7 @@ class FakeBackend(IOBackend):
         self.requests: list[IORequest] = []
         self.closed = False
 
-    def submit(self, request: IORequest) -> "Future[int]":
+    def submit(self, request: IORequest) -> Future[int]:
         if self.refuse:
             raise RuntimeError("submit refused by the fake")
         self.requests.append(request)
@@ -50,7 +67,7 @@ class FakeBackend(IOBackend):
             self._run(request, future)
         return future
 
-    def _run(self, request: IORequest, future: "Future[int]") -> None:
+    def _run(self, request: IORequest, future: Future[int]) -> None:
         if self.error is not None:
             future.set_exception(self.error)
             return
@@ -75,9 +92,15 @@ def buffers():
         yield pool.acquire(), pool.acquire()
 
 
-@pytest.mark.parametrize("direct,cap,threaded", [(False, 1000, False), (False, 777, True),
-                                                 (True, ALIGNMENT, False),
-                                                 (True, 2 * ALIGNMENT, True)])
+@pytest.mark.parametrize(
+    "direct,cap,threaded",
+    [
+        (False, 1000, False),
+        (False, 777, True),
+        (True, ALIGNMENT, False),
+        (True, 2 * ALIGNMENT, True),
+    ],
+)
 def test_short_transfers_are_continued(tmp_path, make_engine, buffers, direct, cap, threaded):
     fake = FakeBackend(direct=direct, cap=cap, threaded=threaded)
     engine = make_engine(tmp_path, io=fake, block_size=32 << 10)
@@ -165,16 +188,19 @@ def test_read_of_truncated_file_names_file_and_offset(disk_dir, make_engine, buf
         engine.read(extent, buffers[1]).result(timeout=10)
 
 
-def test_engine_close_is_bounded_when_a_request_never_completes(tmp_path, make_engine, buffers,
-                                                                caplog):
+def test_engine_close_is_bounded_when_a_request_never_completes(
+    tmp_path, make_engine, buffers, caplog
+):
     fake = FakeBackend(hang=True)
     engine = make_engine(tmp_path, io=fake, close_timeout=0.2)
     extent = engine.allocate(ALIGNMENT)
     future = engine.write(extent, buffers[0])
     waiter_error = []
     waiter = threading.Thread(
-        target=lambda: waiter_error.append(pytest.raises(TransferTimeoutError, engine.read_sync,
-                                                         extent, buffers[1])))
+        target=lambda: waiter_error.append(
+            pytest.raises(TransferTimeoutError, engine.read_sync, extent, buffers[1])
+        )
+    )
     waiter.start()
     deadline = time.monotonic() + 5
     while len(fake.requests) < 2 and time.monotonic() < deadline:
@@ -241,13 +267,14 @@ def test_thread_backend_close_is_bounded_when_a_request_never_completes(buffers,
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
-def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buffers,
-                                                                   monkeypatch):
+def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buffers, monkeypatch):
     import swap.backends.uring as uring_module
+
     calls = []
     real_submit = uring_module._uring.io_uring_submit
-    monkeypatch.setattr(uring_module._uring, "io_uring_submit",
-                        lambda ring: calls.append(1) or real_submit(ring))
+    monkeypatch.setattr(
+        uring_module._uring, "io_uring_submit", lambda ring: calls.append(1) or real_submit(ring)
+    )
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     backend = UringBackend(8)
@@ -256,9 +283,14 @@ def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buf
         for i, payload in enumerate(payloads):
             fill(buffers[0], payload, offset=i * ALIGNMENT)
         with backend.plugged():
-            futures = [backend.submit(IORequest(Op.WRITE, fd, i * ALIGNMENT,
-                                                buffers[0].address + i * ALIGNMENT, ALIGNMENT))
-                       for i in range(4)]
+            futures = [
+                backend.submit(
+                    IORequest(
+                        Op.WRITE, fd, i * ALIGNMENT, buffers[0].address + i * ALIGNMENT, ALIGNMENT
+                    )
+                )
+                for i in range(4)
+            ]
             time.sleep(0.05)
             assert calls == [] and not any(f.done() for f in futures)  # held back
         assert [f.result(timeout=5) for f in futures] == [ALIGNMENT] * 4
@@ -271,8 +303,9 @@ def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buf
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
-def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(tmp_path, buffers,
-                                                                         monkeypatch):
+def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
+    tmp_path, buffers, monkeypatch
+):
     """An exception (a signal handler's, say) between taking a submission slot and filling it:
     the slot must not go to the kernel with what an earlier request left in it, which would
     write that request's bytes a second time."""
@@ -283,8 +316,12 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(tmp_pat
     try:
         old, new = random_bytes(ALIGNMENT, seed=1), random_bytes(ALIGNMENT, seed=2)
         fill(buffers[0], old)
-        assert backend.submit(IORequest(Op.WRITE, fd, 0, buffers[0].address,
-                                        ALIGNMENT)).result(timeout=5) == ALIGNMENT
+        assert (
+            backend.submit(IORequest(Op.WRITE, fd, 0, buffers[0].address, ALIGNMENT)).result(
+                timeout=5
+            )
+            == ALIGNMENT
+        )
         real_iovec = backend._iovec
 
         def interrupted(address, length):
@@ -295,8 +332,12 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(tmp_pat
             backend.submit(IORequest(Op.WRITE, fd, 0, buffers[0].address, ALIGNMENT))
         monkeypatch.setattr(backend, "_iovec", real_iovec)
         fill(buffers[0], new)  # the slot still described a write of this buffer to offset 0
-        assert backend.submit(IORequest(Op.WRITE, fd, ALIGNMENT, buffers[0].address,
-                                        ALIGNMENT)).result(timeout=5) == ALIGNMENT
+        assert (
+            backend.submit(
+                IORequest(Op.WRITE, fd, ALIGNMENT, buffers[0].address, ALIGNMENT)
+            ).result(timeout=5)
+            == ALIGNMENT
+        )
         started = time.monotonic()
         backend.close()
         assert time.monotonic() - started < 2
@@ -337,8 +378,9 @@ def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, 
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
-def test_engine_close_submits_what_an_unfinished_plugged_context_held(tmp_path, make_engine,
-                                                                       buffers):
+def test_engine_close_submits_what_an_unfinished_plugged_context_held(
+    tmp_path, make_engine, buffers
+):
     """SystemExit raised by a signal handler can leave a plugged context unfinished until the
     interpreter exits, after the exit hook's close: close must hand its requests over instead of
     waiting out request_timeout for requests the kernel never saw."""
@@ -368,9 +410,14 @@ def test_uring_a_failed_plugged_submit_fails_every_held_request(tmp_path, buffer
     try:
         monkeypatch.setattr(uring_module._uring, "io_uring_submit", broken)
         with backend.plugged():
-            futures = [backend.submit(IORequest(Op.WRITE, fd, i * ALIGNMENT,
-                                                buffers[0].address + i * ALIGNMENT, ALIGNMENT))
-                       for i in range(3)]
+            futures = [
+                backend.submit(
+                    IORequest(
+                        Op.WRITE, fd, i * ALIGNMENT, buffers[0].address + i * ALIGNMENT, ALIGNMENT
+                    )
+                )
+                for i in range(3)
+            ]
         for future in futures:
             error = future.exception(timeout=5)
             assert isinstance(error, OSError) and error.errno == errno.EBADF

@@ -13,8 +13,18 @@ import pytest
 import torch
 
 import swap.timeouts
-from swap import (ALIGNMENT, BufferPool, EngineSettings, FaultInjectingBackend, IntegrityError,
-                  SwapConfigError, SwapIOError, TransferTimeoutError, choose_backend, make_backend)
+from swap import (
+    ALIGNMENT,
+    BufferPool,
+    EngineSettings,
+    FaultInjectingBackend,
+    IntegrityError,
+    SwapConfigError,
+    SwapIOError,
+    TransferTimeoutError,
+    choose_backend,
+    make_backend,
+)
 from swap.backends.base import IORequest, Op
 from swap.backends.threads import ThreadBackend
 from swap.faults import KINDS
@@ -34,8 +44,9 @@ def build(make_engine, directory: Path, backend: str, seed: int = 0, **settings)
         pytest.skip(f"backend {backend} unavailable here: {exc}")
     settings.setdefault("queue_depth", 4)
     settings.setdefault("close_timeout", 5.0)
-    faults = FaultInjectingBackend(make_backend(name, settings["queue_depth"], None,
-                                                settings["close_timeout"]), seed)
+    faults = FaultInjectingBackend(
+        make_backend(name, settings["queue_depth"], None, settings["close_timeout"]), seed
+    )
     settings.setdefault("request_timeout", REQUEST_TIMEOUT)
     engine = make_engine(directory, backend, io=faults, block_size=BLOCK, **settings)
     assert engine.backend_name == name
@@ -68,8 +79,12 @@ def buffers():
         yield pool.acquire(), pool.acquire(), pool.acquire()
 
 
-CASES = [(kind, op) for kind in KINDS for op in ("read", "write")
-         if not (kind == "enospc" and op == "read")]
+CASES = [
+    (kind, op)
+    for kind in KINDS
+    for op in ("read", "write")
+    if not (kind == "enospc" and op == "read")
+]
 
 
 @pytest.mark.parametrize("backend", REAL_BACKENDS)
@@ -113,8 +128,11 @@ def test_fault_matrix(disk_dir, make_engine, buffers, backend, kind, op):
         assert error.path == path and error.offset == offset and error.op == op
         text = str(error)
         assert str(path) in text and f"offset {offset}" in text
-        assert ("EIO" in text and "check the drive" in text) if kind == "eio" else \
-            ("ENOSPC" in text and "full" in text)
+        assert (
+            ("EIO" in text and "check the drive" in text)
+            if kind == "eio"
+            else ("ENOSPC" in text and "full" in text)
+        )
         assert "injected" in str(error.__cause__)
     elif kind == "hang":
         assert type(error) is TransferTimeoutError
@@ -131,8 +149,11 @@ def test_fault_matrix(disk_dir, make_engine, buffers, backend, kind, op):
         assert engine.stats().timeouts == 1 and engine.stats().quarantined == 1
     elif op == "write":  # drop: success reported, nothing landed; the read must notice
         assert error is None
-        with pytest.raises(IntegrityError, match=r"holds the bytes of shard t version 1, this "
-                                                 r"extent's previous write.*stale") as info:
+        with pytest.raises(
+            IntegrityError,
+            match=r"holds the bytes of shard t version 1, this "
+            r"extent's previous write.*stale",
+        ) as info:
             engine.read(target, sink, tag=("t", 2)).result(TIMEOUT)
         assert info.value.path == path and info.value.offset == offset
     else:  # drop read: the buffer kept the poison in chunk 1
@@ -239,8 +260,9 @@ def test_hung_slots_fail_queued_transfers_instead_of_hanging(disk_dir, make_engi
 
 
 def test_hang_without_request_timeout_is_bounded_by_close(disk_dir, make_engine, buffers):
-    engine, faults = build(make_engine, disk_dir, "threads", request_timeout=None,
-                           close_timeout=0.3)
+    engine, faults = build(
+        make_engine, disk_dir, "threads", request_timeout=None, close_timeout=0.3
+    )
     extent = engine.allocate(BLOCK)
     faults.inject("hang")
     future = engine.read(extent, buffers[0])
@@ -261,8 +283,9 @@ def test_request_the_kernel_still_holds_at_close_keeps_its_buffer(tmp_path, make
             gate.wait(TIMEOUT)
             return sum(r.length for r in requests)
 
-    engine = make_engine(tmp_path, io=Stuck(2, close_timeout=0.2), request_timeout=0.3,
-                         close_timeout=1.0)
+    engine = make_engine(
+        tmp_path, io=Stuck(2, close_timeout=0.2), request_timeout=0.3, close_timeout=1.0
+    )
     extent = engine.allocate(ALIGNMENT)
     kept = len(swap.timeouts._abandoned)
     try:
@@ -286,9 +309,15 @@ def test_injector_passes_through_and_validates(tmp_path, make_engine, buffers):
     engine.read_sync(extent, buffers[1], tag="x")
     assert torch.equal(contents(buffers[1], SIZE), data)
     assert faults.injected == {} and faults.requests == 8
-    for bad in ({"kind": "bitrot"}, {"kind": "enospc", "op": "read"}, {"kind": "eio", "op": "x"},
-                {"kind": "eio", "times": 0}, {"kind": "eio", "probability": 2},
-                {"kind": "slow", "delay": -1}, {"kind": "eio", "after": -1}):
+    for bad in (
+        {"kind": "bitrot"},
+        {"kind": "enospc", "op": "read"},
+        {"kind": "eio", "op": "x"},
+        {"kind": "eio", "times": 0},
+        {"kind": "eio", "probability": 2},
+        {"kind": "slow", "delay": -1},
+        {"kind": "eio", "after": -1},
+    ):
         with pytest.raises(ValueError):
             faults.inject(**bad)
     with pytest.raises(ValueError):
@@ -296,8 +325,9 @@ def test_injector_passes_through_and_validates(tmp_path, make_engine, buffers):
     # a probabilistic rule with a seed is reproducible
     picks = []
     for _ in range(2):
-        probe = FaultInjectingBackend(ThreadBackend(1), seed=3).inject("drop", times=None,
-                                                                       probability=0.5)
+        probe = FaultInjectingBackend(ThreadBackend(1), seed=3).inject(
+            "drop", times=None, probability=0.5
+        )
         request = IORequest(Op.WRITE, -1, 0, buffers[2].address, ALIGNMENT)
         picks.append([probe._pick_locked(request)[0] for _ in range(20)])
         probe.close()

@@ -1,8 +1,8 @@
 """Checksums and tags: a read returns the bytes last written there with the tag it asks for, or
 fails with IntegrityError saying what the bytes are instead.
 
-The two benchmarks at the end are skipped unless SWAP_BENCH=1; run them with
-``SWAP_BENCH=1 PYTHONPATH=. .venv/bin/python -m pytest -q -s tests/test_swap_integrity.py -k bench``.
+The two benchmarks at the end are skipped unless SWAP_BENCH=1; run them with ``SWAP_BENCH=1
+PYTHONPATH=. .venv/bin/python -m pytest -q -s tests/test_swap_integrity.py -k bench``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ import pytest
 import torch
 
 import swap.integrity
-from swap import (ALIGNMENT, BufferPool, FaultInjectingBackend, IntegrityError, SwapConfigError,
-                  SwapIOError, choose_backend, make_backend)
+from swap import (
+    ALIGNMENT,
+    BufferPool,
+    FaultInjectingBackend,
+    IntegrityError,
+    SwapConfigError,
+    SwapIOError,
+    choose_backend,
+    make_backend,
+)
 from swap.integrity import describe, tag_key, verify_sidecar
 from tests.conftest import REAL_BACKENDS, contents, fill, random_bytes
 
@@ -62,8 +70,9 @@ def written(engine, pool, size: int = SIZE, seed: int = 1, tag=None):
 
 
 @pytest.mark.parametrize("backend", REAL_BACKENDS)
-def test_flipped_byte_fails_the_read_naming_file_offset_and_extent(make_engine, disk_dir, pool,
-                                                                   backend):
+def test_flipped_byte_fails_the_read_naming_file_offset_and_extent(
+    make_engine, disk_dir, pool, backend
+):
     engine = make_engine(disk_dir, backend, block_size=BLOCK)
     engine.allocate(ALIGNMENT)  # the extent under test does not start at offset 0
     extent, data = written(engine, pool, tag=("w", 3))
@@ -129,13 +138,18 @@ def test_swapped_extents_are_named(make_engine, disk_dir, pool):
     a, _ = written(engine, pool, size=BLOCK, seed=1, tag=("a", 1))
     b, _ = written(engine, pool, size=BLOCK, seed=2, tag=("b", 7))
     sa, sb = a.segments[0], b.segments[0]
-    bytes_a, bytes_b = read_file(sa.file.path, sa.offset, BLOCK), read_file(sb.file.path,
-                                                                             sb.offset, BLOCK)
+    bytes_a, bytes_b = (
+        read_file(sa.file.path, sa.offset, BLOCK),
+        read_file(sb.file.path, sb.offset, BLOCK),
+    )
     patch_file(sa.file.path, sa.offset, bytes_b)
     patch_file(sb.file.path, sb.offset, bytes_a)
     sink = pool.acquire()
-    with pytest.raises(IntegrityError, match=rf"holds the bytes of shard b version 7 \(extent "
-                                             rf"#{b.serial}, chunk 0\): extents swapped or stale"):
+    with pytest.raises(
+        IntegrityError,
+        match=rf"holds the bytes of shard b version 7 \(extent "
+        rf"#{b.serial}, chunk 0\): extents swapped or stale",
+    ):
         engine.read(a, sink, tag=("a", 1)).result(TIMEOUT)
     with pytest.raises(IntegrityError, match=rf"shard a version 1 \(extent #{a.serial}"):
         engine.read(b, sink, tag=("b", 7)).result(TIMEOUT)
@@ -162,8 +176,9 @@ WIDE = 2 * BLOCK  # a chunk of two requests: SIZE is chunks 0 and 1 whole, then 
 
 
 @pytest.mark.parametrize("backend", REAL_BACKENDS)
-def test_chunks_of_several_requests_round_trip_and_catch_a_flipped_byte(make_engine, disk_dir,
-                                                                        pool, backend):
+def test_chunks_of_several_requests_round_trip_and_catch_a_flipped_byte(
+    make_engine, disk_dir, pool, backend
+):
     engine = make_engine(disk_dir, backend, block_size=BLOCK, checksum_chunk=WIDE)
     assert engine.settings.chunk_size == WIDE
     extent, data = written(engine, pool, tag="w")
@@ -179,8 +194,9 @@ def test_chunks_of_several_requests_round_trip_and_catch_a_flipped_byte(make_eng
     assert f"extent bytes [{WIDE}, {2 * WIDE})" in str(info.value)
 
 
-def test_a_chunk_striped_over_two_drives_is_hashed_once_all_of_it_arrived(make_engine,
-                                                                          tmp_path, pool):
+def test_a_chunk_striped_over_two_drives_is_hashed_once_all_of_it_arrived(
+    make_engine, tmp_path, pool
+):
     dirs = [tmp_path / "d0", tmp_path / "d1"]
     for d in dirs:
         d.mkdir()
@@ -195,8 +211,9 @@ def test_a_chunk_striped_over_two_drives_is_hashed_once_all_of_it_arrived(make_e
         engine.read(extent, sink, tag="s").result(TIMEOUT)
 
 
-def test_short_transfers_inside_a_chunk_are_continued_before_it_is_hashed(make_engine, disk_dir,
-                                                                          pool):
+def test_short_transfers_inside_a_chunk_are_continued_before_it_is_hashed(
+    make_engine, disk_dir, pool
+):
     faults = FaultInjectingBackend(make_backend("threads", 8), seed=3)
     engine = make_engine(disk_dir, "threads", io=faults, block_size=BLOCK, checksum_chunk=WIDE)
     extent, data = written(engine, pool, tag="t")
@@ -214,8 +231,9 @@ def test_partial_ranges_verify_the_wide_chunks_they_cover(make_engine, disk_dir,
     patch_file(segment.file.path, segment.offset + WIDE + 10, b"\xff")  # chunk 1
     sink = pool.acquire()
     with pytest.raises(IntegrityError, match="chunk 1"):  # covers chunk 1 whole
-        engine.read(extent, sink, extent_offset=ALIGNMENT, nbytes=2 * WIDE - ALIGNMENT
-                    ).result(TIMEOUT)
+        engine.read(extent, sink, extent_offset=ALIGNMENT, nbytes=2 * WIDE - ALIGNMENT).result(
+            TIMEOUT
+        )
     # one request of chunk 1 only: not checkable against the chunk's checksum
     engine.read(extent, sink, extent_offset=WIDE, nbytes=BLOCK).result(TIMEOUT)
     engine.read(extent, sink, nbytes=WIDE, tag="p").result(TIMEOUT)  # chunk 0 is clean
@@ -224,6 +242,7 @@ def test_partial_ranges_verify_the_wide_chunks_they_cover(make_engine, disk_dir,
 
 def test_checksum_chunk_defaults_to_64_mib_on_the_block_grid(make_engine, disk_dir, pool):
     from swap import EngineSettings
+
     assert EngineSettings(block_size=BLOCK).chunk_size == 64 << 20
     assert EngineSettings(block_size=3 << 22).chunk_size == 6 * (3 << 22)  # 64 MiB, rounded up
     assert EngineSettings(block_size=BLOCK, checksum_chunk=100 << 10).chunk_size == 2 * BLOCK
@@ -243,8 +262,10 @@ def test_tags_and_records_are_checked_before_any_io(make_engine, disk_dir, pool)
     extent, data = written(engine, pool, tag=(5, 2))
     sink = pool.acquire()
     requests = engine.stats().read_requests
-    with pytest.raises(IntegrityError, match="expects shard 5 version 3, but the last write there "
-                                             "was shard 5 version 2"):
+    with pytest.raises(
+        IntegrityError,
+        match="expects shard 5 version 3, but the last write there was shard 5 version 2",
+    ):
         engine.read(extent, sink, tag=(5, 3)).result(TIMEOUT)
     fresh = engine.allocate(BLOCK)
     with pytest.raises(IntegrityError, match="no write to it was recorded"):
@@ -272,14 +293,16 @@ def test_partial_ranges_verify_the_chunks_they_cover(make_engine, disk_dir, pool
     # covers chunk 1 in part only: cannot be checked against a whole-chunk checksum
     engine.read(extent, sink, extent_offset=BLOCK, nbytes=BLOCK // 2).result(TIMEOUT)
     # chunks 2.. are clean
-    engine.read(extent, sink, extent_offset=2 * BLOCK, nbytes=SIZE - 2 * BLOCK,
-                tag="p").result(TIMEOUT)
-    assert torch.equal(contents(sink, SIZE - 2 * BLOCK), data[2 * BLOCK:])
+    engine.read(extent, sink, extent_offset=2 * BLOCK, nbytes=SIZE - 2 * BLOCK, tag="p").result(
+        TIMEOUT
+    )
+    assert torch.equal(contents(sink, SIZE - 2 * BLOCK), data[2 * BLOCK :])
     # a partial write records the chunks it covers and leaves the half-covered one unknown
     source = pool.acquire()
-    fill(source, data[BLOCK:3 * BLOCK - ALIGNMENT])
-    engine.write(extent, source, extent_offset=BLOCK, nbytes=2 * BLOCK - ALIGNMENT,
-                 tag="p2").result(TIMEOUT)
+    fill(source, data[BLOCK : 3 * BLOCK - ALIGNMENT])
+    engine.write(
+        extent, source, extent_offset=BLOCK, nbytes=2 * BLOCK - ALIGNMENT, tag="p2"
+    ).result(TIMEOUT)
     engine.read(extent, sink, tag="p2").result(TIMEOUT)
     assert torch.equal(contents(sink, SIZE), data)
 
@@ -319,8 +342,9 @@ def test_checksums_run_on_io_threads_not_the_caller(make_engine, disk_dir, pool,
     assert engine.stats().checksum_seconds > 0
 
 
-def test_verification_off_costs_nothing_and_checks_nothing(make_engine, disk_dir, pool,
-                                                           monkeypatch):
+def test_verification_off_costs_nothing_and_checks_nothing(
+    make_engine, disk_dir, pool, monkeypatch
+):
     def forbidden(*args, **kwargs):
         raise AssertionError("checksum computed with verify_checksums off")
 
@@ -354,6 +378,7 @@ def test_bench_checksum_speed():
     """GB/s of crc32c (hardware CRC32C) and xxh3_64 on 64 MiB and 1 MiB buffers."""
     import crc32c
     import xxhash
+
     print(f"\ncrc32c hardware_based={crc32c.hardware_based}")
     data = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
     for size, reps in ((64 << 20, 15), (1 << 20, 600)):
@@ -364,8 +389,10 @@ def test_bench_checksum_speed():
                 started = time.perf_counter()
                 fn(view)
                 times.append(time.perf_counter() - started)
-            print(f"{name:8s} {size >> 20:3d} MiB: {size / statistics.median(times) / 1e9:6.1f} "
-                  f"GB/s (best {size / min(times) / 1e9:.1f})")
+            print(
+                f"{name:8s} {size >> 20:3d} MiB: {size / statistics.median(times) / 1e9:6.1f} "
+                f"GB/s (best {size / min(times) / 1e9:.1f})"
+            )
 
 
 @bench
@@ -373,8 +400,17 @@ def test_bench_verification_cost(make_engine, disk_dir):
     """1 GiB read through the engine (threads and uring), verify on vs off, interleaved."""
     total, chunk = 1 << 30, 64 << 20
     for backend in ("uring", "threads"):
-        engines = {v: make_engine(disk_dir, backend, block_size=1 << 20, queue_depth=8,
-                                  file_size=total, verify_checksums=v) for v in (True, False)}
+        engines = {
+            v: make_engine(
+                disk_dir,
+                backend,
+                block_size=1 << 20,
+                queue_depth=8,
+                file_size=total,
+                verify_checksums=v,
+            )
+            for v in (True, False)
+        }
         with BufferPool(1, chunk) as pool:
             buffer = pool.acquire()
             buffer.array[:] = np.random.default_rng(1).integers(0, 256, chunk, dtype=np.uint8)
@@ -396,18 +432,23 @@ def test_bench_verification_cost(make_engine, disk_dir):
                     if verify:
                         hashing.append(engine.stats().checksum_seconds - before)
         on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f"\n{backend}: 1 GiB read, verify on {on:.3f} s ({total / on / 1e9:.2f} GB/s), off "
-              f"{off:.3f} s ({total / off / 1e9:.2f} GB/s): wall cost {(on - off) / off:+.1%}; "
-              f"hashing {statistics.median(hashing):.3f} s of thread time "
-              f"({statistics.median(hashing) / off:.1%} of the read time); runs on "
-              f"{[round(t, 3) for t in times[True]]} off {[round(t, 3) for t in times[False]]}")
+        print(
+            f"\n{backend}: 1 GiB read, verify on {on:.3f} s ({total / on / 1e9:.2f} GB/s), off "
+            f"{off:.3f} s ({total / off / 1e9:.2f} GB/s): wall cost {(on - off) / off:+.1%}; "
+            f"hashing {statistics.median(hashing):.3f} s of thread time "
+            f"({statistics.median(hashing) / off:.1%} of the read time); runs on "
+            f"{[round(t, 3) for t in times[True]]} off {[round(t, 3) for t in times[False]]}"
+        )
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 4096, (60 << 10) - 1, 60 << 10, (60 << 10) + 1,
-                                    1 << 20, (4 << 20) + 12288])
+@pytest.mark.parametrize(
+    "nbytes", [0, 1, 4096, (60 << 10) - 1, 60 << 10, (60 << 10) + 1, 1 << 20, (4 << 20) + 12288]
+)
 def test_checksum_in_slices_equals_the_one_shot_hash(nbytes):
     import xxhash
+
     from swap.integrity import checksum
+
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     assert checksum(data) == xxhash.xxh3_64_intdigest(data.tobytes())
     assert checksum(memoryview(data)) == checksum(torch.from_numpy(data).numpy())

@@ -99,12 +99,11 @@ def test_numpy_and_torch_views_share_memory():
         floats = buffer.view(torch.float32, 10, byte_offset=ALIGNMENT)
         floats[:] = 1.5
         assert floats.data_ptr() == buffer.address + ALIGNMENT
-        assert np.all(buffer.array[ALIGNMENT:ALIGNMENT + 40].view(np.float32) == 1.5)
+        assert np.all(buffer.array[ALIGNMENT : ALIGNMENT + 40].view(np.float32) == 1.5)
         mv = buffer.memoryview(0, 8)
         mv[0] = 9
         assert buffer.tensor[0] == 9
-        assert np.shares_memory(buffer.array, pool.buffers[0].array) == \
-            (buffer is pool.buffers[0])
+        assert np.shares_memory(buffer.array, pool.buffers[0].array) == (buffer is pool.buffers[0])
         with pytest.raises(ValueError, match="does not fit"):
             buffer.view(torch.float64, 3 * ALIGNMENT // 8 + 1)
         with pytest.raises(ValueError, match="multiple"):
@@ -140,7 +139,7 @@ def test_prefault_touches_every_page_and_can_be_left_to_first_use():
     with BufferPool(1, size, prefault=False) as pool:
         assert _resident_bytes() - before < size // 4  # nothing touched yet
         buffer = pool.acquire()
-        buffer.tensor[:size // 2].fill_(7)
+        buffer.tensor[: size // 2].fill_(7)
         assert _resident_bytes() - before >= size // 2 * 0.9
         assert int(buffer.tensor[size // 2 - 1]) == 7 and int(buffer.tensor[-1]) == 0
         buffer.release()

@@ -12,11 +12,35 @@ import torch
 from swap import ALIGNMENT, BufferPool, align_up
 from tests.conftest import REAL_BACKENDS, contents, fill, random_bytes
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-DTYPES += [getattr(torch, name) for name in
-           ("complex32", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-            "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name)]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+DTYPES += [
+    getattr(torch, name)
+    for name in (
+        "complex32",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+]
 
 
 @pytest.fixture(params=REAL_BACKENDS)
@@ -46,8 +70,18 @@ def test_every_dtype_round_trips_bit_equal(engine, pool, dtype):
     engine.free(extent)
 
 
-SIZES = [1, 2, 4095, 4096, 4097, 7919, 65521, (16 << 10) + 1, 5 * (16 << 10) - 1,
-         7 * (16 << 10) + 4099]
+SIZES = [
+    1,
+    2,
+    4095,
+    4096,
+    4097,
+    7919,
+    65521,
+    (16 << 10) + 1,
+    5 * (16 << 10) - 1,
+    7 * (16 << 10) + 4099,
+]
 
 
 @pytest.mark.parametrize("backend", REAL_BACKENDS)
@@ -62,15 +96,15 @@ def test_awkward_sizes_over_three_directories(make_engine, tmp_path, backend):
             data = random_bytes(size, seed)
             extent = engine.allocate(size)
             fill(buffer, data)
-            buffer.array[size:align_up(size)] = 0x77  # padding the write must zero
+            buffer.array[size : align_up(size)] = 0x77  # padding the write must zero
             assert engine.write_sync(extent, buffer) == size
-            assert not buffer.array[size:align_up(size)].any()
+            assert not buffer.array[size : align_up(size)].any()
             buffer.array[:] = 0x55
             assert engine.read_sync(extent, buffer) == size
             assert torch.equal(contents(buffer, size), data), size
             # the read overwrote the padded span with the extent's (zero) padding
-            assert not buffer.array[size:align_up(size)].any()
-            assert (buffer.array[align_up(size):] == 0x55).all()
+            assert not buffer.array[size : align_up(size)].any()
+            assert (buffer.array[align_up(size) :] == 0x55).all()
             engine.free(extent)
         buffer.release()
 
@@ -87,9 +121,9 @@ def test_zero_byte_transfers(make_engine, disk_dir, pool):
 @pytest.mark.parametrize("backend", REAL_BACKENDS)
 def test_extents_ending_exactly_at_end_of_file(make_engine, disk_dir, pool, backend):
     engine = make_engine(disk_dir, backend, file_size=4 * ALIGNMENT)
-    first = engine.allocate(2 * ALIGNMENT + 1)     # 3 pages
-    second = engine.allocate(ALIGNMENT - 5)        # the 4th page: ends at the end of the file
-    big = engine.allocate(6 * ALIGNMENT + 3)       # larger than file_size: a file of its own
+    first = engine.allocate(2 * ALIGNMENT + 1)  # 3 pages
+    second = engine.allocate(ALIGNMENT - 5)  # the 4th page: ends at the end of the file
+    big = engine.allocate(6 * ALIGNMENT + 3)  # larger than file_size: a file of its own
     seg, seg2, seg3 = first.segments[0], second.segments[0], big.segments[0]
     assert seg.file is seg2.file
     assert seg2.offset + seg2.length == seg2.file.capacity == os.fstat(seg2.file.fd).st_size
@@ -118,28 +152,35 @@ def test_partial_ranges(make_engine, disk_dir, backend):
         # overwrite pages 2..4 from the middle of another buffer
         patch = random_bytes(3 * ALIGNMENT, 2)
         fill(b, patch, offset=ALIGNMENT)
-        engine.write_sync(extent, b, extent_offset=2 * ALIGNMENT, buffer_offset=ALIGNMENT,
-                          nbytes=3 * ALIGNMENT)
-        expected[2 * ALIGNMENT:5 * ALIGNMENT] = patch
+        engine.write_sync(
+            extent, b, extent_offset=2 * ALIGNMENT, buffer_offset=ALIGNMENT, nbytes=3 * ALIGNMENT
+        )
+        expected[2 * ALIGNMENT : 5 * ALIGNMENT] = patch
         # overwrite the unaligned tail
         tail = random_bytes(ALIGNMENT + 123, 3)
         fill(b, tail, offset=2 * ALIGNMENT)
         engine.write(extent, b, extent_offset=9 * ALIGNMENT, buffer_offset=2 * ALIGNMENT).result(5)
-        expected[9 * ALIGNMENT:] = tail
+        expected[9 * ALIGNMENT :] = tail
         # whole extent
         b.array[:] = 0
         engine.read_sync(extent, b)
         assert torch.equal(contents(b, size), expected)
         # ranges read into offsets of a buffer
-        for ext_off, buf_off, nbytes in [(0, 0, 1), (ALIGNMENT, 3 * ALIGNMENT, 2 * ALIGNMENT),
-                                         (4 * ALIGNMENT, ALIGNMENT, 4097),
-                                         (9 * ALIGNMENT, 0, ALIGNMENT + 123),
-                                         (10 * ALIGNMENT, 8 * ALIGNMENT, 100)]:
+        for ext_off, buf_off, nbytes in [
+            (0, 0, 1),
+            (ALIGNMENT, 3 * ALIGNMENT, 2 * ALIGNMENT),
+            (4 * ALIGNMENT, ALIGNMENT, 4097),
+            (9 * ALIGNMENT, 0, ALIGNMENT + 123),
+            (10 * ALIGNMENT, 8 * ALIGNMENT, 100),
+        ]:
             b.array[:] = 0xAB
-            assert engine.read_sync(extent, b, extent_offset=ext_off, buffer_offset=buf_off,
-                                    nbytes=nbytes) == nbytes
-            assert torch.equal(contents(b, nbytes, buf_off),
-                               expected[ext_off:ext_off + nbytes])
+            assert (
+                engine.read_sync(
+                    extent, b, extent_offset=ext_off, buffer_offset=buf_off, nbytes=nbytes
+                )
+                == nbytes
+            )
+            assert torch.equal(contents(b, nbytes, buf_off), expected[ext_off : ext_off + nbytes])
             assert (b.array[:buf_off] == 0xAB).all()  # nothing before the range was touched
 
 
@@ -180,9 +221,15 @@ def test_dozens_of_concurrent_transfers(make_engine, tmp_path, backend):
             fill(buffer, payload)
             # each extent in aligned chunks, every chunk its own transfer
             for start in range(0, extent.nbytes, 2 * ALIGNMENT):
-                futures.append(engine.write(extent, buffer, extent_offset=start,
-                                            buffer_offset=start,
-                                            nbytes=min(2 * ALIGNMENT, extent.nbytes - start)))
+                futures.append(
+                    engine.write(
+                        extent,
+                        buffer,
+                        extent_offset=start,
+                        buffer_offset=start,
+                        nbytes=min(2 * ALIGNMENT, extent.nbytes - start),
+                    )
+                )
         assert len(futures) >= 24
         done, not_done = wait(futures, timeout=30)
         assert not not_done
@@ -222,7 +269,7 @@ def test_striping_puts_bytes_in_every_directory(make_engine, tmp_path, count):
             with open(file.path, "rb") as handle:
                 handle.seek(file_offset)
                 on_disk = torch.frombuffer(bytearray(handle.read(length)), dtype=torch.uint8)
-            assert torch.equal(on_disk, expected[ext_offset:ext_offset + length])
+            assert torch.equal(on_disk, expected[ext_offset : ext_offset + length])
             seen.add(file.path.parent.parent)
         assert seen == set(dirs)
         for d in dirs:
@@ -245,8 +292,9 @@ def test_busy_seconds_count_overlapping_directions_once(make_engine, disk_dir):
         engine.write(extents[0], first).result(timeout=30)
         engine.read(extents[0], first).result(timeout=30)
         alone = engine.stats()
-        assert alone.busy_seconds == pytest.approx(alone.read_seconds + alone.write_seconds,
-                                                   rel=1e-6)
+        assert alone.busy_seconds == pytest.approx(
+            alone.read_seconds + alone.write_seconds, rel=1e-6
+        )
         # a write and a read of another extent, in flight together
         futures = [engine.write(extents[1], second), engine.read(extents[0], first)]
         for future in futures:

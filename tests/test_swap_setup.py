@@ -15,19 +15,30 @@ import torch
 import swap.engine
 import swap.files
 import swap.probe
-from swap import (ALIGNMENT, BufferPool, EngineSettings, NvmePathError, SwapConfigError,
-                  SwapEngine, SwapSpace, SwapSpaceError, choose_backend, choose_backend_for)
+from swap import (
+    ALIGNMENT,
+    BufferPool,
+    EngineSettings,
+    NvmePathError,
+    SwapConfigError,
+    SwapEngine,
+    SwapSpace,
+    SwapSpaceError,
+    choose_backend,
+    choose_backend_for,
+)
 from swap.files import RUN_DIR_PREFIX
-from swap.leftovers import LOCK_NAME
 from swap.integrity import verify_sidecar
+from swap.leftovers import LOCK_NAME
 from tests.conftest import contents, fill, fs_type, random_bytes
 
 REFUSED = "the file system refuses O_DIRECT (faked by the test)"
 
 
 # -- backend selection -------------------------------------------------------------------------
-def test_auto_picks_a_direct_backend_on_a_disk_file_system(disk_dir, make_engine,
-                                                           fresh_probe_cache):
+def test_auto_picks_a_direct_backend_on_a_disk_file_system(
+    disk_dir, make_engine, fresh_probe_cache
+):
     assert fs_type(disk_dir) in ("ext4", "xfs", "btrfs", "f2fs")
     assert choose_backend("auto", disk_dir) in ("uring", "threads")
     engine = make_engine(disk_dir)
@@ -36,9 +47,9 @@ def test_auto_picks_a_direct_backend_on_a_disk_file_system(disk_dir, make_engine
     assert fcntl.fcntl(file.fd, fcntl.F_GETFL) & os.O_DIRECT
 
 
-def test_no_direct_io_falls_back_to_buffered_with_a_warning(disk_dir, make_engine, pool,
-                                                            fresh_probe_cache, monkeypatch,
-                                                            caplog):
+def test_no_direct_io_falls_back_to_buffered_with_a_warning(
+    disk_dir, make_engine, pool, fresh_probe_cache, monkeypatch, caplog
+):
     monkeypatch.setattr(swap.probe, "probe_direct_io", lambda directory: REFUSED)
     with caplog.at_level(logging.WARNING, logger="swap.probe"):
         engine = make_engine(disk_dir)
@@ -58,8 +69,9 @@ def test_no_direct_io_falls_back_to_buffered_with_a_warning(disk_dir, make_engin
 
 
 @pytest.mark.parametrize("backend", ["uring", "threads"])
-def test_explicit_direct_backend_without_direct_io_raises(disk_dir, fresh_probe_cache,
-                                                          monkeypatch, backend):
+def test_explicit_direct_backend_without_direct_io_raises(
+    disk_dir, fresh_probe_cache, monkeypatch, backend
+):
     monkeypatch.setattr(swap.probe, "probe_direct_io", lambda directory: REFUSED)
     with pytest.raises(NvmePathError, match=f"'{backend}' needs O_DIRECT") as info:
         SwapEngine(disk_dir, EngineSettings(backend=backend))
@@ -72,21 +84,30 @@ def test_unknown_backend_is_a_config_error(disk_dir):
         SwapEngine(disk_dir, EngineSettings(backend="spdk"))
 
 
-@pytest.mark.parametrize("field,value", [("block_size", 1000), ("queue_depth", 0),
-                                         ("file_size", -1), ("thread_count", 0),
-                                         ("close_timeout", 0), ("block_size", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_size", 1000),
+        ("queue_depth", 0),
+        ("file_size", -1),
+        ("thread_count", 0),
+        ("close_timeout", 0),
+        ("block_size", True),
+    ],
+)
 def test_bad_settings_are_config_errors(field, value):
     with pytest.raises(SwapConfigError, match=field):
         EngineSettings(**{field: value})
 
 
-def test_one_directory_without_direct_io_makes_all_buffered(disk_dir, mount_tmpfs,
-                                                            fresh_probe_cache, monkeypatch,
-                                                            caplog):
+def test_one_directory_without_direct_io_makes_all_buffered(
+    disk_dir, mount_tmpfs, fresh_probe_cache, monkeypatch, caplog
+):
     other = mount_tmpfs("1m").resolve()  # another device: probed (and cached) on its own
     real = swap.probe.probe_direct_io
-    monkeypatch.setattr(swap.probe, "probe_direct_io",
-                        lambda d: REFUSED if Path(d).resolve() == other else real(d))
+    monkeypatch.setattr(
+        swap.probe, "probe_direct_io", lambda d: REFUSED if Path(d).resolve() == other else real(d)
+    )
     with caplog.at_level(logging.WARNING, logger="swap.probe"):
         assert choose_backend_for("auto", [disk_dir, other]) == "buffered"
     assert any("different backends" in r.getMessage() for r in caplog.records)
@@ -261,8 +282,9 @@ def test_two_engines_on_one_path_never_collide(tmp_path, make_engine, pool):
     assert [p.name for p in tmp_path.iterdir()] == [second.space.run_dirs[0].name]
 
 
-def test_file_system_without_fallocate_still_works(tmp_path, make_engine, pool, monkeypatch,
-                                                   caplog):
+def test_file_system_without_fallocate_still_works(
+    tmp_path, make_engine, pool, monkeypatch, caplog
+):
     def no_fallocate(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 

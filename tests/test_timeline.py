@@ -14,7 +14,14 @@ import torch
 import infinity
 import infinity.observability.timeline as timeline_module
 import infinity.observability.trace_export as trace_export
-from infinity.observability.timeline import PROFILER_RANGES, Span, Timeline, Transfer, subtract, union
+from infinity.observability.timeline import (
+    PROFILER_RANGES,
+    Span,
+    Timeline,
+    Transfer,
+    subtract,
+    union,
+)
 from tests.store_helpers import fused_adamw, make_model, train
 from tools.common.tiny_gpt import GPTConfig
 
@@ -35,16 +42,25 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """STEPS recorded training steps under torch.profiler (the first records the module
     trace, the later ones prefetch along it)."""
     tmp_path = tmp_path_factory.mktemp("timeline")
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path / "swap"),
-        buffer_size=1 << 14, buffer_count=8))
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path / "swap"),
+            buffer_size=1 << 14,
+            buffer_count=8,
+        )
+    )
     (tmp_path / "swap").mkdir()
     model = make_model(TINY)
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
     try:
-        store.placement.drain()   # the initial write-out, made while not recording
-        untouched = (list(store.timeline.transfers), list(store.timeline.spans),
-                     list(store.timeline.events))
+        store.placement.drain()  # the initial write-out, made while not recording
+        untouched = (
+            list(store.timeline.transfers),
+            list(store.timeline.spans),
+            list(store.timeline.events),
+        )
         before = store.stats()
         store.timeline.enabled = True
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -55,18 +71,28 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _wait_for_completions(store.timeline)
         chrome = store.timeline.export_chrome(tmp_path / "out" / "trace.json")
         png = store.timeline.plot(tmp_path / "out" / "timeline.png", title="tiny GPT")
-        return {"store": store, "before": before, "after": after, "untouched": untouched,
-                "chrome": chrome, "png": png, "summary": store.timeline.summary(),
-                "profiled": [e.name for e in prof.events()],
-                "modules": set(store.placement.module_names),
-                "params": {e.name for e in store.registry.entries}}
+        return {
+            "store": store,
+            "before": before,
+            "after": after,
+            "untouched": untouched,
+            "chrome": chrome,
+            "png": png,
+            "summary": store.timeline.summary(),
+            "profiled": [e.name for e in prof.events()],
+            "modules": set(store.placement.module_names),
+            "params": {e.name for e in store.registry.entries},
+        }
     finally:
         store.close()
 
 
 def _lanes(trace: dict) -> dict[int, str]:
-    return {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-            if e["ph"] == "M" and e["name"] == "thread_name"}
+    return {
+        e["tid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
 
 
 def test_disabled_timeline_records_nothing(recorded):
@@ -105,13 +131,19 @@ def test_chrome_trace_is_valid_and_uses_the_documented_names(recorded):
     for e in complete:
         assert e["cat"] in trace_export.CATEGORIES
         # an update in backward (step_in_backward) is a step span named by its parameter
-        assert e["name"] in trace_export.EVENT_NAMES or e["name"] in recorded["modules"] or \
-            (e["cat"] == "step" and e["name"] in recorded["params"])
+        assert (
+            e["name"] in trace_export.EVENT_NAMES
+            or e["name"] in recorded["modules"]
+            or (e["cat"] == "step" and e["name"] in recorded["params"])
+        )
     assert {e["ph"] for e in events} <= {"M", "X", "C"}
     # Slices on one lane never overlap (Perfetto would nest or hide them).
     for tid in lanes:
-        slices = sorted((e["ts"], e["ts"] + e["dur"]) for e in complete
-                        if e["tid"] == tid and lanes[tid] != "compute")
+        slices = sorted(
+            (e["ts"], e["ts"] + e["dur"])
+            for e in complete
+            if e["tid"] == tid and lanes[tid] != "compute"
+        )
         assert all(a[1] <= b[0] + 1e-3 for a, b in zip(slices, slices[1:])), lanes[tid]
 
 
@@ -151,6 +183,7 @@ def test_png_is_written_and_loads(recorded):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     import matplotlib.image
+
     image = matplotlib.image.imread(png)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
@@ -168,8 +201,9 @@ def test_summary_is_consistent(recorded):
     assert 0 < s["io_busy_seconds"] <= s["total_seconds"] + eps
     assert s["overlap_seconds"] <= min(s["compute_seconds"], s["io_busy_seconds"]) + eps
     assert s["compute_seconds"] + s["stall_seconds"] <= s["total_seconds"] + eps
-    assert s["forward_seconds"] + s["backward_seconds"] + s["step_seconds"] == \
-        pytest.approx(s["compute_seconds"])
+    assert s["forward_seconds"] + s["backward_seconds"] + s["step_seconds"] == pytest.approx(
+        s["compute_seconds"]
+    )
     counts = s["counts"]
     assert counts["steps"] == STEPS and counts["unfinished"] == 0 and counts["errors"] == 0
     assert counts["forward"] > 0 and counts["backward"] > 0 and counts["reads"] > 0
@@ -191,8 +225,8 @@ def test_wrapped_ranges_are_not_duplicated_by_markers():
     timeline = Timeline(enabled=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with timeline.profile_range(PROFILER_RANGES["stall"], "s0"):
-            timeline.stall(None, "s0", 1.0, 2.0)   # inside its range: no extra marker
-        timeline.stall(None, "s1", 3.0, 4.0)       # unwrapped: a marker
+            timeline.stall(None, "s0", 1.0, 2.0)  # inside its range: no extra marker
+        timeline.stall(None, "s1", 3.0, 4.0)  # unwrapped: a marker
         with timeline.timed("optimizer.step", "step"):
             pass
     names = [e.name for e in prof.events()]
@@ -203,22 +237,31 @@ def test_wrapped_ranges_are_not_duplicated_by_markers():
 
 def _synthetic() -> Timeline:
     timeline = Timeline()
-    timeline.events = [(0.0, "fwd", "a"), (1.0, "fwd", "b"), (2.0, "bwd", "b"),
-                       (3.0, "bwd", "a")]
-    timeline.spans = [Span("s1", "stall", 1.5, 1.7), Span("optimizer.step", "step", 4.0, 5.0),
-                      Span("b", "d2h", 2.5, 2.6)]
-    timeline.transfers = [Transfer("s1", "read", 100, 0.5, 1.7, prefetch=True, stalled=True),
-                          Transfer("s2", "read", 50, 0.6, 0.8),
-                          Transfer("s1", "write", 30, 4.5, 6.0),
-                          Transfer("s3", "write", 7, 5.5, None)]
+    timeline.events = [(0.0, "fwd", "a"), (1.0, "fwd", "b"), (2.0, "bwd", "b"), (3.0, "bwd", "a")]
+    timeline.spans = [
+        Span("s1", "stall", 1.5, 1.7),
+        Span("optimizer.step", "step", 4.0, 5.0),
+        Span("b", "d2h", 2.5, 2.6),
+    ]
+    timeline.transfers = [
+        Transfer("s1", "read", 100, 0.5, 1.7, prefetch=True, stalled=True),
+        Transfer("s2", "read", 50, 0.6, 0.8),
+        Transfer("s1", "write", 30, 4.5, 6.0),
+        Transfer("s3", "write", 7, 5.5, None),
+    ]
     return timeline
 
 
 def test_compute_spans_cut_out_stalls_and_end_at_the_step():
     spans = [(s.name, s.phase, s.start, s.end) for s in _synthetic().compute_spans()]
-    assert spans == [("a", "fwd", 0.0, 1.0), ("b", "fwd", 1.0, 1.5), ("b", "fwd", 1.7, 2.0),
-                     ("b", "bwd", 2.0, 3.0), ("a", "bwd", 3.0, 4.0),
-                     ("optimizer.step", "step", 4.0, 5.0)]
+    assert spans == [
+        ("a", "fwd", 0.0, 1.0),
+        ("b", "fwd", 1.0, 1.5),
+        ("b", "fwd", 1.7, 2.0),
+        ("b", "bwd", 2.0, 3.0),
+        ("a", "bwd", 3.0, 4.0),
+        ("optimizer.step", "step", 4.0, 5.0),
+    ]
 
 
 def test_summary_and_export_of_a_synthetic_timeline(tmp_path):
@@ -228,17 +271,23 @@ def test_summary_and_export_of_a_synthetic_timeline(tmp_path):
     assert s["io_busy_seconds"] == pytest.approx(2.7)
     assert s["overlap_seconds"] == pytest.approx(1.5)
     assert s["hidden_fraction"] == pytest.approx(1.5 / 2.7)
-    assert s["overlap_efficiency"] == pytest.approx(1.5 / 2.7)   # I/O is the shorter
+    assert s["overlap_efficiency"] == pytest.approx(1.5 / 2.7)  # I/O is the shorter
     assert s["compute_seconds"] == pytest.approx(4.8)
     assert s["total_seconds"] == pytest.approx(6.0)
-    assert (s["bytes_read"], s["bytes_written"]) == (150, 30)   # the unfinished write is not
+    assert (s["bytes_read"], s["bytes_written"]) == (150, 30)  # the unfinished write is not
     assert s["counts"]["unfinished"] == 1 and s["counts"]["stalled_transfers"] == 1
     trace = json.loads(timeline.export_chrome(tmp_path / "t.json").read_text())
     lanes = _lanes(trace)
-    assert sorted(lanes.values()) == ["compute", "d2h", "nvme read", "nvme read 2",
-                                      "nvme write", "nvme write 2", "stall"]
-    unfinished = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"].get(
-        "unfinished")]
+    assert sorted(lanes.values()) == [
+        "compute",
+        "d2h",
+        "nvme read",
+        "nvme read 2",
+        "nvme write",
+        "nvme write 2",
+        "stall",
+    ]
+    unfinished = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"].get("unfinished")]
     assert len(unfinished) == 1 and unfinished[0]["dur"] == pytest.approx(0.5e6)
     peak = max(e["args"]["read"] for e in trace["traceEvents"] if e["ph"] == "C")
     assert peak == 150
@@ -264,7 +313,7 @@ def test_interval_helpers():
 
 def test_a_pass_inside_the_step_stays_nested_in_it():
     timeline = Timeline()
-    timeline.events = [(0.0, "fwd", "a"), (4.2, "fwd", "a")]   # the second: an LBFGS closure
+    timeline.events = [(0.0, "fwd", "a"), (4.2, "fwd", "a")]  # the second: an LBFGS closure
     timeline.spans = [Span("optimizer.step", "step", 4.0, 5.0), Span("x", "d2h", 5.0, 6.0)]
     spans = [(s.name, s.start, s.end) for s in timeline.compute_spans()]
     assert spans == [("a", 0.0, 4.0), ("optimizer.step", 4.0, 5.0), ("a", 4.2, 5.0)]

@@ -15,8 +15,13 @@ from tests.store_helpers import SMALL, make_model
 from tools.common.tiny_gpt import synthetic_batches
 
 
-def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iterations: int = 5,
-          rank: int | None = None, world: int = 1):
+def _loop(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    iterations: int = 5,
+    rank: int | None = None,
+    world: int = 1,
+):
     """The loop; with ``rank``, that rank's half of each batch under torch.distributed (the
     logged loss is then the mean over the ranks)."""
     data = synthetic_batches(SMALL, 4, seed=1)
@@ -30,8 +35,8 @@ def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iterations: 
             tokens, targets = next(data)
             if rank is not None:
                 share = 4 // world
-                tokens = tokens[rank * share:(rank + 1) * share]
-                targets = targets[rank * share:(rank + 1) * share]
+                tokens = tokens[rank * share : (rank + 1) * share]
+                targets = targets[rank * share : (rank + 1) * share]
             loss = model(tokens, targets) / 2
             loss.backward()
         logged = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in model.parameters()))
@@ -57,13 +62,20 @@ def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iterations: 
 def test_nanogpt_style_loop_attached_equals_plain(tmp_path):
     plain = make_model()
     attached = copy.deepcopy(plain)
-    plain_log, plain_ema = _loop(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3,
-                                                          weight_decay=0.1, fused=True))
-    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=8 << 10, buffer_count=8, nvme_path=str(tmp_path))
+    plain_log, plain_ema = _loop(
+        plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    )
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=8 << 10,
+        buffer_count=8,
+        nvme_path=str(tmp_path),
+    )
     with infinity.TieredStore(config) as store:
-        model, optimizer = store.attach(attached, torch.optim.AdamW(
-            attached.parameters(), lr=1e-3, weight_decay=0.1))
+        model, optimizer = store.attach(
+            attached, torch.optim.AdamW(attached.parameters(), lr=1e-3, weight_decay=0.1)
+        )
         log, ema = _loop(model, optimizer)
         assert store.stats()["bytes_read"] > 0
     for step, (expected, got) in enumerate(zip(plain_log, log)):
@@ -95,8 +107,13 @@ def test_an_ema_model_from_deepcopy_trains_and_evaluates_like_plain(tmp_path):
     plain = make_model()
     attached = copy.deepcopy(plain)
     plain_loss, plain_state = run(plain, torch.optim.AdamW(plain.parameters(), fused=True))
-    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=8 << 10, buffer_count=8, nvme_path=str(tmp_path))
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=8 << 10,
+        buffer_count=8,
+        nvme_path=str(tmp_path),
+    )
     with infinity.TieredStore(config) as store:
         model, optimizer = store.attach(attached, torch.optim.AdamW(attached.parameters()))
         loss, state = run(model, optimizer)
@@ -108,25 +125,32 @@ def test_an_ema_model_from_deepcopy_trains_and_evaluates_like_plain(tmp_path):
 
 def _nanogpt_on_rank(rank: int, world: int, swap_root: str):
     model = make_model(seed=rank)  # rank 0's values are the ones all ranks start from
-    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=8 << 10, buffer_count=8, nvme_path=swap_root)
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=8 << 10,
+        buffer_count=8,
+        nvme_path=swap_root,
+    )
     with infinity.TieredStore(config) as store:
-        model, optimizer = store.attach(model, torch.optim.AdamW(
-            model.parameters(), lr=1e-3, weight_decay=0.1))
+        model, optimizer = store.attach(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        )
         return _loop(model, optimizer, rank=rank, world=world)
 
 
 def test_nanogpt_style_loop_on_two_ranks_equals_one_plain_process(tmp_path):
     from tests.dist_helpers import run_ranks
+
     plain = make_model()
-    plain_log, plain_ema = _loop(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3,
-                                                          weight_decay=0.1, fused=True))
+    plain_log, plain_ema = _loop(
+        plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    )
     results = run_ranks(_nanogpt_on_rank, 2, str(tmp_path), timeout=240)
     for rank, (log, ema) in results.items():
         for step, (expected, got) in enumerate(zip(plain_log, log)):
             for a, b in zip(expected, got):
                 # Sums over the ranks' halves: another order of additions than one batch.
-                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), (rank, step, expected,
-                                                                        got)
+                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), (rank, step, expected, got)
         for a, b in zip(plain_ema, ema):
             torch.testing.assert_close(torch.as_tensor(b), a, rtol=1e-4, atol=1e-5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,25 +24,47 @@ VOCAB, CONTEXT, BATCH, STEPS = 128, 16, 4, 8
 # buffer_count x buffer_size is 256 KiB of staging arena; masters, gradients and both Adam
 # moments of these models take 4 x 105 KiB (Llama) or 4 x 120 KiB (GPT-2), so shards go to the
 # swap files and come back within a step; the 128 x 32 embeddings (16 KiB) fill whole buffers.
-NVME = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 1 << 14,
-        "buffer_count": 16}
+NVME = {
+    "offload_param": "nvme",
+    "offload_optimizer": "nvme",
+    "buffer_size": 1 << 14,
+    "buffer_count": 16,
+}
 
 
 def llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * CONTEXT,
-        attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        attn_implementation="sdpa")
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * CONTEXT,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
 
 def gpt2() -> torch.nn.Module:
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=2 * CONTEXT,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
-        attn_implementation="eager")
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=2 * CONTEXT,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -102,8 +124,9 @@ def stores():
         store.close()
 
 
-def run_pair(stores, tmp_path, reference, steps: int = STEPS,
-             scheduler_factory: Callable | None = None):
+def run_pair(
+    stores, tmp_path, reference, steps: int = STEPS, scheduler_factory: Callable | None = None
+):
     """Trains a plain and an attached copy of ``reference``; checks they agree and returns
     (store, attached model, plain model, plain losses, plain lrs, attached lrs)."""
     data = batches(steps)
@@ -123,7 +146,7 @@ def run_pair(stores, tmp_path, reference, steps: int = STEPS,
 def assert_trained(reference, plain, losses) -> None:
     """The run did something worth comparing: finite losses that fall, parameters that moved."""
     assert all(math.isfinite(x) for x in losses)
-    assert 4.0 < losses[0] < 6.0               # about ln(128) = 4.85 from random init
+    assert 4.0 < losses[0] < 6.0  # about ln(128) = 4.85 from random init
     assert losses[-1] < losses[0] - 0.15, losses
     before = reference.state_dict()
     moved = [k for k, v in plain.state_dict().items() if not torch.equal(v, before[k])]
@@ -144,10 +167,15 @@ def test_causal_lm_with_params_and_optimizer_state_on_nvme(stores, tmp_path, nam
     assert stats["bytes_read"] > params
     # Every shard's Adam state is in companions on the host tier or NVMe, not in the optimizer.
     shards = list(store.registry.shards.values())
-    assert shards and all({"optim:exp_avg", "optim:exp_avg_sq"} <= set(s.companions)
-                          for s in shards)
-    in_memory = [v for state in store.optimizer.state.values() for v in state.values()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert shards and all(
+        {"optim:exp_avg", "optim:exp_avg_sq"} <= set(s.companions) for s in shards
+    )
+    in_memory = [
+        v
+        for state in store.optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     assert len(in_memory) == 2 * len(shards) and all(v.numel() == 0 for v in in_memory)
     # Tied embeddings stay one Parameter, registered once, as each model's config says.
     tied = reference.config.tie_word_embeddings
@@ -156,18 +184,21 @@ def test_causal_lm_with_params_and_optimizer_state_on_nvme(stores, tmp_path, nam
     assert len(store.registry.entries) == len(list(reference.parameters()))
     if tied:
         state = model.state_dict()
-        torch.testing.assert_close(state["lm_head.weight"], state["transformer.wte.weight"],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            state["lm_head.weight"], state["transformer.wte.weight"], rtol=0, atol=0
+        )
 
 
 def test_linear_warmup_schedule_drives_the_offloaded_optimizer(stores, tmp_path):
     def scheduler(optimizer):
         return transformers.get_linear_schedule_with_warmup(
-            optimizer, num_warmup_steps=3, num_training_steps=STEPS)
+            optimizer, num_warmup_steps=3, num_training_steps=STEPS
+        )
 
     reference = llama()
-    _, _, plain, losses, plain_lrs, lrs = run_pair(stores, tmp_path, reference,
-                                                   scheduler_factory=scheduler)
+    _, _, plain, losses, plain_lrs, lrs = run_pair(
+        stores, tmp_path, reference, scheduler_factory=scheduler
+    )
     # The schedule reached the wrapped optimizer's param_groups, step for step: 0 first (a
     # no-op step), up to the peak after warmup, then linearly down.
     expected = [1e-2 * s / 3 if s < 3 else 1e-2 * (STEPS - s) / (STEPS - 3) for s in range(STEPS)]

@@ -36,11 +36,21 @@ def test_a_write_superseded_or_discarded_unread_is_counted():
 
 def test_a_write_read_back_is_not_counted():
     registry, shard = _shard()
-    _walk(registry, shard, R.HOST_STORING, R.HOST_NVME, R.NVME, R.NVME_LOADING, R.HOST_NVME,
-          R.HOST)  # evicted, read back, then updated: the write was needed
+    _walk(
+        registry, shard, R.HOST_STORING, R.HOST_NVME, R.NVME, R.NVME_LOADING, R.HOST_NVME, R.HOST
+    )  # evicted, read back, then updated: the write was needed
     _walk(registry, shard, R.HOST_STORING, R.HOST)  # a failed write is not a write
-    _walk(registry, shard, R.HOST_STORING, R.HOST_NVME, R.DEVICE_HOST_NVME, R.DEVICE_NVME,
-          R.NVME, R.NVME_LOADING, R.HOST_NVME)
+    _walk(
+        registry,
+        shard,
+        R.HOST_STORING,
+        R.HOST_NVME,
+        R.DEVICE_HOST_NVME,
+        R.DEVICE_NVME,
+        R.NVME,
+        R.NVME_LOADING,
+        R.HOST_NVME,
+    )
     assert registry.unread_writes == 0
 
 
@@ -50,9 +60,16 @@ def test_updates_in_optimizer_step_write_nothing_they_do_not_read(tmp_path):
     before their next update."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
-        buffer_size=1 << 18, buffer_count=8, host_budget=2 << 20))
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 18,
+            buffer_count=8,
+            host_budget=2 << 20,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     for step in range(6):
         model(torch.randn(8, 256)).square().mean().backward()
@@ -104,25 +121,38 @@ def test_updates_in_backward_read_each_shard_at_most_once_a_step(tmp_path):
         store.timeline.transfers.clear()
         with store.timeline.recording():
             train_step()
-        reads = collections.Counter(t.shard for t in store.timeline.transfers
-                                    if t.op == "read" and t.nbytes >= 256 * 256 * 4)
+        reads = collections.Counter(
+            t.shard
+            for t in store.timeline.transfers
+            if t.op == "read" and t.nbytes >= 256 * 256 * 4
+        )
         assert sum(reads.values()) >= 12  # it streams
         repeated += [shard for shard, count in reads.items() if count > 1]
     store.close()
     assert len(repeated) <= 1, repeated
 
 
-def _updating_in_backward(tmp_path, host_mib: int
-                          ) -> tuple[infinity.TieredStore, Callable[[], None]]:
+def _updating_in_backward(
+    tmp_path, host_mib: int
+) -> tuple[infinity.TieredStore, Callable[[], None]]:
     """24 x (Linear(256) + ReLU) with updates in backward under a host budget of `host_mib` MiB
     (1 MiB buffers, as many as fit): the proportions of the 100.7M MLP under 0.7-1.0 GiB."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[m for _ in range(24)
-                                  for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())])
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
-        buffer_size=1 << 20, buffer_count=host_mib, host_budget=host_mib << 20,
-        device_budget=int(1.6 * (1 << 20)), step_in_backward=True))
+    model = torch.nn.Sequential(
+        *[m for _ in range(24) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())]
+    )
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            buffer_size=1 << 20,
+            buffer_count=host_mib,
+            host_budget=host_mib << 20,
+            device_budget=int(1.6 * (1 << 20)),
+            step_in_backward=True,
+        )
+    )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     def train_step() -> None:

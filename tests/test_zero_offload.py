@@ -20,8 +20,9 @@ def test_params_on_device_optimizer_offloaded_matches_plain(tmp_path, optimizer_
     kwargs = {"offload_param": "none", "offload_optimizer": optimizer_tier}
     if optimizer_tier == "nvme":
         # Room for a fraction of masters + moments: the step must swap through NVMe.
-        kwargs.update(nvme_path=str(tmp_path), buffer_size=1 << 14, buffer_count=8,
-                      host_budget=1 << 17)
+        kwargs.update(
+            nvme_path=str(tmp_path), buffer_size=1 << 14, buffer_count=8, host_budget=1 << 17
+        )
     plain_losses, losses, plain_state, state, stats = compare(reference, 20, kwargs)
     assert_equivalent(plain_losses, losses, plain_state, state)
     # Every parameter stays on the device the whole time: the device tier holds all of them.
@@ -38,9 +39,13 @@ def test_params_on_device_optimizer_offloaded_matches_plain(tmp_path, optimizer_
 def test_zero2_seed_config_offloads_the_optimizer(tmp_path):
     """DeepSpeed's ZeRO-2 CPU-offload config (fp16, clipping, optimizer on the CPU) is no
     longer a pass-through: the optimizer is the store's and the working copies are fp16."""
-    config = OffloadConfig.from_deepspeed({
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-        "fp16": {"enabled": True, "initial_scale_power": 8}, "gradient_clipping": 1.0})
+    config = OffloadConfig.from_deepspeed(
+        {
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "fp16": {"enabled": True, "initial_scale_power": 8},
+            "gradient_clipping": 1.0,
+        }
+    )
     assert (config.offload_param, config.offload_optimizer) == ("none", "cpu")
     model = make_model()
     store = TieredStore(config)
@@ -56,8 +61,9 @@ def test_zero2_seed_config_offloads_the_optimizer(tmp_path):
 
 def test_mixed_precision_without_offload_is_not_ignored():
     model = make_model()
-    store = TieredStore(OffloadConfig(offload_param="none",
-                                      precision=infinity.PrecisionConfig(dtype="bf16")))
+    store = TieredStore(
+        OffloadConfig(offload_param="none", precision=infinity.PrecisionConfig(dtype="bf16"))
+    )
     _, optimizer = store.attach(model, fused_adamw(model.parameters()))
     assert optimizer is store.optimizer
     assert store.registry.entries[0].compute_dtype is torch.bfloat16
@@ -68,10 +74,12 @@ def test_device_budget_below_the_parameters_names_the_fix():
     model = make_model()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     before = copy.deepcopy(model.state_dict())
-    store = TieredStore(OffloadConfig(offload_param="none", offload_optimizer="cpu",
-                                      device_budget=total // 2))
-    with pytest.raises(infinity.BudgetError, match="offload_param='none' keeps every "
-                                                    "parameter on the device"):
+    store = TieredStore(
+        OffloadConfig(offload_param="none", offload_optimizer="cpu", device_budget=total // 2)
+    )
+    with pytest.raises(
+        infinity.BudgetError, match="offload_param='none' keeps every parameter on the device"
+    ):
         store.attach(model, fused_adamw(model.parameters()))
     store.close()
     for key, value in model.state_dict().items():  # nothing lost
@@ -88,8 +96,9 @@ def test_nothing_offloaded_in_fp32_leaves_the_model_alone():
 
 def test_host_budget_below_the_masters_names_the_fix():
     model = make_model()
-    store = TieredStore(OffloadConfig(offload_param="none", offload_optimizer="cpu",
-                                      host_budget=1000))
+    store = TieredStore(
+        OffloadConfig(offload_param="none", offload_optimizer="cpu", host_budget=1000)
+    )
     with pytest.raises(infinity.BudgetError, match="offload_optimizer='nvme'"):
         store.attach(model, fused_adamw(model.parameters()))
     store.close()

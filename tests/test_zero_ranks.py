@@ -4,7 +4,6 @@ holds about 1/N of the training state; a dead rank stops the others with a clear
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -30,8 +29,9 @@ def _batches(world: int, micro_batches: int):
         yield [next(data) for _ in range(micro_batches)]
 
 
-def _loop(model, optimizer, world: int, rank: int | None, micro_batches: int, clip: float,
-          reduce_loss) -> list[float]:
+def _loop(
+    model, optimizer, world: int, rank: int | None, micro_batches: int, clip: float, reduce_loss
+) -> list[float]:
     """The loop of one rank (``rank``), or of one process over every rank's batch (None)."""
     losses = []
     data = _batches(world, micro_batches)
@@ -39,8 +39,8 @@ def _loop(model, optimizer, world: int, rank: int | None, micro_batches: int, cl
         total = 0.0
         for tokens, targets in next(data):
             if rank is not None:  # this rank's share of the concatenated batch
-                tokens = tokens[rank * BATCH:(rank + 1) * BATCH]
-                targets = targets[rank * BATCH:(rank + 1) * BATCH]
+                tokens = tokens[rank * BATCH : (rank + 1) * BATCH]
+                targets = targets[rank * BATCH : (rank + 1) * BATCH]
             loss = model(tokens, targets) / micro_batches
             loss.backward()
             total += reduce_loss(loss.detach())
@@ -52,8 +52,9 @@ def _loop(model, optimizer, world: int, rank: int | None, micro_batches: int, cl
     return losses
 
 
-def _train_rank(rank: int, world: int, config: dict, micro_batches: int, clip: float,
-                swap_root: str | None) -> dict:
+def _train_rank(
+    rank: int, world: int, config: dict, micro_batches: int, clip: float, swap_root: str | None
+) -> dict:
     # A different seed on every rank: the store must start all of them from rank 0's values.
     model = make_model(seed=rank)
     if swap_root is not None:
@@ -77,13 +78,21 @@ def _train_rank(rank: int, world: int, config: dict, micro_batches: int, clip: f
     optim_moments = {i: s["exp_avg"] for i, s in optim_state["state"].items()}
     # This rank's training state: master slices and their gradient and optimizer-state
     # companions, wherever they live (host or NVMe).
-    held = sum(s.nbytes + sum(c.nbytes for c in s.companions.values())
-               for s in store.registry.shards.values())
+    held = sum(
+        s.nbytes + sum(c.nbytes for c in s.companions.values())
+        for s in store.registry.shards.values()
+    )
     run_dirs = [str(d) for d in store.engine.space.run_dirs] if store.engine else []
     store.close()
-    return {"losses": losses, "state": state, "stats": stats, "held": held,
-            "run_dirs": run_dirs, "grad_norm": store.last_grad_norm,
-            "moments": optim_moments}
+    return {
+        "losses": losses,
+        "state": state,
+        "stats": stats,
+        "held": held,
+        "run_dirs": run_dirs,
+        "grad_norm": store.last_grad_norm,
+        "moments": optim_moments,
+    }
 
 
 def assert_same_optimizer_state(a: dict, b: dict) -> None:
@@ -101,34 +110,54 @@ def _reference(world: int, micro_batches: int, clip: float) -> tuple[list[float]
     return losses, model.state_dict(), moments
 
 
-def _check(results: dict, world: int, micro_batches: int = 1, clip: float = 0.0,
-           loss_tol: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+def _check(
+    results: dict,
+    world: int,
+    micro_batches: int = 1,
+    clip: float = 0.0,
+    loss_tol: float = 1e-5,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> None:
     losses, state, moments = _reference(world, micro_batches, clip)
     for rank, result in results.items():
         for index, moment in moments.items():
-            torch.testing.assert_close(torch.as_tensor(result["moments"][index]), moment,
-                                       rtol=rtol, atol=atol)
+            torch.testing.assert_close(
+                torch.as_tensor(result["moments"][index]), moment, rtol=rtol, atol=atol
+            )
         for step, (a, b) in enumerate(zip(losses, result["losses"])):
             assert abs(a - b) <= loss_tol, f"rank {rank} step {step}: {b} vs plain {a}"
         for key, value in state.items():
-            torch.testing.assert_close(torch.as_tensor(result["state"][key]), value, rtol=rtol,
-                                       atol=atol,
-                                       msg=lambda m: f"rank {rank} {key}: {m}")
+            torch.testing.assert_close(
+                torch.as_tensor(result["state"][key]),
+                value,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, rank=rank, key=key: f"rank {rank} {key}: {m}",
+            )
         print(f"rank {rank}: peak bytes per tier {result['stats']['peak_bytes']}")
 
 
 @pytest.mark.parametrize("world", [2])
 def test_stage3_params_and_optimizer_on_nvme_follow_one_process(world, tmp_path):
-    config = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 8192,
-              "buffer_count": 8, "device": "cpu", "device_budget": 64 << 10}
+    config = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 8192,
+        "buffer_count": 8,
+        "device": "cpu",
+        "device_budget": 64 << 10,
+    }
     results = run_ranks(_train_rank, world, config, 1, 0.0, str(tmp_path), timeout=240)
     _check(results, world)
     # The whole training state in one process: fp32 masters, gradients and AdamW's two
     # moments, 16 bytes per parameter.
     full = sum(p.numel() * 16 for p in make_model().parameters())
     for rank, result in results.items():
-        print(f"rank {rank}: {result['held']} bytes of training state of {full} "
-              f"({result['held'] / full:.3f})")
+        print(
+            f"rank {rank}: {result['held']} bytes of training state of {full} "
+            f"({result['held'] / full:.3f})"
+        )
         assert full / world * 0.95 <= result["held"] <= full / world * 1.05, result["held"]
         assert result["stats"]["peak_bytes"]["device"] <= 64 << 10
         assert f"rank{rank}-" in Path(result["run_dirs"][0]).name
@@ -136,30 +165,45 @@ def test_stage3_params_and_optimizer_on_nvme_follow_one_process(world, tmp_path)
 
 
 def test_stage3_on_cpu_with_three_ranks_and_sizes_that_do_not_divide():
-    config = {"offload_param": "cpu", "offload_optimizer": "cpu", "buffer_size": 8192,
-              "device": "cpu"}
+    config = {
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "buffer_size": 8192,
+        "device": "cpu",
+    }
     results = run_ranks(_train_rank, 3, config, 1, 0.0, None, timeout=300)
     _check(results, 3)
 
 
 def test_stage2_optimizer_on_nvme_with_gradient_clipping(tmp_path):
-    config = {"offload_param": "none", "offload_optimizer": "nvme", "zero_stage": 2,
-              "buffer_size": 8192, "buffer_count": 8, "device": "cpu"}
+    config = {
+        "offload_param": "none",
+        "offload_optimizer": "nvme",
+        "zero_stage": 2,
+        "buffer_size": 8192,
+        "buffer_count": 8,
+        "device": "cpu",
+    }
     # A limit the gradients exceed, so clipping changes every step.
     results = run_ranks(_train_rank, 2, config, 1, 0.05, str(tmp_path), timeout=240)
     _check(results, 2, clip=0.05)
 
 
 def test_stage1_and_gradient_accumulation():
-    config = {"offload_param": "none", "offload_optimizer": "cpu", "zero_stage": 1,
-              "device": "cpu"}
+    config = {"offload_param": "none", "offload_optimizer": "cpu", "zero_stage": 1, "device": "cpu"}
     results = run_ranks(_train_rank, 2, config, 2, 0.0, None, timeout=240)
     _check(results, 2, micro_batches=2)
 
 
 def test_stage3_accumulation_and_config_clipping(tmp_path):
-    config = {"offload_param": "nvme", "offload_optimizer": "nvme", "buffer_size": 8192,
-              "buffer_count": 8, "device": "cpu", "gradient_clipping": 0.05}
+    config = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 8192,
+        "buffer_count": 8,
+        "device": "cpu",
+        "gradient_clipping": 0.05,
+    }
     results = run_ranks(_train_rank, 2, config, 2, 0.0, str(tmp_path), timeout=240)
     _check(results, 2, micro_batches=2, clip=0.05)
     for result in results.values():
@@ -171,10 +215,15 @@ def test_stage3_accumulation_and_config_clipping(tmp_path):
 
 def _train_bf16(rank: int, world: int, swap_root: str) -> dict:
     model = make_model(seed=0)
-    config = infinity.OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                                    buffer_size=8192, buffer_count=8, device="cpu",
-                                    nvme_path=swap_root,
-                                    precision=infinity.PrecisionConfig(dtype="bf16"))
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=8192,
+        buffer_count=8,
+        device="cpu",
+        nvme_path=swap_root,
+        precision=infinity.PrecisionConfig(dtype="bf16"),
+    )
     store = infinity.TieredStore(config)
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
 
@@ -196,9 +245,17 @@ def test_bf16_across_ranks_follows_one_attached_process(tmp_path):
     # 1%, parameters within what 8 AdamW steps of lr 1e-3 can move a weight whose tiny
     # gradient changed sign (at most about 1e-3 a step); a wrong slice is off by far more.
     model = make_model(seed=0)
-    store = infinity.TieredStore(infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,
-        device="cpu", nvme_path=str(tmp_path), precision=infinity.PrecisionConfig(dtype="bf16")))
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            buffer_size=8192,
+            buffer_count=8,
+            device="cpu",
+            nvme_path=str(tmp_path),
+            precision=infinity.PrecisionConfig(dtype="bf16"),
+        )
+    )
     model, optimizer = store.attach(model, fused_adamw(model.parameters()))
     losses = _loop(model, optimizer, 2, None, 1, 0.0, lambda loss: loss.float().item())
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -207,11 +264,16 @@ def test_bf16_across_ranks_follows_one_attached_process(tmp_path):
         for step, (a, b) in enumerate(zip(losses, result["losses"])):
             assert abs(a - b) <= 0.01 * abs(a), f"rank {rank} step {step}: {b} vs {a}"
         for key, value in state.items():
-            torch.testing.assert_close(torch.as_tensor(result["state"][key]), value,
-                                       rtol=2e-2, atol=1e-2, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(
+                torch.as_tensor(result["state"][key]),
+                value,
+                rtol=2e-2,
+                atol=1e-2,
+                msg=lambda m, key=key: f"{key}: {m}",
+            )
 
 
-_KILLED_RANK = r'''
+_KILLED_RANK = r"""
 import os, signal, sys, datetime
 import torch, torch.distributed as dist
 sys.path.insert(0, os.environ["REPO"])
@@ -236,24 +298,39 @@ for step in range(6):
     optimizer.step()
     optimizer.zero_grad()
 print("finished", flush=True)
-'''
+"""
 
 
 def test_a_rank_killed_mid_step_stops_the_other_with_a_clear_error(tmp_path):
     import subprocess
     import sys
+
     from tests.dist_helpers import free_port
+
     script = tmp_path / "worker.py"
     script.write_text(_KILLED_RANK)
     swap = tmp_path / "swap"
     for rank in range(2):
         (swap / f"r{rank}").mkdir(parents=True)
     repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "REPO": repo, "SWAP": str(swap), "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    workers = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(rank)},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for rank in range(2)]
+    env = {
+        **os.environ,
+        "REPO": repo,
+        "SWAP": str(swap),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     started = time.monotonic()
     try:
         out, err = workers[0].communicate(timeout=90)

@@ -1,1 +1,2 @@
-"""Command-line tools around the swap layer: ``infinity-bench`` (tools.commands.bench) and helpers."""
+"""Command-line tools around the swap layer: ``infinity-bench`` (tools.commands.bench) and
+helpers."""

@@ -1,1 +1,2 @@
-"""Checkpoints and weights in and out: DCP save and load, async saves, export, pretrained weights, state dicts."""
+"""Checkpoints and weights in and out: DCP save and load, async saves, export, pretrained weights,
+state dicts."""

@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -33,9 +34,13 @@ class AsyncSave:
     """One save under way; see the module docstring. ``chunks``: (key, source) in plan order,
     a source being (shard, optimizer state key or None), which ``read`` copies out."""
 
-    def __init__(self, chunks: list[tuple[ChunkKey, tuple[Any, ...]]],
-                 read: Callable[[Any], torch.Tensor],
-                 cap_bytes: int, readable: Callable[[Any], bool] = lambda source: True) -> None:
+    def __init__(
+        self,
+        chunks: list[tuple[ChunkKey, tuple[Any, ...]]],
+        read: Callable[[Any], torch.Tensor],
+        cap_bytes: int,
+        readable: Callable[[Any], bool] = lambda source: True,
+    ) -> None:
         #: chunks not yet copied out, in plan order: key -> source (given to ``read``)
         self.pending: OrderedDict[ChunkKey, Any] = OrderedDict(chunks)
         self.of_shard: dict[str, list[ChunkKey]] = {}
@@ -60,12 +65,13 @@ class AsyncSave:
         def body() -> None:
             try:
                 run()
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            except BaseException as exc:
                 self.error = exc
                 log.error("asynchronous checkpoint save failed: %s", exc)
             finally:
                 with self.lock:
                     self.lock.notify_all()
+
         self.thread = threading.Thread(target=body, name="infinity-checkpoint", daemon=True)
         self.thread.start()
 
@@ -106,8 +112,10 @@ class AsyncSave:
             before = len(self.pending)
             self.advance()
             if len(self.pending) == before and self.staged_bytes < self.cap:
-                raise CheckpointError(f"{before} chunks of the asynchronous save cannot be "
-                                      f"read (their masters are in use on the device)")
+                raise CheckpointError(
+                    f"{before} chunks of the asynchronous save cannot be "
+                    f"read (their masters are in use on the device)"
+                )
             self._wait_under_cap()
         if self.thread is not None:
             self.thread.join()
@@ -144,4 +152,3 @@ class AsyncSave:
                 self.lock.notify_all()
             left.discard(key)
             yield key, tensor
-

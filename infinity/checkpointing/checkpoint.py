@@ -31,27 +31,42 @@ import logging
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, SavePlan,
-                                                  SavePlanner, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from infinity.checkpointing.async_save import AsyncSave
-from infinity.checkpointing.storage import (PARTIAL_SUFFIX, InfinityStorageReader,
-                                         InfinityStorageWriter)
+from infinity.checkpointing.storage import (
+    PARTIAL_SUFFIX,
+    InfinityStorageReader,
+    InfinityStorageWriter,
+)
+from infinity.core.residency import Residency as R
 from infinity.errors import CheckpointError, InfinityError
 from infinity.training.optimizer import _KERNEL_KEYS, _step_shape, state_companions
-from infinity.core.residency import Residency as R
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +88,8 @@ class Checkpointer:
     # -- save -----------------------------------------------------------------------------------
     def save(self, path: Path, extra: Any = None, async_save: bool = False) -> None:
         """Saves now; with ``async_save`` the files are written by a background thread while
-        training goes on (:mod:`infinity.checkpointing.async_save`), and :meth:`wait` completes it."""
+        training goes on (:mod:`infinity.checkpointing.async_save`), and :meth:`wait` completes
+        it."""
         self.wait()  # one save at a time: the previous one first
         store = self.store
         path = Path(path)
@@ -101,32 +117,45 @@ class Checkpointer:
         planner.prepare()
         if async_save:
             pending = AsyncSave(
-                [((key, shard.start), (shard, state_key))
-                 for key, shard, state_key in _chunks(store)],
+                [
+                    ((key, shard.start), (shard, state_key))
+                    for key, shard, state_key in _chunks(store)
+                ],
                 lambda source: planner.read(*source),
                 cap_bytes=store.config.checkpoint_staging,
-                readable=lambda source: source[1] is not None or
-                source[0].state is not R.DEVICE_NVME)
+                readable=lambda source: (
+                    source[1] is not None or source[0].state is not R.DEVICE_NVME
+                ),
+            )
             planner.source = pending
             group = self._checkpoint_group()
 
             def write() -> None:
                 self._run_save(path, writer, planner, group)
-                self.last = {"save_seconds": time.perf_counter() - started,
-                             "bytes_written": writer.bytes_written,
-                             "copied_before_change": pending.copied_before_change,
-                             "step_wait_seconds": pending.wait_seconds}
+                self.last = {
+                    "save_seconds": time.perf_counter() - started,
+                    "bytes_written": writer.bytes_written,
+                    "copied_before_change": pending.copied_before_change,
+                    "step_wait_seconds": pending.wait_seconds,
+                }
+
             pending.start(write)
             self.pending = pending  # copied out from the next module hook or change on
         else:
             self._run_save(path, writer, planner, _group(store))
             _barrier()
-            self.last = {"save_seconds": time.perf_counter() - started,
-                         "bytes_written": writer.bytes_written}
+            self.last = {
+                "save_seconds": time.perf_counter() - started,
+                "bytes_written": writer.bytes_written,
+            }
         self._restore_device_copies(dropped)
         if not async_save:
-            log.info("checkpoint %s saved: %d bytes from this rank in %.2f s", path,
-                     writer.bytes_written, self.last["save_seconds"])
+            log.info(
+                "checkpoint %s saved: %d bytes from this rank in %.2f s",
+                path,
+                writer.bytes_written,
+                self.last["save_seconds"],
+            )
 
     def _drop_device_copies(self, what: str) -> list[Any]:
         """Masters are read from the host or NVMe, never from a device copy (which may be in a
@@ -135,8 +164,10 @@ class Checkpointer:
         store = self.store
         held = [e.name for e in store.registry.entries if e.holds]
         if held:
-            raise CheckpointError(f"{what} while {held[0]} is in use (a forward, a backward or "
-                                  f"store.gathered()): call it between steps")
+            raise CheckpointError(
+                f"{what} while {held[0]} is in use (a forward, a backward or "
+                f"store.gathered()): call it between steps"
+            )
         dropped = [e for e in store.registry.entries if e.resident]
         for entry in dropped:
             store.placement.drop_device(entry, force=True)
@@ -150,12 +181,18 @@ class Checkpointer:
                 placement.gather(entry, hold=False)
 
     @staticmethod
-    def _run_save(path: Path, writer: InfinityStorageWriter, planner: "_SavePlanner",
-                  group: Any) -> None:
+    def _run_save(
+        path: Path, writer: InfinityStorageWriter, planner: _SavePlanner, group: Any
+    ) -> None:
         try:
             with _single_process_quiet():
-                dcp.save({}, storage_writer=writer, planner=planner, process_group=group,
-                         no_dist=not _distributed())
+                dcp.save(
+                    {},
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=group,
+                    no_dist=not _distributed(),
+                )
         except CheckpointException as exc:
             raise _unwrapped(exc, f"saving the checkpoint {path}") from None
 
@@ -165,8 +202,10 @@ class Checkpointer:
         if not _distributed():
             return None
         if self._group is None:
-            self._group = dist.new_group(ranks=dist.get_process_group_ranks(
-                _group(self.store) or dist.group.WORLD), backend="gloo")
+            self._group = dist.new_group(
+                ranks=dist.get_process_group_ranks(_group(self.store) or dist.group.WORLD),
+                backend="gloo",
+            )
         return self._group
 
     # -- an asynchronous save under way -----------------------------------------------------------
@@ -198,20 +237,28 @@ class Checkpointer:
             pending.finish()
         finally:
             self._restore_device_copies(dropped)
-        log.info("checkpoint saved in the background: %d bytes from this rank in %.2f s, %d "
-                 "chunks copied before a change, the training waited %.3f s",
-                 self.last.get("bytes_written", 0), self.last.get("save_seconds", 0.0),
-                 pending.copied_before_change, pending.wait_seconds)
+        log.info(
+            "checkpoint saved in the background: %d bytes from this rank in %.2f s, %d "
+            "chunks copied before a change, the training waited %.3f s",
+            self.last.get("bytes_written", 0),
+            self.last.get("save_seconds", 0.0),
+            pending.copied_before_change,
+            pending.wait_seconds,
+        )
 
     def _state(self, extra: Any) -> dict:
         store = self.store
         optimizer = store.optimizer
         state = {
             "format": STATE_FORMAT,
-            "world": _world(), "zero_stage": store.config.zero_stage,
-            "steps": store.steps, "skipped_steps": store.skipped_steps,
-            "params": {e.name: {"shape": list(e.shape), "dtype": str(e.dtype)}
-                       for e in store.registry.entries},
+            "world": _world(),
+            "zero_stage": store.config.zero_stage,
+            "steps": store.steps,
+            "skipped_steps": store.skipped_steps,
+            "params": {
+                e.name: {"shape": list(e.shape), "dtype": str(e.dtype)}
+                for e in store.registry.entries
+            },
             "scaler": encode(store.scaler.state_dict()) if store.scaler is not None else None,
             "rng": _gather_rng(),
             "extra": encode(extra, "extra"),
@@ -237,8 +284,11 @@ class Checkpointer:
             if shard.entry.name in scalars:
                 continue
             swapped = state_companions(shard) if optimizer.swap_state else {}
-            values = {key: value for key, value in inner.state.get(shard.step_param, {}).items()
-                      if not _per_element(value, shard) and key not in swapped}
+            values = {
+                key: value
+                for key, value in inner.state.get(shard.step_param, {}).items()
+                if not _per_element(value, shard) and key not in swapped
+            }
             scalars[shard.entry.name] = encode(values, "optimizer state")
         return {"class": type(inner).__name__, "param_groups": groups, "scalars": scalars}
 
@@ -261,20 +311,28 @@ class Checkpointer:
         if optimizer is not None and state["optimizer"] is not None:
             saved_class = state["optimizer"]["class"]
             if saved_class != type(optimizer.inner).__name__:
-                raise CheckpointError(f"{path} holds the state of a {saved_class}, the attached "
-                                      f"optimizer is a {type(optimizer.inner).__name__}")
+                raise CheckpointError(
+                    f"{path} holds the state of a {saved_class}, the attached "
+                    f"optimizer is a {type(optimizer.inner).__name__}"
+                )
             self._load_optimizer_scalars(state["optimizer"])
         placement = store.placement
         placement.finish_reductions()
         # Every value is overwritten: no device copy may outlive it (the persistent ones come
         # back in planner.finish()).
         self._drop_device_copies("load_checkpoint()")
-        planner = _LoadPlanner(store, load_optimizer=optimizer is not None and
-                               state["optimizer"] is not None)
+        planner = _LoadPlanner(
+            store, load_optimizer=optimizer is not None and state["optimizer"] is not None
+        )
         try:
             with _single_process_quiet():
-                dcp.load({}, storage_reader=reader, planner=planner,
-                         process_group=_group(store), no_dist=not _distributed())
+                dcp.load(
+                    {},
+                    storage_reader=reader,
+                    planner=planner,
+                    process_group=_group(store),
+                    no_dist=not _distributed(),
+                )
         except CheckpointException as exc:
             raise _unwrapped(exc, f"loading the checkpoint {path}") from None
         planner.finish()
@@ -287,12 +345,22 @@ class Checkpointer:
         if len(rng) == _world():
             _set_rng(rng[_rank()])
         else:
-            log.info("checkpoint %s was saved by %d ranks, this run has %d: RNG states not "
-                     "restored", path, len(rng), _world())
-        self.last = {"load_seconds": time.perf_counter() - started,
-                     "bytes_read": reader.chunks.bytes_read}
-        log.info("checkpoint %s loaded: %d bytes read by this rank in %.2f s", path,
-                 reader.chunks.bytes_read, self.last["load_seconds"])
+            log.info(
+                "checkpoint %s was saved by %d ranks, this run has %d: RNG states not restored",
+                path,
+                len(rng),
+                _world(),
+            )
+        self.last = {
+            "load_seconds": time.perf_counter() - started,
+            "bytes_read": reader.chunks.bytes_read,
+        }
+        log.info(
+            "checkpoint %s loaded: %d bytes read by this rank in %.2f s",
+            path,
+            reader.chunks.bytes_read,
+            self.last["load_seconds"],
+        )
         return decode(state["extra"])
 
     def _check_model(self, path: Path, state: dict) -> None:
@@ -300,23 +368,34 @@ class Checkpointer:
         own = {e.name: e for e in self.store.registry.entries}
         missing = [n for n in own if n not in saved]
         unexpected = [n for n in saved if n not in own]
-        wrong = [f"{n}: {saved[n]['shape']} saved, {list(e.shape)} here"
-                 for n, e in own.items() if n in saved and saved[n]["shape"] != list(e.shape)]
+        wrong = [
+            f"{n}: {saved[n]['shape']} saved, {list(e.shape)} here"
+            for n, e in own.items()
+            if n in saved and saved[n]["shape"] != list(e.shape)
+        ]
         if missing or unexpected or wrong:
             raise CheckpointError(
                 f"{path} is a checkpoint of another model: "
-                + "; ".join(part for part in (
-                    f"missing {missing[:5]}" if missing else "",
-                    f"unexpected {unexpected[:5]}" if unexpected else "",
-                    f"shapes differ: {wrong[:5]}" if wrong else "") if part))
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing {missing[:5]}" if missing else "",
+                        f"unexpected {unexpected[:5]}" if unexpected else "",
+                        f"shapes differ: {wrong[:5]}" if wrong else "",
+                    )
+                    if part
+                )
+            )
 
     def _load_optimizer_scalars(self, saved: dict) -> None:
         optimizer = self.store.optimizer
         inner = optimizer.inner
         groups = saved["param_groups"]
         if len(groups) != len(inner.param_groups):
-            raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, "
-                                  f"the attached one {len(inner.param_groups)}")
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {len(groups)} param groups, "
+                f"the attached one {len(inner.param_groups)}"
+            )
         for group, saved_group in zip(inner.param_groups, groups):
             for key, value in decode(saved_group["settings"]).items():
                 if key not in _KERNEL_KEYS:  # the store's kernel choice stays
@@ -324,8 +403,9 @@ class Checkpointer:
         scalars = saved["scalars"]
         for shard in optimizer.shards:
             values = decode(scalars.get(shard.entry.name, {}))
-            inner.state[shard.step_param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                             for k, v in values.items()}
+            inner.state[shard.step_param] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()
+            }
 
 
 def _unwrapped(exc: Any, what: str) -> BaseException:
@@ -334,15 +414,13 @@ def _unwrapped(exc: Any, what: str) -> BaseException:
     for rank, (failure, _) in sorted(exc.failures.items()):
         if isinstance(failure, InfinityError):
             return failure
-        return CheckpointError(f"{what} failed on rank {rank}: {type(failure).__name__}: "
-                               f"{failure}")
+        return CheckpointError(f"{what} failed on rank {rank}: {type(failure).__name__}: {failure}")
     return CheckpointError(f"{what} failed: {exc}")
 
 
-# -- DCP planners ---------------------------------------------------------------------------------
+# -- DCP planners ----------------------------------------------------------------------------------
 def _per_element(value: Any, shard: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.numel() == shard.numel and \
-        value.dim() > 0
+    return isinstance(value, torch.Tensor) and value.numel() == shard.numel and value.dim() > 0
 
 
 def _chunks(store: Any) -> list[tuple[str, Any, str | None]]:
@@ -357,8 +435,11 @@ def _chunks(store: Any) -> list[tuple[str, Any, str | None]]:
             if optimizer is None or shard.step_param is None:
                 continue
             swapped = state_companions(shard) if optimizer.swap_state else {}
-            keys = [key for key, value in optimizer.inner.state.get(shard.step_param, {}).items()
-                    if _per_element(value, shard) or key in swapped]
+            keys = [
+                key
+                for key, value in optimizer.inner.state.get(shard.step_param, {}).items()
+                if _per_element(value, shard) or key in swapped
+            ]
             for key in keys:
                 out.append((f"optim/{entry.name}/{key}", shard, key))
     return out
@@ -373,8 +454,9 @@ class _SavePlanner(SavePlanner):
         #: an asynchronous save's staging queue (None: read on demand, in this thread)
         self.source: AsyncSave | None = None
 
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
@@ -387,13 +469,19 @@ class _SavePlanner(SavePlanner):
         for key, shard, state_key in _chunks(self.store):
             dtype = shard.dtype if state_key is None else self._state_dtype(shard, state_key)
             offsets = torch.Size([shard.start])
-            items.append(WriteItem(
-                index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets,
-                                               sizes=torch.Size([shard.real_numel])),
-                    properties=TensorProperties(dtype=dtype),
-                    size=torch.Size([shard.entry.numel]))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(
+                            offsets=offsets, sizes=torch.Size([shard.real_numel])
+                        ),
+                        properties=TensorProperties(dtype=dtype),
+                        size=torch.Size([shard.entry.numel]),
+                    ),
+                )
+            )
             self.sources[(key, shard.start)] = (shard, state_key)
         self.plan = SavePlan(items)
 
@@ -433,13 +521,16 @@ class _SavePlanner(SavePlanner):
         ahead = 0
         for i, item in enumerate(items):
             ahead = max(ahead, i)
-            while placement.engine is not None and ahead < len(items) and \
-                    (ahead == i or sum(started.values()) < window):
+            while (
+                placement.engine is not None
+                and ahead < len(items)
+                and (ahead == i or sum(started.values()) < window)
+            ):
                 part = parts[ahead]
                 if part is not None:
                     placement.reap(part)
                     if part.state is R.NVME:
-                        protect = {p for p in parts[i:ahead + 1] if p is not None}
+                        protect = {p for p in parts[i : ahead + 1] if p is not None}
                         if not placement.load_async(part, protect=protect):
                             break
                         started[ahead] = part.nbytes
@@ -494,8 +585,9 @@ class _LoadPlanner(LoadPlanner):
         self.waiting: dict[tuple[str, int], int] = {}
         self.stashed: set[tuple[int, str]] = set()
 
-    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
@@ -509,19 +601,23 @@ class _LoadPlanner(LoadPlanner):
                 wanted.append((f"param/{entry.name}", shard, None))
                 if self.load_optimizer and shard.step_param is not None:
                     prefix = f"optim/{entry.name}/"
-                    wanted += [(key, shard, key[len(prefix):]) for key in saved
-                               if key.startswith(prefix)]
+                    wanted += [
+                        (key, shard, key[len(prefix) :]) for key in saved if key.startswith(prefix)
+                    ]
         for key, shard, state_key in wanted:
             if key not in saved:
                 raise CheckpointError(f"the checkpoint has no {key}")
-            chunk = ChunkStorageMetadata(offsets=torch.Size([shard.start]),
-                                         sizes=torch.Size([shard.real_numel]))
+            chunk = ChunkStorageMetadata(
+                offsets=torch.Size([shard.start]), sizes=torch.Size([shard.real_numel])
+            )
             reads = create_read_items_for_chunk_list(key, saved[key], [chunk])
             covered = sum(r.lengths[0] for r in reads)
             if covered != shard.real_numel:
-                raise CheckpointError(f"the checkpoint covers {covered} of the "
-                                      f"{shard.real_numel} elements of {key} from "
-                                      f"{shard.start} on: it is incomplete")
+                raise CheckpointError(
+                    f"the checkpoint covers {covered} of the "
+                    f"{shard.real_numel} elements of {key} from "
+                    f"{shard.start} on: it is incomplete"
+                )
             self.targets[(key, shard.start)] = (shard, state_key)
             self.waiting[(key, shard.start)] = len(reads)
             items += reads
@@ -550,8 +646,11 @@ class _LoadPlanner(LoadPlanner):
         destination when it is: one read, no buffer of ours and no copy into it."""
         target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
         shard, _ = self.targets[target]
-        if self.waiting[target] != 1 or target in self.buffers or \
-                read_item.lengths[0] != shard.real_numel:
+        if (
+            self.waiting[target] != 1
+            or target in self.buffers
+            or read_item.lengths[0] != shard.real_numel
+        ):
             return False
         self.buffers[target] = source
         self.commit_tensor(read_item, source)
@@ -605,25 +704,31 @@ class _LoadPlanner(LoadPlanner):
                 placement.gather(entry, hold=False)
 
 
-# -- JSON for what is not a per-element tensor ------------------------------------------------------
+# -- JSON for what is not a per-element tensor -----------------------------------------------------
 def encode(value: Any, where: str = "value") -> Any:
     """``value`` as JSON: numbers, strings, lists and str-keyed dicts as they are; tensors,
     tuples and dicts with other keys tagged, so :func:`decode` gives them back."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else {"__float__":
-                                                                          repr(value)}
+        return (
+            value if value == value and abs(value) != float("inf") else {"__float__": repr(value)}
+        )
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to("cpu").contiguous()
         if tensor.numel() > 1 << 20:
-            raise CheckpointError(f"{where}: a tensor of {tensor.numel()} elements is too large "
-                                  f"for the checkpoint's JSON part")
-        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() \
-            else b""
-        return {"__tensor__": {"dtype": str(tensor.dtype).removeprefix("torch."),
-                               "shape": list(tensor.shape),
-                               "data": base64.b64encode(data).decode()}}
+            raise CheckpointError(
+                f"{where}: a tensor of {tensor.numel()} elements is too large "
+                f"for the checkpoint's JSON part"
+            )
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return {
+            "__tensor__": {
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "data": base64.b64encode(data).decode(),
+            }
+        }
     if isinstance(value, tuple):
         return {"__tuple__": [encode(v, where) for v in value]}
     if isinstance(value, list):
@@ -632,9 +737,11 @@ def encode(value: Any, where: str = "value") -> Any:
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
         return {"__items__": [[encode(k, where), encode(v, where)] for k, v in value.items()]}
-    raise CheckpointError(f"{where}: a {type(value).__name__} cannot go into a checkpoint "
-                          f"(numbers, strings, lists, dicts and tensors can; nothing is "
-                          f"pickled)")
+    raise CheckpointError(
+        f"{where}: a {type(value).__name__} cannot go into a checkpoint "
+        f"(numbers, strings, lists, dicts and tensors can; nothing is "
+        f"pickled)"
+    )
 
 
 def decode(value: Any) -> Any:
@@ -644,9 +751,11 @@ def decode(value: Any) -> Any:
         return value
     if "__tensor__" in value:
         from infinity.checkpointing.storage import dtype_of, tensor_from
+
         info = value["__tensor__"]
-        return tensor_from(base64.b64decode(info["data"]), dtype_of(info["dtype"]),
-                           tuple(info["shape"])).clone()
+        return tensor_from(
+            base64.b64decode(info["data"]), dtype_of(info["dtype"]), tuple(info["shape"])
+        ).clone()
     if "__tuple__" in value:
         return tuple(decode(v) for v in value["__tuple__"])
     if "__items__" in value:
@@ -656,7 +765,7 @@ def decode(value: Any) -> Any:
     return {k: decode(v) for k, v in value.items()}
 
 
-# -- ranks and RNG ----------------------------------------------------------------------------------
+# -- ranks and RNG ---------------------------------------------------------------------------------
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

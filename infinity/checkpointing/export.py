@@ -28,8 +28,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "fp32",
-                      max_shard_size: int = 5 * 10**9) -> list[Path]:
+def export_checkpoint(
+    checkpoint: Path, out: Path, dtype: str = "fp32", max_shard_size: int = 5 * 10**9
+) -> list[Path]:
     """Writes the checkpoint's parameters to ``out`` as safetensors; returns the files."""
     checkpoint, out = Path(checkpoint), Path(out)
     if dtype not in DTYPES:
@@ -53,8 +54,11 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "fp32",
         size += nbytes
     out.mkdir(parents=True, exist_ok=True)
     reader = ChunkReader(checkpoint, document)
-    names = ([f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-             if len(files) > 1 else ["model.safetensors"])
+    names = (
+        [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+        if len(files) > 1
+        else ["model.safetensors"]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     written = []
@@ -69,8 +73,9 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "fp32",
         log.info("wrote %s (%d tensors)", out / file_name, len(members))
         del tensors
     if len(files) > 1:
-        (out / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (out / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
         written.append(out / INDEX_NAME)
     if (checkpoint / "config.json").exists():
         shutil.copyfile(checkpoint / "config.json", out / "config.json")
@@ -88,9 +93,11 @@ def _assemble(reader: ChunkReader, document: dict, name: str, shape: list[int]) 
     covered = 0
     for chunk in info["chunks"]:
         (offset,), (length,) = chunk["offsets"], chunk["sizes"]
-        flat[offset:offset + length].copy_(reader.chunk(key, chunk["offsets"]).reshape(-1))
+        flat[offset : offset + length].copy_(reader.chunk(key, chunk["offsets"]).reshape(-1))
         covered += length
     if covered != numel:
-        raise CheckpointError(f"the checkpoint's chunks cover {covered} of the {numel} elements "
-                              f"of {name}: it is incomplete")
+        raise CheckpointError(
+            f"the checkpoint's chunks cover {covered} of the {numel} elements "
+            f"of {name}: it is incomplete"
+        )
     return flat.view(shape)

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from infinity.errors import CheckpointError
 from infinity.checkpointing.state_dict import write_entry_pieces
+from infinity.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,18 @@ def checkpoint_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise CheckpointError(f"pretrained checkpoint {path} does not exist: pass a .safetensors "
-                              f"file or a directory holding {SINGLE_NAME} or {INDEX_NAME}")
+        raise CheckpointError(
+            f"pretrained checkpoint {path} does not exist: pass a .safetensors "
+            f"file or a directory holding {SINGLE_NAME} or {INDEX_NAME}"
+        )
     index = path / INDEX_NAME
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a safetensors index (a JSON object with a "
-                                  f"'weight_map'): {exc}") from exc
+            raise CheckpointError(
+                f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}"
+            ) from exc
         files = []
         for name in dict.fromkeys(weight_map.values()):
             file = (path / name).resolve()
@@ -68,8 +71,10 @@ def load_pretrained(store: Any, path: Path) -> _IncompatibleKeys:
 
     model: nn.Module = store.model
     registry = store.registry
-    entries = {name: registry.entry_of(param)
-               for name, param in model.named_parameters(remove_duplicate=False)}
+    entries = {
+        name: registry.entry_of(param)
+        for name, param in model.named_parameters(remove_duplicate=False)
+    }
     buffers = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, buffer in module._buffers.items():
@@ -92,20 +97,29 @@ def load_pretrained(store: Any, path: Path) -> _IncompatibleKeys:
                 elif entry.index not in loaded:  # a tied weight is read once
                     _stream(store, entry, handle.get_slice(key), key, file)
                     loaded.add(entry.index)
-    missing = [name for name, entry in entries.items()
-               if entry is not None and entry.index not in loaded]
+    missing = [
+        name for name, entry in entries.items() if entry is not None and entry.index not in loaded
+    ]
     missing += [name for name in buffers if name not in seen]
     if missing or unexpected:
-        log.warning("load_pretrained(%s): %d missing keys (e.g. %s), %d unexpected (e.g. %s)",
-                    path, len(missing), missing[:3], len(unexpected), unexpected[:3])
+        log.warning(
+            "load_pretrained(%s): %d missing keys (e.g. %s), %d unexpected (e.g. %s)",
+            path,
+            len(missing),
+            missing[:3],
+            len(unexpected),
+            unexpected[:3],
+        )
     return _IncompatibleKeys(missing, unexpected)
 
 
 def _stream(store: Any, entry: Any, view: Any, key: str, file: Path) -> None:
     shape = tuple(view.get_shape())
     if shape != tuple(entry.shape):
-        raise CheckpointError(f"{file.name}: {key} has shape {shape}, the model's parameter "
-                              f"{tuple(entry.shape)}: this checkpoint is for another model")
+        raise CheckpointError(
+            f"{file.name}: {key} has shape {shape}, the model's parameter "
+            f"{tuple(entry.shape)}: this checkpoint is for another model"
+        )
     if not shape:
         value = view[:]
         write_entry_pieces(store, entry, lambda shard: shard.part_of(value.reshape(-1)))
@@ -119,5 +133,6 @@ def _stream(store: Any, entry: Any, view: Any, key: str, file: Path) -> None:
         last = -(-(shard.start + shard.real_numel) // row)
         rows = view[first:last].reshape(-1)  # one shard's worth (and up to a row each side)
         offset = shard.start - first * row
-        return rows[offset:offset + shard.real_numel]
+        return rows[offset : offset + shard.real_numel]
+
     write_entry_pieces(store, entry, piece)

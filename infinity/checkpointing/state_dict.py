@@ -19,7 +19,8 @@ must keep the Parameter objects it registered, so they are never replaced.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,9 +51,16 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
                 store._loop_acted("model.state_dict()")
                 state_dict[key] = store.materialize(entry)
 
-    def load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any,
-                      strict: bool, missing_keys: list, unexpected_keys: list,
-                      error_msgs: list) -> None:
+    def load_pre_hook(
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
         for name, param in _own_params(module):
             entry = registry.entry_of(param)
             key = prefix + name
@@ -68,14 +76,16 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
             if not torch.overrides.is_tensor_like(value):
                 error_msgs.append(
                     f'While copying the parameter named "{key}", expected torch.Tensor or '
-                    f"Tensor-like object from checkpoint but received {type(value)}")
+                    f"Tensor-like object from checkpoint but received {type(value)}"
+                )
                 continue
             if len(entry.shape) == 0 and len(value.shape) == 1 and value.shape[0] == 1:
                 value = value[0]  # torch's backward compatibility for 0.3 checkpoints
             if value.shape != entry.shape:
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {value.shape} from "
-                    f"checkpoint, the shape in current model is {entry.shape}.")
+                    f"checkpoint, the shape in current model is {entry.shape}."
+                )
                 continue
             try:
                 flat = value.detach().to(device="cpu", dtype=entry.dtype).reshape(-1)
@@ -83,7 +93,8 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
                 error_msgs.append(
                     f'While copying the parameter named "{key}", whose dimensions in the model '
                     f"are {entry.shape} and whose dimensions in the checkpoint are "
-                    f"{value.size()}, an exception occurred : {ex.args}.")
+                    f"{value.size()}, an exception occurred : {ex.args}."
+                )
                 continue
             write_entry(store, entry, flat)
 
@@ -113,8 +124,7 @@ def shard_part(flat: torch.Tensor) -> Callable[[Any], torch.Tensor]:
     return lambda shard: shard.part_of(flat)
 
 
-def write_entry_pieces(store: Any, entry: Any,
-                       piece_of: Callable[[Any], torch.Tensor]) -> None:
+def write_entry_pieces(store: Any, entry: Any, piece_of: Callable[[Any], torch.Tensor]) -> None:
     """Overwrites a parameter's values shard by shard, each from ``piece_of(shard)`` (its
     flat range, any dtype), so a caller reading from a file holds one shard's worth at a
     time."""

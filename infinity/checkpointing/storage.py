@@ -19,20 +19,30 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
-from torch.futures import Future
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from infinity.errors import CheckpointError
 from swap.stream_file import StreamWriter, read_pieces
@@ -41,9 +51,21 @@ METADATA_NAME = "metadata.json"
 FORMAT = "infinity-checkpoint-1"
 PARTIAL_SUFFIX = ".partial"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -74,8 +96,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def tensor_from(data: bytes | bytearray, dtype: torch.dtype,
-                shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_from(
+    data: bytes | bytearray, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor over ``data`` (a bytearray is used in place; bytes are copied)."""
     buffer = data if isinstance(data, bytearray) else bytearray(data)
     raw = torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
@@ -113,8 +136,10 @@ class InfinityStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [SavePlan(p.items, storage_data={"file": f"data-{i}.bin"},
-                         planner_data=p.planner_data) for i, p in enumerate(plans)]
+        return [
+            SavePlan(p.items, storage_data={"file": f"data-{i}.bin"}, planner_data=p.planner_data)
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = plan.storage_data["file"]
@@ -126,8 +151,11 @@ class InfinityStorageWriter(StorageWriter):
         # A planner may hand the chunks over in its own order (an asynchronous save gets them
         # as the training thread copies them out): ``stream(items)`` yields (item, tensor).
         stream = getattr(planner, "stream", None)
-        chunks = stream(plan.items) if stream is not None else \
-            ((item, planner.resolve_data(item)) for item in plan.items)
+        chunks = (
+            stream(plan.items)
+            if stream is not None
+            else ((item, planner.resolve_data(item)) for item in plan.items)
+        )
         # Through the swap backends (O_DIRECT): the page cache's writeback is far slower.
         with StreamWriter(self.partial / name) as file:
             for item, tensor in chunks:
@@ -135,8 +163,9 @@ class InfinityStorageWriter(StorageWriter):
                 checksum = xxhash.xxh3_64_hexdigest(data)
                 offset = file.write(data)
                 location = ChunkLocation(name, offset, len(data), checksum)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data),
-                                           storage_data=location))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=len(data), storage_data=location)
+                )
                 self.bytes_written += len(data)
         future: Future[list[WriteResult]] = Future()  # DCP waits on a torch future
         future.set_result(results)
@@ -152,9 +181,11 @@ class InfinityStorageWriter(StorageWriter):
         for fqn, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 raise CheckpointError(f"{fqn}: this storage keeps tensors only")
-            tensors[fqn] = {"dtype": dtype_name(md.properties.dtype), "size": list(md.size),
-                            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)}
-                                       for c in md.chunks]}
+            tensors[fqn] = {
+                "dtype": dtype_name(md.properties.dtype),
+                "size": list(md.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+            }
         document = {"format": FORMAT, "tensors": tensors, "storage": storage}
         for name, text in self.extra_files.items():
             _write_synced(self.partial / name, text)
@@ -201,16 +232,18 @@ def read_metadata_document(path: Path) -> dict:
     file = path / METADATA_NAME
     if not file.is_file():
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        hint = (f" ({partial} is a save that did not finish)" if partial.exists() else "")
+        hint = f" ({partial} is a save that did not finish)" if partial.exists() else ""
         raise CheckpointError(f"{path} is not a checkpoint: {METADATA_NAME} is missing{hint}")
     try:
         document = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file} is corrupt: {exc}") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not an infinity checkpoint's metadata (format "
-                              f"{document.get('format') if isinstance(document, dict) else '?'}"
-                              f", expected {FORMAT})")
+        raise CheckpointError(
+            f"{file} is not an infinity checkpoint's metadata (format "
+            f"{document.get('format') if isinstance(document, dict) else '?'}"
+            f", expected {FORMAT})"
+        )
     return document
 
 
@@ -234,8 +267,9 @@ class ChunkReader:
             return tensor
         raise AssertionError("unreachable")
 
-    def chunks(self, keys: list[tuple[str, tuple[int, ...]]]
-               ) -> Iterator[tuple[tuple[str, tuple[int, ...]], torch.Tensor]]:
+    def chunks(
+        self, keys: list[tuple[str, tuple[int, ...]]]
+    ) -> Iterator[tuple[tuple[str, tuple[int, ...]], torch.Tensor]]:
         """The chunks ``keys`` ((tensor name, offsets)), verified, in file order, with the
         reads of the next ones in flight while each is handed out."""
         by_file: dict[str, list[tuple[tuple[str, tuple[int, ...]], dict, list[int]]]] = {}
@@ -245,12 +279,13 @@ class ChunkReader:
                 location = self.storage[name]
                 info = self.tensors[fqn]
             except KeyError:
-                raise CheckpointError(f"{self.path}: no chunk of {fqn} at {list(offsets)} in "
-                                      f"the metadata") from None
-            sizes = next(c["sizes"] for c in info["chunks"]
-                         if c["offsets"] == list(offsets))
-            by_file.setdefault(location["file"], []).append(((fqn, tuple(offsets)), location,
-                                                             sizes))
+                raise CheckpointError(
+                    f"{self.path}: no chunk of {fqn} at {list(offsets)} in the metadata"
+                ) from None
+            sizes = next(c["sizes"] for c in info["chunks"] if c["offsets"] == list(offsets))
+            by_file.setdefault(location["file"], []).append(
+                ((fqn, tuple(offsets)), location, sizes)
+            )
         for file_name, wanted in sorted(by_file.items()):
             file = self.path / file_name
             if not file.is_file():
@@ -263,16 +298,21 @@ class ChunkReader:
             except OSError as exc:
                 raise CheckpointError(f"cannot read {file}: {exc}") from exc
 
-    def _verified(self, file: Path, fqn: str, location: dict, sizes: list[int],
-                  data: torch.Tensor) -> torch.Tensor:
+    def _verified(
+        self, file: Path, fqn: str, location: dict, sizes: list[int], data: torch.Tensor
+    ) -> torch.Tensor:
         if data.numel() != location["length"]:
-            raise CheckpointError(f"{file} is truncated: {fqn} needs bytes "
-                                  f"{location['offset']}..{location['offset'] + location['length']}"
-                                  f", the file ends before")
+            raise CheckpointError(
+                f"{file} is truncated: {fqn} needs bytes "
+                f"{location['offset']}..{location['offset'] + location['length']}"
+                f", the file ends before"
+            )
         if xxhash.xxh3_64_hexdigest(memoryview(data.numpy())) != location["checksum"]:
-            raise CheckpointError(f"{file} is corrupt: the bytes of {fqn} (offset "
-                                  f"{location['offset']}, {location['length']} bytes) do not "
-                                  f"match their checksum")
+            raise CheckpointError(
+                f"{file} is corrupt: the bytes of {fqn} (offset "
+                f"{location['offset']}, {location['length']} bytes) do not "
+                f"match their checksum"
+            )
         self.bytes_read += data.numel()
         return data.view(dtype_of(self.tensors[fqn]["dtype"])).reshape(tuple(sizes))
 
@@ -295,13 +335,18 @@ class InfinityStorageReader(StorageReader):
             state[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype_of(info["dtype"])),
                 size=torch.Size(info["size"]),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]),
-                                             sizes=torch.Size(c["sizes"]))
-                        for c in info["chunks"]])
+                chunks=[
+                    ChunkStorageMetadata(
+                        offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])
+                    )
+                    for c in info["chunks"]
+                ],
+            )
         return Metadata(state_dict_metadata=state)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

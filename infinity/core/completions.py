@@ -74,7 +74,7 @@ class Completions:
                 with self.timeline.profile_range("infinity::stall", shard.id):
                     try:
                         future.result()
-                    except Exception:  # noqa: BLE001 - handled below
+                    except Exception:
                         pass
                     ended = time.perf_counter()
                     self.timeline.stall(shard.io_record, shard.id, started, ended)
@@ -89,8 +89,7 @@ class Completions:
                 self._read_failed(shard, error)
                 return error
             if shard.state is not R.HOST_STORING:  # pragma: no cover - a bookkeeping bug
-                raise RuntimeError(f"{shard} had a transfer in flight in state "
-                                   f"{shard.state.name}")
+                raise RuntimeError(f"{shard} had a transfer in flight in state {shard.state.name}")
             if error is None:
                 self.registry.set_state(shard, R.HOST_NVME)
                 self._succeeded(shard, "write")
@@ -103,8 +102,7 @@ class Completions:
         failures = self._failed.pop(shard, 0)
         if failures:
             self.io_recoveries += 1
-            log.info("%s of shard %s succeeded after %d failed attempt(s)", op, shard.id,
-                     failures)
+            log.info("%s of shard %s succeeded after %d failed attempt(s)", op, shard.id, failures)
 
     def _read_failed(self, shard: Shard, error: BaseException) -> None:
         """NVME_LOADING -> NVME: the NVMe copy is still the valid one. The slot is freed, or
@@ -114,17 +112,26 @@ class Completions:
         start, size = shard.arena_offset, align_up(max(shard.nbytes, 1))
         if self._kernel_may_write(start, start + size):
             self.quarantine.append((start, shard.nbytes, shard.id))
-            log.warning("arena range [%d, %d) of shard %s is quarantined: a read into it timed "
-                        "out and may still complete; it stays allocated until it does",
-                        start, start + size, shard.id)
+            log.warning(
+                "arena range [%d, %d) of shard %s is quarantined: a read into it timed "
+                "out and may still complete; it stays allocated until it does",
+                start,
+                start + size,
+                shard.id,
+            )
             self.in_arena.discard(shard)
             shard.arena_offset = None
             shard.host = None
         else:
             self._free_slot(shard)
         self.registry.set_state(shard, R.NVME)
-        log.warning("read of shard %s (%d bytes) failed: %s: %s", shard.id, shard.nbytes,
-                    type(error).__name__, error)
+        log.warning(
+            "read of shard %s (%d bytes) failed: %s: %s",
+            shard.id,
+            shard.nbytes,
+            type(error).__name__,
+            error,
+        )
 
     def _write_failed(self, shard: Shard, error: BaseException) -> bool:
         """HOST_STORING -> HOST (the host copy stays the valid one), then re-issues the write
@@ -136,24 +143,38 @@ class Completions:
             self._replace_extent(shard)
         self.registry.set_state(shard, R.HOST)
         if attempt <= self.max_retries and retryable(error):
-            log.warning("write of shard %s (%d bytes) failed: %s: %s; retry %d of %d",
-                        shard.id, shard.nbytes, type(error).__name__, error, attempt,
-                        self.max_retries)
+            log.warning(
+                "write of shard %s (%d bytes) failed: %s: %s; retry %d of %d",
+                shard.id,
+                shard.nbytes,
+                type(error).__name__,
+                error,
+                attempt,
+                self.max_retries,
+            )
             self.store_async(shard)
             return True
         self._failed.pop(shard, None)
         self.io_failures += 1
-        log.error("write of shard %s (%d bytes) failed after %d attempt(s): %s: %s; its host copy "
-                  "stays the only valid one (dirty)", shard.id, shard.nbytes, attempt,
-                  type(error).__name__, error)
+        log.error(
+            "write of shard %s (%d bytes) failed after %d attempt(s): %s: %s; its host copy "
+            "stays the only valid one (dirty)",
+            shard.id,
+            shard.nbytes,
+            attempt,
+            type(error).__name__,
+            error,
+        )
         return False
 
     def _kernel_may_write(self, start: int, end: int) -> bool:
         """Whether a timed-out read request still in the kernel covers arena bytes
         [start, end)."""
         arena = self.host.arena
-        return any(q.op == "read" and q.buffer is arena and q.buffer_start < end
-                   and q.buffer_end > start for q in self.engine.quarantined())
+        return any(
+            q.op == "read" and q.buffer is arena and q.buffer_start < end and q.buffer_end > start
+            for q in self.engine.quarantined()
+        )
 
     def _write_may_land_late(self, shard: Shard) -> bool:
         serial = shard.extent.serial
@@ -165,8 +186,12 @@ class Completions:
         try:
             fresh = self.engine.allocate(shard.nbytes)
         except SwapError as exc:
-            log.warning("no fresh extent for shard %s after a timed-out write (%s); it keeps "
-                        "its extent, where verification catches a late write", shard.id, exc)
+            log.warning(
+                "no fresh extent for shard %s after a timed-out write (%s); it keeps "
+                "its extent, where verification catches a late write",
+                shard.id,
+                exc,
+            )
             return
         old, shard.extent = shard.extent, fresh
         self.engine.free(old)
@@ -218,5 +243,6 @@ class Completions:
             error = next((errors[s] for s in dirty if s in errors), None)
             if error is not None:
                 raise error
-            raise RuntimeError(f"flush left {len(dirty)} shard(s) dirty: "
-                               f"{', '.join(s.id for s in dirty[:3])}")
+            raise RuntimeError(
+                f"flush left {len(dirty)} shard(s) dirty: {', '.join(s.id for s in dirty[:3])}"
+            )

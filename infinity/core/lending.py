@@ -19,7 +19,6 @@ from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.shards import ParamEntry, Shard
 
 
-
 class HostLending:
     """Mixed into Placement: its state, tiers and transfers are Placement's."""
 
@@ -34,8 +33,7 @@ class HostLending:
         k = shards.index(shard) if len(shards) > 1 else 0
         if k == 0:
             # The first of several: where the others can follow, if such a run is free.
-            return self.host.take_arena_run(shard.nbytes, len(shards)) if len(shards) > 1 \
-                else None
+            return self.host.take_arena_run(shard.nbytes, len(shards)) if len(shards) > 1 else None
         previous = shards[k - 1]
         if previous.arena_offset is None or previous.nbytes != self.host.slot_size:
             return None
@@ -50,8 +48,12 @@ class HostLending:
         ``gather(lend=True)``): backward may use views of the weights saved in forward after
         their host copy was evicted and its slot reused; a copy of its own keeps them valid
         (see drop_device)."""
-        return (not self.device.cuda and self.partition is None
-                and entry.compute_dtype == entry.dtype and entry.index not in self.persistent)
+        return (
+            not self.device.cuda
+            and self.partition is None
+            and entry.compute_dtype == entry.dtype
+            and entry.index not in self.persistent
+        )
 
     def _contiguous(self, entry: ParamEntry) -> bool:
         """Whether the entry's host copies form one range (checked once they are on the
@@ -59,8 +61,10 @@ class HostLending:
         shards = entry.shards
         if len(shards) == 1:
             return True
-        return all(a.arena_offset is not None and b.arena_offset == a.arena_offset + a.nbytes
-                   for a, b in zip(shards, shards[1:]))
+        return all(
+            a.arena_offset is not None and b.arena_offset == a.arena_offset + a.nbytes
+            for a, b in zip(shards, shards[1:])
+        )
 
     def _lend(self, entry: ParamEntry) -> bool:
         """The device copy becomes a view of the host copy: no bytes move. The host copies
@@ -76,8 +80,11 @@ class HostLending:
             return False
         self.device.charge(entry.device_bytes)
         first = shards[0]
-        view = (first.host if len(shards) == 1 else
-                self.host.arena_view(first.arena_offset, entry.dtype, entry.numel))
+        view = (
+            first.host
+            if len(shards) == 1
+            else self.host.arena_view(first.arena_offset, entry.dtype, entry.numel)
+        )
         view = view.view(entry.shape)
         entry.placeholder = entry.device_tensor
         entry.device_tensor = view
@@ -106,7 +113,7 @@ class HostLending:
         try:
             for shard in entry.shards:
                 self._settled_on_host(shard, waiting)
-                self.device.copy_in(flat[shard.start:shard.start + shard.numel], shard.host)
+                self.device.copy_in(flat[shard.start : shard.start + shard.numel], shard.host)
                 # On the device now: the next shard's read may evict this host copy.
                 self.registry.set_state(shard, _TO_DEVICE[shard.state])
                 moved.append(shard)
@@ -116,8 +123,11 @@ class HostLending:
             self.device.slab_give(offset, entry.device_bytes)
             raise
         view = flat.view(entry.shape)
-        entry.placeholder, entry.device_tensor, entry.slab_offset = \
-            entry.device_tensor, view, offset
+        entry.placeholder, entry.device_tensor, entry.slab_offset = (
+            entry.device_tensor,
+            view,
+            offset,
+        )
         with torch._C.DisableTorchFunctionSubclass():
             entry.param.data = view
         entry.resident = True

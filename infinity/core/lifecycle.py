@@ -51,17 +51,18 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 #: stores attached (or attaching) and not yet torn down; weak, so a store dropped without close()
 #: is still collected (its engine's own atexit hook in the swap layer then closes the engine)
-_stores: "weakref.WeakSet[TieredStore]" = weakref.WeakSet()
+_stores: weakref.WeakSet[TieredStore] = weakref.WeakSet()
 #: every module of an attached model -> its store, so a second store cannot attach it
-_owners: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredStore]]" = \
+_owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TieredStore]] = (
     weakref.WeakKeyDictionary()
+)
 #: the process whose stores these are; a forked child must not remove its parent's files
 _owner_pid = os.getpid()
 #: SIGTERM's disposition before ours was installed (None: ours is not installed)
 _previous: Any = None
 
 
-def register(store: "TieredStore", model: nn.Module) -> None:
+def register(store: TieredStore, model: nn.Module) -> None:
     """Claims ``model`` (and every submodule) for ``store`` and arms the SIGTERM and exit
     cleanup. Raises AttachError, changing nothing, when another open store holds any of them:
     its parameters are placeholders then, and attaching them again fails deep inside torch."""
@@ -75,7 +76,8 @@ def register(store: "TieredStore", model: nn.Module) -> None:
                 raise AttachError(
                     f"{type(model).__name__} cannot be attached: {where} is already attached to "
                     f"another TieredStore; close that store first (store.close() gives the "
-                    f"parameters back) or attach the model to only one store")
+                    f"parameters back) or attach the model to only one store"
+                )
         for module in model.modules():
             _owners[module] = weakref.ref(store)
         if not _stores:
@@ -84,7 +86,7 @@ def register(store: "TieredStore", model: nn.Module) -> None:
         _install_locked()
 
 
-def unregister(store: "TieredStore") -> None:
+def unregister(store: TieredStore) -> None:
     """Forgets ``store`` (its swap files are gone); the last one out removes the handler."""
     with _lock:
         _stores.discard(store)
@@ -95,7 +97,7 @@ def unregister(store: "TieredStore") -> None:
             _uninstall_locked()
 
 
-def open_stores() -> list["TieredStore"]:
+def open_stores() -> list[TieredStore]:
     """The stores of this process that are attached and not yet closed."""
     return list(_stores) if os.getpid() == _owner_pid else []
 
@@ -109,8 +111,10 @@ def _install_locked() -> None:
     global _previous
     if not _on_main_thread():
         # signal.signal only works on the main thread; close() and atexit still clean up.
-        log.debug("attached from a thread other than the main thread: swap files are not "
-                  "removed if the process is killed by SIGTERM")
+        log.debug(
+            "attached from a thread other than the main thread: swap files are not "
+            "removed if the process is killed by SIGTERM"
+        )
         return
     current = signal.getsignal(signal.SIGTERM)
     if current is _on_sigterm:
@@ -118,8 +122,10 @@ def _install_locked() -> None:
     if current is signal.SIG_IGN or current is None:
         # Ignored: SIGTERM cannot kill the process, nothing to clean up after. None: a handler
         # installed outside Python, which could not be chained to; leave it in charge.
-        log.debug("SIGTERM is %s: not installing the swap cleanup handler",
-                  "ignored" if current is signal.SIG_IGN else "handled outside Python")
+        log.debug(
+            "SIGTERM is %s: not installing the swap cleanup handler",
+            "ignored" if current is signal.SIG_IGN else "handled outside Python",
+        )
         return
     # Also when ours was replaced while stores were open: the replacement is chained to now.
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -148,7 +154,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     if os.getpid() == _owner_pid:
         try:
             remove_swap_files()
-        except Exception:  # noqa: BLE001 - whatever happens, the process must still die
+        except Exception:
             log.exception("removing swap files on SIGTERM failed")
     # Die the way SIGTERM kills when nobody handles it: exit status -SIGTERM (143 in a shell),
     # which schedulers and torchrun read as "terminated", not "failed".
@@ -173,9 +179,11 @@ def remove_swap_files() -> int:
             temp_dirs.append(store._temp_dir)
     try:  # engines of stores dropped without close(): still open, files still on disk
         from swap import engine as engine_module
-        engines += [e for e in list(getattr(engine_module, "_open_engines", ()))
-                    if e not in engines]
-    except Exception:  # noqa: BLE001 - best effort while dying
+
+        engines += [
+            e for e in list(getattr(engine_module, "_open_engines", ())) if e not in engines
+        ]
+    except Exception:
         pass
     for engine in engines:
         if engine.keep_files:
@@ -201,8 +209,9 @@ def remove_swap_files() -> int:
     for temp_dir in temp_dirs:
         shutil.rmtree(temp_dir, ignore_errors=True)
     if engines or temp_dirs:
-        log.warning("terminated: removed %d swap file(s) of %d swap engine(s)", removed,
-                    len(engines))
+        log.warning(
+            "terminated: removed %d swap file(s) of %d swap engine(s)", removed, len(engines)
+        )
     return removed
 
 
@@ -215,7 +224,7 @@ def _close_at_exit() -> None:
     for store in open_stores():
         try:
             store.close(restore_params=False)  # the process is ending: nothing to give back
-        except Exception:  # noqa: BLE001 - exiting anyway: report it and close the next one
+        except Exception:
             log.exception("closing an infinity store at exit failed")
 
 

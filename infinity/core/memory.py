@@ -62,8 +62,7 @@ def bound_heap_retention(threshold: int = 1 << 20) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD,
-                                                                      threshold))
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold))
     _done = ok
     log.debug("glibc mmap/trim thresholds pinned at %d bytes: %s", threshold, ok)
     return ok
@@ -95,13 +94,18 @@ def huge_page_allocations() -> bool:
     del probes
     if not _huge_pages and asked is None:
         del os.environ[_THP_VARIABLE]  # too late here: no say over the processes it starts
-        log.info("large CPU temporaries (gradients, say) fault 4 KiB pages: torch's allocator "
-                 "had read %s before the store was made. Start the process with %s=1, or make "
-                 "the store before the model; under a host budget that took about a tenth off "
-                 "a step", _THP_VARIABLE, _THP_VARIABLE)
+        log.info(
+            "large CPU temporaries (gradients, say) fault 4 KiB pages: torch's allocator "
+            "had read %s before the store was made. Start the process with %s=1, or make "
+            "the store before the model; under a host budget that took about a tenth off "
+            "a step",
+            _THP_VARIABLE,
+            _THP_VARIABLE,
+        )
     elif not _huge_pages:
-        log.debug("%s=%s in the environment: torch's large blocks are not advised", _THP_VARIABLE,
-                  asked)
+        log.debug(
+            "%s=%s in the environment: torch's large blocks are not advised", _THP_VARIABLE, asked
+        )
     return _huge_pages
 
 
@@ -207,8 +211,11 @@ class HeapWatch:
         self.decided = True
         self.limit += outside
         if self.gave_up_at is not None or self.limit - self.seen_peak < extra:
-            log.debug("heap reuse not started: %d bytes under the line, %d wanted",
-                      self.limit - self.seen_peak, extra)
+            log.debug(
+                "heap reuse not started: %d bytes under the line, %d wanted",
+                self.limit - self.seen_peak,
+                extra,
+            )
             return False
         self.active = reuse_heap_blocks(largest)
         return self.active
@@ -233,6 +240,10 @@ class HeapWatch:
         if trim is not None:
             trim.argtypes = [ctypes.c_size_t]
             trim(0)
-        log.info("heap reuse off: RSS %d bytes passed the line of %d (process + budgets); large "
-                 "blocks are mapped and returned again, now %d bytes", rss, self.limit,
-                 resident_bytes())
+        log.info(
+            "heap reuse off: RSS %d bytes passed the line of %d (process + budgets); large "
+            "blocks are mapped and returned again, now %d bytes",
+            rss,
+            self.limit,
+            resident_bytes(),
+        )

@@ -20,43 +20,53 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from infinity.core.completions import MAX_RETRIES, Completions, retryable
-from infinity.errors import BudgetError, ParameterAccessError
-from infinity.training.gradients import CompanionsAndGradients
-from infinity.core.policies import EvictionPolicy, PrefetchPolicy
 from infinity.core.lending import HostLending
+from infinity.core.policies import EvictionPolicy, PrefetchPolicy
 from infinity.core.prefetching import TracePrefetching
 from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
-from infinity.observability.timeline import Timeline
 from infinity.core.trace import TraceFollower
+from infinity.errors import BudgetError, ParameterAccessError
+from infinity.observability.timeline import Timeline
+from infinity.training.gradients import CompanionsAndGradients
 from swap import SwapEngine
 
 log = logging.getLogger(__name__)
+
 
 def _tag(shard: Shard) -> list:
     """The identity a shard's bytes are written and read under: a read of another shard's or
     another version's bytes fails verification instead of being trained on."""
     return [shard.id, shard.version]
 
+
 def _registry_order(shard: Shard) -> tuple[int, str, int]:
     return shard.entry.index, shard.kind, shard.start
 
 
-
-
 class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLending):
-    def __init__(self, registry: ShardRegistry, device: DeviceTier, host: HostTier,
-                 engine: SwapEngine | None, follower: TraceFollower, eviction: EvictionPolicy,
-                 prefetch: PrefetchPolicy, *, params_on_nvme: bool, grads_on_nvme: bool,
-                 timeline: Timeline | None = None) -> None:
+    def __init__(
+        self,
+        registry: ShardRegistry,
+        device: DeviceTier,
+        host: HostTier,
+        engine: SwapEngine | None,
+        follower: TraceFollower,
+        eviction: EvictionPolicy,
+        prefetch: PrefetchPolicy,
+        *,
+        params_on_nvme: bool,
+        grads_on_nvme: bool,
+        timeline: Timeline | None = None,
+    ) -> None:
         self.registry = registry
         self.timeline = timeline or Timeline()
         self.params_on_nvme = params_on_nvme
@@ -166,8 +176,9 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                 self.registry.set_state(shard, R.HOST)
 
     # -- host slots ---------------------------------------------------------------------------
-    def _host_slot(self, shard: Shard, protect: Iterable[Shard], horizon: float,
-                   strict: bool = False) -> bool:
+    def _host_slot(
+        self, shard: Shard, protect: Iterable[Shard], horizon: float, strict: bool = False
+    ) -> bool:
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
         if self.quarantine:
             self._reclaim_quarantine()
@@ -175,8 +186,9 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         if offset is None:
             offset = self.host.take_arena(shard.nbytes)
         if offset is None:
-            offset = self._make_arena_room(shard.nbytes, set(protect) | {shard}, horizon,
-                                           strict and horizon > 0)
+            offset = self._make_arena_room(
+                shard.nbytes, set(protect) | {shard}, horizon, strict and horizon > 0
+            )
             if offset is None:
                 return False
         shard.arena_offset = offset
@@ -219,8 +231,12 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             # backward event, and autograd may complete it only after the next module's event
             # has fired. Until then the update is imminent, master and state alike (ranked a
             # step away, its state was evicted and read straight back).
-            if update is not None and update < position and index not in stepped and \
-                    (shard.kind != "param" or shard.entry.param.requires_grad):
+            if (
+                update is not None
+                and update < position
+                and index not in stepped
+                and (shard.kind != "param" or shard.entry.param.requires_grad)
+            ):
                 return 0.5
             if shard.kind != "param":
                 if update is not None:
@@ -234,6 +250,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                 # when the step updates the master (needed there, however far the use is).
                 return end + in_step * index if self._step_will_update(shard) else use + 1.0
             return use
+
         return next_use
 
     @staticmethod
@@ -244,19 +261,27 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             return shard.entry.holds == 0
         return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
 
-    def _arena_victims(self, protect: set[Shard],
-                       next_use: Callable[[Shard], float] | None) -> list[Shard]:
+    def _arena_victims(
+        self, protect: set[Shard], next_use: Callable[[Shard], float] | None
+    ) -> list[Shard]:
         """Arena shards that may be evicted now, in the order the policy would evict them."""
         # In registry order, so that ties (a shard's companions share its next use) break the
         # same way in every run, and in the planner's replay of it.
-        candidates = sorted((s for s in self.in_arena
-                             if s not in protect and s not in self.pinned and self._evictable(s)),
-                            key=_registry_order)
-        return self.eviction.order(candidates, next_use,
-                                   lambda s: self.last_used.get(s.entry.index, -1))
+        candidates = sorted(
+            (
+                s
+                for s in self.in_arena
+                if s not in protect and s not in self.pinned and self._evictable(s)
+            ),
+            key=_registry_order,
+        )
+        return self.eviction.order(
+            candidates, next_use, lambda s: self.last_used.get(s.entry.index, -1)
+        )
 
-    def _make_arena_room(self, nbytes: int, protect: set[Shard], horizon: float,
-                         strict: bool = False) -> int | None:
+    def _make_arena_room(
+        self, nbytes: int, protect: set[Shard], horizon: float, strict: bool = False
+    ) -> int | None:
         """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
         dirty ones are written back first and stay until that write completed. Write-backs are
         started for about ``nbytes`` at a time, in eviction order, never for everything dirty:
@@ -307,8 +332,11 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         # pin the arena) and evict what they free, in policy order; when that is not enough
         # (the freed ranges are not contiguous), write back and evict the rest one by one.
         for shard in candidates:
-            if shard.state is R.DEVICE_HOST and shard.entry.holds == 0 and \
-                    shard.entry.index not in self.persistent:
+            if (
+                shard.state is R.DEVICE_HOST
+                and shard.entry.holds == 0
+                and shard.entry.index not in self.persistent
+            ):
                 # A dirty master whose device copy is cached, not in use (after an update in
                 # backward, the next forward leaves it so): drop that copy, which is never
                 # newer, so the master can be written back.
@@ -358,8 +386,9 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             return math.inf
         return len(trace) - self.follower.position + 1.0
 
-    def _beyond(self, candidates: list[Shard], horizon: float,
-                next_use: Callable[[Shard], float] | None) -> list[Shard]:
+    def _beyond(
+        self, candidates: list[Shard], horizon: float, next_use: Callable[[Shard], float] | None
+    ) -> list[Shard]:
         """The candidates next needed after ``horizon`` (all of them for no horizon). Without
         a trace only the running step's own order is known: past the step, a shard it has
         still to update is needed sooner, and nothing else is known to be."""
@@ -374,16 +403,18 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
     def _step_will_update(self, shard: Shard) -> bool:
         """Whether this iteration's step has still to update ``shard`` (a trainable master or
         a companion of an entry it has not reached yet)."""
-        return shard.entry.index not in self.stepped and \
-            (shard.kind != "param" or shard.entry.param.requires_grad)
+        return shard.entry.index not in self.stepped and (
+            shard.kind != "param" or shard.entry.param.requires_grad
+        )
 
     def step_finished(self) -> None:
         """The step ended (or failed): eviction ranks companions and masters alike again."""
         self.stepped.clear()
         self.masters_due = False
 
-    def clean_ahead(self, reserve: int, protect: Iterable[Shard] = (),
-                    horizon: float = 0.0) -> None:
+    def clean_ahead(
+        self, reserve: int, protect: Iterable[Shard] = (), horizon: float = 0.0
+    ) -> None:
         """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
         of the arena are free or held by clean copies.
 
@@ -440,15 +471,26 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             self.io_retries += 1
         # The engine refuses a bad request synchronously: the state changes only once the
         # transfer exists, so a refusal leaves the shard HOST.
-        future = self.engine.write(shard.extent, self.host.arena, nbytes=shard.nbytes,
-                                   buffer_offset=shard.arena_offset, tag=_tag(shard))
+        future = self.engine.write(
+            shard.extent,
+            self.host.arena,
+            nbytes=shard.nbytes,
+            buffer_offset=shard.arena_offset,
+            tag=_tag(shard),
+        )
         self.registry.set_state(shard, R.HOST_STORING)
         shard.pending = future
         self._record_io(shard, "write", prefetch=False)
 
-    def load_async(self, shard: Shard, protect: Iterable[Shard] = (),
-                   horizon: float = 0.0, prefetch: bool = False,
-                   read_ahead: bool = False, strict: bool = False) -> bool:
+    def load_async(
+        self,
+        shard: Shard,
+        protect: Iterable[Shard] = (),
+        horizon: float = 0.0,
+        prefetch: bool = False,
+        read_ahead: bool = False,
+        strict: bool = False,
+    ) -> bool:
         """Starts NVME -> host; False when no slot could be had within the horizon (and,
         ``strict``, in eviction order: see :meth:`_make_arena_room`)."""
         if shard.state is not R.NVME:
@@ -458,8 +500,13 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         if self._failed.get(shard):
             self.io_retries += 1
         try:
-            future = self.engine.read(shard.extent, self.host.arena, nbytes=shard.nbytes,
-                                      buffer_offset=shard.arena_offset, tag=_tag(shard))
+            future = self.engine.read(
+                shard.extent,
+                self.host.arena,
+                nbytes=shard.nbytes,
+                buffer_offset=shard.arena_offset,
+                tag=_tag(shard),
+            )
         except BaseException:
             self._free_slot(shard)  # refused: nothing in flight, the shard stays NVME
             raise
@@ -478,8 +525,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         record = self.timeline.io_started(shard.id, op, shard.nbytes, prefetch)
         shard.io_record = record
         if record is not None:
-            shard.pending.add_done_callback(
-                lambda f: Timeline.io_finished(record, f.exception()))
+            shard.pending.add_done_callback(lambda f: Timeline.io_finished(record, f.exception()))
 
     def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
         """Makes ``shard``'s host copy valid, reading it from NVMe if needed. A failed read
@@ -491,15 +537,21 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                 f"parameter '{shard.entry.name}' has no values yet (shard {shard.id}): it was "
                 f"attached on the meta device without reset_parameters(), so its values must "
                 f"come from a checkpoint: store.load_pretrained(path) or "
-                f"model.load_state_dict(...) before the first forward")
+                f"model.load_state_dict(...) before the first forward"
+            )
         while not shard.state.on_host:
             if shard.state is R.NVME:
                 failures = self._failed.get(shard, 0)
                 if error is not None and (failures > self.max_retries or not retryable(error)):
                     self._failed.pop(shard, None)
                     self.io_failures += 1
-                    log.error("read of shard %s failed %d time(s); giving up: %s: %s", shard.id,
-                              failures, type(error).__name__, error)
+                    log.error(
+                        "read of shard %s failed %d time(s); giving up: %s: %s",
+                        shard.id,
+                        failures,
+                        type(error).__name__,
+                        error,
+                    )
                     raise error
                 if not self.load_async(shard, protect):
                     if error is not None:  # the retry found no room: the failure is the news
@@ -513,13 +565,17 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                 raise RuntimeError(f"{shard} has no host copy")
 
     def _no_room(self, shard: Shard) -> str:
-        text = (f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
-                f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} bytes)")
+        text = (
+            f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
+            f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} bytes)"
+        )
         if self.quarantine:
             hung = [q for q in self.engine.quarantined() if q.buffer is self.host.arena]
-            return (f"{text}: {self.quarantined_bytes} bytes of it are quarantined behind reads "
-                    f"that timed out (the drive hangs?)"
-                    + (f", e.g. a {hung[0].describe()}" if hung else ""))
+            return (
+                f"{text}: {self.quarantined_bytes} bytes of it are quarantined behind reads "
+                f"that timed out (the drive hangs?)"
+                + (f", e.g. a {hung[0].describe()}" if hung else "")
+            )
         return f"{text}: raise buffer_count or buffer_size, or host_budget"
 
     def prepare_overwrite(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
@@ -579,8 +635,12 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         which a collective needs. Its slices are read from NVMe first where they are not on the
         host yet (the trace-driven prefetch started those reads further ahead)."""
         partition = self.partition
-        if partition is None or partition.stage < 3 or not self.assemble_ahead_enabled or \
-                self.follower.trace is None:
+        if (
+            partition is None
+            or partition.stage < 3
+            or not self.assemble_ahead_enabled
+            or self.follower.trace is None
+        ):
             return
         upcoming = self.follower.upcoming(1)
         if not upcoming:
@@ -632,7 +692,8 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                     self._settled_on_host(shard, waiting)
                     if shard.piece is None:
                         event = self.device.copy_in(
-                            flat[shard.start:shard.start + shard.numel], shard.host)
+                            flat[shard.start : shard.start + shard.numel], shard.host
+                        )
                     else:
                         event, pending = self._assemble(flat, shard, own_input=defer)
                         assembling.append(pending)
@@ -660,29 +721,33 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         entry.resident = True
         self.on_device.add(entry)
 
-    def _assemble(self, flat: torch.Tensor, shard: Shard,
-                  own_input: bool = False) -> tuple[object, object]:
+    def _assemble(
+        self, flat: torch.Tensor, shard: Shard, own_input: bool = False
+    ) -> tuple[object, object]:
         """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
         every rank's slice. Returns the copy's event and the collective's handle.
         ``own_input``: the collective reads a copy of the slice, not the arena slot, which may
         be evicted before it completes."""
         partition = self.partition
         start, numel = shard.piece
-        out = flat[start:start + numel]
+        out = flat[start : start + numel]
         local = shard.host
         event = None
         if local.dtype != out.dtype or (partition.on_device and local.device != out.device):
             # Compute dtype (mixed precision) and, under NCCL, on the device: a device copy.
-            staged = torch.empty(shard.numel, dtype=out.dtype,
-                                 device=out.device if partition.on_device else "cpu")
+            staged = torch.empty(
+                shard.numel, dtype=out.dtype, device=out.device if partition.on_device else "cpu"
+            )
             event = self.device.copy_in(staged, local)
             self.device.wait(event)
             local = staged
         elif own_input:
             local = local.clone()
         elif not partition.on_device and out.device.type != "cpu":
-            raise RuntimeError("a gloo process group cannot gather into device memory: use "
-                               "the nccl backend with CUDA")
+            raise RuntimeError(
+                "a gloo process group cannot gather into device memory: use "
+                "the nccl backend with CUDA"
+            )
         return event, partition.gather_into(out, local)
 
     def release(self, entry: ParamEntry) -> None:
@@ -739,11 +804,17 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         trace = self.follower.trace
         position = self.follower.position
         next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
-        candidates = sorted((e for e in self.on_device
-                             if e.holds == 0 and e is not entry and e.index not in self.persistent),
-                            key=lambda e: e.index)
-        for victim in self.eviction.order(candidates, next_use,
-                                          lambda e: self.last_used.get(e.index, -1)):
+        candidates = sorted(
+            (
+                e
+                for e in self.on_device
+                if e.holds == 0 and e is not entry and e.index not in self.persistent
+            ),
+            key=lambda e: e.index,
+        )
+        for victim in self.eviction.order(
+            candidates, next_use, lambda e: self.last_used.get(e.index, -1)
+        ):
             self.drop_device(victim)
             if self.device.fits(entry.device_bytes):
                 return
@@ -752,10 +823,12 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             f"device budget of {self.device.budget} bytes cannot hold {entry.name} "
             f"({entry.device_bytes} bytes) next to the {len(held)} parameters in use "
             f"({self.device.usage.current} bytes, largest: "
-            f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget")
+            f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget"
+        )
 
     # -- self-check -----------------------------------------------------------------------------
     def audit(self) -> list[str]:
         """Checks the bookkeeping against itself; see :func:`infinity.observability.audit.audit`."""
         from infinity.observability.audit import audit
+
         return audit(self)

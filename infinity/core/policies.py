@@ -10,7 +10,8 @@ it can afford without over-committing its buffers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from infinity.core.trace import TraceFollower
 
@@ -19,24 +20,36 @@ T = TypeVar("T")
 
 class EvictionPolicy(ABC):
     @abstractmethod
-    def order(self, candidates: Sequence[T], next_use: Callable[[T], float] | None,
-              recency: Callable[[T], int]) -> list[T]:
+    def order(
+        self,
+        candidates: Sequence[T],
+        next_use: Callable[[T], float] | None,
+        recency: Callable[[T], int],
+    ) -> list[T]:
         """``candidates`` in the order they should be evicted. ``next_use`` (events until the
         candidate is needed again) is None when no trace is being followed; ``recency`` is a
         logical clock of the last use."""
 
 
 class LRUEviction(EvictionPolicy):
-    def order(self, candidates: Sequence[T], next_use: Callable[[T], float] | None,
-              recency: Callable[[T], int]) -> list[T]:
+    def order(
+        self,
+        candidates: Sequence[T],
+        next_use: Callable[[T], float] | None,
+        recency: Callable[[T], int],
+    ) -> list[T]:
         return sorted(candidates, key=recency)
 
 
 class BeladyEviction(EvictionPolicy):
     """Furthest next use first; least recently used while no trace is being followed."""
 
-    def order(self, candidates: Sequence[T], next_use: Callable[[T], float] | None,
-              recency: Callable[[T], int]) -> list[T]:
+    def order(
+        self,
+        candidates: Sequence[T],
+        next_use: Callable[[T], float] | None,
+        recency: Callable[[T], int],
+    ) -> list[T]:
         if next_use is None:
             return sorted(candidates, key=recency)
         return sorted(candidates, key=lambda c: (-next_use(c), recency(c)))

@@ -11,12 +11,12 @@ write-ahead lists) is set up in ``Placement.__init__``; everything runs on the t
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
-from infinity.training.optimizer import state_companions
 from infinity.core.residency import Residency as R
 from infinity.core.shards import Shard
 from infinity.core.trace import FORWARD, Event, Trace
+from infinity.training.optimizer import state_companions
 
 
 class TracePrefetching:
@@ -43,20 +43,25 @@ class TracePrefetching:
         self.follower.observe(event, busy=self.busy_seconds)
         if self.timeline.enabled:
             names = self.module_names
-            self.timeline.event(event.kind, names[event.module] if event.module < len(names)
-                                else str(event.module))
+            self.timeline.event(
+                event.kind, names[event.module] if event.module < len(names) else str(event.module)
+            )
         if not self.nvme or self.follower.trace is None:
             return
         trace = self.follower.trace
         position = self.follower.position
-        if event.kind == FORWARD and self.write_ahead_enabled and \
-                self._prewritten < len(self._forced_last):
+        if (
+            event.kind == FORWARD
+            and self.write_ahead_enabled
+            and self._prewritten < len(self._forced_last)
+        ):
             self.write_ahead(1.0 / max(1, trace.forward_events))
         # The event's own shards are gathered right after this: their next use counted from
         # past the event is an iteration away, so without protection a prefetch would evict
         # them first, and the gather would read them again.
-        current = {shard for index in event.entries
-                   for shard in self.registry.entries[index].shards}
+        current = {
+            shard for index in event.entries for shard in self.registry.entries[index].shards
+        }
         budget = self.prefetch_ahead(protect=current)
         if budget is not None and self.update_in_backward:
             # Strict: it reads far ahead, and what a read evicts out of order must be read
@@ -65,8 +70,11 @@ class TracePrefetching:
             # would come from masters and state that this backward needs before them, each read
             # twice; without any, backward began by waiting for the first updates' state while
             # the disk had idled through forward.
-            reach = math.inf if event.kind != FORWARD else \
-                2 * max(1, getattr(self.prefetcher, "depth", 1)) + 1
+            reach = (
+                math.inf
+                if event.kind != FORWARD
+                else 2 * max(1, getattr(self.prefetcher, "depth", 1)) + 1
+            )
             self._prefetch(self._state_wanted(trace, position, reach), budget, strict=True)
 
     def prefetch_ahead(self, protect: set[Shard] | frozenset = frozenset()) -> int | None:
@@ -90,6 +98,7 @@ class TracePrefetching:
                         if horizon is None:
                             horizon = trace.next_use(index, position) + 0.5
                         yield shard, horizon
+
         return self._prefetch(wanted(), budget, protect=protect)
 
     @property
@@ -99,12 +108,19 @@ class TracePrefetching:
         caller's loop), so the room its release freed should go to the next iteration's first
         reads at once (``prefetch_ahead``)."""
         follower = self.follower
-        return follower.inference and follower.trace is not None and \
-            follower.position == len(follower.trace)
+        return (
+            follower.inference
+            and follower.trace is not None
+            and follower.position == len(follower.trace)
+        )
 
-    def _prefetch(self, wanted: Iterable[tuple[Shard, float]], budget: int | None,
-                  strict: bool = False, protect: set[Shard] | frozenset = frozenset()
-                  ) -> int | None:
+    def _prefetch(
+        self,
+        wanted: Iterable[tuple[Shard, float]],
+        budget: int | None,
+        strict: bool = False,
+        protect: set[Shard] | frozenset = frozenset(),
+    ) -> int | None:
         """Starts the reads of ``wanted`` (shard, horizon) in order, each evicting only what is
         needed after its horizon. Returns the ``prefetch_bytes`` left (``math.inf`` without a
         cap), or None once a read found no room or the cap was reached: prefetch less, never
@@ -114,14 +130,16 @@ class TracePrefetching:
             self.reap(shard)
             if shard.state is not R.NVME:
                 continue
-            if left < shard.nbytes or not self.load_async(shard, protect, horizon=horizon,
-                                                          prefetch=True, strict=strict):
+            if left < shard.nbytes or not self.load_async(
+                shard, protect, horizon=horizon, prefetch=True, strict=strict
+            ):
                 return None
             left -= shard.nbytes
         return left
 
-    def _state_wanted(self, trace: Trace, position: int, reach: float = math.inf
-                      ) -> Iterator[tuple[Shard, float]]:
+    def _state_wanted(
+        self, trace: Trace, position: int, reach: float = math.inf
+    ) -> Iterator[tuple[Shard, float]]:
         """With updates in backward: the optimizer state of the entries to be updated next,
         in the order backward will update them, with their horizons, up to a third of the
         arena and to updates at most ``reach`` events away. Further ahead, a read would make
@@ -162,8 +180,10 @@ class TracePrefetching:
                 continue
             horizon = update - position + 1.0
             for shard in self.registry.entries[index].shards:
-                missing += sum(self.host.slot_cost(part.nbytes)
-                               for part in (shard, *state_companions(shard).values())
-                               if part.state in (R.NVME, R.DEVICE_NVME))
+                missing += sum(
+                    self.host.slot_cost(part.nbytes)
+                    for part in (shard, *state_companions(shard).values())
+                    if part.state in (R.NVME, R.DEVICE_NVME)
+                )
         if missing:
             self.clean_ahead(missing, horizon=horizon)

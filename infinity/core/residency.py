@@ -63,52 +63,84 @@ class Residency(Enum):
 
 
 _ON_DEVICE = frozenset({Residency.DEVICE_HOST, Residency.DEVICE_HOST_NVME, Residency.DEVICE_NVME})
-_ON_HOST = frozenset({Residency.HOST, Residency.HOST_STORING, Residency.HOST_NVME,
-                      Residency.DEVICE_HOST, Residency.DEVICE_HOST_NVME})
-_ON_NVME = frozenset({Residency.NVME, Residency.NVME_LOADING, Residency.HOST_NVME,
-                      Residency.DEVICE_HOST_NVME, Residency.DEVICE_NVME})
+_ON_HOST = frozenset(
+    {
+        Residency.HOST,
+        Residency.HOST_STORING,
+        Residency.HOST_NVME,
+        Residency.DEVICE_HOST,
+        Residency.DEVICE_HOST_NVME,
+    }
+)
+_ON_NVME = frozenset(
+    {
+        Residency.NVME,
+        Residency.NVME_LOADING,
+        Residency.HOST_NVME,
+        Residency.DEVICE_HOST_NVME,
+        Residency.DEVICE_NVME,
+    }
+)
 
 R = Residency
 
 #: state -> states it may move to. Comments name the operation.
 TRANSITIONS: dict[Residency, frozenset[Residency]] = {
-    R.EMPTY: frozenset({
-        R.HOST,                 # initialise from the model's tensor
-    }),
-    R.NVME: frozenset({
-        R.NVME_LOADING,         # start reading into a host slot
-        R.EMPTY,                # discard (a gradient after the step, zero_grad)
-    }),
-    R.NVME_LOADING: frozenset({
-        R.HOST_NVME,            # read completed
-        R.NVME,                 # read failed: the NVMe copy is still the valid one
-    }),
-    R.HOST: frozenset({
-        R.HOST_STORING,         # start writing back
-        R.DEVICE_HOST,          # gather to device
-        R.HOST,                 # updated again (optimizer step, load_state_dict)
-        R.EMPTY,                # discard
-    }),
-    R.HOST_STORING: frozenset({
-        R.HOST_NVME,            # write completed
-        R.HOST,                 # write failed: host stays the only valid copy
-    }),
-    R.HOST_NVME: frozenset({
-        R.NVME,                 # evict the host slot (NVMe copy is valid)
-        R.DEVICE_HOST_NVME,     # gather to device
-        R.HOST,                 # updated on the host: NVMe copy now stale
-        R.EMPTY,                # discard
-    }),
-    R.DEVICE_HOST: frozenset({
-        R.HOST,                 # release the device copy
-    }),
-    R.DEVICE_HOST_NVME: frozenset({
-        R.HOST_NVME,            # release the device copy
-        R.DEVICE_NVME,          # evict the host slot, keep computing on the device copy
-    }),
-    R.DEVICE_NVME: frozenset({
-        R.NVME,                 # release the device copy
-    }),
+    R.EMPTY: frozenset(
+        {
+            R.HOST,  # initialise from the model's tensor
+        }
+    ),
+    R.NVME: frozenset(
+        {
+            R.NVME_LOADING,  # start reading into a host slot
+            R.EMPTY,  # discard (a gradient after the step, zero_grad)
+        }
+    ),
+    R.NVME_LOADING: frozenset(
+        {
+            R.HOST_NVME,  # read completed
+            R.NVME,  # read failed: the NVMe copy is still the valid one
+        }
+    ),
+    R.HOST: frozenset(
+        {
+            R.HOST_STORING,  # start writing back
+            R.DEVICE_HOST,  # gather to device
+            R.HOST,  # updated again (optimizer step, load_state_dict)
+            R.EMPTY,  # discard
+        }
+    ),
+    R.HOST_STORING: frozenset(
+        {
+            R.HOST_NVME,  # write completed
+            R.HOST,  # write failed: host stays the only valid copy
+        }
+    ),
+    R.HOST_NVME: frozenset(
+        {
+            R.NVME,  # evict the host slot (NVMe copy is valid)
+            R.DEVICE_HOST_NVME,  # gather to device
+            R.HOST,  # updated on the host: NVMe copy now stale
+            R.EMPTY,  # discard
+        }
+    ),
+    R.DEVICE_HOST: frozenset(
+        {
+            R.HOST,  # release the device copy
+        }
+    ),
+    R.DEVICE_HOST_NVME: frozenset(
+        {
+            R.HOST_NVME,  # release the device copy
+            R.DEVICE_NVME,  # evict the host slot, keep computing on the device copy
+        }
+    ),
+    R.DEVICE_NVME: frozenset(
+        {
+            R.NVME,  # release the device copy
+        }
+    ),
 }
 
 
@@ -124,5 +156,7 @@ class ResidencyError(RuntimeError):
 def check_transition(shard_id: str, old: Residency, new: Residency) -> None:
     if new not in TRANSITIONS[old]:
         allowed = ", ".join(sorted(s.name for s in TRANSITIONS[old])) or "none"
-        raise ResidencyError(f"shard {shard_id}: illegal residency change {old.name} -> "
-                             f"{new.name} (allowed from {old.name}: {allowed})")
+        raise ResidencyError(
+            f"shard {shard_id}: illegal residency change {old.name} -> "
+            f"{new.name} (allowed from {old.name}: {allowed})"
+        )

@@ -29,9 +29,10 @@ class Shard:
     """Bytes with one residency. ``kind`` is "param" (a range of a parameter's master values),
     or, for a companion of a param shard, "grad" (its accumulated gradient) or "optim" (its
     optimizer state tensors packed end to end) when those live in the arena and on NVMe."""
+
     id: str
-    entry: "ParamEntry"
-    start: int                      # first element within the flattened parameter
+    entry: ParamEntry
+    start: int  # first element within the flattened parameter
     numel: int
     dtype: torch.dtype
     kind: str = "param"
@@ -43,7 +44,7 @@ class Shard:
     #: the NVMe home
     extent: object | None = None
     #: an NVMe transfer in flight, and its timeline record when recording
-    pending: "Future[int] | None" = None
+    pending: Future[int] | None = None
     io_record: object | None = None
     #: accumulated gradient in host memory, when gradients are not swapped (else companion)
     grad: torch.Tensor | None = None
@@ -80,7 +81,7 @@ class Shard:
 
     def part_of(self, flat: torch.Tensor) -> torch.Tensor:
         """The elements of the flattened parameter ``flat`` that this shard holds."""
-        return flat[self.start:self.start + self.real_numel]
+        return flat[self.start : self.start + self.real_numel]
 
     def padded(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (``real_numel`` elements) as ``numel`` elements, the padding zero: the
@@ -88,7 +89,7 @@ class Shard:
         if values.numel() == self.numel:
             return values
         out = torch.zeros(self.numel, dtype=values.dtype, device=values.device)
-        out[:values.numel()].copy_(values)
+        out[: values.numel()].copy_(values)
         return out
 
     def fill_from(self, values: torch.Tensor) -> None:
@@ -98,8 +99,8 @@ class Shard:
         if self.real is None or self.real == self.numel:
             host.copy_(values)
             return
-        host[:self.real].copy_(values)
-        host[self.real:].zero_()
+        host[: self.real].copy_(values)
+        host[self.real :].zero_()
 
     def __repr__(self) -> str:
         return f"Shard({self.id}, {self.numel} x {self.dtype}, {self.state.name})"
@@ -108,6 +109,7 @@ class Shard:
 @dataclass(eq=False)
 class ParamEntry:
     """One model parameter: its shards and its device copy."""
+
     name: str
     param: torch.nn.Parameter
     shape: torch.Size
@@ -140,6 +142,7 @@ class ParamEntry:
     def lent(self) -> bool:
         """Whether the device copy is the host copy itself (so the two go together)."""
         return self.placeholder is not None and self.slab_offset is None
+
     index: int = 0
 
     @property
@@ -170,9 +173,15 @@ class ShardRegistry:
         self.unread_writes = 0
         self.unread_write_bytes = 0
 
-    def add_param(self, name: str, param: torch.nn.Parameter, max_shard_bytes: int,
-                  compute_dtype: torch.dtype | None = None, partition: Any = None,
-                  storage_dtype: torch.dtype | None = None) -> ParamEntry:
+    def add_param(
+        self,
+        name: str,
+        param: torch.nn.Parameter,
+        max_shard_bytes: int,
+        compute_dtype: torch.dtype | None = None,
+        partition: Any = None,
+        storage_dtype: torch.dtype | None = None,
+    ) -> ParamEntry:
         """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
         masters are fp32 and the device copy is ``compute_dtype``; with ``storage_dtype``
         (inference) its floating-point values are kept in that dtype instead. With a
@@ -184,9 +193,16 @@ class ShardRegistry:
             master, compute = torch.float32, compute_dtype
         if storage_dtype is not None and param.is_floating_point():
             master = storage_dtype
-        entry = ParamEntry(name, param, param.shape, master, param.requires_grad,
-                           index=len(self.entries), compute_dtype=compute,
-                           given_dtype=param.dtype)
+        entry = ParamEntry(
+            name,
+            param,
+            param.shape,
+            master,
+            param.requires_grad,
+            index=len(self.entries),
+            compute_dtype=compute,
+            given_dtype=param.dtype,
+        )
         itemsize = master.itemsize
         per_shard = max(1, max_shard_bytes // itemsize)
         if partition is not None:
@@ -201,8 +217,9 @@ class ShardRegistry:
                 shard = Shard(shard_id, entry, start, length, master)
             else:
                 first, per_rank, real = partition.slice_of(start, length)
-                shard = Shard(shard_id, entry, first, per_rank, master, piece=(start, length),
-                              real=real)
+                shard = Shard(
+                    shard_id, entry, first, per_rank, master, piece=(start, length), real=real
+                )
             entry.shards.append(shard)
             self.shards[shard_id] = shard
         self.entries.append(entry)
@@ -235,7 +252,14 @@ class ShardRegistry:
     def snapshot(self) -> dict[str, dict]:
         """A JSON-able description of every shard (for checkpoints and debugging)."""
         with self.lock:
-            return {s.id: {"param": s.entry.name, "start": s.start, "numel": s.numel,
-                           "dtype": str(s.dtype).removeprefix("torch."),
-                           "state": s.state.name, "version": s.version}
-                    for s in self.shards.values()}
+            return {
+                s.id: {
+                    "param": s.entry.name,
+                    "start": s.start,
+                    "numel": s.numel,
+                    "dtype": str(s.dtype).removeprefix("torch."),
+                    "state": s.state.name,
+                    "version": s.version,
+                }
+                for s in self.shards.values()
+            }

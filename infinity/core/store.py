@@ -15,32 +15,38 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import psutil
 import torch
 from torch import nn
 
-from infinity.core import lifecycle
+from infinity.checkpointing.state_dict import install_state_dict_hooks, write_entry
 from infinity.config import OffloadConfig
-from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
-from infinity.training.hooks import HookSet
-from infinity.core.memory import HeapWatch, bound_heap_retention, huge_page_allocations, resident_bytes
-from infinity.training.optimizer import OffloadedOptimizer
-from infinity.training.param_access import ParamAccess
-from infinity.ranks.partition import Partition
+from infinity.core import lifecycle
+from infinity.core.memory import (
+    HeapWatch,
+    bound_heap_retention,
+    huge_page_allocations,
+    resident_bytes,
+)
 from infinity.core.placement import Placement
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
-from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
-from infinity.observability.reporting import store_stats
 from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, ShardRegistry
-from infinity.checkpointing.state_dict import install_state_dict_hooks, write_entry
-from infinity.training.stepping import Stepping
 from infinity.core.tiers import DeviceTier, HostTier
-from infinity.observability.timeline import Timeline
 from infinity.core.trace import TraceFollower
+from infinity.errors import AttachError, BudgetError, ConfigError
+from infinity.observability.reporting import store_stats
+from infinity.observability.timeline import Timeline
+from infinity.ranks.partition import Partition
+from infinity.training.hooks import HookSet
+from infinity.training.optimizer import OffloadedOptimizer
+from infinity.training.param_access import ParamAccess
+from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
+from infinity.training.stepping import Stepping
 from infinity.training.update_timing import UpdateTiming
 from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
 from swap.files import check_directory
@@ -54,17 +60,22 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise AttachError(f"device {name!r} was asked for but CUDA is not available: use "
-                          f"device='auto' or 'cpu'")
+        raise AttachError(
+            f"device {name!r} was asked for but CUDA is not available: use device='auto' or 'cpu'"
+        )
     return device
 
 
 class TieredStore(Stepping):
     """Holds a model's parameters across device, host and NVMe. See the package docstring."""
 
-    def __init__(self, config: OffloadConfig | None = None, *,
-                 backend_wrapper: Callable[[IOBackend], IOBackend] | None = None,
-                 engine_overrides: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig | None = None,
+        *,
+        backend_wrapper: Callable[[IOBackend], IOBackend] | None = None,
+        engine_overrides: Mapping[str, Any] | None = None,
+    ) -> None:
         """``backend_wrapper`` (tests and tools only) wraps the swap engine's I/O backend, e.g.
         in a fault-injecting backend; None costs nothing. ``engine_overrides`` (tests and tools
         only) replaces fields of the engine's ``EngineSettings`` that the config has no key for,
@@ -76,8 +87,10 @@ class TieredStore(Stepping):
         if isinstance(config, Mapping):
             config = OffloadConfig.from_dict(config)  # the native JSON format, strictly
         elif config is not None and not isinstance(config, OffloadConfig):
-            raise ConfigError(f"TieredStore expects an OffloadConfig or a dict of its fields, "
-                              f"got {type(config).__name__}")
+            raise ConfigError(
+                f"TieredStore expects an OffloadConfig or a dict of its fields, "
+                f"got {type(config).__name__}"
+            )
         self.config = config or OffloadConfig()
         self._backend_wrapper = backend_wrapper
         self._engine_overrides = dict(engine_overrides or {})
@@ -86,7 +99,8 @@ class TieredStore(Stepping):
         self.registry = ShardRegistry()
         self.follower = TraceFollower()
         self.placement: Placement | None = None
-        #: this rank's share across data-parallel ranks (infinity.ranks.partition); None: one process
+        #: this rank's share across data-parallel ranks (infinity.ranks.partition); None: one
+        #: process
         self.partition: Partition | None = None
         #: saves and loads checkpoints (infinity.checkpointing.checkpoint), made on first use
         self._checkpoints: Any = None
@@ -94,7 +108,8 @@ class TieredStore(Stepping):
         #: store.gathered)
         self.access: ParamAccess | None = None
         self.engine: SwapEngine | None = None
-        #: moves saved activations off the device (offload_activations; infinity.training.activations)
+        #: moves saved activations off the device (offload_activations;
+        #: infinity.training.activations)
         self.activations: Any = None
         #: the engine activations use when nothing else of the model is on NVMe
         self._activation_engine: SwapEngine | None = None
@@ -152,13 +167,17 @@ class TieredStore(Stepping):
         under ZeRO stage 3 across ranks, where the device holds a module's gathered copy only
         while it runs."""
         partition = self.partition
-        return self.config.offload_param == "none" and (partition is None or
-                                                        partition.stage < 3)
+        return self.config.offload_param == "none" and (partition is None or partition.stage < 3)
 
     # -- attach -------------------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               initialise: bool = True, process_group: Any = None
-               ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        initialise: bool = True,
+        process_group: Any = None,
+    ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
         """Takes over ``model``'s parameters (and wraps ``optimizer``). Parameters on the meta
         device are initialised module by module with ``reset_parameters()``; with
         ``initialise=False`` (their values will come from ``load_pretrained`` or
@@ -171,18 +190,20 @@ class TieredStore(Stepping):
         if self._closed:
             raise AttachError("this store is closed; create a new TieredStore")
         if self.model is not None:
-            raise AttachError("this store is already attached to a model; use one store per "
-                              "model")
+            raise AttachError("this store is already attached to a model; use one store per model")
         if not isinstance(model, nn.Module):
-            raise AttachError(f"attach expects an nn.Module, got {type(model).__name__}: pass "
-                              f"the model (a torch.nn.Module) and then its optimizer")
+            raise AttachError(
+                f"attach expects an nn.Module, got {type(model).__name__}: pass "
+                f"the model (a torch.nn.Module) and then its optimizer"
+            )
         self._check_optimizer(model, optimizer)
         if self.storage_dtype is not None and optimizer is not None:
             raise AttachError(
                 f"precision.storage_dtype={self.config.precision.storage_dtype!r} keeps the "
                 f"weights in that dtype between uses, which is for inference: an optimizer's "
                 f"updates need the masters' precision. Attach without an optimizer, or leave "
-                f"storage_dtype 'auto' (mixed precision: precision.dtype)")
+                f"storage_dtype 'auto' (mixed precision: precision.dtype)"
+            )
         self.partition = Partition.join(process_group, self.config, self.device)
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
@@ -190,14 +211,21 @@ class TieredStore(Stepping):
                     f"buffer '{name}' is on the meta device: the store takes over parameters, "
                     f"not buffers, so it would have no values in forward. Build the model with "
                     f"only its parameters on the meta device (accelerate.init_empty_weights(), "
-                    f"whose default leaves buffers real), or give the buffers values first")
+                    f"whose default leaves buffers real), or give the buffers values first"
+                )
         config = self.config
-        if config.offload_param == "none" and config.offload_optimizer == "none" and \
-                self.compute_dtype is None and self.storage_dtype is None and \
-                self.partition is None:
-            log.info("offload_param and offload_optimizer are 'none' and precision is fp32: "
-                     "parameters and optimizer stay on %s and the store only reports",
-                     self.device)
+        if (
+            config.offload_param == "none"
+            and config.offload_optimizer == "none"
+            and self.compute_dtype is None
+            and self.storage_dtype is None
+            and self.partition is None
+        ):
+            log.info(
+                "offload_param and offload_optimizer are 'none' and precision is fp32: "
+                "parameters and optimizer stay on %s and the store only reports",
+                self.device,
+            )
             self.model = model.to(self.device)
             if config.offload_activations != "none":
                 lifecycle.register(self, model)  # swap files may exist from here on
@@ -207,10 +235,11 @@ class TieredStore(Stepping):
                     self._teardown(restore=False)
                     raise
             return model, optimizer
-        if config.buffer_count == 1 and "nvme" in (config.offload_param,
-                                                   config.offload_optimizer):
-            log.warning("buffer_count=1: every swap transfer waits for the one buffer, so NVMe "
-                        "I/O is serialised with compute; use buffer_count >= 2 to overlap them")
+        if config.buffer_count == 1 and "nvme" in (config.offload_param, config.offload_optimizer):
+            log.warning(
+                "buffer_count=1: every swap transfer waits for the one buffer, so NVMe "
+                "I/O is serialised with compute; use buffer_count >= 2 to overlap them"
+            )
         # Claims the model (refused if another store holds it) and arms the SIGTERM/exit
         # cleanup before the first swap file can exist; _teardown disarms it.
         lifecycle.register(self, model)
@@ -228,9 +257,11 @@ class TieredStore(Stepping):
         if optimizer is None:
             return
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise AttachError(f"attach expects a torch.optim.Optimizer (or None) as optimizer, "
-                              f"got {type(optimizer).__name__}: build it with "
-                              f"torch.optim.AdamW(model.parameters(), ...)")
+            raise AttachError(
+                f"attach expects a torch.optim.Optimizer (or None) as optimizer, "
+                f"got {type(optimizer).__name__}: build it with "
+                f"torch.optim.AdamW(model.parameters(), ...)"
+            )
         own = {id(p) for p in model.parameters()}
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
@@ -238,10 +269,12 @@ class TieredStore(Stepping):
                     raise AttachError(
                         f"the optimizer's param_groups[{index}] holds a parameter of shape "
                         f"{tuple(param.shape)} that is not part of the attached model: build "
-                        f"the optimizer from model.parameters()")
+                        f"the optimizer from model.parameters()"
+                    )
 
-    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                initialise: bool = True) -> None:
+    def _attach(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, initialise: bool = True
+    ) -> None:
         config = self.config
         nvme = self._master_tier == "nvme" or config.offload_optimizer == "nvme"
         if config.host_budget is not None:
@@ -249,13 +282,21 @@ class TieredStore(Stepping):
             # the system (costs page faults on large allocations; see infinity.core.memory).
             bound_heap_retention()
             # The process without the model: what stays when the store holds the parameters.
-            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                              if p.device.type == "cpu" and not p.is_meta)
+            model_bytes = sum(
+                p.numel() * p.element_size()
+                for p in model.parameters()
+                if p.device.type == "cpu" and not p.is_meta
+            )
             process_bytes = max(resident_bytes() - model_bytes, 0)
         for name, param in model.named_parameters():
-            self.registry.add_param(name, param, max_shard_bytes=config.buffer_size,
-                                    compute_dtype=self.compute_dtype, partition=self.partition,
-                                    storage_dtype=self.storage_dtype)
+            self.registry.add_param(
+                name,
+                param,
+                max_shard_bytes=config.buffer_size,
+                compute_dtype=self.compute_dtype,
+                partition=self.partition,
+                storage_dtype=self.storage_dtype,
+            )
         if not self.registry.entries:
             raise AttachError("the model has no parameters to offload")
         if self.partition is not None:
@@ -275,12 +316,18 @@ class TieredStore(Stepping):
         device_tier, self._host_tier = self._make_tiers()
         if nvme:
             self.engine = self._open_engine()
-        self.placement = Placement(self.registry, device_tier, self._host_tier, self.engine,
-                                   self.follower, BeladyEviction(),
-                                   LookaheadPrefetch(config.prefetch_depth),
-                                   params_on_nvme=self._master_tier == "nvme",
-                                   grads_on_nvme=config.offload_optimizer == "nvme",
-                                   timeline=self.timeline)
+        self.placement = Placement(
+            self.registry,
+            device_tier,
+            self._host_tier,
+            self.engine,
+            self.follower,
+            BeladyEviction(),
+            LookaheadPrefetch(config.prefetch_depth),
+            params_on_nvme=self._master_tier == "nvme",
+            grads_on_nvme=config.offload_optimizer == "nvme",
+            timeline=self.timeline,
+        )
         self.placement.module_names = [name for name, _, _ in module_entries]
         self.placement.partition = self.partition
         # During the step, the shards about to be evicted are written back ahead of the reads
@@ -289,22 +336,30 @@ class TieredStore(Stepping):
         self.placement.write_behind = not self._cached_all
         self.placement.prefetch_bytes = config.prefetch_bytes
         self.placement.persistent = {
-            e.index for e in self.registry.entries
-            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold}
+            e.index
+            for e in self.registry.entries
+            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold
+        }
         # Per-shard norms cost a pass over every gradient: only when clipping or overflow
         # checks use them.
-        self.placement.track_grad_norms = self.scaler is not None or \
-            config.gradient_clipping > 0
+        self.placement.track_grad_norms = self.scaler is not None or config.gradient_clipping > 0
         if self.scaler is not None:
             self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
         self._initialise(model, initialise)
-        log.info("attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
-                 "device budget %d, host budget %d", len(self.registry.entries),
-                 len(self.registry.shards), total / 1e6, time.perf_counter() - started,
-                 "the device (masters on " + self._master_tier + ")"
-                 if self._params_stay_on_device else config.offload_param,
-                 self.budgets["device"], self.budgets["host"])
+        log.info(
+            "attached %d parameters (%d shards, %.1f MB) in %.2f s: params on %s, "
+            "device budget %d, host budget %d",
+            len(self.registry.entries),
+            len(self.registry.shards),
+            total / 1e6,
+            time.perf_counter() - started,
+            "the device (masters on " + self._master_tier + ")"
+            if self._params_stay_on_device
+            else config.offload_param,
+            self.budgets["device"],
+            self.budgets["host"],
+        )
         if config.host_budget is not None:
             # The line: the process without the model, the budgets, and autograd's transient
             # pair of largest-parameter buffers in backward.
@@ -312,9 +367,15 @@ class TieredStore(Stepping):
             limit = process_bytes + self.budgets["host"] + self.budgets["device"] + 2 * largest
             # Less a margin: RSS is sampled where the heap grows, and may pass it in between.
             self._heap_watch = HeapWatch(limit - min(2 * largest, limit // 32))
-            log.info("heap reuse after the first step while RSS < %d bytes (process %d + host %d "
-                     "+ device %d + 2 x %d, less a margin)", self._heap_watch.limit,
-                     process_bytes, self.budgets["host"], self.budgets["device"], largest)
+            log.info(
+                "heap reuse after the first step while RSS < %d bytes (process %d + host %d "
+                "+ device %d + 2 x %d, less a margin)",
+                self._heap_watch.limit,
+                process_bytes,
+                self.budgets["host"],
+                self.budgets["device"],
+                largest,
+            )
         self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
         self.hooks.install()
         if self.scaler is not None:
@@ -323,8 +384,10 @@ class TieredStore(Stepping):
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
             self.update_timing = UpdateTiming(
-                config.step_in_backward, self._against_updates_in_backward(module_entries),
-                self.placement)
+                config.step_in_backward,
+                self._against_updates_in_backward(module_entries),
+                self.placement,
+            )
         # Last: from here on every operation on a parameter goes through the store.
         self.access = ParamAccess(self)
         self.access.install()
@@ -345,17 +408,23 @@ class TieredStore(Stepping):
             cost = self._host_tier.slot_cost
             arena = self._host_tier.arena_bytes
             parts = 2 + (2 if config.offload_optimizer == "nvme" else 0)
-            update = max(parts * cost(s.nbytes) for s in self.registry.shards.values()
-                         if s.kind == "param")
-            largest = max(sum(cost(s.nbytes) for e in entries for s in e.shards)
-                          for _, _, entries in module_entries)
+            update = max(
+                parts * cost(s.nbytes) for s in self.registry.shards.values() if s.kind == "param"
+            )
+            largest = max(
+                sum(cost(s.nbytes) for e in entries for s in e.shards)
+                for _, _, entries in module_entries
+            )
             if arena < 4 * update or (self.placement.params_on_nvme and arena < 2 * largest):
-                reasons.append(f"the staging arena ({arena} bytes) is too small to update in "
-                               f"backward: it needs 4 x {update} bytes (the largest update) and "
-                               f"2 x {largest} (the largest module's masters)")
+                reasons.append(
+                    f"the staging arena ({arena} bytes) is too small to update in "
+                    f"backward: it needs 4 x {update} bytes (the largest update) and "
+                    f"2 x {largest} (the largest module's masters)"
+                )
         if config.gradient_clipping:
-            reasons.append(f"gradient_clipping={config.gradient_clipping:g} needs every "
-                           f"gradient's norm first")
+            reasons.append(
+                f"gradient_clipping={config.gradient_clipping:g} needs every gradient's norm first"
+            )
         if self.scaler is not None:
             reasons.append("fp16 loss scaling must see every gradient before it can skip a step")
         if self.partition is not None:
@@ -366,14 +435,21 @@ class TieredStore(Stepping):
         """Creates the activation offload (``offload_activations``) and hooks it on ``model``."""
         if self.config.offload_activations != "none":
             from infinity.training.activations import offload_for_store
+
             self.activations = offload_for_store(self, model)
 
     def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
         """The device and host tiers under the budgets (the planner's simulation makes its own,
         holding no bytes)."""
-        return (DeviceTier(self.device, self.budgets["device"]),
-                HostTier(self.budgets["host"], self.budgets["arena"], self.config.pin_memory,
-                         slot_size=self.config.buffer_size))
+        return (
+            DeviceTier(self.device, self.budgets["device"]),
+            HostTier(
+                self.budgets["host"],
+                self.budgets["arena"],
+                self.config.pin_memory,
+                slot_size=self.config.buffer_size,
+            ),
+        )
 
     def _initialise(self, model: nn.Module, initialise: bool = True) -> None:
         """Moves every parameter's values into the store and leaves a placeholder behind.
@@ -408,28 +484,39 @@ class TieredStore(Stepping):
             if not any(p.is_meta for _, p in own):
                 continue
             if not initialise or not callable(getattr(module, "reset_parameters", None)):
-                for name, param in own:
+                for _, param in own:
                     if param.is_meta:
                         entry = self.registry.entry_of(param)
                         # Shape and dtype come from the device tensor adopt() gives it.
                         # (On the planner's meta device the placeholder is meta too.)
-                        real = nn.Parameter(torch.empty(0, dtype=param.dtype, device=(
-                            self.device if self.device.type == "meta" else None)),
-                            requires_grad=param.requires_grad)
+                        real = nn.Parameter(
+                            torch.empty(
+                                0,
+                                dtype=param.dtype,
+                                device=(self.device if self.device.type == "meta" else None),
+                            ),
+                            requires_grad=param.requires_grad,
+                        )
                         for owner, owner_name in references.pop(id(param), []):
                             owner._parameters[owner_name] = real
                         self.registry.rebind(entry, real)
                         placement.adopt(entry, self.device)
                         placement.uninitialised.add(entry.index)
                         done.add(entry.index)
-                log.debug("module '%s' (%s): parameters on the meta device left without values "
-                          "until a checkpoint is loaded", module_name, type(module).__name__)
+                log.debug(
+                    "module '%s' (%s): parameters on the meta device left without values "
+                    "until a checkpoint is loaded",
+                    module_name,
+                    type(module).__name__,
+                )
                 continue
-            for name, param in own:
+            for _, param in own:
                 entry = self.registry.entry_of(param)
                 if param.is_meta:
-                    real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
-                                        requires_grad=param.requires_grad)
+                    real = nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype),
+                        requires_grad=param.requires_grad,
+                    )
                     for owner, owner_name in references.pop(id(param), []):
                         owner._parameters[owner_name] = real
                     self.registry.rebind(entry, real)
@@ -437,7 +524,7 @@ class TieredStore(Stepping):
                     param.data = torch.empty(entry.shape, dtype=entry.dtype)
             with torch.no_grad():
                 module.reset_parameters()
-            for name, param in module._parameters.items():
+            for param in module._parameters.values():
                 if param is not None:
                     take(self.registry.entry_of(param))
         for entry in self.registry.entries:
@@ -446,8 +533,9 @@ class TieredStore(Stepping):
 
     def _set_budgets(self, total: int, module_entries: list) -> None:
         config = self.config
-        largest_name, _, largest = max(module_entries,
-                                       key=lambda m: sum(e.device_bytes for e in m[2]))
+        largest_name, _, largest = max(
+            module_entries, key=lambda m: sum(e.device_bytes for e in m[2])
+        )
         largest_bytes = sum(e.device_bytes for e in largest)
         device_total = sum(e.device_bytes for e in self.registry.entries)
         if config.device_budget is not None:
@@ -466,19 +554,27 @@ class TieredStore(Stepping):
                     f"offload_param='none' keeps every parameter on the device "
                     f"({device_total} bytes) but device_budget is {device_budget}: raise "
                     f"device_budget to at least {device_total}, or set offload_param to 'cpu' "
-                    f"or 'nvme' so parameters leave the device between uses")
+                    f"or 'nvme' so parameters leave the device between uses"
+                )
             device_budget = device_total
-        persistent = sum(e.device_bytes for e in self.registry.entries
-                         if self._params_stay_on_device
-                         or e.numel <= config.param_persistence_threshold)
+        persistent = sum(
+            e.device_bytes
+            for e in self.registry.entries
+            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold
+        )
         if device_budget < largest_bytes + persistent and not self._params_stay_on_device:
-            extra = (f" next to {persistent} bytes of persistent parameters "
-                     f"(param_persistence_threshold)" if persistent else "")
+            extra = (
+                f" next to {persistent} bytes of persistent parameters "
+                f"(param_persistence_threshold)"
+                if persistent
+                else ""
+            )
             raise BudgetError(
                 f"device_budget of {device_budget} bytes cannot hold module '{largest_name}', "
                 f"whose parameters take {largest_bytes} bytes and must be on the device together "
                 f"while it runs{extra}: set device_budget to at least "
-                f"{largest_bytes + persistent}")
+                f"{largest_bytes + persistent}"
+            )
         params_nvme = self._master_tier == "nvme"
         optim_nvme = config.offload_optimizer == "nvme"
         needed = 0
@@ -489,25 +585,31 @@ class TieredStore(Stepping):
             return slot if 2 * size > slot else size
 
         shard_bytes = sum(slot_cost(s.nbytes) for s in self.registry.shards.values())
-        resident = 0 if params_nvme else total   # host tensors outside the arena
+        resident = 0 if params_nvme else total  # host tensors outside the arena
         if params_nvme or optim_nvme:
             # What the arena would need to cache everything: masters, gradients and (estimated:
             # two moments, as Adam keeps) optimizer state, in slot bytes, plus one slot for the
             # gaps that packing small shards into shared slots leaves.
-            needed = (shard_bytes if params_nvme else 0) + \
-                (3 * shard_bytes if optim_nvme else 0) + slot
+            needed = (
+                (shard_bytes if params_nvme else 0) + (3 * shard_bytes if optim_nvme else 0) + slot
+            )
             # The swap buffers, or a larger cache of up to max_in_cpu bytes in front of the
             # drives, but never more than caching everything needs.
-            pool = max(config.buffer_count * align_up(config.buffer_size),
-                       min(config.max_in_cpu, needed))
-            host_budget = config.host_budget if config.host_budget is not None \
+            pool = max(
+                config.buffer_count * align_up(config.buffer_size), min(config.max_in_cpu, needed)
+            )
+            host_budget = (
+                config.host_budget
+                if config.host_budget is not None
                 else resident + min(pool, needed)
+            )
             arena = min(pool, host_budget - resident, needed)
             if arena < min(align_up(config.buffer_size), needed):
                 raise BudgetError(
                     f"host_budget of {host_budget} bytes leaves {max(arena, 0)} bytes for swap "
                     f"buffers, less than one buffer ({config.buffer_size} bytes): raise "
-                    f"host_budget or lower buffer_size")
+                    f"host_budget or lower buffer_size"
+                )
         else:
             arena = 0
             host_budget = config.host_budget if config.host_budget is not None else total
@@ -517,17 +619,28 @@ class TieredStore(Stepping):
                     f"offload_param='none' with offload_optimizer='cpu' keeps every "
                     f"parameter's master copy in host memory ({total} bytes) but host_budget "
                     f"is {host_budget}: raise host_budget or use offload_optimizer='nvme' "
-                    f"(the masters go with the optimizer state)")
+                    f"(the masters go with the optimizer state)"
+                )
             raise BudgetError(
                 f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
                 f"but host_budget is {host_budget}: raise host_budget or use "
-                f"offload_param='nvme'")
-        self.budgets = {"device": device_budget, "host": host_budget, "arena": arena,
-                        "params": total}
+                f"offload_param='nvme'"
+            )
+        self.budgets = {
+            "device": device_budget,
+            "host": host_budget,
+            "arena": arena,
+            "params": total,
+        }
         #: the arena holds every offloaded byte: updated shards may stay dirty until evicted
         self._cached_all = bool(arena) and arena >= needed
-        log.info("budgets: device %d bytes%s, host %d bytes (params %d bytes)", device_budget,
-                 "" if config.device_budget is not None else " (derived)", host_budget, total)
+        log.info(
+            "budgets: device %d bytes%s, host %d bytes (params %d bytes)",
+            device_budget,
+            "" if config.device_budget is not None else " (derived)",
+            host_budget,
+            total,
+        )
 
     def _open_engine(self) -> SwapEngine:
         config = self.config
@@ -545,8 +658,9 @@ class TieredStore(Stepping):
             label = f"rank{self.partition.rank}-"
         stripe = config.aio.block_size
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
-        needed = (shard_bytes if self._master_tier == "nvme" else 0) + \
-            (3 * shard_bytes if config.offload_optimizer == "nvme" else 0)
+        needed = (shard_bytes if self._master_tier == "nvme" else 0) + (
+            3 * shard_bytes if config.offload_optimizer == "nvme" else 0
+        )
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
         for path in paths:
             path = Path(path)
@@ -556,29 +670,43 @@ class TieredStore(Stepping):
                     raise SwapSpaceError(
                         f"nvme_path {path} has {free} bytes free but the offloaded state needs "
                         f"{per_drive} bytes there: free space, add directories to nvme_path, or "
-                        f"offload less", path=path, needed=per_drive, available=free)
-        settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
-                                  queue_depth=config.aio.queue_depth,
-                                  thread_count=config.aio.thread_count,
-                                  file_size=align_up(per_drive),
-                                  verify_checksums=config.verify_checksums,
-                                  request_timeout=config.aio.request_timeout)
+                        f"offload less",
+                        path=path,
+                        needed=per_drive,
+                        available=free,
+                    )
+        settings = EngineSettings(
+            backend=config.aio.backend,
+            block_size=config.aio.block_size,
+            queue_depth=config.aio.queue_depth,
+            thread_count=config.aio.thread_count,
+            file_size=align_up(per_drive),
+            verify_checksums=config.verify_checksums,
+            request_timeout=config.aio.request_timeout,
+        )
         if self._engine_overrides:
             settings = dataclasses.replace(settings, **self._engine_overrides)
         backend = None
         if self._backend_wrapper is not None:
             roots = [check_directory(Path(p)) for p in paths]
             name = choose_backend_for(settings.backend, roots)
-            backend = self._backend_wrapper(make_backend(
-                name, settings.queue_depth * len(roots), settings.thread_count,
-                settings.close_timeout))
-        return SwapEngine(paths, settings, keep_files=config.keep_swap_files, backend=backend,
-                          label=label)
+            backend = self._backend_wrapper(
+                make_backend(
+                    name,
+                    settings.queue_depth * len(roots),
+                    settings.thread_count,
+                    settings.close_timeout,
+                )
+            )
+        return SwapEngine(
+            paths, settings, keep_files=config.keep_swap_files, backend=backend, label=label
+        )
 
     # -- parameters outside forward ---------------------------------------------------------------
     @contextlib.contextmanager
-    def gathered(self, params: Iterable[torch.Tensor] | None = None,
-                 modify: bool = False) -> Iterator[None]:
+    def gathered(
+        self, params: Iterable[torch.Tensor] | None = None, modify: bool = False
+    ) -> Iterator[None]:
         """Holds ``params`` (default: every attached parameter; any iterable, such as one
         module's ``.parameters()``) on the device with their real values for the block. With
         ``modify=True`` the block may write them in place (``nn.init``, ``copy_``, ``p.data =
@@ -605,17 +733,19 @@ class TieredStore(Stepping):
         if self.model is None or self.placement is None:
             raise AttachError("load_pretrained() needs an attached model: call attach() first")
         from infinity.checkpointing.pretrained import load_pretrained
+
         return load_pretrained(self, Path(path))
 
-    def save_checkpoint(self, path: str | Path, extra: Any = None,
-                        async_save: bool = False) -> None:
-        """Saves the training state (masters, optimizer state, loss scaler, step counts, RNG
-        states and ``extra``: anything JSON-able or small tensors, such as a scheduler's
-        state_dict and the data position) to the directory ``path``, on every rank together,
-        shard by shard (see :mod:`infinity.checkpointing.checkpoint`). A crash during the save leaves the
-        previous checkpoint at ``path`` intact. With ``async_save`` the call returns once the
-        save has started and training goes on; the checkpoint is still exactly the state at the
-        call (what a step would change is copied out first): see :mod:`infinity.checkpointing.async_save`."""
+    def save_checkpoint(
+        self, path: str | Path, extra: Any = None, async_save: bool = False
+    ) -> None:
+        """Saves the training state (masters, optimizer state, loss scaler, step counts, RNG states
+        and ``extra``: anything JSON-able or small tensors, such as a scheduler's state_dict and the
+        data position) to the directory ``path``, on every rank together, shard by shard (see
+        :mod:`infinity.checkpointing.checkpoint`). A crash during the save leaves the previous
+        checkpoint at ``path`` intact. With ``async_save`` the call returns once the save has
+        started and training goes on; the checkpoint is still exactly the state at the call (what a
+        step would change is copied out first): see :mod:`infinity.checkpointing.async_save`."""
         self._loop_acted("save_checkpoint()")
         self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
 
@@ -645,26 +775,30 @@ class TieredStore(Stepping):
         if self._closed:
             raise AttachError("this store is closed; create a new TieredStore")
         if self.model is None or self.placement is None:
-            raise AttachError(f"{what}() needs a model attached with something offloaded: call "
-                              f"attach() first (a store that only reports leaves the model as "
-                              f"it is: checkpoint it with torch.distributed.checkpoint)")
+            raise AttachError(
+                f"{what}() needs a model attached with something offloaded: call "
+                f"attach() first (a store that only reports leaves the model as "
+                f"it is: checkpoint it with torch.distributed.checkpoint)"
+            )
         if self._checkpoints is None:
             from infinity.checkpointing.checkpoint import Checkpointer
+
             self._checkpoints = Checkpointer(self)
         return self._checkpoints
 
     def predict(self, disk: Any = None, device: Any = None, **overrides: Any) -> dict[str, Any]:
-        """What this model's iteration would cost with the config's fields replaced by
-        ``overrides`` (``host_budget``, ``device_budget``, ``buffer_count``, ``buffer_size``,
-        ``prefetch_depth``, ``offload_param``, ``offload_optimizer``, ``precision``, ...), on
-        ``disk`` (an :class:`infinity.planning.planner.DiskProfile`; default: this run's disk as its
-        engine saw it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile`; default this
+        """What this model's iteration would cost with the config's fields replaced by ``overrides``
+        (``host_budget``, ``device_budget``, ``buffer_count``, ``buffer_size``, ``prefetch_depth``,
+        ``offload_param``, ``offload_optimizer``, ``precision``, ...), on ``disk`` (an
+        :class:`infinity.planning.planner.DiskProfile`; default: this run's disk as its engine saw
+        it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile`; default this
         machine). Needs two recorded iterations. Returns ``step_seconds``, ``phase_seconds``
-        (forward, backward, step), ``bytes_read``/``bytes_written`` per iteration,
-        ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds`` and ``fits`` (False
-        with the ``error`` that attach or the first gather would raise). Runs the store's own
-        placement over tensors that hold no bytes: see :mod:`infinity.planning.planner`."""
+        (forward, backward, step), ``bytes_read``/``bytes_written`` per iteration, ``peak_bytes``
+        per tier, ``rss_peak_bytes``, ``stall_seconds`` and ``fits`` (False with the ``error`` that
+        attach or the first gather would raise). Runs the store's own placement over tensors that
+        hold no bytes: see :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
+
         return predict(self, overrides, disk=disk, device=device)
 
     # -- called by hooks and the optimizer ------------------------------------------------------
@@ -730,10 +864,10 @@ class TieredStore(Stepping):
         for shard in entry.shards:
             placement.ensure_host(shard)
             if shard.piece is None:
-                flat[shard.start:shard.start + shard.numel].copy_(shard.host)
+                flat[shard.start : shard.start + shard.numel].copy_(shard.host)
             else:  # every rank's slice: a collective, on every rank
                 start, numel = shard.piece
-                flat[start:start + numel].copy_(self.partition.gather_flat(shard.host, numel))
+                flat[start : start + numel].copy_(self.partition.gather_flat(shard.host, numel))
         return out
 
     def close(self, restore_params: bool = True) -> None:
@@ -745,8 +879,11 @@ class TieredStore(Stepping):
         afterwards."""
         if self._closed:
             return
-        if self._checkpoints is not None and self._checkpoints.pending is not None and \
-                not (self.partition is not None and self.partition.failed):
+        if (
+            self._checkpoints is not None
+            and self._checkpoints.pending is not None
+            and not (self.partition is not None and self.partition.failed)
+        ):
             self._checkpoints.wait()  # a save under way needs the tiers until it is done
         try:
             failure = self._teardown(restore_params)
@@ -766,7 +903,7 @@ class TieredStore(Stepping):
                 if self.config.keep_swap_files:
                     try:
                         placement.flush()  # the kept files must hold the current values
-                    except Exception as exc:  # noqa: BLE001 - release everything, raise later
+                    except Exception as exc:
                         log.error("close: the kept swap files are not current: %s", exc)
                         failure = exc
                 # Failed write-backs do not matter here: the host copies stay valid.
@@ -781,10 +918,10 @@ class TieredStore(Stepping):
                         elif entry.shards and entry.shards[0].state is not R.EMPTY:
                             try:
                                 entry.param.data = self.materialize(entry).to(
-                                    self.device, entry.given_dtype or entry.dtype)
-                            except Exception as exc:  # noqa: BLE001 - restore the others
-                                log.error("close: %s could not be restored: %s", entry.name,
-                                          exc)
+                                    self.device, entry.given_dtype or entry.dtype
+                                )
+                            except Exception as exc:
+                                log.error("close: %s could not be restored: %s", entry.name, exc)
                                 failure = failure or exc
         finally:
             if self.activations is not None:
@@ -819,14 +956,16 @@ class TieredStore(Stepping):
     def _back_to_meta(self, entry: ParamEntry) -> None:
         """A parameter that never got values goes back to the meta device at close, as it came:
         honest about having none, and no empty storage left behind."""
-        meta = nn.Parameter(torch.empty(entry.shape, dtype=entry.dtype, device="meta"),
-                            requires_grad=entry.param.requires_grad)
+        meta = nn.Parameter(
+            torch.empty(entry.shape, dtype=entry.dtype, device="meta"),
+            requires_grad=entry.param.requires_grad,
+        )
         for module in self.model.modules():
             for name, param in module._parameters.items():
                 if param is entry.param:
                     module._parameters[name] = meta
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

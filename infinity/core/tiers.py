@@ -20,21 +20,23 @@ from typing import NamedTuple
 
 import torch
 
+from infinity.core.arena import SlotArena
 from infinity.errors import BudgetError
 from swap import BufferPool, HostBuffer, advise_huge_pages, align_up
 from swap.files import RangeAllocator
-from infinity.core.arena import SlotArena
 
 log = logging.getLogger(__name__)
 
 #: A CPU device's working copies point their storage at the tier's slab by swapping the
 #: storage's memory in and out (private torch API: without it, a fresh allocation per gather)
-_CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and \
-    hasattr(torch._C, "_construct_storage_from_data_pointer")
+_CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(
+    torch._C, "_construct_storage_from_data_pointer"
+)
 
 
 class _SlabCopy(NamedTuple):
     """A working copy whose memory is a range of the slab."""
+
     offset: int
     nbytes: int
     own: torch.UntypedStorage  # holds the storage's own (empty) memory meanwhile
@@ -110,8 +112,13 @@ class DeviceTier:
     def _slab_range(self, nbytes: int) -> int | None:
         """A free range of the slab (made on first use: the budget's bytes), or None."""
         if self._slab is None:
-            self._slab_pool = BufferPool(1, align_up(max(self.budget, 1)), pin_memory=False,
-                                         name="device slab", prefault=False)
+            self._slab_pool = BufferPool(
+                1,
+                align_up(max(self.budget, 1)),
+                pin_memory=False,
+                name="device slab",
+                prefault=False,
+            )
             self._slab = self._slab_pool.acquire(holder="device tier")
             self._slab_ranges = RangeAllocator(self._slab.nbytes)
         return self._slab_ranges.take(align_up(nbytes))
@@ -125,7 +132,8 @@ class DeviceTier:
             self.slab_misses += 1
             return False
         piece = torch._C._construct_storage_from_data_pointer(
-            self._slab.address + offset, self.device, nbytes)
+            self._slab.address + offset, self.device, nbytes
+        )
         storage._swap_data_ptr_(piece)  # piece now holds the storage's own (empty) memory
         self._in_slab[storage._cdata] = _SlabCopy(offset, nbytes, piece, storage)
         return True
@@ -164,8 +172,10 @@ class DeviceTier:
         copy lent by the host tier, which takes no new memory: the working set is bounded the
         same way with or without copies)."""
         if not self.fits(nbytes):
-            raise BudgetError(f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
-                              f"{self.budget} in use)")
+            raise BudgetError(
+                f"device tier: {nbytes} bytes do not fit ({self.usage.current} of "
+                f"{self.budget} in use)"
+            )
         self.usage.add(nbytes)
 
     def empty(self, tensor: torch.Tensor) -> None:
@@ -181,7 +191,7 @@ class DeviceTier:
             storage.resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())
 
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
         """Copies host ``src`` into device ``dst``; on CUDA asynchronously on the copy stream.
         Returns the event that marks completion (None when the copy is already done)."""
         self.bytes_in += dst.numel() * dst.element_size()
@@ -204,7 +214,7 @@ class DeviceTier:
         self.copy_seconds += time.perf_counter() - started
         self.bytes_out += src.numel() * src.element_size()
 
-    def wait(self, event: "torch.cuda.Event | None") -> None:
+    def wait(self, event: torch.cuda.Event | None) -> None:
         """Makes the compute stream wait for a copy before using its destination."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
@@ -213,8 +223,9 @@ class DeviceTier:
 class HostTier:
     """Master copies on the host: the staging arena plus standalone tensors, under one budget."""
 
-    def __init__(self, budget: int, arena_bytes: int, pin: bool, slot_size: int = 0,
-                 meta: bool = False) -> None:
+    def __init__(
+        self, budget: int, arena_bytes: int, pin: bool, slot_size: int = 0, meta: bool = False
+    ) -> None:
         """``meta``: hold no bytes (every tensor on the meta device), for the planner's
         simulation of the same placement decisions."""
         self.meta = meta
@@ -235,8 +246,9 @@ class HostTier:
                 return
             # Not pre-faulted: the arena fills while attach frees the model's own parameter
             # memory, so faulting it all first would count both at once in the peak RSS.
-            self._pool = BufferPool(1, self.arena_bytes, pin_memory=self.pin, name="staging arena",
-                                    prefault=False)
+            self._pool = BufferPool(
+                1, self.arena_bytes, pin_memory=self.pin, name="staging arena", prefault=False
+            )
             self.arena = self._pool.acquire(holder="host tier")
 
     # -- arena (NVMe-backed shards) -----------------------------------------------------------
@@ -255,8 +267,11 @@ class HostTier:
         """A whole slot for a range of ``nbytes`` with ``count - 1`` free slots after it."""
         size = align_up(max(nbytes, 1))
         with self.lock:
-            if self._ranges is None or not self._ranges.whole(size) or \
-                    self.usage.current + size > self.budget:
+            if (
+                self._ranges is None
+                or not self._ranges.whole(size)
+                or self.usage.current + size > self.budget
+            ):
                 return None
             offset = self._ranges.take_run(count)
             if offset is not None:
@@ -267,9 +282,12 @@ class HostTier:
         """The whole slot at ``offset`` for a range of ``nbytes``, if it is free."""
         size = align_up(max(nbytes, 1))
         with self.lock:
-            if self._ranges is None or not self._ranges.whole(size) or \
-                    self.usage.current + size > self.budget or \
-                    not self._ranges.take_slot_at(offset):
+            if (
+                self._ranges is None
+                or not self._ranges.whole(size)
+                or self.usage.current + size > self.budget
+                or not self._ranges.take_slot_at(offset)
+            ):
                 return False
             self.usage.add(size)
             return True
@@ -290,8 +308,10 @@ class HostTier:
         nbytes = numel * dtype.itemsize
         with self.lock:
             if self.usage.current + nbytes > self.budget:
-                raise BudgetError(f"host tier: {nbytes} more bytes exceed the host budget of "
-                                  f"{self.budget} ({self.usage.current} in use)")
+                raise BudgetError(
+                    f"host tier: {nbytes} more bytes exceed the host budget of "
+                    f"{self.budget} ({self.usage.current} in use)"
+                )
             self.usage.add(nbytes)
         if self.meta:
             return torch.empty(numel, dtype=dtype, device="meta")

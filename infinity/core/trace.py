@@ -25,8 +25,8 @@ BACKWARD = "bwd"
 
 @dataclass(frozen=True)
 class Event:
-    kind: str            # FORWARD or BACKWARD
-    module: int          # index of the module in attach order
+    kind: str  # FORWARD or BACKWARD
+    module: int  # index of the module in attach order
     entries: tuple[int, ...]  # parameter entry indices the module needs
 
 
@@ -68,7 +68,7 @@ class Trace:
             order = sorted((p, e) for e, p in self.last_backward.items())
             self._updates = (len(self.events), order)
         order = self._updates[1]
-        return order[bisect.bisect_left(order, (position, -1)):]
+        return order[bisect.bisect_left(order, (position, -1)) :]
 
     def next_use(self, entry: int, position: int) -> float:
         """Events from ``position`` until ``entry`` is next needed, wrapping into the next
@@ -117,8 +117,9 @@ class TraceFollower:
             self.traces[self.mode] = self.recording
         if self.following is not None and self.position != len(self.following):
             # Ended early (a shorter iteration): the trace is not what runs now.
-            self._diverged(f"iteration ended after {self.position} of "
-                           f"{len(self.following)} recorded events")
+            self._diverged(
+                f"iteration ended after {self.position} of {len(self.following)} recorded events"
+            )
             if self.recording is not None and len(self.recording):
                 self.traces[self.mode] = self.recording
         self.recording = None
@@ -129,14 +130,19 @@ class TraceFollower:
         excludes."""
         self._clock(busy)
         if self.following is not None:
-            expected = (self.following.events[self.position]
-                        if self.position < len(self.following) else None)
+            expected = (
+                self.following.events[self.position]
+                if self.position < len(self.following)
+                else None
+            )
             if expected != event:
-                self._diverged(f"event {self.position} was {_name(event)}, the trace expected "
-                               f"{_name(expected) if expected else 'the end of the iteration'}")
+                self._diverged(
+                    f"event {self.position} was {_name(event)}, the trace expected "
+                    f"{_name(expected) if expected else 'the end of the iteration'}"
+                )
                 # Re-record from the start of this iteration: keep what matched so far.
                 self.recording = Trace()
-                for past in self.following.events[:self.position]:
+                for past in self.following.events[: self.position]:
                     self.recording.append(past)
                 self.following = None
         if self.recording is not None:
@@ -157,8 +163,7 @@ class TraceFollower:
     def _clock(self, busy: float) -> None:
         now = time.perf_counter()
         following = self.following
-        if following is not None and self._mark is not None and \
-                0 < self.position <= len(following):
+        if following is not None and self._mark is not None and 0 < self.position <= len(following):
             then, busy_then = self._mark
             position = self.position - 1
             samples = following._samples.setdefault(position, collections.deque(maxlen=5))
@@ -170,9 +175,12 @@ class TraceFollower:
     def _diverged(self, why: str) -> None:
         self.diverged_iterations += 1
         if not self._warned:
-            log.warning("this iteration departs from the recorded trace (%s): fetching on demand "
-                        "for the rest of it and re-recording; further departures are logged at "
-                        "debug level", why)
+            log.warning(
+                "this iteration departs from the recorded trace (%s): fetching on demand "
+                "for the rest of it and re-recording; further departures are logged at "
+                "debug level",
+                why,
+            )
             self._warned = True
         else:
             log.debug("trace departure: %s", why)
@@ -188,9 +196,9 @@ class TraceFollower:
         if self.following is None:
             return []
         events = self.following.events
-        ahead = events[self.position:self.position + depth]
+        ahead = events[self.position : self.position + depth]
         if wrap and len(ahead) < depth:
-            ahead = ahead + events[:min(depth - len(ahead), self.position)]
+            ahead = ahead + events[: min(depth - len(ahead), self.position)]
         return ahead
 
     @property

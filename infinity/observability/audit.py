@@ -21,19 +21,26 @@ def audit(placement: Any) -> list[str]:
     host_bytes = placement.quarantined_bytes
     for shard in shards:
         state = shard.state
-        if shard.kind == "param" and state is R.EMPTY and \
-                shard.entry.index not in placement.uninitialised:
+        if (
+            shard.kind == "param"
+            and state is R.EMPTY
+            and shard.entry.index not in placement.uninitialised
+        ):
             problems.append(f"{shard.id}: a parameter shard has no valid copy")
         if state.in_flight != (shard.pending is not None):
-            problems.append(f"{shard.id}: {state.name} with "
-                            f"{'a' if shard.pending is not None else 'no'} transfer pending")
+            problems.append(
+                f"{shard.id}: {state.name} with "
+                f"{'a' if shard.pending is not None else 'no'} transfer pending"
+            )
         if state.on_nvme and shard.extent is None:
             problems.append(f"{shard.id}: {state.name} without an NVMe extent")
         arena_backed = placement.params_on_nvme if shard.kind == "param" else True
         wants_slot = arena_backed and (state.on_host or state is R.NVME_LOADING)
         if wants_slot != (shard in placement.in_arena):
-            problems.append(f"{shard.id}: {state.name} but "
-                            f"{'in' if shard in placement.in_arena else 'not in'} the arena")
+            problems.append(
+                f"{shard.id}: {state.name} but "
+                f"{'in' if shard in placement.in_arena else 'not in'} the arena"
+            )
         if shard in placement.in_arena:
             if shard.arena_offset is None or shard.host is None:
                 problems.append(f"{shard.id}: in the arena without a slot")
@@ -44,8 +51,10 @@ def audit(placement: Any) -> list[str]:
         elif shard.kind == "param" and not arena_backed and state.on_host:
             host_bytes += shard.nbytes  # a standalone host tensor
         if shard.kind == "param" and state.on_device != shard.entry.resident:
-            problems.append(f"{shard.id}: {state.name} but the entry is "
-                            f"{'' if shard.entry.resident else 'not '}resident")
+            problems.append(
+                f"{shard.id}: {state.name} but the entry is "
+                f"{'' if shard.entry.resident else 'not '}resident"
+            )
     ranges += [(o, o + align_up(max(n, 1)), f"quarantine({i})") for o, n, i in placement.quarantine]
     ranges.sort()
     for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
@@ -55,12 +64,16 @@ def audit(placement: Any) -> list[str]:
     if resident != placement.on_device:
         problems.append("the entries marked resident are not the ones listed on the device")
     device_bytes = sum(e.device_bytes for e in placement.on_device)
-    for name, tier, expected in (("device", placement.device, device_bytes),
-                                 ("host", placement.host, host_bytes)):
+    for name, tier, expected in (
+        ("device", placement.device, device_bytes),
+        ("host", placement.host, host_bytes),
+    ):
         if tier.usage.current != expected:
-            problems.append(f"{name} tier counts {tier.usage.current} bytes, its holders "
-                            f"add up to {expected}")
+            problems.append(
+                f"{name} tier counts {tier.usage.current} bytes, its holders add up to {expected}"
+            )
         if tier.usage.current > tier.budget:
-            problems.append(f"{name} tier holds {tier.usage.current} bytes over its budget "
-                            f"of {tier.budget}")
+            problems.append(
+                f"{name} tier holds {tier.usage.current} bytes over its budget of {tier.budget}"
+            )
     return problems

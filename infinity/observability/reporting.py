@@ -17,12 +17,16 @@ def store_stats(store: Any) -> dict[str, Any]:
     device = placement.device.usage if placement else None
     host = placement.host.usage if placement else None
     return {
-        "current_bytes": {"device": device.current if device else 0,
-                          "host": host.current if host else 0,
-                          "nvme": store._nvme_bytes()},
-        "peak_bytes": {"device": device.peak if device else 0,
-                       "host": host.peak if host else 0,
-                       "nvme": store._nvme_peak},
+        "current_bytes": {
+            "device": device.current if device else 0,
+            "host": host.current if host else 0,
+            "nvme": store._nvme_bytes(),
+        },
+        "peak_bytes": {
+            "device": device.peak if device else 0,
+            "host": host.peak if host else 0,
+            "nvme": store._nvme_peak,
+        },
         "budgets": dict(store.budgets),
         "bytes_read": engine_stats.bytes_read if engine_stats else 0,
         "bytes_written": engine_stats.bytes_written if engine_stats else 0,
@@ -33,7 +37,8 @@ def store_stats(store: Any) -> dict[str, Any]:
         # the drives busy: a transfer of either direction in flight
         "disk_busy_seconds": engine_stats.busy_seconds if engine_stats else 0.0,
         "io_seconds": (engine_stats.read_seconds + engine_stats.write_seconds)
-        if engine_stats else 0.0,
+        if engine_stats
+        else 0.0,
         "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
         "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
         "stall_seconds": placement.stall_seconds if placement else 0.0,
@@ -90,9 +95,16 @@ def _comm_stats(store: Any) -> dict[str, Any] | None:
     if partition is None:
         return None
     stats = partition.stats
-    return {"rank": partition.rank, "world": partition.world, "stage": partition.stage,
-            "backend": partition.backend, "gathered_bytes": stats.gathered_bytes,
-            "reduced_bytes": stats.reduced_bytes, "gather_seconds": stats.gather_seconds,
-            "reduce_seconds": stats.reduce_seconds, "collectives": stats.collectives,
-            # device copies whose all-gathers started while the module before computed
-            "assembled_ahead": store.placement.assembled_ahead if store.placement else 0}
+    return {
+        "rank": partition.rank,
+        "world": partition.world,
+        "stage": partition.stage,
+        "backend": partition.backend,
+        "gathered_bytes": stats.gathered_bytes,
+        "reduced_bytes": stats.reduced_bytes,
+        "gather_seconds": stats.gather_seconds,
+        "reduce_seconds": stats.reduce_seconds,
+        "collectives": stats.collectives,
+        # device copies whose all-gathers started while the module before computed
+        "assembled_ahead": store.placement.assembled_ahead if store.placement else 0,
+    }

@@ -31,37 +31,42 @@ import contextlib
 import dataclasses
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager, Iterable, Iterator
+from typing import Any
 
 import torch
 
 Interval = tuple[float, float]
 
 #: torch.profiler range names, by transfer op or span phase
-PROFILER_RANGES = {"read": "infinity::read", "write": "infinity::write",
-                   "stall": "infinity::stall", "step": "infinity::step"}
-_NULL: ContextManager[None] = contextlib.nullcontext()
+PROFILER_RANGES = {
+    "read": "infinity::read",
+    "write": "infinity::write",
+    "stall": "infinity::stall",
+    "step": "infinity::step",
+}
+_NULL: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 @dataclass
 class Transfer:
     shard: str
-    op: str            # "read" (nvme -> host), "write" (host -> nvme), "h2d", "d2h"
+    op: str  # "read" (nvme -> host), "write" (host -> nvme), "h2d", "d2h"
     nbytes: int
     start: float
     end: float | None = None
     prefetch: bool = False
-    stalled: bool = False   # the training thread waited for it
+    stalled: bool = False  # the training thread waited for it
     error: str | None = None
 
 
 @dataclass
 class Span:
-    name: str          # module name, "step", or "stall"
-    phase: str         # "fwd", "bwd", "step", "stall", "d2h"
+    name: str  # module name, "step", or "stall"
+    phase: str  # "fwd", "bwd", "step", "stall", "d2h"
     start: float
     end: float
 
@@ -76,20 +81,24 @@ class Timeline:
     events: list[tuple[float, str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     #: per thread: profiler range names open there (so markers do not duplicate them)
-    _local: threading.local = field(default_factory=threading.local, init=False, repr=False,
-                                    compare=False)
+    _local: threading.local = field(
+        default_factory=threading.local, init=False, repr=False, compare=False
+    )
 
     # -- recording (hot path: return at once while disabled) --------------------------------
-    def io_started(self, shard: str, op: str, nbytes: int, prefetch: bool = False
-                   ) -> Transfer | None:
+    def io_started(
+        self, shard: str, op: str, nbytes: int, prefetch: bool = False
+    ) -> Transfer | None:
         if not self.enabled:
             return None
         record = Transfer(shard, op, nbytes, time.perf_counter(), prefetch=prefetch)
         with self.lock:
             self.transfers.append(record)
         if self.profile:
-            self._mark(PROFILER_RANGES.get(op) or f"infinity::{op}",
-                       f"{shard} {nbytes} bytes{' prefetch' if prefetch else ''}")
+            self._mark(
+                PROFILER_RANGES.get(op) or f"infinity::{op}",
+                f"{shard} {nbytes} bytes{' prefetch' if prefetch else ''}",
+            )
         return record
 
     @staticmethod
@@ -130,7 +139,7 @@ class Timeline:
             self.events.clear()
 
     @contextmanager
-    def recording(self) -> Iterator["Timeline"]:
+    def recording(self) -> Iterator[Timeline]:
         previous, self.enabled = self.enabled, True
         try:
             yield self
@@ -138,7 +147,7 @@ class Timeline:
             self.enabled = previous
 
     # -- torch.profiler ranges ----------------------------------------------------------------
-    def profile_range(self, name: str, detail: str = "") -> ContextManager[None]:
+    def profile_range(self, name: str, detail: str = "") -> AbstractContextManager[None]:
         """A ``record_function`` range around a block while recording, else a no-op. Call it
         on the thread that runs the block; a stall or step recorded inside a range of the same
         name adds no zero-length marker."""
@@ -173,22 +182,31 @@ class Timeline:
             pass
 
     # -- analysis -----------------------------------------------------------------------------
-    def snapshot(self) -> "Timeline":
+    def snapshot(self) -> Timeline:
         """A disabled copy that I/O threads no longer change (transfer ends are frozen)."""
         with self.lock:
-            return Timeline(transfers=[dataclasses.replace(t) for t in self.transfers],
-                            spans=list(self.spans), events=list(self.events))
+            return Timeline(
+                transfers=[dataclasses.replace(t) for t in self.transfers],
+                spans=list(self.spans),
+                events=list(self.events),
+            )
 
     def origin(self) -> float:
         """The time of the first record (0.0 when nothing was recorded)."""
-        starts = [t.start for t in self.transfers] + [s.start for s in self.spans] + \
-            [e[0] for e in self.events]
+        starts = (
+            [t.start for t in self.transfers]
+            + [s.start for s in self.spans]
+            + [e[0] for e in self.events]
+        )
         return min(starts, default=0.0)
 
     def horizon(self) -> float:
         """The time of the last record: where unfinished transfers and open spans end."""
-        ends = [t.end if t.end is not None else t.start for t in self.transfers] + \
-            [s.end for s in self.spans] + [e[0] for e in self.events]
+        ends = (
+            [t.end if t.end is not None else t.start for t in self.transfers]
+            + [s.end for s in self.spans]
+            + [e[0] for e in self.events]
+        )
         return max(ends, default=0.0)
 
     def compute_spans(self) -> list[Span]:
@@ -212,8 +230,11 @@ class Timeline:
         whole += steps
         out: list[Span] = []
         for span in sorted(whole, key=lambda s: s.start):
-            out += [Span(span.name, span.phase, a, b)
-                    for a, b in subtract((span.start, span.end), stalls) if b > a]
+            out += [
+                Span(span.name, span.phase, a, b)
+                for a, b in subtract((span.start, span.end), stalls)
+                if b > a
+            ]
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -221,13 +242,17 @@ class Timeline:
         return summarise(self.snapshot())
 
     def export_chrome(self, path: str | Path) -> Path:
-        """Writes a Chrome trace JSON (see :mod:`infinity.observability.trace_export`); returns the path."""
+        """Writes a Chrome trace JSON (see :mod:`infinity.observability.trace_export`); returns the
+        path."""
         from infinity.observability.trace_export import write_chrome_trace
+
         return write_chrome_trace(self.snapshot(), Path(path))
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
-        """Writes a PNG of the lanes (see :mod:`infinity.observability.trace_export`); returns the path."""
+        """Writes a PNG of the lanes (see :mod:`infinity.observability.trace_export`); returns the
+        path."""
         from infinity.observability.trace_export import plot_timeline
+
         return plot_timeline(self.snapshot(), Path(path), title=title)
 
 
@@ -319,8 +344,9 @@ def summarise(timeline: Timeline) -> dict[str, Any]:
         return [t for t in timeline.transfers if t.op == op and t.end is not None]
 
     def busy(transfers: Iterable[Transfer]) -> list[Interval]:
-        return union((t.start, t.end if t.end is not None else max(horizon, t.start))
-                     for t in transfers)
+        return union(
+            (t.start, t.end if t.end is not None else max(horizon, t.start)) for t in transfers
+        )
 
     io = busy(timeline.transfers)
     io_seconds = length(io)
@@ -362,8 +388,7 @@ def summarise(timeline: Timeline) -> dict[str, Any]:
             "forward": sum(kind == "fwd" for _, kind, _ in timeline.events),
             "backward": sum(kind == "bwd" for _, kind, _ in timeline.events),
             # step spans also time each update step_in_backward runs, named by its parameter
-            "steps": sum(s.phase == "step" and s.name == "optimizer.step"
-                         for s in timeline.spans),
+            "steps": sum(s.phase == "step" and s.name == "optimizer.step" for s in timeline.spans),
             "d2h": sum(s.phase == "d2h" for s in timeline.spans),
         },
     }

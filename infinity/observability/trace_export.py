@@ -1,4 +1,5 @@
-"""Views of a recorded :class:`~infinity.observability.timeline.Timeline`: a Chrome trace and a PNG plot.
+"""Views of a recorded :class:`~infinity.observability.timeline.Timeline`: a Chrome trace and a PNG
+plot.
 
 Chrome trace (``Timeline.export_chrome``; open in https://ui.perfetto.dev or chrome://tracing)
 ------------------------------------------------------------------------------------------------
@@ -55,8 +56,16 @@ EVENT_NAMES = ("optimizer.step", "stall", "d2h", "nvme.read", "nvme.write", "byt
 CATEGORIES = ("forward", "backward", "step", "stall", "d2h", "io")
 _PHASE_CATEGORY = {"fwd": "forward", "bwd": "backward", "step": "step"}
 _OP_LANE = {"read": "nvme read", "write": "nvme write"}
-_COLOURS = {"fwd": "#4c72b0", "bwd": "#dd8452", "step": "#55a868", "stall": "#d62728",
-            "d2h": "#8172b3", "prefetch": "#64b5cd", "demand": "#2a6f97", "write": "#937860"}
+_COLOURS = {
+    "fwd": "#4c72b0",
+    "bwd": "#dd8452",
+    "step": "#55a868",
+    "stall": "#d62728",
+    "d2h": "#8172b3",
+    "prefetch": "#64b5cd",
+    "demand": "#2a6f97",
+    "write": "#937860",
+}
 
 
 def _us(seconds: float) -> float:
@@ -88,28 +97,67 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
     """The trace as a dict (``timeline`` should be a snapshot: see ``Timeline.snapshot``)."""
     origin, horizon = timeline.origin(), timeline.horizon()
     meta: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "ts": 0,
-         "args": {"name": "infinity"}}]
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": PID,
+            "tid": 0,
+            "ts": 0,
+            "args": {"name": "infinity"},
+        }
+    ]
     body: list[dict[str, Any]] = []
 
     def lane(name: str) -> int:
         tid = len(meta)
-        meta.append({"ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "ts": 0,
-                     "args": {"name": name}})
-        meta.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "ts": 0,
-                     "args": {"sort_index": tid}})
+        meta.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": PID,
+                "tid": tid,
+                "ts": 0,
+                "args": {"name": name},
+            }
+        )
+        meta.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": PID,
+                "tid": tid,
+                "ts": 0,
+                "args": {"sort_index": tid},
+            }
+        )
         return tid
 
-    def complete(tid: int, name: str, cat: str, start: float, end: float,
-                 args: dict[str, Any]) -> None:
-        body.append({"ph": "X", "name": name, "cat": cat, "pid": PID, "tid": tid,
-                     "ts": _us(start - origin), "dur": _us(max(end - start, 0.0)),
-                     "args": args})
+    def complete(
+        tid: int, name: str, cat: str, start: float, end: float, args: dict[str, Any]
+    ) -> None:
+        body.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": cat,
+                "pid": PID,
+                "tid": tid,
+                "ts": _us(start - origin),
+                "dur": _us(max(end - start, 0.0)),
+                "args": args,
+            }
+        )
 
     compute = lane("compute")
     for span in timeline.compute_spans():
-        complete(compute, span.name, _PHASE_CATEGORY.get(span.phase, span.phase), span.start,
-                 span.end, {"module": span.name, "phase": span.phase})
+        complete(
+            compute,
+            span.name,
+            _PHASE_CATEGORY.get(span.phase, span.phase),
+            span.start,
+            span.end,
+            {"module": span.name, "phase": span.phase},
+        )
     for phase, name in (("stall", "stall"), ("d2h", "d2h")):
         spans = [s for s in timeline.spans if s.phase == phase]
         if not spans:
@@ -122,23 +170,37 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
     ops = [op for op in _OP_LANE if op in present] + sorted(present - set(_OP_LANE))
     for op in ops:
         label = _OP_LANE.get(op, op)
-        for k, transfers in enumerate(sub_lanes([t for t in timeline.transfers if t.op == op],
-                                                horizon)):
+        for k, transfers in enumerate(
+            sub_lanes([t for t in timeline.transfers if t.op == op], horizon)
+        ):
             tid = lane(label if k == 0 else f"{label} {k + 1}")
             for t in transfers:
-                complete(tid, f"nvme.{op}" if op in _OP_LANE else op, "io", t.start,
-                         _transfer_end(t, horizon),
-                         {"shard": t.shard, "bytes": t.nbytes, "prefetch": t.prefetch,
-                          "stalled": t.stalled, "error": t.error,
-                          "unfinished": t.end is None})
+                complete(
+                    tid,
+                    f"nvme.{op}" if op in _OP_LANE else op,
+                    "io",
+                    t.start,
+                    _transfer_end(t, horizon),
+                    {
+                        "shard": t.shard,
+                        "bytes": t.nbytes,
+                        "prefetch": t.prefetch,
+                        "stalled": t.stalled,
+                        "error": t.error,
+                        "unfinished": t.end is None,
+                    },
+                )
     body += _counters(timeline.transfers, origin, horizon)
     body.sort(key=lambda e: e["ts"])
-    return {"traceEvents": meta + body, "displayTimeUnit": "ms",
-            "otherData": {"summary": summarise(timeline), "origin_perf_counter": origin}}
+    return {
+        "traceEvents": meta + body,
+        "displayTimeUnit": "ms",
+        "otherData": {"summary": summarise(timeline), "origin_perf_counter": origin},
+    }
 
 
 def _counters(transfers: list[Transfer], origin: float, horizon: float) -> list[dict[str, Any]]:
-    """"C" events: bytes of reads and writes under way, after every start and end."""
+    """ "C" events: bytes of reads and writes under way, after every start and end."""
     changes: list[tuple[float, int, str, int]] = []
     for t in transfers:
         if t.op not in _OP_LANE:
@@ -151,8 +213,15 @@ def _counters(transfers: list[Transfer], origin: float, horizon: float) -> list[
     out: list[dict[str, Any]] = []
     for at, _, op, delta in changes:
         level[op] += delta
-        event = {"ph": "C", "name": "bytes in flight", "cat": "io", "pid": PID, "tid": 0,
-                 "ts": _us(at - origin), "args": dict(level)}
+        event = {
+            "ph": "C",
+            "name": "bytes in flight",
+            "cat": "io",
+            "pid": PID,
+            "tid": 0,
+            "ts": _us(at - origin),
+            "args": dict(level),
+        }
         if out and out[-1]["ts"] == event["ts"]:
             out[-1] = event  # one sample per instant: the state after all its changes
         else:
@@ -194,11 +263,13 @@ def plot_timeline(timeline: Timeline, path: Path, title: str | None = None) -> P
     ax = figure.add_subplot()
     compute = timeline.compute_spans()
     for phase in ("fwd", "bwd", "step"):
-        ax.broken_barh(bars([(s.start, s.end) for s in compute if s.phase == phase]),
-                       (y["compute"] - height / 2, height), facecolors=_COLOURS[phase])
+        ax.broken_barh(
+            bars([(s.start, s.end) for s in compute if s.phase == phase]),
+            (y["compute"] - height / 2, height),
+            facecolors=_COLOURS[phase],
+        )
     stalls = [(s.start, s.end) for s in timeline.spans if s.phase == "stall"]
-    ax.broken_barh(bars(stalls), (y["compute"] - height / 2, height),
-                   facecolors=_COLOURS["stall"])
+    ax.broken_barh(bars(stalls), (y["compute"] - height / 2, height), facecolors=_COLOURS["stall"])
     if d2h:
         ax.broken_barh(bars(d2h), (y["d2h"] - height / 2, height), facecolors=_COLOURS["d2h"])
     for op in ops:
@@ -209,34 +280,46 @@ def plot_timeline(timeline: Timeline, path: Path, title: str | None = None) -> P
             # One broken_barh per (colour, stalled) group: thousands of transfers stay fast.
             groups: dict[tuple[str, bool], list[tuple[float, float]]] = {}
             for t in transfers:
-                colour = _COLOURS["write"] if op == "write" else \
-                    _COLOURS["prefetch" if t.prefetch else "demand"]
+                colour = (
+                    _COLOURS["write"]
+                    if op == "write"
+                    else _COLOURS["prefetch" if t.prefetch else "demand"]
+                )
                 groups.setdefault((colour, t.stalled), []).append(
-                    (t.start, _transfer_end(t, horizon)))
+                    (t.start, _transfer_end(t, horizon))
+                )
             for (colour, stalled), intervals in groups.items():
-                ax.broken_barh(bars(intervals), (base - (k + 1) * row, row * 0.9),
-                               facecolors=colour,
-                               edgecolors=_COLOURS["stall"] if stalled else "none",
-                               linewidth=0.6 if stalled else 0.0)
+                ax.broken_barh(
+                    bars(intervals),
+                    (base - (k + 1) * row, row * 0.9),
+                    facecolors=colour,
+                    edgecolors=_COLOURS["stall"] if stalled else "none",
+                    linewidth=0.6 if stalled else 0.0,
+                )
     ax.set_yticks([y[name] for name in lanes], labels=lanes)
     ax.set_ylim(-0.6, len(lanes) - 0.4)
     ax.set_xlim(0.0, max(horizon - origin, 1e-6))
     ax.set_xlabel("seconds since the first record")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or "infinity timeline", loc="left")
-    ax.set_title(f"I/O hidden behind compute: {summary['hidden_fraction']:.0%}   "
-                 f"stalls: {summary['stall_seconds']:.3f} s of "
-                 f"{summary['total_seconds']:.3f} s   read {summary['bytes_read'] / 1e6:.1f} MB"
-                 f"   written {summary['bytes_written'] / 1e6:.1f} MB", loc="right",
-                 fontsize="small")
-    legend = [Patch(color=_COLOURS["fwd"], label="forward"),
-              Patch(color=_COLOURS["bwd"], label="backward"),
-              Patch(color=_COLOURS["step"], label="optimizer step"),
-              Patch(color=_COLOURS["stall"], label="stall (waiting on I/O)"),
-              Patch(color=_COLOURS["prefetch"], label="prefetch read"),
-              Patch(color=_COLOURS["demand"], label="demand read"),
-              Patch(color=_COLOURS["write"], label="write"),
-              Patch(facecolor="none", edgecolor=_COLOURS["stall"], label="transfer waited for")]
+    ax.set_title(
+        f"I/O hidden behind compute: {summary['hidden_fraction']:.0%}   "
+        f"stalls: {summary['stall_seconds']:.3f} s of "
+        f"{summary['total_seconds']:.3f} s   read {summary['bytes_read'] / 1e6:.1f} MB"
+        f"   written {summary['bytes_written'] / 1e6:.1f} MB",
+        loc="right",
+        fontsize="small",
+    )
+    legend = [
+        Patch(color=_COLOURS["fwd"], label="forward"),
+        Patch(color=_COLOURS["bwd"], label="backward"),
+        Patch(color=_COLOURS["step"], label="optimizer step"),
+        Patch(color=_COLOURS["stall"], label="stall (waiting on I/O)"),
+        Patch(color=_COLOURS["prefetch"], label="prefetch read"),
+        Patch(color=_COLOURS["demand"], label="demand read"),
+        Patch(color=_COLOURS["write"], label="write"),
+        Patch(facecolor="none", edgecolor=_COLOURS["stall"], label="transfer waited for"),
+    ]
     if d2h:
         legend.insert(3, Patch(color=_COLOURS["d2h"], label="gradient d2h"))
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
@@ -246,5 +329,12 @@ def plot_timeline(timeline: Timeline, path: Path, title: str | None = None) -> P
     return path
 
 
-__all__ = ["CATEGORIES", "EVENT_NAMES", "PID", "chrome_trace", "plot_timeline",
-           "sub_lanes", "write_chrome_trace"]
+__all__ = [
+    "CATEGORIES",
+    "EVENT_NAMES",
+    "PID",
+    "chrome_trace",
+    "plot_timeline",
+    "sub_lanes",
+    "write_chrome_trace",
+]

@@ -31,20 +31,21 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from infinity.checkpointing.state_dict import write_entry_pieces
 from infinity.config import OffloadConfig
 from infinity.core.memory import peak_resident_bytes
-from infinity.errors import BudgetError, InfinityError
 from infinity.core.shards import ParamEntry
-from infinity.checkpointing.state_dict import write_entry_pieces
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace
+from infinity.errors import BudgetError, InfinityError
 from swap import EngineStats
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class DiskProfile:
     """What the drives do: GB/s (10**9 bytes) for reads and writes, and whether the two share
     one budget (a read slows a write down, as on this machine's virtio disk and most single
     NVMe drives under mixed load) or run side by side."""
+
     read_gbps: float
     write_gbps: float
     shared: bool = True
@@ -77,11 +79,13 @@ class DiskProfile:
 
     def __post_init__(self) -> None:
         if not (self.read_gbps > 0 and self.write_gbps > 0):
-            raise PlanError(f"a disk profile needs read and write GB/s > 0, got "
-                            f"{self.read_gbps} and {self.write_gbps}")
+            raise PlanError(
+                f"a disk profile needs read and write GB/s > 0, got "
+                f"{self.read_gbps} and {self.write_gbps}"
+            )
 
     @classmethod
-    def from_bench_json(cls, path: str | Path, shared: bool = True) -> "DiskProfile":
+    def from_bench_json(cls, path: str | Path, shared: bool = True) -> DiskProfile:
         """From ``infinity-bench --json`` output: each direction's best engine point."""
         path = Path(path)
         try:
@@ -90,16 +94,21 @@ class DiskProfile:
             read = max(b["read"]["gbps"] for b in best.values() if "read" in b)
             write = max(b["write"]["gbps"] for b in best.values() if "write" in b)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise PlanError(f"{path} is not infinity-bench --json output with read and write "
-                            f"results ({type(exc).__name__}: {exc}): run infinity-bench "
-                            f"--path <your nvme_path> --json {path.name}") from exc
+            raise PlanError(
+                f"{path} is not infinity-bench --json output with read and write "
+                f"results ({type(exc).__name__}: {exc}): run infinity-bench "
+                f"--path <your nvme_path> --json {path.name}"
+            ) from exc
         return cls(read, write, shared, source=str(path))
 
-    def scaled(self, drives: int) -> "DiskProfile":
+    def scaled(self, drives: int) -> DiskProfile:
         """``drives`` of these striped (the store stripes requests over its nvme_path list)."""
-        return dataclasses.replace(self, read_gbps=self.read_gbps * drives,
-                                   write_gbps=self.write_gbps * drives,
-                                   source=f"{drives} x {self.source or 'profile'}")
+        return dataclasses.replace(
+            self,
+            read_gbps=self.read_gbps * drives,
+            write_gbps=self.write_gbps * drives,
+            source=f"{drives} x {self.source or 'profile'}",
+        )
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,7 @@ class DeviceProfile:
     """Where the modules compute: ``compute_scale`` multiplies the recorded compute seconds
     (1 = this machine), ``link_gbps`` is the host<->device bandwidth (None: a CPU device,
     where a copy is a memcpy at the recorded rate)."""
+
     name: str
     compute_scale: float = 1.0
     link_gbps: float | None = None
@@ -136,7 +146,7 @@ def measure_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
         started = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - started)
-    return 2 * size ** 3 / best / 1e12
+    return 2 * size**3 / best / 1e12
 
 
 def device_profile(name: str, here_tflops: float | None = None) -> DeviceProfile:
@@ -145,13 +155,18 @@ def device_profile(name: str, here_tflops: float | None = None) -> DeviceProfile
         return DeviceProfile("this machine", 1.0, None, "measured in the recorded step")
     key = name.upper()
     if key not in GPU_PRESETS:
-        raise PlanError(f"unknown device profile {name!r}: use 'this machine' or one of "
-                        f"{', '.join(GPU_PRESETS)}")
+        raise PlanError(
+            f"unknown device profile {name!r}: use 'this machine' or one of "
+            f"{', '.join(GPU_PRESETS)}"
+        )
     tflops, link, source = GPU_PRESETS[key]
     here = here_tflops if here_tflops is not None else measure_matmul_tflops()
-    return DeviceProfile(key, here / (tflops * GPU_EFFICIENCY), link,
-                         f"{source}; {GPU_EFFICIENCY:.0%} of peak, against {here:.3f} TFLOP/s "
-                         f"measured here")
+    return DeviceProfile(
+        key,
+        here / (tflops * GPU_EFFICIENCY),
+        link,
+        f"{source}; {GPU_EFFICIENCY:.0%} of peak, against {here:.3f} TFLOP/s measured here",
+    )
 
 
 # -- simulated time -----------------------------------------------------------------------------
@@ -216,8 +231,14 @@ class _Engine:
         self.space = _Space()
         self._free_at = {"read": 0.0, "write": 0.0}
         self._serial = 0
-        self._counts = {"bytes_read": 0, "bytes_written": 0, "read_seconds": 0.0,
-                        "write_seconds": 0.0, "read_requests": 0, "write_requests": 0}
+        self._counts = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "read_seconds": 0.0,
+            "write_seconds": 0.0,
+            "read_requests": 0,
+            "write_requests": 0,
+        }
 
     def allocate(self, nbytes: int) -> _Extent:
         self._serial += 1
@@ -239,12 +260,12 @@ class _Engine:
         counts[f"{op}_requests"] += 1
         return _Future(self.clock, done, nbytes)
 
-    def read(self, extent: _Extent, buffer: Any, *, nbytes: int | None = None,
-             **_: Any) -> _Future:
+    def read(self, extent: _Extent, buffer: Any, *, nbytes: int | None = None, **_: Any) -> _Future:
         return self._transfer("read", extent.nbytes if nbytes is None else nbytes)
 
-    def write(self, extent: _Extent, buffer: Any, *, nbytes: int | None = None,
-              **_: Any) -> _Future:
+    def write(
+        self, extent: _Extent, buffer: Any, *, nbytes: int | None = None, **_: Any
+    ) -> _Future:
         return self._transfer("write", extent.nbytes if nbytes is None else nbytes)
 
     def quarantined(self) -> list:
@@ -287,6 +308,7 @@ class Recording:
     the process's RSS besides the tiers. :func:`recording_of` reads it
     from an attached store; a planner for a model too large to run here builds one from a
     smaller copy (``tools/commands/plan.py``)."""
+
     trace: Trace
     training: bool
     step_seconds_per_element: float = 0.0
@@ -300,17 +322,20 @@ def recording_of(store: Any) -> Recording:
     """The recording of an attached store that has run two iterations (the second gives the
     compute times)."""
     if store.model is None or store.placement is None:
-        raise PlanError("predict() needs an attached store that offloads (attach, then run two "
-                        "steps)")
+        raise PlanError(
+            "predict() needs an attached store that offloads (attach, then run two steps)"
+        )
     traces = store.follower.traces
     trace = traces.get((True, True)) or traces.get((True, False))
     training = trace is not None
     if trace is None:
         trace = traces.get((False, False)) or traces.get((False, True))
     if trace is None or not any(trace.compute):
-        raise PlanError("predict() needs a recorded iteration and one that followed it (the "
-                        "compute times come from the second): run two training steps (or two "
-                        "forwards for inference) first")
+        raise PlanError(
+            "predict() needs a recorded iteration and one that followed it (the "
+            "compute times come from the second): run two training steps (or two "
+            "forwards for inference) first"
+        )
     optimizer = store.optimizer
     per_element = 0.0
     optimizer_class, options = None, {}
@@ -319,22 +344,27 @@ def recording_of(store: Any) -> Recording:
         inner = optimizer.inner
         optimizer_class = type(inner)
         accepted = inspect.signature(optimizer_class.__init__).parameters
-        options = {k: v for k, v in inner.defaults.items() if k in accepted and
-                   k not in ("fused", "foreach", "capturable", "differentiable")}
+        options = {
+            k: v
+            for k, v in inner.defaults.items()
+            if k in accepted and k not in ("fused", "foreach", "capturable", "differentiable")
+        }
     device = store.placement.device
     copied, seconds = device.bytes_in + device.bytes_out, device.copy_seconds
     if optimizer is not None and optimizer.last_copies is not None and optimizer.last_copies[1]:
         copied, seconds = optimizer.last_copies  # the last iteration's: the first ones fault
     copy_gbps = copied / seconds / GB if seconds > 0 else 10.0
     stats = store.stats()
-    tiers = stats["peak_bytes"]["host"] + (stats["peak_bytes"]["device"]
-                                           if store.device.type == "cpu" else 0)
+    tiers = stats["peak_bytes"]["host"] + (
+        stats["peak_bytes"]["device"] if store.device.type == "cpu" else 0
+    )
     # The store samples RSS where the heap grows, and can miss the peak between samples; the
     # process's own peak is exact, but may be older than the store (then the prediction errs
     # high, the safe side for a memory plan).
     rss = max(stats["rss_peak_bytes"], peak_resident_bytes())
-    return Recording(trace, training, per_element, copy_gbps, max(0, rss - tiers),
-                     optimizer_class, options)
+    return Recording(
+        trace, training, per_element, copy_gbps, max(0, rss - tiers), optimizer_class, options
+    )
 
 
 def _clone(model: nn.Module, entries: list[ParamEntry]) -> nn.Module:
@@ -349,7 +379,8 @@ def _clone(model: nn.Module, entries: list[ParamEntry]) -> nn.Module:
         if entry.index not in made:
             made[entry.index] = nn.Parameter(
                 torch.empty(entry.shape, dtype=entry.given_dtype or entry.dtype, device="meta"),
-                requires_grad=entry.param.requires_grad)
+                requires_grad=entry.param.requires_grad,
+            )
         return made[entry.index]
 
     return tree_with(model, param_for)
@@ -372,35 +403,57 @@ def tree_with(model: nn.Module, param_for: Callable[[nn.Parameter], nn.Parameter
     return clones[""]
 
 
-def predict(store: Any, overrides: dict[str, Any], disk: DiskProfile | None = None,
-            device: DeviceProfile | None = None, iterations: int = ITERATIONS
-            ) -> dict[str, Any]:
+def predict(
+    store: Any,
+    overrides: dict[str, Any],
+    disk: DiskProfile | None = None,
+    device: DeviceProfile | None = None,
+    iterations: int = ITERATIONS,
+) -> dict[str, Any]:
     """See :meth:`TieredStore.predict`."""
     recording = recording_of(store)
     config = store.config.replace(**overrides) if overrides else store.config
-    return simulate(_clone(store.model, store.registry.entries), recording, config,
-                    disk or _disk_from(store), device, iterations,
-                    cpu_memory=store.device.type == "cpu")
+    return simulate(
+        _clone(store.model, store.registry.entries),
+        recording,
+        config,
+        disk or _disk_from(store),
+        device,
+        iterations,
+        cpu_memory=store.device.type == "cpu",
+    )
 
 
-def simulate(model: nn.Module, recording: Recording, config: OffloadConfig,
-             disk: DiskProfile, device: DeviceProfile | None = None,
-             iterations: int = ITERATIONS, cpu_memory: bool = True) -> dict[str, Any]:
+def simulate(
+    model: nn.Module,
+    recording: Recording,
+    config: OffloadConfig,
+    disk: DiskProfile,
+    device: DeviceProfile | None = None,
+    iterations: int = ITERATIONS,
+    cpu_memory: bool = True,
+) -> dict[str, Any]:
     """Attaches a store for ``config`` to ``model`` (its parameters on the meta device, in the
     order the recording's trace numbers them), replays ``iterations`` of the recorded trace
     through it, and reports the mean of those after the first :data:`WARMUP` (at least the
     last; see :meth:`TieredStore.predict` for the keys).
     ``cpu_memory``: the device tier's bytes are host memory (they count in the RSS)."""
     from infinity.core.store import TieredStore  # the simulated store is one
-    if recording.training and recording.optimizer_class is not None and \
-            not recording.trace.grads:
-        raise PlanError("the recording's trace has no gradient events (Trace.grads): the "
-                        "optimizer would update nothing; record a training step with the store")
+
+    if recording.training and recording.optimizer_class is not None and not recording.trace.grads:
+        raise PlanError(
+            "the recording's trace has no gradient events (Trace.grads): the "
+            "optimizer would update nothing; record a training step with the store"
+        )
     # What only changes arithmetic, or needs real values, is off in the simulation: the fused
     # kernel (no meta implementation), norms for clipping and overflow checks (no values).
-    config = config.replace(fused_optimizer=False, gradient_clipping=0.0,
-                            verify_checksums=False, keep_swap_files=False,
-                            offload_activations="none")
+    config = config.replace(
+        fused_optimizer=False,
+        gradient_clipping=0.0,
+        verify_checksums=False,
+        keep_swap_files=False,
+        offload_activations="none",
+    )
     device = device or DeviceProfile("this machine")
     clock = _Clock()
     copy_gbps = device.link_gbps or recording.copy_gbps
@@ -410,30 +463,44 @@ def simulate(model: nn.Module, recording: Recording, config: OffloadConfig,
             return _Engine(clock, disk)
 
         def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
-            return (_DeviceTier(self.budgets["device"], clock, copy_gbps,
-                                host_memory=device.link_gbps is None),
-                    HostTier(self.budgets["host"], self.budgets["arena"], False,
-                             slot_size=self.config.buffer_size, meta=True))
+            return (
+                _DeviceTier(
+                    self.budgets["device"], clock, copy_gbps, host_memory=device.link_gbps is None
+                ),
+                HostTier(
+                    self.budgets["host"],
+                    self.budgets["arena"],
+                    False,
+                    slot_size=self.config.buffer_size,
+                    meta=True,
+                ),
+            )
 
     sim = Simulated(config)
     sim.device = torch.device("meta")
     optimizer = None
     if recording.training and recording.optimizer_class is not None:
         optimizer = recording.optimizer_class(
-            [p for p in model.parameters() if p.requires_grad], **recording.optimizer_options)
-    result: dict[str, Any] = {"disk": dataclasses.asdict(disk),
-                              "device": dataclasses.asdict(device), "fits": True}
+            [p for p in model.parameters() if p.requires_grad], **recording.optimizer_options
+        )
+    result: dict[str, Any] = {
+        "disk": dataclasses.asdict(disk),
+        "device": dataclasses.asdict(device),
+        "fits": True,
+    }
     try:
         sim.attach(model, optimizer, initialise=False)
         for entry in sim.registry.entries:  # every value on NVMe (or the host), as after a load
-            write_entry_pieces(sim, entry, lambda shard: torch.empty(
-                shard.numel, dtype=shard.dtype, device="meta"))
+            write_entry_pieces(
+                sim, entry, lambda shard: torch.empty(shard.numel, dtype=shard.dtype, device="meta")
+            )
         sim.placement.drain()
         if sim.engine is not None:
             clock.wait_until(max(sim.engine._free_at.values()))
         clock.stalled = 0.0
-        phases = _replay(sim, recording, clock, device.compute_scale, iterations,
-                         lend=device.link_gbps is None)
+        phases = _replay(
+            sim, recording, clock, device.compute_scale, iterations, lend=device.link_gbps is None
+        )
     except BudgetError as exc:
         result.update(fits=False, error=str(exc))
         return result
@@ -443,11 +510,17 @@ def simulate(model: nn.Module, recording: Recording, config: OffloadConfig,
     host_peak = stats["peak_bytes"]["host"]
     device_peak = stats["peak_bytes"]["device"]
     result.update(phases)
-    result["peak_bytes"] = {"device": device_peak, "host": host_peak,
-                            "nvme": stats["peak_bytes"]["nvme"]}
+    result["peak_bytes"] = {
+        "device": device_peak,
+        "host": host_peak,
+        "nvme": stats["peak_bytes"]["nvme"],
+    }
     result["budgets"] = dict(sim.budgets)
-    result["rss_peak_bytes"] = recording.base_rss + host_peak + (
-        device_peak if cpu_memory and device.link_gbps is None else 0)
+    result["rss_peak_bytes"] = (
+        recording.base_rss
+        + host_peak
+        + (device_peak if cpu_memory and device.link_gbps is None else 0)
+    )
     return result
 
 
@@ -456,15 +529,21 @@ def _disk_from(store: Any) -> DiskProfile:
     engine = store.engine
     stats = engine.stats() if engine is not None else None
     if stats is None or not (stats.read_seconds and stats.write_seconds):
-        raise PlanError("no disk profile: pass disk=DiskProfile(...) or "
-                        "DiskProfile.from_bench_json('bench.json') (infinity-bench --json)")
-    return DiskProfile(stats.bytes_read / stats.read_seconds / GB,
-                       stats.bytes_written / stats.write_seconds / GB, True,
-                       source="this run's engine")
+        raise PlanError(
+            "no disk profile: pass disk=DiskProfile(...) or "
+            "DiskProfile.from_bench_json('bench.json') (infinity-bench --json)"
+        )
+    return DiskProfile(
+        stats.bytes_read / stats.read_seconds / GB,
+        stats.bytes_written / stats.write_seconds / GB,
+        True,
+        source="this run's engine",
+    )
 
 
-def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
-            iterations: int, lend: bool) -> dict[str, Any]:
+def _replay(
+    sim: Any, recorded: Recording, clock: _Clock, scale: float, iterations: int, lend: bool
+) -> dict[str, Any]:
     """Runs ``iterations`` of the recorded trace through the simulated store (the first
     records its own trace, as a real run's first does) and measures the last."""
     trace = recorded.trace
@@ -475,13 +554,20 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
         inner_step = optimizer.inner.step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
-            clock.advance(sum(p.numel() for group in optimizer.inner.param_groups
-                              for p in group["params"] if p.grad is not None)
-                          * recorded.step_seconds_per_element)
+            clock.advance(
+                sum(
+                    p.numel()
+                    for group in optimizer.inner.param_groups
+                    for p in group["params"]
+                    if p.grad is not None
+                )
+                * recorded.step_seconds_per_element
+            )
             return inner_step(*args, **kwargs)
+
         optimizer.inner.step = timed_step  # the simulation's own optimizer instance
     measured: list[dict[str, Any]] = []
-    for iteration in range(iterations):
+    for _ in range(iterations):
         engine_before = sim.engine.stats() if sim.engine is not None else EngineStats()
         start, stalled = clock.now, clock.stalled
         marks: dict[str, float] = {}
@@ -511,8 +597,9 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
                 taken = entry.param.requires_grad
                 if taken:
                     sim._grad_arriving(entry)
-                    placement.take_grad(entry, torch.empty(
-                        entry.shape, dtype=entry.compute_dtype, device="meta"))
+                    placement.take_grad(
+                        entry, torch.empty(entry.shape, dtype=entry.compute_dtype, device="meta")
+                    )
                 for _ in range(holds.pop(entry, 0)):
                     placement.release(entry)
                 if taken and placement.update_in_backward:
@@ -529,16 +616,20 @@ def _replay(sim: Any, recorded: Recording, clock: _Clock, scale: float,
             optimizer.zero_grad()
         end = clock.now
         engine_after = sim.engine.stats() if sim.engine is not None else EngineStats()
-        measured.append({
-            "step_seconds": end - start,
-            "phase_seconds": {"forward": marks["forward"] - start,
-                              "backward": marks["backward"] - marks["forward"],
-                              "step": end - marks["backward"]},
-            "stall_seconds": clock.stalled - stalled,
-            "bytes_read": engine_after.bytes_read - engine_before.bytes_read,
-            "bytes_written": engine_after.bytes_written - engine_before.bytes_written,
-        })
-    return _mean_of(measured[min(WARMUP, iterations - 1):], iterations)
+        measured.append(
+            {
+                "step_seconds": end - start,
+                "phase_seconds": {
+                    "forward": marks["forward"] - start,
+                    "backward": marks["backward"] - marks["forward"],
+                    "step": end - marks["backward"],
+                },
+                "stall_seconds": clock.stalled - stalled,
+                "bytes_read": engine_after.bytes_read - engine_before.bytes_read,
+                "bytes_written": engine_after.bytes_written - engine_before.bytes_written,
+            }
+        )
+    return _mean_of(measured[min(WARMUP, iterations - 1) :], iterations)
 
 
 def _mean_of(steady: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
@@ -548,21 +639,27 @@ def _mean_of(steady: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
 
     def mean(key: str) -> float:
         return sum(it[key] for it in steady) / count
+
     return {
         "step_seconds": mean("step_seconds"),
-        "phase_seconds": {phase: sum(it["phase_seconds"][phase] for it in steady) / count
-                          for phase in ("forward", "backward", "step")},
+        "phase_seconds": {
+            phase: sum(it["phase_seconds"][phase] for it in steady) / count
+            for phase in ("forward", "backward", "step")
+        },
         "stall_seconds": mean("stall_seconds"),
         "bytes_read": round(mean("bytes_read")),
         "bytes_written": round(mean("bytes_written")),
-        "iterations": {"replayed": iterations, "averaged": count,
-                       "bytes_read": [it["bytes_read"] for it in steady],
-                       "bytes_written": [it["bytes_written"] for it in steady]},
+        "iterations": {
+            "replayed": iterations,
+            "averaged": count,
+            "bytes_read": [it["bytes_read"] for it in steady],
+            "bytes_written": [it["bytes_written"] for it in steady],
+        },
     }
 
 
 def _close(sim: Any) -> None:
     try:
         sim.close(restore_params=False)
-    except Exception as exc:  # noqa: BLE001 - the simulation's own bookkeeping, nothing on disk
+    except Exception as exc:
         log.debug("closing the simulated store: %s", exc)

@@ -3,8 +3,8 @@
 A model with more parameters than can be trained here is planned from a scaled-down copy (fewer
 layers, narrower if need be): the copy's recorded events are repeated for each layer of the full
 model, renamed to it, and each event's compute seconds scaled by the ratio of the full module's
-matmul FLOPs to the copy's (2 x weights x tokens for a linear layer: the weights' ratio at the
-same batch shape). tools/commands/plan.py builds the copy; these functions only need both module trees.
+matmul FLOPs to the copy's (2 x weights x tokens for a linear layer: the weights' ratio at the same
+batch shape). tools/commands/plan.py builds the copy; these functions only need both module trees.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.planning.planner import PlanError, Recording, tree_with
 from infinity.core.trace import FORWARD, Event, Trace
+from infinity.planning.planner import PlanError, Recording, tree_with
 
 
 def module_table(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -24,6 +24,7 @@ def module_table(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     module order: the ``Event.module`` and ``Event.entries`` numbering (entries in
     ``named_parameters()`` order, modules in ``modules()`` order, as ``TieredStore.attach``)."""
     from infinity.training.hooks import SUBTREE_MODULES
+
     index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     table = []
     for name, module in model.named_modules():
@@ -39,12 +40,18 @@ def module_table(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
 def layer_containers(small: nn.Module, full: nn.Module) -> dict[str, tuple[int, int]]:
     """The ``nn.ModuleList`` paths whose length differs between ``small`` and ``full``
     (``model.layers``: 2 and 80), with the two lengths: the layers a scaled copy dropped."""
-    lists = {name: len(m) for name, m in small.named_modules()
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)}
+    lists = {
+        name: len(m)
+        for name, m in small.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
+    }
     out = {}
     for name, module in full.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and name in lists \
-                and len(module) != lists[name]:
+        if (
+            isinstance(module, (nn.ModuleList, nn.Sequential))
+            and name in lists
+            and len(module) != lists[name]
+        ):
             out[name] = (lists[name], len(module))
     return out
 
@@ -61,15 +68,14 @@ def flops_ratio(small: nn.Module, full: nn.Module) -> float:
     return size_full / size_small if size_small else 1.0
 
 
-def _layer_key(name: str, containers: dict[str, tuple[int, int]]
-               ) -> tuple[str, int, str] | None:
+def _layer_key(name: str, containers: dict[str, tuple[int, int]]) -> tuple[str, int, str] | None:
     """(container, layer, name within the layer) when ``name`` is inside a dropped-layer
     container; the longest container path wins (nested stacks)."""
     best = None
     for container in containers:
         prefix = container + "." if container else ""  # "": the root is the stack
         if name.startswith(prefix):
-            head, _, rest = name[len(prefix):].partition(".")
+            head, _, rest = name[len(prefix) :].partition(".")
             if head.isdigit() and (best is None or len(container) > len(best[0])):
                 best = (container, int(head), rest)
     return best
@@ -79,8 +85,9 @@ def _in_layer(container: str, layer: int, rest: str) -> str:
     return (f"{container}.{layer}" if container else str(layer)) + (f".{rest}" if rest else "")
 
 
-def recording_for_scaled(small_model: nn.Module, small: Recording, full_model: nn.Module,
-                         flops: Any = flops_ratio) -> Recording:
+def recording_for_scaled(
+    small_model: nn.Module, small: Recording, full_model: nn.Module, flops: Any = flops_ratio
+) -> Recording:
     """The recording ``full_model`` (e.g. on the meta device) would give, from ``small``, the
     recording of a scaled-down copy ``small_model`` with fewer layers in its layer stacks and
     possibly narrower modules, but the same module names otherwise and the same batch shape.
@@ -123,11 +130,16 @@ def recording_for_scaled(small_model: nn.Module, small: Recording, full_model: n
             continue
         first, period = used[0], (used[1] - used[0] if len(used) > 1 else 1)
         units = (small_len - first + period - 1) // period
-        if used != list(range(first, small_len, period)) or (full_len - first) % period and \
-                period > 1:
-            raise PlanError(f"the scaled copy's layers of {container or 'the model'} with "
-                            f"parameters ({used} of {small_len}) do not repeat evenly: its "
-                            f"trace cannot be extended to the full model")
+        if (
+            used != list(range(first, small_len, period))
+            or (full_len - first) % period
+            and period > 1
+        ):
+            raise PlanError(
+                f"the scaled copy's layers of {container or 'the model'} with "
+                f"parameters ({used} of {small_len}) do not repeat evenly: its "
+                f"trace cannot be extended to the full model"
+            )
         stacks[container] = (first, period, units, (full_len - first + period - 1) // period)
 
     out = Trace()
@@ -136,20 +148,33 @@ def recording_for_scaled(small_model: nn.Module, small: Recording, full_model: n
 
     def full_index(name: str) -> int:
         if name not in full_entry:
-            raise PlanError(f"parameter {name!r} of the scaled copy is not in the full model: "
-                            f"the copy must keep the full model's parameter names")
+            raise PlanError(
+                f"parameter {name!r} of the scaled copy is not in the full model: "
+                f"the copy must keep the full model's parameter names"
+            )
         return full_entry[name]
 
-    def emit(kind: str, small_name: str, module_name: str, entry_names: list[str],
-             grad_names: list[str], seconds: float) -> None:
+    def emit(
+        kind: str,
+        small_name: str,
+        module_name: str,
+        entry_names: list[str],
+        grad_names: list[str],
+        seconds: float,
+    ) -> None:
         if module_name not in full_module_index:
-            raise PlanError(f"module {module_name!r} of the scaled copy has no counterpart with "
-                            f"parameters in the full model: the copy must keep the full "
-                            f"model's module names")
-        ratio = flops(small_modules[_module_path(small_modules, small_name)],
-                      full_modules[_module_path(full_modules, module_name)])
-        out.append(Event(kind, full_module_index[module_name],
-                         tuple(full_index(n) for n in entry_names)))
+            raise PlanError(
+                f"module {module_name!r} of the scaled copy has no counterpart with "
+                f"parameters in the full model: the copy must keep the full "
+                f"model's module names"
+            )
+        ratio = flops(
+            small_modules[_module_path(small_modules, small_name)],
+            full_modules[_module_path(full_modules, module_name)],
+        )
+        out.append(
+            Event(kind, full_module_index[module_name], tuple(full_index(n) for n in entry_names))
+        )
         out_compute.append(seconds * ratio)
         out_grads.extend((len(out.events), full_index(n)) for n in grad_names)
 
@@ -175,16 +200,24 @@ def recording_for_scaled(small_model: nn.Module, small: Recording, full_model: n
             for position in positions:
                 event = trace.events[position]
                 name = small_table[event.module][0]
-                emit(event.kind, name, name, [small_names[e] for e in event.entries],
-                     [outside(n) for n in grads_after.get(position, ())],
-                     trace.compute[position])
+                emit(
+                    event.kind,
+                    name,
+                    name,
+                    [small_names[e] for e in event.entries],
+                    [outside(n) for n in grads_after.get(position, ())],
+                    trace.compute[position],
+                )
             i += 1
             continue
         container, _, kind = key
         run = [segments[i]]
-        while i + len(run) < len(segments) and segments[i + len(run)][0] is not None and \
-                segments[i + len(run)][0][0] == container and \
-                segments[i + len(run)][0][2] == kind:
+        while (
+            i + len(run) < len(segments)
+            and segments[i + len(run)][0] is not None
+            and segments[i + len(run)][0][0] == container
+            and segments[i + len(run)][0][2] == kind
+        ):
             run.append(segments[i + len(run)])
         i += len(run)
         first, period, small_units, full_units = stacks[container]
@@ -194,10 +227,12 @@ def recording_for_scaled(small_model: nn.Module, small: Recording, full_model: n
         if kind != FORWARD:
             expected.reverse()
         if order != expected:
-            raise PlanError(f"the scaled copy's {kind} events visit the layers of "
-                            f"{container or 'the model'} in the order {order}, not one after "
-                            f"another ({expected}): its trace cannot be extended to "
-                            f"{full_units} layers")
+            raise PlanError(
+                f"the scaled copy's {kind} events visit the layers of "
+                f"{container or 'the model'} in the order {order}, not one after "
+                f"another ({expected}): its trace cannot be extended to "
+                f"{full_units} layers"
+            )
         # Each layer's events, relative to the layer: alike in every layer, to be repeated.
         shapes = []
         for (_, layer, _), positions in run:
@@ -205,26 +240,43 @@ def recording_for_scaled(small_model: nn.Module, small: Recording, full_model: n
             for position in positions:
                 event = trace.events[position]
                 name = small_table[event.module][0]
-                shape.append((event.kind, _layer_key(name, containers)[2],
-                              tuple(_relative(small_names[e], containers, container, layer)
-                                    for e in event.entries),
-                              tuple(_relative(n, containers, container, layer)
-                                    for n in grads_after.get(position, ()))))
+                shape.append(
+                    (
+                        event.kind,
+                        _layer_key(name, containers)[2],
+                        tuple(
+                            _relative(small_names[e], containers, container, layer)
+                            for e in event.entries
+                        ),
+                        tuple(
+                            _relative(n, containers, container, layer)
+                            for n in grads_after.get(position, ())
+                        ),
+                    )
+                )
             shapes.append(shape)
         if any(shape != shapes[0] for shape in shapes[1:]):
-            raise PlanError(f"the scaled copy's layers of {container} do not run the same "
-                            f"modules in the same order: the full model's layers cannot be "
-                            f"repeated from them")
-        seconds = [sum(trace.compute[positions[k]] for _, positions in run) / len(run)
-                   for k in range(len(shapes[0]))]
+            raise PlanError(
+                f"the scaled copy's layers of {container} do not run the same "
+                f"modules in the same order: the full model's layers cannot be "
+                f"repeated from them"
+            )
+        seconds = [
+            sum(trace.compute[positions[k]] for _, positions in run) / len(run)
+            for k in range(len(shapes[0]))
+        ]
         template = run[0][0][1]  # the copy's layer whose modules stand for every layer's
         layers = [first + unit * period for unit in range(full_units)]
-        for layer in (layers if kind == FORWARD else reversed(layers)):
+        for layer in layers if kind == FORWARD else reversed(layers):
             for (event_kind, rest, entries, grads), spent in zip(shapes[0], seconds):
-                emit(event_kind, _in_layer(container, template, rest),
-                     _in_layer(container, layer, rest),
-                     [_absolute(n, container, layer, full_len) for n in entries],
-                     [_absolute(n, container, layer, full_len) for n in grads], spent)
+                emit(
+                    event_kind,
+                    _in_layer(container, template, rest),
+                    _in_layer(container, layer, rest),
+                    [_absolute(n, container, layer, full_len) for n in entries],
+                    [_absolute(n, container, layer, full_len) for n in grads],
+                    spent,
+                )
 
     out.compute = out_compute
     if hasattr(out, "grads"):
@@ -237,8 +289,9 @@ def _module_path(modules: dict[str, nn.Module], name: str) -> str:
     return name if name in modules else ""
 
 
-def _relative(name: str, containers: dict[str, tuple[int, int]], container: str,
-              layer: int) -> str | tuple[int, str]:
+def _relative(
+    name: str, containers: dict[str, tuple[int, int]], container: str, layer: int
+) -> str | tuple[int, str]:
     """A parameter name relative to ``layer`` of ``container``: (layer offset, name within the
     layer) for one in that stack, the name itself for one outside it (a tied weight)."""
     found = _layer_key(name, containers)
@@ -247,14 +300,15 @@ def _relative(name: str, containers: dict[str, tuple[int, int]], container: str,
     return (found[1] - layer, found[2])
 
 
-def _absolute(relative: str | tuple[int, str], container: str, layer: int,
-              layers: int) -> str:
+def _absolute(relative: str | tuple[int, str], container: str, layer: int, layers: int) -> str:
     if isinstance(relative, str):
         return relative
     offset, rest = relative
     if not 0 <= layer + offset < layers:
-        raise PlanError(f"the scaled copy's layer events of {container} name a parameter "
-                        f"{offset:+d} layers away, which layer {layer} of {layers} lacks")
+        raise PlanError(
+            f"the scaled copy's layer events of {container} name a parameter "
+            f"{offset:+d} layers away, which layer {layer} of {layers} lacks"
+        )
     return _in_layer(container, layer + offset, rest)
 
 
@@ -269,8 +323,10 @@ def skeleton(model: nn.Module, ranks: int = 1) -> nn.Module:
     def clone_of(param: nn.Parameter) -> nn.Parameter:
         if id(param) not in made:
             shape = param.shape if ranks == 1 else (-(-param.numel() // ranks),)
-            made[id(param)] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
-                                           requires_grad=param.requires_grad)
+            made[id(param)] = nn.Parameter(
+                torch.empty(shape, dtype=param.dtype, device="meta"),
+                requires_grad=param.requires_grad,
+            )
         return made[id(param)]
 
     return tree_with(model, clone_of)

@@ -34,9 +34,10 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 @dataclass
 class CommStats:
     """Bytes each rank sent into collectives, and the seconds the training thread waited."""
+
     gathered_bytes: int = 0
     reduced_bytes: int = 0
     gather_seconds: float = 0.0
@@ -85,7 +87,7 @@ class Partition:
         self.failed = False
 
     @classmethod
-    def of(cls, group: Any, stage: int) -> "Partition | None":
+    def of(cls, group: Any, stage: int) -> Partition | None:
         """The partition for ``group`` (None: the default group), or None when there is no
         process group or it has one rank (everything then runs as a single process)."""
         if not (dist.is_available() and dist.is_initialized()):
@@ -95,12 +97,14 @@ class Partition:
         return cls(group, stage)
 
     @classmethod
-    def join(cls, process_group: Any, config: Any, device: torch.device) -> "Partition | None":
+    def join(cls, process_group: Any, config: Any, device: torch.device) -> Partition | None:
         """This rank's partition under a process group of several ranks (None otherwise), after
         refusing what cannot run across ranks."""
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
-            raise AttachError("attach(process_group=...) needs torch.distributed initialised: "
-                              "call dist.init_process_group() first")
+            raise AttachError(
+                "attach(process_group=...) needs torch.distributed initialised: "
+                "call dist.init_process_group() first"
+            )
         partition = cls.of(process_group, config.zero_stage)
         if partition is None:
             return None
@@ -109,16 +113,19 @@ class Partition:
             raise AttachError(
                 f"{where}: step_in_backward=True is not supported across ranks (its updates "
                 f"would need a collective per parameter at times that differ between ranks): "
-                f"set step_in_backward=False")
+                f"set step_in_backward=False"
+            )
         if partition.stage < 3 and config.offload_param != "none":
             raise AttachError(
                 f"{where}: zero_stage={partition.stage} keeps every parameter whole on each "
                 f"rank's device, so offload_param={config.offload_param!r} cannot apply: use "
                 f"zero_stage=3 to partition and offload parameters, or offload_param='none' "
-                f"(masters and optimizer state stay partitioned, on offload_optimizer's tier)")
+                f"(masters and optimizer state stay partitioned, on offload_optimizer's tier)"
+            )
         if device.type == "cuda" and partition.backend != "nccl":
-            raise AttachError(f"{where}: compute on {device} needs the nccl backend; "
-                              f"init_process_group('nccl')")
+            raise AttachError(
+                f"{where}: compute on {device} needs the nccl backend; init_process_group('nccl')"
+            )
         if device.type == "cpu" and partition.on_device:
             raise AttachError(f"{where}: device='cpu' needs a process group on the gloo backend")
         partition.bucket_bytes = config.reduce_bucket_size if config.overlap_comm else 0
@@ -142,7 +149,7 @@ class Partition:
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         if len(paths) >= local_world > 1:
-            return paths[local_rank % local_world::local_world]
+            return paths[local_rank % local_world :: local_world]
         first = local_rank % len(paths)
         return paths[first:] + paths[:first]
 
@@ -164,15 +171,16 @@ class Partition:
         the first ``out.numel()`` elements into ``out``. Returns a handle whose ``wait()``
         completes it."""
         whole = local.numel() * self.world
-        target = out if out.numel() == whole else torch.empty(whole, dtype=out.dtype,
-                                                             device=out.device)
+        target = (
+            out if out.numel() == whole else torch.empty(whole, dtype=out.dtype, device=out.device)
+        )
         started = time.perf_counter()
-        work = self._call("all_gather", _ALL_GATHER, target, local.contiguous(),
-                          group=self.group, async_op=True)
+        work = self._call(
+            "all_gather", _ALL_GATHER, target, local.contiguous(), group=self.group, async_op=True
+        )
         self.stats.gathered_bytes += local.numel() * local.element_size()
         self.stats.collectives += 1
-        return _Pending(self, work, "all_gather", started,
-                        None if target is out else (out, target))
+        return _Pending(self, work, "all_gather", started, None if target is out else (out, target))
 
     def gather_flat(self, local: torch.Tensor, numel: int) -> torch.Tensor:
         """The whole piece of ``numel`` elements from every rank's slice, blocking."""
@@ -180,30 +188,41 @@ class Partition:
         self.gather_into(out, local).wait()
         return out
 
-    def start_reduce(self, piece: torch.Tensor, per_rank: int, dtype: torch.dtype,
-                     done: Callable[[torch.Tensor], None]) -> None:
+    def start_reduce(
+        self,
+        piece: torch.Tensor,
+        per_rank: int,
+        dtype: torch.dtype,
+        done: Callable[[torch.Tensor], None],
+    ) -> None:
         """Starts averaging ``piece`` (one piece's whole gradient, here) over the ranks;
         ``done`` gets this rank's slice (``per_rank`` elements in ``dtype``) once it completes,
         in the order the reductions started. Reductions stay under way while compute goes on,
         up to ``bucket_bytes`` of them (``overlap_comm``; 0: each completes at once)."""
         whole = per_rank * self.world
         device = piece.device if self.on_device else torch.device("cpu")
-        if piece.numel() == whole and piece.dtype == dtype and piece.device == device and \
-                piece.is_contiguous():
+        if (
+            piece.numel() == whole
+            and piece.dtype == dtype
+            and piece.device == device
+            and piece.is_contiguous()
+        ):
             padded = piece
         else:
             padded = torch.zeros(whole, dtype=dtype, device=device)
-            padded[:piece.numel()].copy_(piece)
+            padded[: piece.numel()].copy_(piece)
         nbytes = padded.numel() * padded.element_size()
         if self.stage == 1:
             # Stage 1 keeps whole gradients: all-reduce, then keep this rank's slice.
             out = padded
-            work = self._call("all_reduce", dist.all_reduce, padded, group=self.group,
-                              async_op=True)
+            work = self._call(
+                "all_reduce", dist.all_reduce, padded, group=self.group, async_op=True
+            )
         else:
             out = torch.empty(per_rank, dtype=dtype, device=device)
-            work = self._call("reduce_scatter", _REDUCE_SCATTER, out, padded, group=self.group,
-                              async_op=True)
+            work = self._call(
+                "reduce_scatter", _REDUCE_SCATTER, out, padded, group=self.group, async_op=True
+            )
         self.stats.reduced_bytes += nbytes
         self.stats.collectives += 1
         self._reducing.append(_Reduction(work, padded, out, per_rank, done, nbytes))
@@ -222,16 +241,17 @@ class Partition:
         waited = time.perf_counter()
         try:
             reduction.work.wait()
-        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise several types
+        except Exception as exc:
             self._reducing.clear()
             self._reducing_bytes = 0
-            raise _rank_error(self, "reduce_scatter" if self.stage > 1 else "all_reduce",
-                              exc) from exc
+            raise _rank_error(
+                self, "reduce_scatter" if self.stage > 1 else "all_reduce", exc
+            ) from exc
         self.stats.reduce_seconds += time.perf_counter() - waited
         out = reduction.out
         if self.stage == 1:
             per_rank = reduction.per_rank
-            out = out[self.rank * per_rank:(self.rank + 1) * per_rank].clone()
+            out = out[self.rank * per_rank : (self.rank + 1) * per_rank].clone()
         reduction.done(out.div_(self.world))
 
     def sum_across(self, values: list[float]) -> list[float]:
@@ -263,19 +283,20 @@ class Partition:
         """Refuses to go on when ranks disagree on ``value`` (the model's layout): every rank
         must register the same shards, or their collectives would not match."""
         values: list[Any] = [None] * self.world
-        self._call("all_gather_object", dist.all_gather_object, values, value,
-                   group=self.group)
+        self._call("all_gather_object", dist.all_gather_object, values, value, group=self.group)
         if any(v != values[0] for v in values):
             ranks = [r for r, v in enumerate(values) if v != values[0]]
-            raise RankError(f"ranks disagree on {what}: rank(s) {ranks} differ from rank 0. "
-                            f"Every rank must attach the same model with the same config")
+            raise RankError(
+                f"ranks disagree on {what}: rank(s) {ranks} differ from rank 0. "
+                f"Every rank must attach the same model with the same config"
+            )
 
     def _call(self, name: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except RankError:
             raise
-        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise several types
+        except Exception as exc:
             raise _rank_error(self, name, exc) from exc
 
 
@@ -292,8 +313,14 @@ class _Reduction:
 class _Pending:
     """An all-gather under way; ``wait()`` completes it (and copies out of a padded buffer)."""
 
-    def __init__(self, partition: Partition, work: Any, name: str, started: float,
-                 copy: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        partition: Partition,
+        work: Any,
+        name: str,
+        started: float,
+        copy: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         self.partition = partition
         self.work = work
         self.name = name
@@ -305,11 +332,11 @@ class _Pending:
         waited = time.perf_counter()
         try:
             self.work.wait()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise _rank_error(partition, self.name, exc) from exc
         if self.copy is not None:
             out, target = self.copy
-            out.copy_(target[:out.numel()])
+            out.copy_(target[: out.numel()])
         partition.stats.gather_seconds += time.perf_counter() - waited
 
 
@@ -319,24 +346,36 @@ def _rank_error(partition: Partition, name: str, exc: BaseException) -> RankErro
     return RankError(
         f"{name} failed on {partition.describe()}: {type(exc).__name__}: {exc}. Another rank "
         f"has most likely died or stopped (look at its output first){timeout}; this rank "
-        f"stops too, and its swap files are removed when the process exits")
+        f"stops too, and its swap files are removed when the process exits"
+    )
 
 
 def _group_timeout(group: Any) -> str:
     try:
         from torch.distributed.distributed_c10d import _get_default_group
+
         timeout = (group or _get_default_group()).options._timeout  # type: ignore[attr-defined]
         if isinstance(timeout, datetime.timedelta):
             return f", or the process group's timeout of {timeout.total_seconds():g} s passed"
-    except Exception:  # noqa: BLE001 - only for the message
+    except Exception:
         pass
     return ""
 
 
 #: config fields every rank must share: they decide the shards and when collectives happen
-_SAME_ON_EVERY_RANK = frozenset({
-    "device_budget", "buffer_size", "param_persistence_threshold", "offload_param",
-    "offload_optimizer", "precision", "gradient_clipping", "zero_stage", "step_in_backward"})
+_SAME_ON_EVERY_RANK = frozenset(
+    {
+        "device_budget",
+        "buffer_size",
+        "param_persistence_threshold",
+        "offload_param",
+        "offload_optimizer",
+        "precision",
+        "gradient_clipping",
+        "zero_stage",
+        "step_in_backward",
+    }
+)
 
 
 def _digest(value: Any) -> str:

@@ -40,8 +40,9 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,19 +68,31 @@ class ActivationOffloadError(InfinityError, RuntimeError):
 @dataclass(eq=False)
 class _Resources:
     """What a stored activation holds outside the device; freed once nothing refers to it."""
+
     nbytes: int
     group: int = 0
-    host: torch.Tensor | None = None            # cpu: the host copy
-    extent: Extent | None = None                # nvme: where its bytes are
+    host: torch.Tensor | None = None  # cpu: the host copy
+    extent: Extent | None = None  # nvme: where its bytes are
     uses: list[Any] = field(default_factory=list)  # staging uses still moving its bytes
-    device_bytes: int = 0                       # counted as held on the device right now
+    device_bytes: int = 0  # counted as held on the device right now
 
 
 class _Stored:
     """One offloaded storage. Autograd holds it through the ``_Packed`` handles of its views."""
 
-    __slots__ = ("res", "group", "module", "source", "version", "back", "event", "loading",
-                 "chunks_left", "error", "__weakref__")
+    __slots__ = (
+        "res",
+        "group",
+        "module",
+        "source",
+        "version",
+        "back",
+        "event",
+        "loading",
+        "chunks_left",
+        "error",
+        "__weakref__",
+    )
 
     def __init__(self, source: torch.Tensor, version: int, group: int, module: str) -> None:
         self.res = _Resources(source.untyped_storage().nbytes(), group)
@@ -93,7 +106,7 @@ class _Stored:
         #: CUDA: marks the copy into ``back`` (from host memory) or into host memory (cpu out)
         self.event: Any = None
         self.loading = False
-        self.chunks_left: list[tuple[int, int]] = []   # nvme: chunk reads not yet issued
+        self.chunks_left: list[tuple[int, int]] = []  # nvme: chunk reads not yet issued
         self.error: BaseException | None = None
 
     @property
@@ -122,8 +135,9 @@ class _Use:
     and from then on without doing anything again (a read's copy into the restored storage
     happens once, though a caller that waited for the use may poll it again)."""
 
-    def __init__(self, owner: "ActivationOffload", buf: HostBuffer, stored: _Stored,
-                 offset: int, nbytes: int) -> None:
+    def __init__(
+        self, owner: ActivationOffload, buf: HostBuffer, stored: _Stored, offset: int, nbytes: int
+    ) -> None:
         self.owner, self.buf, self.stored = owner, buf, stored
         self.offset, self.nbytes = offset, nbytes
         self.future: Any = None
@@ -155,8 +169,9 @@ class _WriteUse(_Use):
                 return False
             self.event = None
             extent = self.stored.res.extent
-            self.future = self.owner.engine.write(extent, self.buf, nbytes=self.nbytes,
-                                                  extent_offset=self.offset)
+            self.future = self.owner.engine.write(
+                extent, self.buf, nbytes=self.nbytes, extent_offset=self.offset
+            )
             self.owner.bytes_written += self.nbytes
         if not wait and not self.future.done():
             return False
@@ -182,21 +197,31 @@ class _ReadUse(_Use):
             if back is None:  # nobody waits for it any more
                 return True
             self.owner.bytes_read += self.nbytes
-            self.event = self.owner._copy(back[self.offset:self.offset + self.nbytes],
-                                          self.buf.tensor[:self.nbytes])
+            self.event = self.owner._copy(
+                back[self.offset : self.offset + self.nbytes], self.buf.tensor[: self.nbytes]
+            )
         return self._event_done(wait)
 
 
 class ActivationOffload:
     """Moves saved activations of one attached model to host memory or NVMe and back."""
 
-    def __init__(self, target: str, device: torch.device, *, host_room: int | None,
-                 engine: SwapEngine | None, pin_memory: bool,
-                 prefetch_depth: int, prefetch_bytes: int | None,
-                 param_storages: Callable[[], Iterable[torch.Tensor]],
-                 device_bytes: Callable[[], int] = lambda: 0,
-                 min_bytes: int = MIN_BYTES, staging_bytes: int = STAGING_BYTES,
-                 staging_count: int = STAGING_COUNT) -> None:
+    def __init__(
+        self,
+        target: str,
+        device: torch.device,
+        *,
+        host_room: int | None,
+        engine: SwapEngine | None,
+        pin_memory: bool,
+        prefetch_depth: int,
+        prefetch_bytes: int | None,
+        param_storages: Callable[[], Iterable[torch.Tensor]],
+        device_bytes: Callable[[], int] = lambda: 0,
+        min_bytes: int = MIN_BYTES,
+        staging_bytes: int = STAGING_BYTES,
+        staging_count: int = STAGING_COUNT,
+    ) -> None:
         """``host_room``: bytes of the host budget left for activations, staging buffers
         included (None: the budget was derived for the model's state, and activations come on
         top of it). They are counted here, not in the host tier, whose bytes are the arena's
@@ -225,17 +250,17 @@ class ActivationOffload:
         # collection runs inside a locked block (so it must be reentrant).
         self._lock = threading.RLock()
         # -- forward
-        self._depth = 0                      # nested root forwards
-        self._hooks: Any = None              # the saved_tensors_hooks context while entered
-        self._group = 0                      # the group that packs go to now
-        self._pending: list[_Stored] = []    # packed since the last boundary
-        self._module: list[str] = []         # modules whose forward is running, innermost last
+        self._depth = 0  # nested root forwards
+        self._hooks: Any = None  # the saved_tensors_hooks context while entered
+        self._group = 0  # the group that packs go to now
+        self._pending: list[_Stored] = []  # packed since the last boundary
+        self._module: list[str] = []  # modules whose forward is running, innermost last
         self._seen: dict[int, tuple[Any, _Stored]] = {}  # storage address -> (tensor ref, stored)
         self._param_ptrs: set[int] | None = None
         # -- backward
         self._groups: dict[int, list[weakref.ref]] = {}  # group -> its storages
-        self._group_ids: list[int] = []                   # sorted keys of _groups
-        self._loads: list[_Stored] = []                   # fetches under way, oldest first
+        self._group_ids: list[int] = []  # sorted keys of _groups
+        self._loads: list[_Stored] = []  # fetches under way, oldest first
         self._dead: collections.deque[_Resources] = collections.deque()
         # -- nvme staging
         self._staging: BufferPool | None = None
@@ -246,8 +271,9 @@ class ActivationOffload:
         if target == "nvme":
             self.chunk = align_up(staging_bytes)
             self._claim_host(self.chunk * staging_count, "its staging buffers")
-            self._staging = BufferPool(staging_count, self.chunk, pin_memory=self.pin,
-                                       name="activation staging")
+            self._staging = BufferPool(
+                staging_count, self.chunk, pin_memory=self.pin, name="activation staging"
+            )
         # -- stats
         self.offloaded_bytes = 0
         self.offloaded_tensors = 0
@@ -279,10 +305,10 @@ class ActivationOffload:
         self.handles.append(root.register_forward_pre_hook(_opaque(root_pre)))
         for name, module in root.named_modules():
             label = name or type(module).__name__
-            self.handles.append(module.register_forward_pre_hook(
-                _opaque(self._make_pre(label))))
-            self.handles.append(module.register_forward_hook(
-                _opaque(self._make_post(label)), always_call=True))
+            self.handles.append(module.register_forward_pre_hook(_opaque(self._make_pre(label))))
+            self.handles.append(
+                module.register_forward_hook(_opaque(self._make_post(label)), always_call=True)
+            )
         # Last, so that it runs after every other post-hook of the root (its boundary included).
         self.handles.append(root.register_forward_hook(_opaque(root_post), always_call=True))
 
@@ -293,6 +319,7 @@ class ActivationOffload:
             self._boundary()
             self._module.append(label)
             self._param_ptrs = None  # the store has just gathered this module's parameters
+
         return pre
 
     def _make_post(self, label: str) -> Callable:
@@ -307,6 +334,7 @@ class ActivationOffload:
                 # This module's forward saved something here: once its output gets a gradient,
                 # its backward is next and needs those groups, newest first.
                 self._hook_output(output, self._group_ids[-1])
+
         return post
 
     def _hook_output(self, output: Any, group: int) -> None:
@@ -320,6 +348,7 @@ class ActivationOffload:
             if this is not None and this.handles:
                 this._housekeeping()
                 this._prefetch(group)
+
         tensors[0].register_hook(_opaque(backward_next))
 
     def _enter(self, root: nn.Module) -> None:
@@ -367,8 +396,13 @@ class ActivationOffload:
         return _Packed(stored, tensor)
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or \
-                tensor.device != self.device or tensor.is_conj() or tensor.is_neg():
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout is not torch.strided
+            or tensor.device != self.device
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
             return False  # parameters (their own class), subclasses, other devices, lazy bits
         base = tensor._base
         if isinstance(base, nn.Parameter):
@@ -377,8 +411,7 @@ class ActivationOffload:
         if storage.nbytes() < self.min_bytes:
             return False
         if self._param_ptrs is None:
-            self._param_ptrs = {t.untyped_storage().data_ptr()
-                                for t in self._param_storages()}
+            self._param_ptrs = {t.untyped_storage().data_ptr() for t in self._param_storages()}
         return storage.data_ptr() not in self._param_ptrs
 
     def _boundary(self) -> None:
@@ -410,7 +443,7 @@ class ActivationOffload:
             for offset in range(0, res.nbytes, self.chunk):
                 nbytes = min(self.chunk, res.nbytes - offset)
                 use = _WriteUse(self, self._take_staging(), stored, offset, nbytes)
-                use.event = self._copy(use.buf.tensor[:nbytes], source[offset:offset + nbytes])
+                use.event = self._copy(use.buf.tensor[:nbytes], source[offset : offset + nbytes])
                 self._start_use(use, res)
         if self.cuda:
             # The allocator must not hand the bytes out again before the copy has read them.
@@ -432,7 +465,8 @@ class ActivationOffload:
                     f"the staging arena and the parameters held in host memory, and "
                     f"{self.host_bytes} are in use. Raise host_budget, use "
                     f"offload_activations='nvme', or checkpoint activations "
-                    f"(torch.utils.checkpoint) so that fewer are saved")
+                    f"(torch.utils.checkpoint) so that fewer are saved"
+                )
             self.host_bytes += nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
 
@@ -510,7 +544,8 @@ class ActivationOffload:
             f"activation offload: {stored.describe()} could not be brought back from {where} "
             f"for backward: {stored.error}. The gradient cannot be computed without it; fix "
             f"the cause (the swap directory's drive, its free space) or set "
-            f"offload_activations='none'") from stored.error
+            f"offload_activations='none'"
+        ) from stored.error
 
     def _prefetch(self, group: int) -> None:
         """Starts fetching what backward needs from ``group`` on: its storages not yet back,
@@ -519,13 +554,16 @@ class ActivationOffload:
         budget = self.prefetch_bytes
         if budget is not None:
             budget -= sum(s.nbytes for s in self._loads)
-        index = bisect.bisect_right(self._group_ids, group) - 1
+        last = bisect.bisect_right(self._group_ids, group) - 1
         # ``group`` and the prefetch_depth groups before it: the window counts groups already
         # back too, or each unpack would reach further ahead and backward would hold them all.
-        for index in range(index, max(index - self.prefetch_depth, -1), -1):
+        for index in range(last, max(last - self.prefetch_depth, -1), -1):
             refs = self._groups.get(self._group_ids[index], ())
-            members = [s for s in (ref() for ref in refs)
-                       if s is not None and s.back is None and s.source is None]
+            members = [
+                s
+                for s in (ref() for ref in refs)
+                if s is not None and s.back is None and s.source is None
+            ]
             for stored in members:
                 if budget is not None:
                     if stored.nbytes > budget:
@@ -561,8 +599,10 @@ class ActivationOffload:
             return True
         stored.event = None
         stored.loading = True
-        stored.chunks_left = [(offset, min(self.chunk, res.nbytes - offset))
-                              for offset in range(0, res.nbytes, self.chunk)]
+        stored.chunks_left = [
+            (offset, min(self.chunk, res.nbytes - offset))
+            for offset in range(0, res.nbytes, self.chunk)
+        ]
         self._loads.append(stored)
         return self._issue(stored, wait=not prefetch)
 
@@ -574,8 +614,9 @@ class ActivationOffload:
                 return False
             offset, nbytes = stored.chunks_left.pop(0)
             use = _ReadUse(self, buf, stored, offset, nbytes)
-            use.future = self.engine.read(stored.res.extent, buf, nbytes=nbytes,
-                                          extent_offset=offset)
+            use.future = self.engine.read(
+                stored.res.extent, buf, nbytes=nbytes, extent_offset=offset
+            )
             self._start_use(use, stored.res)
         return True
 
@@ -627,8 +668,9 @@ class ActivationOffload:
         with self._lock:
             self.current_device += nbytes
             self.peak_device = max(self.peak_device, self.current_device)
-            self.peak_device_total = max(self.peak_device_total,
-                                         self.current_device + self._tier_bytes())
+            self.peak_device_total = max(
+                self.peak_device_total, self.current_device + self._tier_bytes()
+            )
 
     def _on_dead(self, res: _Resources) -> None:
         """Autograd let go of a storage (maybe on its own thread): its device bytes are free
@@ -680,7 +722,7 @@ class ActivationOffload:
         for use in list(self._uses):
             try:
                 use.poll(wait=True)
-            except Exception as exc:  # noqa: BLE001 - closing: release what can be
+            except Exception as exc:
                 log.debug("activation transfer failed at close: %s", exc)
             self._finish_use(use)
         while self._dead:
@@ -713,22 +755,30 @@ def offload_for_store(store: Any, model: nn.Module) -> ActivationOffload:
                 f"offload_activations='{config.offload_activations}' needs host memory, "
                 f"but host_budget ({config.host_budget} bytes) is all taken by the staging "
                 f"arena and the parameters held in host memory: raise host_budget, or "
-                f"lower buffer_count x buffer_size")
+                f"lower buffer_count x buffer_size"
+            )
     if placement is not None:
         entries = store.registry.entries
         params: Callable[[], list[torch.Tensor]] = lambda: [
-            e.device_tensor for e in entries if e.device_tensor is not None]
+            e.device_tensor for e in entries if e.device_tensor is not None
+        ]
         device_bytes: Callable[[], int] = lambda: placement.device.usage.current
     else:  # the store only reports: the parameters are the model's own, on the device
         params = lambda: list(model.parameters())
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         device_bytes = lambda: total
     offload = ActivationOffload(
-        config.offload_activations, store.device, host_room=room, engine=engine,
-        pin_memory=config.pin_memory, prefetch_depth=config.prefetch_depth,
-        prefetch_bytes=config.prefetch_bytes, param_storages=params,
+        config.offload_activations,
+        store.device,
+        host_room=room,
+        engine=engine,
+        pin_memory=config.pin_memory,
+        prefetch_depth=config.prefetch_depth,
+        prefetch_bytes=config.prefetch_bytes,
+        param_storages=params,
         device_bytes=device_bytes,
-        staging_bytes=min(16 << 20, max(1 << 20, config.buffer_size)))
+        staging_bytes=min(16 << 20, max(1 << 20, config.buffer_size)),
+    )
     offload.install(model)
     return offload
 
@@ -736,6 +786,7 @@ def offload_for_store(store: Any, model: nn.Module) -> ActivationOffload:
 def _in_backward() -> bool:
     """Whether a backward pass runs on this thread (checkpoint's recomputation)."""
     from infinity.training.hooks import _graph_task  # the store's one reading of it
+
     task = _graph_task()
     return task is not None and task != -1
 

@@ -2,9 +2,10 @@
 bytes are (a host tensor, an arena slot, an NVMe extent).
 
 After backward the gradient has left the parameter (the hooks moved it into the store), so
-``p.grad`` answers with a :class:`GradView`: a tensor subclass with the parameter's shape
-and device, the masters' dtype (fp32 under bf16/fp16 compute) and no storage of its own, which serves what training loops do with
-gradients from what the store already has, without reading the gradient back:
+``p.grad`` answers with a :class:`GradView`: a tensor subclass with the parameter's shape and
+device, the masters' dtype (fp32 under bf16/fp16 compute) and no storage of its own, which serves
+what training loops do with gradients from what the store already has, without reading the gradient
+back:
 
 * the 2-norm (``torch.linalg.vector_norm``, ``Tensor.norm``, ``torch._foreach_norm``, and so
   ``torch.nn.utils.get_total_norm`` and ``clip_grad_norm_``) from the per-shard squared norms
@@ -26,13 +27,20 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from infinity.errors import ParameterAccessError
-from infinity.training.op_kinds import (conversion_is_noop, intercepted, mark_snapshots, substitute,
-                               tensors_in, written)
+from infinity.training.op_kinds import (
+    conversion_is_noop,
+    intercepted,
+    mark_snapshots,
+    substitute,
+    tensors_in,
+    written,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,25 +53,28 @@ class GradView(torch.Tensor):
     """See the module docstring. Made by an attached parameter's ``.grad``."""
 
     @staticmethod
-    def __new__(cls, access: Any, entry: Any) -> "GradView":
+    def __new__(cls, access: Any, entry: Any) -> GradView:
         device = entry.device_tensor.device
         # The master dtype: the store keeps gradients in it (fp32 under bf16/fp16 compute, as
         # autocast's gradients are), so norms and clipping keep their precision.
-        view = torch.Tensor._make_wrapper_subclass(cls, entry.shape, dtype=entry.dtype,
-                                                   device=device, requires_grad=False)
+        view = torch.Tensor._make_wrapper_subclass(
+            cls, entry.shape, dtype=entry.dtype, device=device, requires_grad=False
+        )
         view._infinity_access = access
         view._infinity_entry = entry
         view._generation = entry.grad_generation
         return view
 
     @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return intercepted(func, args, kwargs, _handle)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         # Reached only by ops torch runs below its Python API: answer from the values.
         kwargs = kwargs or {}
         if func._schema.is_mutable:
@@ -81,11 +92,13 @@ class GradView(torch.Tensor):
         entry = self._infinity_entry
         if self._infinity_access.closed:
             raise ParameterAccessError(
-                f"this p.grad of '{entry.name}' belongs to a TieredStore that is closed")
+                f"this p.grad of '{entry.name}' belongs to a TieredStore that is closed"
+            )
         if self._generation != entry.grad_generation:
             raise ParameterAccessError(
                 f"this p.grad of '{entry.name}' was taken before its gradient was consumed by "
-                f"optimizer.step() or cleared by zero_grad(): read p.grad again")
+                f"optimizer.step() or cleared by zero_grad(): read p.grad again"
+            )
 
     def materialize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The gradient's values as a new tensor on the view's device (in ``dtype``, by
@@ -101,8 +114,7 @@ class GradView(torch.Tensor):
             # The loop reads gradient norms (clipping, logging): from now on the gradient hook
             # keeps each shard's norm, so later steps answer without reading gradients back.
             placement.track_grad_norms = True
-            log.info("the training loop reads gradient norms: per-shard norms are kept from "
-                     "now on")
+            log.info("the training loop reads gradient norms: per-shard norms are kept from now on")
         return math.sqrt(placement.global_sq_norms([self._infinity_entry.shards])[0])
 
     def scale(self, factor: float) -> None:
@@ -114,8 +126,9 @@ class GradView(torch.Tensor):
         """Stores ``value`` as this gradient (an in-place op's result); the view stays current."""
         self.check_current()
         entry = self._infinity_entry
-        self._placement.replace_grad(entry, value.detach().to(device="cpu", dtype=entry.dtype),
-                                     same_gradient=True)
+        self._placement.replace_grad(
+            entry, value.detach().to(device="cpu", dtype=entry.dtype), same_gradient=True
+        )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return repr(self.materialize())
@@ -160,7 +173,8 @@ def _values_of(value: Any, like: GradView) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.shape != like.shape:
         raise ParameterAccessError(
             f"the gradient of '{like._infinity_entry.name}' takes a tensor of shape "
-            f"{tuple(like.shape)}, got {getattr(value, 'shape', type(value).__name__)}")
+            f"{tuple(like.shape)}, got {getattr(value, 'shape', type(value).__name__)}"
+        )
     return value
 
 
@@ -169,8 +183,11 @@ def _whole_two_norm(func: Callable, name: str, view: GradView, order: Any) -> bo
     if name == "linalg_vector_norm" or name == "_foreach_norm":
         return order in (2, 2.0)
     if name == "linalg_norm":  # ord=None flattens; 'fro' on a matrix, 2 on a vector
-        return order is None or (order == "fro" and view.dim() == 2) or \
-            (order in (2, 2.0) and view.dim() == 1)
+        return (
+            order is None
+            or (order == "fro" and view.dim() == 2)
+            or (order in (2, 2.0) and view.dim() == 1)
+        )
     return order in (None, "fro", 2, 2.0)  # torch.norm, Tensor.norm
 
 
@@ -181,22 +198,30 @@ def _norm(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         tensors = list(args[0])
         order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
         dtype = kwargs.get("dtype")
-        if not any(isinstance(t, GradView) for t in tensors) or \
-                not _whole_two_norm(func, name, tensors[0], order):
+        if not any(isinstance(t, GradView) for t in tensors) or not _whole_two_norm(
+            func, name, tensors[0], order
+        ):
             return NotImplemented
         views = [t for t in tensors if isinstance(t, GradView)]
         norms = iter(_norm_values(views))  # one collective for all of them across ranks
-        return [torch.tensor(next(norms), dtype=dtype or t.dtype, device=t.device)
-                if isinstance(t, GradView) else torch.linalg.vector_norm(t, dtype=dtype)
-                for t in tensors]
+        return [
+            torch.tensor(next(norms), dtype=dtype or t.dtype, device=t.device)
+            if isinstance(t, GradView)
+            else torch.linalg.vector_norm(t, dtype=dtype)
+            for t in tensors
+        ]
     if name not in _NORMS or not args or not isinstance(args[0], GradView):
         return NotImplemented
     default = 2 if name == "linalg_vector_norm" else None
     order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", default))
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
-    if dim is not None or keepdim or kwargs.get("out") is not None or \
-            not _whole_two_norm(func, name, args[0], order):
+    if (
+        dim is not None
+        or keepdim
+        or kwargs.get("out") is not None
+        or not _whole_two_norm(func, name, args[0], order)
+    ):
         return NotImplemented
     return _norm_tensor(args[0], kwargs.get("dtype"))
 
@@ -209,8 +234,9 @@ def _norm_values(views: list[GradView]) -> list[float]:
     placement = views[0]._placement
     if not placement.track_grad_norms:
         views[0].norm_value()  # turns tracking on (and says so)
-    return [math.sqrt(v) for v in
-            placement.global_sq_norms([v._infinity_entry.shards for v in views])]
+    return [
+        math.sqrt(v) for v in placement.global_sq_norms([v._infinity_entry.shards for v in views])
+    ]
 
 
 def _norm_tensor(view: GradView, dtype: torch.dtype | None) -> torch.Tensor:

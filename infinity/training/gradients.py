@@ -2,8 +2,8 @@
 gradient path: a finished device gradient goes into its shard's host accumulator, or into a
 gradient companion that can be swapped to NVMe like any shard.
 
-A mixin of :class:`infinity.core.placement.Placement`: it uses the placement's host slots, reaping and
-registry, and keeps no state of its own beyond the placement's attributes.
+A mixin of :class:`infinity.core.placement.Placement`: it uses the placement's host slots, reaping
+and registry, and keeps no state of its own beyond the placement's attributes.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from infinity.errors import BudgetError
 from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, Shard
+from infinity.errors import BudgetError
 
 
 class CompanionsAndGradients:
-    # -- companions (gradients and optimizer state on NVMe) -----------------------------------
+    # -- companions (gradients and optimizer state on NVMe) ----------------------------------------
     def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:
         found = shard.companions.get(kind)
         if found is None:
@@ -46,9 +46,10 @@ class CompanionsAndGradients:
             self._free_slot(shard)
         self.registry.set_state(shard, R.EMPTY)
 
-    # -- gradients ----------------------------------------------------------------------------
-    def take_grad(self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True,
-                  reduce: bool = True) -> None:
+    # -- gradients ---------------------------------------------------------------------------------
+    def take_grad(
+        self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True, reduce: bool = True
+    ) -> None:
         """Moves a finished device gradient into the entry's shards' host accumulators (fp32
         master dtype), dividing out the loss scale (``unscale``: it came from backward) and
         keeping each shard's squared norm when norms are tracked (clipping, overflow checks,
@@ -64,8 +65,11 @@ class CompanionsAndGradients:
                 # the reduction completes, in the order the reductions started.
                 start, numel = shard.piece
                 self.partition.start_reduce(
-                    flat[start:start + numel], shard.numel, shard.dtype,
-                    lambda piece, shard=shard: self._accumulate_grad(shard, piece, scale))
+                    flat[start : start + numel],
+                    shard.numel,
+                    shard.dtype,
+                    lambda piece, shard=shard: self._accumulate_grad(shard, piece, scale),
+                )
                 continue
             self._accumulate_grad(shard, self._own_part(flat, shard), scale)
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
@@ -85,8 +89,12 @@ class CompanionsAndGradients:
             # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
             self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
         if not self.grads_on_nvme or self._updated_right_away(shard, piece):
-            if shard.grad is None and self.device.host_memory and \
-                    piece.dtype == shard.dtype and piece.is_contiguous():
+            if (
+                shard.grad is None
+                and self.device.host_memory
+                and piece.dtype == shard.dtype
+                and piece.is_contiguous()
+            ):
                 # A gradient computed in host memory (no GPU) already is a host tensor:
                 # keep it instead of copying it (the hook drops param.grad right after).
                 self._hold_grad(shard, piece)
@@ -113,10 +121,10 @@ class CompanionsAndGradients:
         ranks, its slice of ``flat`` padded with zeros (a gradient that is already the
         average over the ranks)."""
         if shard.piece is None:
-            return flat[shard.start:shard.start + shard.numel]
+            return flat[shard.start : shard.start + shard.numel]
         return shard.padded(shard.part_of(flat))
 
-    # -- what the user's loop sees of a gradient (infinity.training.grad_view) ---------------------------
+    # -- what the user's loop sees of a gradient (infinity.training.grad_view) ---------------------
     def global_sq_norms(self, groups: list[list[Shard]]) -> list[float]:
         """For each group of shards, the squared norm of their gradients as the loop sees them,
         over every rank's slices (one collective for all groups)."""
@@ -133,7 +141,7 @@ class CompanionsAndGradients:
             return 0.0
         if shard.grad_sq_norm is None:
             shard.grad_sq_norm = _sq_norm(self._grad_for_read(shard))
-        return shard.grad_sq_norm * shard.grad_scale ** 2
+        return shard.grad_sq_norm * shard.grad_scale**2
 
     def read_grad(self, entry: ParamEntry) -> torch.Tensor:
         """The entry's gradient as a new host tensor of the parameter's shape (master dtype),
@@ -150,11 +158,11 @@ class CompanionsAndGradients:
                     if shard.grad_scale != 1.0:
                         local.mul_(shard.grad_scale)
                 start, numel = shard.piece
-                flat[start:start + numel].copy_(self.partition.gather_flat(local, numel))
+                flat[start : start + numel].copy_(self.partition.gather_flat(local, numel))
                 continue
             if not self.has_grad(shard):
                 continue
-            piece = flat[shard.start:shard.start + shard.numel]
+            piece = flat[shard.start : shard.start + shard.numel]
             if shard.grad_scale == 0.0:
                 continue  # zeroed (p.grad.zero_()): zeros, whatever was there (NaN too)
             piece.copy_(self._grad_for_read(shard))
@@ -162,8 +170,9 @@ class CompanionsAndGradients:
                 piece.mul_(shard.grad_scale)
         return out
 
-    def replace_grad(self, entry: ParamEntry, value: torch.Tensor | None,
-                     same_gradient: bool = False) -> None:
+    def replace_grad(
+        self, entry: ParamEntry, value: torch.Tensor | None, same_gradient: bool = False
+    ) -> None:
         """Makes ``value`` (a host tensor of the parameter's shape that the store may keep, or
         None) the entry's gradient, as assigning ``p.grad`` does. ``same_gradient``: the result
         of an in-place op on the gradient, so views of it stay current."""
@@ -211,8 +220,12 @@ class CompanionsAndGradients:
         its update in backward uses it right after this. Only a gradient computed in host
         memory (no GPU) with no part already in the companion: copying it into a companion
         would only pay if the update had to wait (then park_grads moves it there)."""
-        return self.update_in_backward and shard.step_param is not None and \
-            self.device.host_memory and not self._has_grad_companion(shard)
+        return (
+            self.update_in_backward
+            and shard.step_param is not None
+            and self.device.host_memory
+            and not self._has_grad_companion(shard)
+        )
 
     def _hold_grad(self, shard: Shard, tensor: torch.Tensor) -> None:
         shard.grad = tensor
@@ -312,7 +325,6 @@ class CompanionsAndGradients:
         shard.grad_sq_norm = None
         shard.grad_scale = 1.0
         shard.entry.grad_generation += 1
-
 
 
 def _sq_norm(grad: torch.Tensor) -> float:

@@ -15,14 +15,14 @@ Under ``torch.inference_mode()`` the device copies are still made as normal tens
 cached across iterations, and an inference tensor cached there would fail the next training
 forward ("Inference tensors cannot be saved for backward").
 
-A module's forward may use parameters of a child it does not call: ``nn.MultiheadAttention``
-passes ``out_proj.weight`` to a functional kernel. Modules of such types gather the parameters
-of their whole subtree (``SUBTREE_MODULES``); their children keep their own hooks. (The fused
-inference fast path of ``nn.TransformerEncoderLayer`` would be another, but torch turns it off
-when any submodule has forward hooks, as every attached one does.) Any other module that reads
-a child's parameter without calling the child gets its values read from the store for each op
-(``infinity.training.param_access``), which is correct but slower: register the parameter on that module
-too (``self.w = self.child.weight``) to have it gathered once.
+A module's forward may use parameters of a child it does not call: ``nn.MultiheadAttention`` passes
+``out_proj.weight`` to a functional kernel. Modules of such types gather the parameters of their
+whole subtree (``SUBTREE_MODULES``); their children keep their own hooks. (The fused inference fast
+path of ``nn.TransformerEncoderLayer`` would be another, but torch turns it off when any submodule
+has forward hooks, as every attached one does.) Any other module that reads a child's parameter
+without calling the child gets its values read from the store for each op
+(``infinity.training.param_access``), which is correct but slower: register the parameter on that
+module too (``self.w = self.child.weight``) to have it gathered once.
 
 Frozen parameters get no gradient hook; their backward holds are dropped once the gradients of
 the module call's inputs are computed (``_hook_inputs``), or at the end of backward.
@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,8 +60,9 @@ SUBTREE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 class HookSet:
     """Installs and removes the hooks of one attached model."""
 
-    def __init__(self, store: Any, root: nn.Module,
-                 module_entries: list[tuple[nn.Module, list[ParamEntry]]]) -> None:
+    def __init__(
+        self, store: Any, root: nn.Module, module_entries: list[tuple[nn.Module, list[ParamEntry]]]
+    ) -> None:
         self.store = store
         self.placement = store.placement
         self.root = root
@@ -83,15 +85,18 @@ class HookSet:
 
         def root_pre_forward(module: nn.Module, args: Any) -> None:
             hooks._root_pre_forward(module, args)
+
         self.handles.append(self.root.register_forward_pre_hook(_opaque(root_pre_forward)))
         for index, (module, entries) in enumerate(self.modules):
             pre_forward, post_forward = self._make_hooks(index, module, entries)
             self.handles.append(module.register_forward_pre_hook(_opaque(pre_forward)))
             # always_call: activation checkpointing stops a recomputation early by raising out
             # of a module's forward, and the holds taken by its pre-hook must still be released.
-            self.handles.append(module.register_forward_hook(_opaque(post_forward),
-                                                             always_call=True,
-                                                             with_kwargs=True))
+            self.handles.append(
+                module.register_forward_hook(
+                    _opaque(post_forward), always_call=True, with_kwargs=True
+                )
+            )
         for _, entries in self.modules:
             self._hook_grads(entries)
 
@@ -102,8 +107,11 @@ class HookSet:
         for entry in entries:
             if entry.index not in self._grad_hooked and entry.param.requires_grad:
                 self._grad_hooked.add(entry.index)
-                self.handles.append(entry.param.register_post_accumulate_grad_hook(
-                    _opaque(self._make_grad_hook(entry))))
+                self.handles.append(
+                    entry.param.register_post_accumulate_grad_hook(
+                        _opaque(self._make_grad_hook(entry))
+                    )
+                )
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -133,8 +141,9 @@ class HookSet:
             return bool(self.backward_holds)
         return task != -1
 
-    def _make_hooks(self, index: int, owner: nn.Module,
-                    entries: list[ParamEntry]) -> tuple[Callable, Callable]:
+    def _make_hooks(
+        self, index: int, owner: nn.Module, entries: list[ParamEntry]
+    ) -> tuple[Callable, Callable]:
         forward_event = Event(FORWARD, index, tuple(e.index for e in entries))
         backward_event = Event(BACKWARD, index, tuple(e.index for e in entries))
         # What each call under way gathered, innermost last (a module may run inside its own
@@ -182,12 +191,16 @@ class HookSet:
                 self._hook_outputs(flat, backward_event, entries)
                 self._hook_inputs((args, kwargs), entries)
             return replaced
+
         return pre_forward, post_forward
 
     # -- backward -----------------------------------------------------------------------------
     def _hook_outputs(self, flat: list[Any], event: Event, entries: list[ParamEntry]) -> None:
-        tensors = [t for t in flat
-                   if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        tensors = [
+            t
+            for t in flat
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+        ]
         if not tensors:
             return
         # The backward pass in which this module's parameters were last gathered: the first of
@@ -219,8 +232,9 @@ class HookSet:
         frozen = [e for e in entries if not e.param.requires_grad]
         if not frozen:
             return
-        tensors = [t for t in tree_flatten(inputs)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [
+            t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if not tensors:
             return  # the end-of-backward callback releases them
 
@@ -238,7 +252,8 @@ class HookSet:
 
     def _make_grad_hook(self, entry: ParamEntry) -> Callable:
         def grad_ready(param: torch.Tensor) -> None:
-            # The gradient autograd left, not the store's view of it (infinity.training.param_access).
+            # The gradient autograd left, not the store's view of it
+            # (infinity.training.param_access).
             with torch._C.DisableTorchFunctionSubclass():
                 grad = param.grad
                 if grad is not None:
@@ -250,6 +265,7 @@ class HookSet:
             self._release_backward(entry)
             if grad is not None and self.placement.update_in_backward:
                 self.store._grad_complete(entry, nested=self._nested_backward())
+
         return grad_ready
 
     @property
@@ -323,9 +339,9 @@ def _normal_tensors() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _with_subtrees(registry: Any, root: nn.Module,
-                   module_entries: list[tuple[nn.Module, list[ParamEntry]]]
-                   ) -> list[tuple[nn.Module, list[ParamEntry]]]:
+def _with_subtrees(
+    registry: Any, root: nn.Module, module_entries: list[tuple[nn.Module, list[ParamEntry]]]
+) -> list[tuple[nn.Module, list[ParamEntry]]]:
     """``module_entries`` (each module's own parameters, in ``root.modules()`` order) with the
     modules of ``SUBTREE_MODULES`` also needing every parameter below them."""
     own = {id(module): entries for module, entries in module_entries}
@@ -350,5 +366,6 @@ def _alias_returned_params(flat: list[Any], spec: Any, entries: list[ParamEntry]
     params = {id(entry.param) for entry in entries}
     if not any(isinstance(t, torch.Tensor) and id(t) in params for t in flat):
         return None
-    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) and id(t) in params
-                           else t for t in flat], spec)
+    return tree_unflatten(
+        [t.clone() if isinstance(t, torch.Tensor) and id(t) in params else t for t in flat], spec
+    )

@@ -1,12 +1,12 @@
 """What a torch operation does to the tensors it is given, as far as the store needs to know:
 whether it reads their values, writes them in place, or only asks for metadata.
 
-Attached parameters and gradient views (``infinity.training.param_access``, ``infinity.training.grad_view``) see
-every operation on them through ``__torch_function__``, before anything touches memory. Ops
-that only ask for metadata run as they are; reads get the values materialised; in-place writes
-are checked against what the caller may write. Results that alias a materialised copy are
-:class:`Snapshot` tensors: reading them works, writing them raises, since the write would land
-in a temporary copy instead of the parameter.
+Attached parameters and gradient views (``infinity.training.param_access``,
+``infinity.training.grad_view``) see every operation on them through ``__torch_function__``, before
+anything touches memory. Ops that only ask for metadata run as they are; reads get the values
+materialised; in-place writes are checked against what the caller may write. Results that alias a
+materialised copy are :class:`Snapshot` tensors: reading them works, writing them raises, since the
+write would land in a temporary copy instead of the parameter.
 
 The classification works on the Python-level callable torch hands ``__torch_function__``
 (``Tensor.add_``, ``torch.add``, a property's ``__get__``/``__set__``), by torch's naming rule:
@@ -16,7 +16,8 @@ an in-place method ends in ``_`` (``add_``, ``_foreach_mul_``), augmented assign
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -26,17 +27,60 @@ from infinity.errors import ParameterAccessError
 Tensor = torch.Tensor
 
 _METADATA_ATTRIBUTES = (
-    "shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad_fn", "ndim",
-    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested",
-    "names", "output_nr", "_version", "_base", "itemsize", "nbytes", "retains_grad", "name",
-    "_backward_hooks", "_post_accumulate_grad_hooks", "grad_dtype",
+    "shape",
+    "dtype",
+    "device",
+    "layout",
+    "requires_grad",
+    "is_leaf",
+    "grad_fn",
+    "ndim",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "is_sparse",
+    "is_quantized",
+    "is_mkldnn",
+    "is_nested",
+    "names",
+    "output_nr",
+    "_version",
+    "_base",
+    "itemsize",
+    "nbytes",
+    "retains_grad",
+    "name",
+    "_backward_hooks",
+    "_post_accumulate_grad_hooks",
+    "grad_dtype",
 )
 _METADATA_METHODS = (
-    "size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous",
-    "is_floating_point", "is_complex", "is_signed", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "retain_grad", "get_device", "storage_offset",
-    "is_pinned", "is_shared", "is_inference", "_is_view", "has_names", "data_ptr",
-    "untyped_storage", "__len__", "__dlpack_device__", "__hash__",
+    "size",
+    "dim",
+    "numel",
+    "nelement",
+    "element_size",
+    "stride",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "is_signed",
+    "requires_grad_",
+    "register_hook",
+    "register_post_accumulate_grad_hook",
+    "retain_grad",
+    "get_device",
+    "storage_offset",
+    "is_pinned",
+    "is_shared",
+    "is_inference",
+    "_is_view",
+    "has_names",
+    "data_ptr",
+    "untyped_storage",
+    "__len__",
+    "__dlpack_device__",
+    "__hash__",
 )
 
 
@@ -44,14 +88,18 @@ def _metadata() -> frozenset:
     found: set = set()
     for name in _METADATA_ATTRIBUTES:
         # Properties are on torch._C.TensorBase or Tensor; some are missing in older torch.
-        descriptor = getattr(Tensor, name, None) if name in Tensor.__dict__ else \
-            torch._C.TensorBase.__dict__.get(name)
+        descriptor = (
+            getattr(Tensor, name, None)
+            if name in Tensor.__dict__
+            else torch._C.TensorBase.__dict__.get(name)
+        )
         for accessor in ("__get__", "__set__"):
             if hasattr(descriptor, accessor):
                 found.add(getattr(descriptor, accessor))
     found.update(getattr(Tensor, name) for name in _METADATA_METHODS if hasattr(Tensor, name))
-    found.update((torch.numel, torch.is_floating_point, torch.is_complex, torch.is_tensor,
-                  torch.is_storage))
+    found.update(
+        (torch.numel, torch.is_floating_point, torch.is_complex, torch.is_tensor, torch.is_storage)
+    )
     return frozenset(found)
 
 
@@ -63,8 +111,13 @@ _INPLACE_METADATA = frozenset({"requires_grad_", "retain_grad", "rename_", "deta
 
 #: conversions that return the tensor itself when nothing changes (as torch does)
 _CONVERSIONS = {
-    "to": None, "cpu": None, "cuda": None, "float": torch.float32, "double": torch.float64,
-    "half": torch.float16, "bfloat16": torch.bfloat16,
+    "to": None,
+    "cpu": None,
+    "cuda": None,
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
 }
 
 
@@ -74,8 +127,12 @@ def run_plain(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
-def intercepted(func: Callable, args: tuple, kwargs: dict | None,
-                handle: Callable[[Callable, str, tuple, dict], Any]) -> Any:
+def intercepted(
+    func: Callable,
+    args: tuple,
+    kwargs: dict | None,
+    handle: Callable[[Callable, str, tuple, dict], Any],
+) -> Any:
     """The body of a ``__torch_function__``: metadata runs as it is; anything else goes to
     ``handle(func, name, args, kwargs)``, under which tensors are plain again (its own ops
     are not intercepted)."""
@@ -129,8 +186,11 @@ def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
 def conversion_is_noop(name: str, tensor: Tensor, args: tuple, kwargs: dict) -> bool:
     """Whether ``tensor.<name>(*args, **kwargs)`` (``to``, ``cpu``, ``float``, ...) would return
     the tensor itself: ``Module.to`` and ``Trainer`` call these on every parameter."""
-    if name not in _CONVERSIONS or kwargs.get("copy") or kwargs.get("memory_format") not in (
-            None, torch.preserve_format):
+    if (
+        name not in _CONVERSIONS
+        or kwargs.get("copy")
+        or kwargs.get("memory_format") not in (None, torch.preserve_format)
+    ):
         return False
     device, dtype = tensor.device, tensor.dtype
     if name == "to":
@@ -141,8 +201,11 @@ def conversion_is_noop(name: str, tensor: Tensor, args: tuple, kwargs: dict) -> 
         if isinstance(args[0] if args else None, Tensor):  # .to(other): its device and dtype
             to_device, to_dtype = args[0].device, args[0].dtype
         same_device = to_device is None or _same_device(torch.device(to_device), device)
-        return same_device and (to_dtype is None or to_dtype == dtype) and \
-            memory_format in (None, torch.preserve_format)
+        return (
+            same_device
+            and (to_dtype is None or to_dtype == dtype)
+            and memory_format in (None, torch.preserve_format)
+        )
     if args:
         return False
     if name == "cpu":
@@ -156,15 +219,18 @@ def _same_device(wanted: torch.device, actual: torch.device) -> bool:
     if wanted.type != actual.type:
         return False
     if wanted.index is None:
-        return actual.index in (None, torch.cuda.current_device()) if actual.type == "cuda" \
-            else True
+        return (
+            actual.index in (None, torch.cuda.current_device()) if actual.type == "cuda" else True
+        )
     return wanted.index == actual.index
 
 
 def substitute(args: tuple, kwargs: dict, values: dict[int, Tensor]) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each tensor whose id is in ``values`` replaced."""
+
     def swap(value: Any) -> Any:
         return values.get(id(value), value) if isinstance(value, Tensor) else value
+
     return tree_map(swap, args), tree_map(swap, kwargs)
 
 
@@ -176,8 +242,9 @@ class Snapshot(Tensor):
     _infinity_source = "a parameter"
 
     @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return intercepted(func, args, kwargs, cls._checked)
 
     @staticmethod
@@ -189,7 +256,8 @@ class Snapshot(Tensor):
                     f"materialised from the store outside forward: `{name}` would change the "
                     f"copy, not the store. Write the parameter inside "
                     f"`with store.gathered([param], modify=True):`, assign p.grad for a "
-                    f"gradient, or .clone() the view to own a copy")
+                    f"gradient, or .clone() the view to own a copy"
+                )
         sources = [t for t in tensors_in(args, kwargs) if isinstance(t, Snapshot)]
         result = func(*args, **kwargs)
         return mark_snapshots(result, sources, sources[0]._infinity_source if sources else "")
@@ -210,15 +278,19 @@ def mark_snapshots(result: Any, copies: Iterable[Tensor], source: str) -> Any:
         return result
 
     def mark(value: Any) -> Any:
-        if isinstance(value, Tensor) and not isinstance(value, Snapshot) and \
-                type(value) is Tensor and value.untyped_storage().data_ptr() in pointers:
+        if (
+            isinstance(value, Tensor)
+            and not isinstance(value, Snapshot)
+            and type(value) is Tensor
+            and value.untyped_storage().data_ptr() in pointers
+        ):
             snapshot = value.as_subclass(Snapshot)
             snapshot._infinity_source = source
             return snapshot
         return value
+
     if isinstance(result, Tensor):
         return mark(result)
     if isinstance(result, (list, tuple)):
-        return type(result)(mark(v) for v in result) if not hasattr(result, "_fields") \
-            else result
+        return type(result)(mark(v) for v in result) if not hasattr(result, "_fields") else result
     return result

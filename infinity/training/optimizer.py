@@ -18,14 +18,15 @@ import logging
 import statistics
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from infinity.errors import AttachError
 from infinity.core.residency import Residency as R
 from infinity.core.shards import Shard
+from infinity.errors import AttachError
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,13 @@ def _empty(shard: Shard, device: str = "cpu") -> torch.Tensor:
 class OffloadedOptimizer(Optimizer):
     """See the module docstring. Build it with :meth:`wrap`."""
 
-    def __init__(self, store: Any, inner: Optimizer, shards: list[Shard],
-                 user_kernels: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        inner: Optimizer,
+        shards: list[Shard],
+        user_kernels: list[dict[str, Any]] | None = None,
+    ) -> None:
         # Optimizer.__init__ would rebuild param_groups; share the inner optimizer's instead.
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -71,7 +77,7 @@ class OffloadedOptimizer(Optimizer):
         self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
 
     @classmethod
-    def wrap(cls, store: Any, optimizer: Optimizer) -> "OffloadedOptimizer":
+    def wrap(cls, store: Any, optimizer: Optimizer) -> OffloadedOptimizer:
         registry = store.registry
         device = "meta" if store.placement.host.meta else "cpu"
         groups = []
@@ -82,9 +88,11 @@ class OffloadedOptimizer(Optimizer):
             for param in group["params"]:
                 entry = registry.entry_of(param)
                 if entry is None:
-                    raise AttachError("the optimizer holds a parameter that is not part of the "
-                                      "attached model: build the optimizer from "
-                                      "model.parameters()")
+                    raise AttachError(
+                        "the optimizer holds a parameter that is not part of the "
+                        "attached model: build the optimizer from "
+                        "model.parameters()"
+                    )
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
@@ -95,7 +103,8 @@ class OffloadedOptimizer(Optimizer):
                     shape = _step_shape(shard)
                     shard.step_param = torch.nn.Parameter(
                         torch.zeros((), dtype=shard.dtype, device=device).expand(shape),
-                        requires_grad=entry.requires_grad)
+                        requires_grad=entry.requires_grad,
+                    )
                     params.append(shard.step_param)
                     shards.append(shard)
             settings = {k: v for k, v in group.items() if k != "params"}
@@ -104,8 +113,9 @@ class OffloadedOptimizer(Optimizer):
         _migrate_state(optimizer, inner, registry)
         for shard in shards:
             shard.step_param.data = _empty(shard, device)
-        kernels = [{k: group[k] for k in _KERNEL_KEYS if k in group}
-                   for group in optimizer.param_groups]
+        kernels = [
+            {k: group[k] for k in _KERNEL_KEYS if k in group} for group in optimizer.param_groups
+        ]
         return cls(store, inner, shards, kernels)
 
     # -- the step -----------------------------------------------------------------------------
@@ -131,8 +141,7 @@ class OffloadedOptimizer(Optimizer):
         device = placement.device
         copies = (device.bytes_in + device.bytes_out, device.copy_seconds)
         if self._copies_mark is not None:
-            self.last_copies = (copies[0] - self._copies_mark[0],
-                                copies[1] - self._copies_mark[1])
+            self.last_copies = (copies[0] - self._copies_mark[0], copies[1] - self._copies_mark[1])
         self._copies_mark = copies
         return loss
 
@@ -188,8 +197,7 @@ class OffloadedOptimizer(Optimizer):
                 continue
             companion = companions.get(key)
             if companion is None:
-                companion = placement.companion(shard, OPTIM_PREFIX + key, shard.numel,
-                                                value.dtype)
+                companion = placement.companion(shard, OPTIM_PREFIX + key, shard.numel, value.dtype)
                 placement.fill(companion)
                 placement.pinned.add(companion)  # the rest of this tile must not evict it
             view = companion.host.view(value.shape)
@@ -241,10 +249,12 @@ class OffloadedOptimizer(Optimizer):
             merged = self._entry_state(entry, shards)
             if merged:
                 state[i] = merged
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, **kernels,
-                   "params": ids}
-                  for group, kernels, ids in zip(self.inner.param_groups, self._user_kernels,
-                                                 self._group_entries())]
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, **kernels, "params": ids}
+            for group, kernels, ids in zip(
+                self.inner.param_groups, self._user_kernels, self._group_entries()
+            )
+        ]
         return {"state": state, "param_groups": groups}
 
     def _entry_state(self, entry: Any, shards: list[Shard]) -> dict[str, Any]:
@@ -278,12 +288,14 @@ class OffloadedOptimizer(Optimizer):
         saved_groups = state_dict["param_groups"]
         own_groups = self._group_entries()
         if len(saved_groups) != len(own_groups) or any(
-                len(saved["params"]) != len(ids) for saved, ids in zip(saved_groups, own_groups)):
+            len(saved["params"]) != len(ids) for saved, ids in zip(saved_groups, own_groups)
+        ):
             raise ValueError(
                 f"the state dict has param groups of sizes "
                 f"{[len(g['params']) for g in saved_groups]}, this optimizer "
                 f"{[len(ids) for ids in own_groups]}: load a state dict saved from an optimizer "
-                f"built over the same parameters")
+                f"built over the same parameters"
+            )
         entries = self._entries()
         saved_index = {}  # user index here -> index in the state dict
         for saved, ids in zip(saved_groups, own_groups):
@@ -295,14 +307,14 @@ class OffloadedOptimizer(Optimizer):
             if not saved:
                 continue
             for shard in shards:
-                inner_state[inner_index[id(shard.step_param)]] = _split_state(
-                    saved, entry, shard)
+                inner_state[inner_index[id(shard.step_param)]] = _split_state(saved, entry, shard)
         inner_groups = []
         for saved, group in zip(saved_groups, self.inner.param_groups):
             settings = {k: v for k, v in saved.items() if k != "params"}
             settings.update({k: group[k] for k in _KERNEL_KEYS if k in group})
-            inner_groups.append({**settings, "params": [inner_index[id(p)]
-                                                        for p in group["params"]]})
+            inner_groups.append(
+                {**settings, "params": [inner_index[id(p)] for p in group["params"]]}
+            )
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         # Optimizer.load_state_dict replaces both objects: share the new ones.
         self.state = self.inner.state
@@ -344,19 +356,24 @@ class OffloadedOptimizer(Optimizer):
                 placement.discard(companion)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError("add parameter groups before attach: the store must shard "
-                                  "every parameter it updates")
+        raise NotImplementedError(
+            "add parameter groups before attach: the store must shard every parameter it updates"
+        )
 
     def __repr__(self) -> str:
         return f"Offloaded({self.inner!r})"
 
 
-def _construct_like(optimizer: Optimizer, groups: list[dict[str, Any]],
-                    allow_fused: bool) -> Optimizer:
+def _construct_like(
+    optimizer: Optimizer, groups: list[dict[str, Any]], allow_fused: bool
+) -> Optimizer:
     cls = type(optimizer)
     defaults = dict(optimizer.defaults)
-    if allow_fused and cls in (torch.optim.Adam, torch.optim.AdamW) and \
-            _default_kernel(defaults, groups):
+    if (
+        allow_fused
+        and cls in (torch.optim.Adam, torch.optim.AdamW)
+        and _default_kernel(defaults, groups)
+    ):
         # torch's fused CPU Adam/AdamW is the fastest correct host kernel available here
         # (about 5x the per-tensor loop on two cores); it only applies to default options.
         defaults["fused"] = True
@@ -372,8 +389,12 @@ def _construct_like(optimizer: Optimizer, groups: list[dict[str, Any]],
 
 def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> bool:
     for settings in [defaults, *groups]:
-        if settings.get("foreach") or settings.get("fused") is False or \
-                settings.get("differentiable") or settings.get("capturable"):
+        if (
+            settings.get("foreach")
+            or settings.get("fused") is False
+            or settings.get("differentiable")
+            or settings.get("capturable")
+        ):
             return False
     return True
 
@@ -385,8 +406,11 @@ _KERNEL_KEYS = ("fused", "foreach")
 
 def state_companions(shard: Shard) -> dict[str, Shard]:
     """The shard's optimizer-state companions that hold values, by state key."""
-    return {kind[len(OPTIM_PREFIX):]: companion for kind, companion in shard.companions.items()
-            if kind.startswith(OPTIM_PREFIX) and companion.state is not R.EMPTY}
+    return {
+        kind[len(OPTIM_PREFIX) :]: companion
+        for kind, companion in shard.companions.items()
+        if kind.startswith(OPTIM_PREFIX) and companion.state is not R.EMPTY
+    }
 
 
 def _step_shape(shard: Shard) -> torch.Size:

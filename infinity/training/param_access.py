@@ -33,18 +33,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from infinity.checkpointing.state_dict import write_entry
+from infinity.core.shards import ParamEntry
 from infinity.errors import AttachError, BudgetError, ParameterAccessError
 from infinity.training.grad_view import GradView
 from infinity.training.hooks import _normal_tensors
-from infinity.training.op_kinds import (conversion_is_noop, intercepted, mark_snapshots, substitute,
-                               tensors_in, written)
-from infinity.core.shards import ParamEntry
-from infinity.checkpointing.state_dict import write_entry
+from infinity.training.op_kinds import (
+    conversion_is_noop,
+    intercepted,
+    mark_snapshots,
+    substitute,
+    tensors_in,
+    written,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +60,21 @@ _SHAPE_ONLY_OTHERS = frozenset({"view_as", "expand_as", "reshape_as", "type_as"}
 #: ops that show values: no autograd node for them
 _DISPLAY = frozenset({"__repr__", "__format__", "__str__"})
 #: ops that use every tensor argument only for its shape, dtype or device
-_SHAPE_ONLY = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "empty_like",
-                         "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-                         "randint_like"})
+_SHAPE_ONLY = frozenset(
+    {
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+    }
+)
 
 
 class _ReadParameter(torch.autograd.Function):
@@ -90,16 +109,22 @@ class ParamAccess:
         self._own_types: set[type] = {self.alias_class}
 
     @staticmethod
-    def _new_alias_class(access: "ParamAccess") -> type:
-        def alias_function(cls: type, func: Callable, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def _new_alias_class(access: ParamAccess) -> type:
+        def alias_function(
+            cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
             return access.handle(func, args, kwargs)
-        return type("OffloadedTensor", (torch.Tensor,), {
-            "__torch_function__": classmethod(alias_function),
-            "__module__": __name__,
-            "__reduce_ex__": lambda t, protocol: access._reduce(t, protocol),
-            "__deepcopy__": lambda t, memo: access._values(access._entry_of(t)),
-        })
+
+        return type(
+            "OffloadedTensor",
+            (torch.Tensor,),
+            {
+                "__torch_function__": classmethod(alias_function),
+                "__module__": __name__,
+                "__reduce_ex__": lambda t, protocol: access._reduce(t, protocol),
+                "__deepcopy__": lambda t, memo: access._values(access._entry_of(t)),
+            },
+        )
 
     # -- install and remove -------------------------------------------------------------------
     def install(self) -> None:
@@ -111,7 +136,8 @@ class ParamAccess:
                 raise AttachError(
                     f"parameter '{entry.name}' is a {cls.__name__} with its own "
                     f"__torch_function__; the store serves reads of attached parameters "
-                    f"through one, so it cannot attach this class: use plain nn.Parameter")
+                    f"through one, so it cannot attach this class: use plain nn.Parameter"
+                )
             self._original[entry.index] = cls
             param.__class__ = self._class_for(cls)
 
@@ -143,8 +169,13 @@ class ParamAccess:
         if found is None:
             access = self
 
-            def torch_function(klass: type, func: Callable, types: Any, args: tuple = (),
-                               kwargs: dict | None = None) -> Any:
+            def torch_function(
+                klass: type,
+                func: Callable,
+                types: Any,
+                args: tuple = (),
+                kwargs: dict | None = None,
+            ) -> Any:
                 return access.handle(func, args, kwargs)
 
             def deepcopy(param: nn.Parameter, memo: dict) -> nn.Parameter:
@@ -153,12 +184,17 @@ class ParamAccess:
                 copy = cls(access._values(entry), requires_grad=param.requires_grad)
                 memo[id(param)] = copy
                 return copy
-            found = type(f"Attached{cls.__name__}", (cls,), {
-                "__torch_function__": classmethod(torch_function),
-                "__deepcopy__": deepcopy,
-                "__reduce_ex__": lambda p, protocol: access._reduce(p, protocol, cls),
-                "__module__": __name__,
-            })
+
+            found = type(
+                f"Attached{cls.__name__}",
+                (cls,),
+                {
+                    "__torch_function__": classmethod(torch_function),
+                    "__deepcopy__": deepcopy,
+                    "__reduce_ex__": lambda p, protocol: access._reduce(p, protocol, cls),
+                    "__module__": __name__,
+                },
+            )
             self._classes[cls] = found
             self._own_types.add(found)
         return found
@@ -184,8 +220,9 @@ class ParamAccess:
             entry = self._entry_of(target) if self._ours(target) else None
             if entry is not None:
                 self._check_write(entry, name)
-        if name in _SHAPE_ONLY or (name in _SHAPE_ONLY_OTHERS and
-                                   not any(t is args[0] for t, _ in found)):
+        if name in _SHAPE_ONLY or (
+            name in _SHAPE_ONLY_OTHERS and not any(t is args[0] for t, _ in found)
+        ):
             return func(*args, **kwargs)
         if args and self._ours(args[0]) and conversion_is_noop(name, args[0], args[1:], kwargs):
             return args[0]
@@ -218,15 +255,19 @@ class ParamAccess:
     def _check_write(self, entry: ParamEntry, name: str) -> None:
         if self.modifying.get(entry.index):
             return
-        where = ("inside store.gathered() without modify=True, where a write to the device "
-                 "copy would be lost at its next eviction" if self._live(entry) else
-                 "here: between uses its values live in the store's tiers, not in this tensor")
+        where = (
+            "inside store.gathered() without modify=True, where a write to the device "
+            "copy would be lost at its next eviction"
+            if self._live(entry)
+            else "here: between uses its values live in the store's tiers, not in this tensor"
+        )
         raise ParameterAccessError(
             f"parameter '{entry.name}' is attached to a TieredStore and cannot be written in "
             f"place (`{name}`) {where}. Write it inside "
             f"`with store.gathered([param], modify=True):`, which writes the new values back "
             f"to the store (and NVMe) on exit. (An optimizer stepping it was built after "
-            f"attach: build it first and pass it to store.attach(model, optimizer).)")
+            f"attach: build it first and pass it to store.attach(model, optimizer).)"
+        )
 
     # -- reads ------------------------------------------------------------------------------------
     def _values(self, entry: ParamEntry) -> torch.Tensor:
@@ -237,8 +278,7 @@ class ParamAccess:
         host = self.store.materialize(entry)
         return host.to(device=entry.device_tensor.device, dtype=entry.compute_dtype)
 
-    def _read(self, tensor: torch.Tensor, entry: ParamEntry, display: bool = False
-              ) -> torch.Tensor:
+    def _read(self, tensor: torch.Tensor, entry: ParamEntry, display: bool = False) -> torch.Tensor:
         if tensor is entry.param and tensor.requires_grad:
             if display:  # printed as the parameter prints: a leaf that requires grad
                 return self._values(entry).requires_grad_()
@@ -261,8 +301,11 @@ class ParamAccess:
 
     def _after_close(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """An alias kept past ``close()``: the parameter has its values back; use them."""
-        values = {id(t): t._infinity_entry.param.data for t in tensors_in(args, kwargs)
-                  if isinstance(t, self.alias_class)}
+        values = {
+            id(t): t._infinity_entry.param.data
+            for t in tensors_in(args, kwargs)
+            if isinstance(t, self.alias_class)
+        }
         args, kwargs = substitute(args, kwargs, values)
         return func(*args, **kwargs)
 
@@ -277,9 +320,12 @@ class ParamAccess:
             self.store._loop_acted(f"p.grad of {entry.name} read", grads=True)
         if consumed and not self._warned_consumed and not self.store.update_timing.auto:
             self._warned_consumed = True
-            log.warning("p.grad of %s is None: step_in_backward=True applied each gradient in "
-                        "backward as it completed, so the loop cannot read or clip them; turn "
-                        "it off to use p.grad or clip_grad_norm_", entry.name)
+            log.warning(
+                "p.grad of %s is None: step_in_backward=True applied each gradient in "
+                "backward as it completed, so the loop cannot read or clip them; turn "
+                "it off to use p.grad or clip_grad_norm_",
+                entry.name,
+            )
         return param.grad
 
     def _set_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
@@ -292,7 +338,8 @@ class ParamAccess:
             if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
                 raise ParameterAccessError(
                     f"p.grad of '{entry.name}' must be a tensor of shape {tuple(entry.shape)}, "
-                    f"got {getattr(value, 'shape', type(value).__name__)}")
+                    f"got {getattr(value, 'shape', type(value).__name__)}"
+                )
             if isinstance(value, GradView):
                 value = value.materialize()
             value = value.detach().to(device="cpu", dtype=entry.dtype).clone()
@@ -307,21 +354,26 @@ class ParamAccess:
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:
         entry = self._entry_of(target)
-        if isinstance(value, torch.Tensor) and value.shape == entry.shape and \
-                _same_storage(value, entry.device_tensor):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.shape == entry.shape
+            and _same_storage(value, entry.device_tensor)
+        ):
             return  # p.data = p (Module.to when nothing changes)
         if isinstance(target, self.alias_class):
             raise ParameterAccessError(
                 f"assigning .data of a tensor taken from parameter '{entry.name}' (p.data or "
                 f"p.detach()) would not change the parameter: assign p.data inside "
-                f"`with store.gathered([p], modify=True):`")
+                f"`with store.gathered([p], modify=True):`"
+            )
         self._check_write(entry, "data.__set__")
         target.data = value  # torch function is off here: the real assignment
 
     # -- store.gathered -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def gathered(self, params: Iterable[torch.Tensor] | None = None,
-                 modify: bool = False) -> Iterator[None]:
+    def gathered(
+        self, params: Iterable[torch.Tensor] | None = None, modify: bool = False
+    ) -> Iterator[None]:
         entries = self._entries_for(params)
         placement = self.store.placement
         self.store._loop_acted("store.gathered()")
@@ -331,7 +383,8 @@ class ParamAccess:
                 raise ParameterAccessError(
                     f"store.gathered(modify=True) while {', '.join(busy[:3])} "
                     f"{'is' if len(busy) == 1 else 'are'} in use by a forward or backward pass "
-                    f"or another gathered(): modify parameters outside those")
+                    f"or another gathered(): modify parameters outside those"
+                )
         taken: list[ParamEntry] = []
         try:
             with _normal_tensors():
@@ -344,7 +397,8 @@ class ParamAccess:
             raise BudgetError(
                 f"store.gathered() holds its {len(entries)} parameters on the device at once "
                 f"({sum(e.device_bytes for e in entries)} bytes): {exc}; pass fewer, e.g. one "
-                f"module's .parameters() at a time") from exc
+                f"module's .parameters() at a time"
+            ) from exc
         if modify:
             for entry in entries:
                 self.modifying[entry.index] = self.modifying.get(entry.index, 0) + 1
@@ -352,8 +406,7 @@ class ParamAccess:
             yield
         finally:
             with torch._C.DisableTorchFunctionSubclass():
-                edited = [(entry, self._take_back(entry)) for entry in entries] if modify \
-                    else []
+                edited = [(entry, self._take_back(entry)) for entry in entries] if modify else []
             for entry in entries:
                 if modify:
                     self.modifying[entry.index] -= 1
@@ -373,10 +426,11 @@ class ParamAccess:
         for param in params:
             entry = self._entry_of(param) if isinstance(param, torch.Tensor) else None
             if entry is None:
+                shape = f" of shape {tuple(param.shape)}" if isinstance(param, torch.Tensor) else ""
                 raise ParameterAccessError(
                     f"store.gathered() takes parameters of the attached model; got "
-                    f"{type(param).__name__}"
-                    f"{' of shape ' + str(tuple(param.shape)) if isinstance(param, torch.Tensor) else ''}")
+                    f"{type(param).__name__}{shape}"
+                )
             if entry not in entries:
                 entries.append(entry)
         return entries
@@ -394,7 +448,8 @@ class ParamAccess:
             raise ParameterAccessError(
                 f"parameter '{entry.name}' was given .data of shape {tuple(current.shape)} "
                 f"inside store.gathered(); attached parameters keep their shape "
-                f"{tuple(entry.shape)}. Its values are unchanged")
+                f"{tuple(entry.shape)}. Its values are unchanged"
+            )
         return current.detach().to(device="cpu", dtype=entry.compute_dtype, copy=True)
 
     def _write_back(self, entry: ParamEntry, value: torch.Tensor) -> None:

@@ -28,15 +28,20 @@ log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: precision.storage_dtype -> the dtype offloaded parameters are kept in (None: the masters')
-STORAGE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16,
-                  "fp16": torch.float16}
+STORAGE_DTYPES = {
+    "auto": None,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 class LossScaler:
     def __init__(self, config: PrecisionConfig) -> None:
         self.dynamic = config.loss_scale == 0
-        self.scale = float(2 ** config.initial_scale_power) if self.dynamic \
-            else float(config.loss_scale)
+        self.scale = (
+            float(2**config.initial_scale_power) if self.dynamic else float(config.loss_scale)
+        )
         self.window = config.loss_scale_window
         self.hysteresis = config.hysteresis
         self.min_scale = config.min_loss_scale
@@ -50,8 +55,7 @@ class LossScaler:
             self.skipped_steps += 1
             self._clean_steps = 0
             if not self.dynamic:
-                log.warning("gradient overflow with static loss scale %g: step skipped",
-                            self.scale)
+                log.warning("gradient overflow with static loss scale %g: step skipped", self.scale)
                 return
             self._tolerance -= 1
             if self._tolerance <= 0:
@@ -70,8 +74,12 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps to resume the same scaling."""
-        return {"scale": self.scale, "tolerance": self._tolerance,
-                "clean_steps": self._clean_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "tolerance": self._tolerance,
+            "clean_steps": self._clean_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
@@ -81,12 +89,14 @@ class LossScaler:
 
     def install(self, root: nn.Module) -> Any:
         """Scales the gradient entering the root module's outputs during backward."""
+
         def scale_outputs(module: nn.Module, args: Any, output: Any) -> None:
             if module is not root or not torch.is_grad_enabled():
                 return  # (a deep copy of the model carries this hook too)
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: grad * self.scale)
+
         return root.register_forward_hook(scale_outputs)
 
 

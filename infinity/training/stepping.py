@@ -2,9 +2,9 @@
 and clipping, then the update of every shard wherever it lives, pipelined over the staging arena
 (read ahead, update a tile, write back what the next reads need room for).
 
-A mixin of :class:`infinity.core.store.TieredStore`: it uses the store's placement, registry, engine,
-config and counters, and keeps no state of its own beyond the store's attributes. Design notes:
-the "step" section of ``docs/architecture.md``.
+A mixin of :class:`infinity.core.store.TieredStore`: it uses the store's placement, registry,
+engine, config and counters, and keeps no state of its own beyond the store's attributes. Design
+notes: the "step" section of ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from infinity.errors import BudgetError
 from infinity.core.memory import host_tensor_bytes
-from infinity.training.optimizer import state_companions
-from infinity.training.precision import global_norm
 from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, Shard
+from infinity.errors import BudgetError
+from infinity.training.optimizer import state_companions
+from infinity.training.precision import global_norm
 
 if TYPE_CHECKING:
     from infinity.training.optimizer import OffloadedOptimizer
@@ -49,8 +49,9 @@ class Stepping:
         todo = [s for s in optimizer.shards if placement.has_grad(s)]
         for entry in {s.entry for s in todo}:
             if entry.holds:
-                raise RuntimeError(f"optimizer.step() while {entry.name} is in use by a forward "
-                                   f"or backward pass")
+                raise RuntimeError(
+                    f"optimizer.step() while {entry.name} is in use by a forward or backward pass"
+                )
         if self._unfinished_step is not None:
             # The last step failed part-way: finish it for the shards it had not updated, with
             # the same clipping factor; the global norm and the loss scale were settled when it
@@ -59,8 +60,11 @@ class Stepping:
             todo = [s for s in todo if s.id not in done]
         else:
             done = set()
-            norm = global_norm(placement.global_sq_norms([todo])) \
-                if placement.track_grad_norms else math.nan
+            norm = (
+                global_norm(placement.global_sq_norms([todo]))
+                if placement.track_grad_norms
+                else math.nan
+            )
             self.last_grad_norm = norm
             if self.scaler is not None:
                 overflow = not math.isfinite(norm)
@@ -90,7 +94,8 @@ class Stepping:
                     f"optimizer.step() stopped after updating {updated_now} of {len(todo)} "
                     f"shards. Once the cause is fixed, optimizer.step() finishes this step for "
                     f"the other {left} (same clipping factor); optimizer.zero_grad() or a new "
-                    f"forward abandons it, leaving the model partly updated.")
+                    f"forward abandons it, leaving the model partly updated."
+                )
                 raise
             finally:
                 placement.step_finished()
@@ -108,14 +113,16 @@ class Stepping:
             device = self.budgets["device"] if self.device.type == "cpu" else 0
             # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
             # state and gradients in host tensors) exists only now; the line moves up by it.
-            outside = (placement.grad_peak if not placement.grads_on_nvme else 0) + \
-                (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
+            outside = (placement.grad_peak if not placement.grads_on_nvme else 0) + (
+                0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state)
+            )
             self._heap_watch.start(largest, device + 4 * largest, outside=outside)
         self.watch_heap()
         self._sample_memory()
 
-    def _update_in_memory(self, optimizer: OffloadedOptimizer, todo: list[Shard],
-                          multiplier: float) -> None:
+    def _update_in_memory(
+        self, optimizer: OffloadedOptimizer, todo: list[Shard], multiplier: float
+    ) -> None:
         """The update without swap files: every master and its state are in memory."""
         optimizer.update(todo, multiplier)
         for shard in todo:
@@ -162,9 +169,11 @@ class Stepping:
                     if isinstance(exc, BudgetError) and self.update_timing.auto:
                         self._update_left_to_step(entry, todo, done, exc)
                         return
-                    exc.add_note(f"the update of {entry.name} in backward stopped after "
-                                 f"{len(done)} of its {len(todo)} shards; optimizer.step() "
-                                 f"updates the others, optimizer.zero_grad() abandons them")
+                    exc.add_note(
+                        f"the update of {entry.name} in backward stopped after "
+                        f"{len(done)} of its {len(todo)} shards; optimizer.step() "
+                        f"updates the others, optimizer.zero_grad() abandons them"
+                    )
                     raise
         for shard in todo:
             # Consumed: optimizer.step() must not apply it again, and its memory is free now.
@@ -173,8 +182,9 @@ class Stepping:
         if entry.index in placement.persistent:
             placement.gather(entry, hold=False)
 
-    def _update_left_to_step(self, entry: ParamEntry, todo: list[Shard], done: set[str],
-                             exc: BudgetError) -> None:
+    def _update_left_to_step(
+        self, entry: ParamEntry, todo: list[Shard], done: set[str], exc: BudgetError
+    ) -> None:
         """'auto' chose updates in backward, and this one found no room next to what backward
         holds: what it had not updated waits for optimizer.step(), which has the whole arena,
         and updates stay there from now on (no sizing crash from a default)."""
@@ -196,8 +206,9 @@ class Stepping:
             out += state_companions(shard).values()
         return out
 
-    def _tiled_step(self, optimizer: OffloadedOptimizer, todo: list[Shard],
-                    multiplier: float, done: set[str]) -> None:
+    def _tiled_step(
+        self, optimizer: OffloadedOptimizer, todo: list[Shard], multiplier: float, done: set[str]
+    ) -> None:
         """Read ahead, update a tile, write back what the next reads need room for: the pipeline
         over the staging arena.
         A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
@@ -247,8 +258,9 @@ class Stepping:
             one found no room (the ones started stay started)."""
             for part in parts(shard):
                 placement.reap(part)
-                if not placement.load_async(part, protect=protect | upcoming,
-                                            horizon=after_step, read_ahead=True):
+                if not placement.load_async(
+                    part, protect=protect | upcoming, horizon=after_step, read_ahead=True
+                ):
                     return False
                 upcoming.add(part)
             return True
@@ -258,8 +270,9 @@ class Stepping:
         i = 0
         while i < len(todo):
             tile, used = [], 0
-            while i < len(todo) and (not tile or (used + size(todo[i]) <= tile_limit
-                                                  and ready(todo[i]))):
+            while i < len(todo) and (
+                not tile or (used + size(todo[i]) <= tile_limit and ready(todo[i]))
+            ):
                 tile.append(todo[i])
                 used += size(todo[i])
                 if i < ahead:
@@ -279,9 +292,12 @@ class Stepping:
             if ahead < i:
                 ahead, ahead_bytes = i, 0
             upcoming: set[Shard] = set()
-            while self.pipeline_step and ahead < len(todo) and \
-                    (ahead == i or ahead_bytes + size(todo[ahead]) <= window) and \
-                    read_ahead(todo[ahead], protect, upcoming):
+            while (
+                self.pipeline_step
+                and ahead < len(todo)
+                and (ahead == i or ahead_bytes + size(todo[ahead]) <= window)
+                and read_ahead(todo[ahead], protect, upcoming)
+            ):
                 ahead_bytes += size(todo[ahead])
                 ahead += 1
             placement.pinned = protect
@@ -302,9 +318,12 @@ class Stepping:
             if placement.write_behind:
                 # The reads of the next two tiles will need room: make it now, by writing back
                 # what will be evicted first, so that those reads never wait for a write.
-                missing = sum(cost(p.nbytes) for shard in todo[i:i + 2 * len(tile)]
-                              for p in parts(shard)
-                              if not p.state.on_host and p.state is not R.NVME_LOADING)
+                missing = sum(
+                    cost(p.nbytes)
+                    for shard in todo[i : i + 2 * len(tile)]
+                    for p in parts(shard)
+                    if not p.state.on_host and p.state is not R.NVME_LOADING
+                )
                 placement.clean_ahead(missing, protect=protect | upcoming, horizon=after_step)
             if not self.pipeline_step:
                 for part in [*tile, *changed]:

@@ -50,8 +50,13 @@ def _hyper_parameters(optimizer: Any) -> list[dict[str, Any]]:
     """Every group's settings except its params, copied so later in-place edits show."""
     out = []
     for group in optimizer.param_groups:
-        out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in group.items() if k != "params"})
+        out.append(
+            {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in group.items()
+                if k != "params"
+            }
+        )
     return out
 
 
@@ -63,8 +68,12 @@ def _changed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str |
         for key in sorted(set(old) | set(new), key=str):
             a, b = old.get(key), new.get(key)
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
-                    a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+                same = (
+                    isinstance(a, torch.Tensor)
+                    and isinstance(b, torch.Tensor)
+                    and a.shape == b.shape
+                    and bool(torch.equal(a.cpu(), b.cpu()))
+                )
             else:
                 try:
                     same = bool(a == b)
@@ -97,8 +106,10 @@ class UpdateTiming:
         else:
             mode = UpdateMode.IN_STEP
             if self.auto:
-                log.info("step_in_backward='auto': updates run in optimizer.step() (%s)",
-                         "; ".join(reasons_against))
+                log.info(
+                    "step_in_backward='auto': updates run in optimizer.step() (%s)",
+                    "; ".join(reasons_against),
+                )
         self._set(mode)
         self._backwards_at_step = 0
         #: the window is open (a gradient arrived since the last step): its hyper-parameters
@@ -123,10 +134,13 @@ class UpdateTiming:
     def _give_up(self, what: str, cost: str) -> None:
         """A change after the switch: say what it cost, and update in optimizer.step() from
         now on."""
-        log.warning("step_in_backward='auto': %s, which the first step did not do; this step's "
-                    "updates already ran in backward, so %s. Updates run in optimizer.step() "
-                    "from now on; set step_in_backward=False to keep them there from the start",
-                    what, cost)
+        log.warning(
+            "step_in_backward='auto': %s, which the first step did not do; this step's "
+            "updates already ran in backward, so %s. Updates run in optimizer.step() "
+            "from now on; set step_in_backward=False to keep them there from the start",
+            what,
+            cost,
+        )
         self._set(UpdateMode.IN_STEP)
 
     # -- what the loop does ---------------------------------------------------------------------
@@ -136,9 +150,11 @@ class UpdateTiming:
         if self._confirming and not self._cleared:
             # Checked once: after the switch no gradient is left after a step for the loop to
             # clear, so model.zero_grad() finds nothing to set to None.
-            log.info("step_in_backward='auto': updates stay in optimizer.step(): the loop keeps "
-                     "gradients across optimizer.step() (no zero_grad before this backward), "
-                     "which plain PyTorch adds to the next ones")
+            log.info(
+                "step_in_backward='auto': updates stay in optimizer.step(): the loop keeps "
+                "gradients across optimizer.step() (no zero_grad before this backward), "
+                "which plain PyTorch adds to the next ones"
+            )
             self._set(UpdateMode.IN_STEP)
             self._confirming = False
             return
@@ -154,9 +170,12 @@ class UpdateTiming:
             if what not in self._acts:
                 self._acts.append(what)
         elif self.auto and self.in_backward:
-            cost = ("p.grad is None where a gradient was consumed (clip_grad_norm_ clipped "
-                    "nothing this step)" if grads else
-                    "it saw the parameters after this step's update, not before")
+            cost = (
+                "p.grad is None where a gradient was consumed (clip_grad_norm_ clipped "
+                "nothing this step)"
+                if grads
+                else "it saw the parameters after this step's update, not before"
+            )
             self._give_up(f"{what} between backward and optimizer.step()", cost)
 
     def gradients_cleared(self, updates_applied: int) -> None:
@@ -168,30 +187,41 @@ class UpdateTiming:
         if self.mode is UpdateMode.WATCHING:
             self._acts.append("zero_grad() before optimizer.step()")
         elif self.auto and self.in_backward and updates_applied:
-            self._give_up(f"the gradients were cleared before optimizer.step() (a backward that "
-                          f"raised, a skipped batch)", f"the updates of {updates_applied} "
-                          f"parameters stay applied where plain PyTorch would drop them")
+            self._give_up(
+                "the gradients were cleared before optimizer.step() (a backward that "
+                "raised, a skipped batch)",
+                f"the updates of {updates_applied} "
+                f"parameters stay applied where plain PyTorch would drop them",
+            )
             self._hyper_at_backward = None
 
     def no_room(self, name: str, why: str) -> None:
         """An update in backward found no room in the arena next to what backward holds."""
-        log.info("step_in_backward='auto': the update of %s in backward found no room (%s): it "
-                 "and the ones after it run in optimizer.step(), with the whole arena, from now "
-                 "on", name, why)
+        log.info(
+            "step_in_backward='auto': the update of %s in backward found no room (%s): it "
+            "and the ones after it run in optimizer.step(), with the whole arena, from now "
+            "on",
+            name,
+            why,
+        )
         self._set(UpdateMode.IN_STEP)
 
     def second_backward_message(self, name: str) -> str:
         if self.auto:
-            return (f"step_in_backward='auto' runs updates in backward since the first step had "
-                    f"one backward per optimizer.step(), and the previous backward already "
-                    f"applied the update of {name}; this backward before optimizer.step() "
-                    f"(gradient accumulation, a second loss) cannot be added to it. Set "
-                    f"step_in_backward=False for this loop")
-        return (f"step_in_backward=True: the previous backward already applied the update of "
-                f"{name}, and optimizer.step() was not called since. This mode needs exactly "
-                f"one backward per optimizer.step() (no gradient accumulation, no backward whose "
-                f"gradients are discarded): call optimizer.step() after each backward, or set "
-                f"step_in_backward=False")
+            return (
+                f"step_in_backward='auto' runs updates in backward since the first step had "
+                f"one backward per optimizer.step(), and the previous backward already "
+                f"applied the update of {name}; this backward before optimizer.step() "
+                f"(gradient accumulation, a second loss) cannot be added to it. Set "
+                f"step_in_backward=False for this loop"
+            )
+        return (
+            f"step_in_backward=True: the previous backward already applied the update of "
+            f"{name}, and optimizer.step() was not called since. This mode needs exactly "
+            f"one backward per optimizer.step() (no gradient accumulation, no backward whose "
+            f"gradients are discarded): call optimizer.step() after each backward, or set "
+            f"step_in_backward=False"
+        )
 
     def refused_second_backward(self) -> None:
         if self.auto:
@@ -211,18 +241,24 @@ class UpdateTiming:
             if change:
                 against.append(f"{change}")
             if against:
-                log.info("step_in_backward='auto': updates stay in optimizer.step(): between "
-                         "the first step's backward and optimizer.step() the loop did: %s",
-                         "; ".join(against))
+                log.info(
+                    "step_in_backward='auto': updates stay in optimizer.step(): between "
+                    "the first step's backward and optimizer.step() the loop did: %s",
+                    "; ".join(against),
+                )
                 self._next = UpdateMode.IN_STEP
             else:
-                log.info("step_in_backward='auto': the first step had one backward and used "
-                         "nothing between it and optimizer.step(): updates run in backward "
-                         "from the next step, once its backward starts after zero_grad")
+                log.info(
+                    "step_in_backward='auto': the first step had one backward and used "
+                    "nothing between it and optimizer.step(): updates run in backward "
+                    "from the next step, once its backward starts after zero_grad"
+                )
                 self._next = UpdateMode.IN_BACKWARD
         elif self.auto and self.in_backward and change:
-            self._give_up(f"{change} between backward and optimizer.step()",
-                          "they used the values before the change")
+            self._give_up(
+                f"{change} between backward and optimizer.step()",
+                "they used the values before the change",
+            )
 
     def step_ends(self) -> None:
         if self.mode is UpdateMode.WATCHING:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import ctypes
 import threading
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ContextManager, Sequence
 
 
 class Op(str, Enum):
@@ -50,6 +50,7 @@ class BackendAbandonedError(TimeoutError):
 @dataclass
 class BackendCounters:
     """CPU time spent in threads the backend owns (completion or worker threads)."""
+
     thread_cpu_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -81,10 +82,10 @@ class IOBackend(ABC):
         self.counters = BackendCounters()
 
     @abstractmethod
-    def submit(self, request: IORequest) -> "Future[int]":
+    def submit(self, request: IORequest) -> Future[int]:
         """Starts ``request``; the future resolves to bytes moved or raises ``OSError``."""
 
-    def submit_chain(self, requests: Sequence[IORequest]) -> "list[Future[int]]":
+    def submit_chain(self, requests: Sequence[IORequest]) -> list[Future[int]]:
         """Starts ``requests`` (at most ``max_chain``, each continuing the one before it in the
         same file and memory) as one queue slot, and returns their futures in order. The
         backend moves them without the interpreter in between: the engine's completion path
@@ -92,17 +93,18 @@ class IOBackend(ABC):
         chain keeps the drive busy meanwhile. Each request still gets its own outcome, as if
         it had run alone; the slot is busy until the last one completes."""
         if len(requests) != 1:
-            raise ValueError(f"{type(self).__name__} takes chains of one request, got "
-                             f"{len(requests)}")
+            raise ValueError(
+                f"{type(self).__name__} takes chains of one request, got {len(requests)}"
+            )
         return [self.submit(requests[0])]
 
-    def plugged(self) -> ContextManager[None]:
+    def plugged(self) -> AbstractContextManager[None]:
         """Within this context, requests submitted by the calling thread may be held back and
         handed to the kernel together when it ends (one system call for many requests). The
         caller must not wait for such a request inside the context."""
         return nullcontext()
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 (a no-op default, not abstract)
         """Hands over requests a plugged context held back and never submitted: one interrupted
         by an exception at the wrong moment (a signal handler raising in the caller's thread),
         whose context may stay unfinished until the interpreter exits. Nothing to do for a
@@ -118,7 +120,7 @@ class IOBackend(ABC):
         return f"{type(self).__name__}(queue_depth={self.queue_depth})"
 
 
-def resolve(future: "Future[int]", result: int | None, error: BaseException | None) -> None:
+def resolve(future: Future[int], result: int | None, error: BaseException | None) -> None:
     """Sets a request's outcome unless it already has one (close failed it after its timeout,
     or a fault wrapper settled it): the first outcome wins and a late one is dropped."""
     try:

@@ -24,11 +24,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Sequence
 
-from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op, memory_at,
-                                resolve)
+from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at, resolve
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,11 @@ _Item = tuple["Future[int]", IORequest]
 
 
 def _continues(last: IORequest, following: IORequest) -> bool:
-    return (following.fd == last.fd and following.op is last.op
-            and following.offset == last.offset + last.length)
+    return (
+        following.fd == last.fd
+        and following.op is last.op
+        and following.offset == last.offset + last.length
+    )
 
 
 def _split(moved: int, lengths: list[int]) -> list[int]:
@@ -59,8 +61,9 @@ class ThreadBackend(IOBackend):
     direct = True
     max_chain = _MAX_RUN
 
-    def __init__(self, queue_depth: int, thread_count: int | None = None,
-                 close_timeout: float = 30.0) -> None:
+    def __init__(
+        self, queue_depth: int, thread_count: int | None = None, close_timeout: float = 30.0
+    ) -> None:
         super().__init__(queue_depth, close_timeout)
         self.thread_count = thread_count or queue_depth
         # Own daemon threads rather than a ThreadPoolExecutor: the executor joins its workers at
@@ -71,15 +74,17 @@ class ThreadBackend(IOBackend):
         self._idle = threading.Condition(self._lock)
         self._inflight: set[Future[int]] = set()
         self._closed = False
-        self._threads = [threading.Thread(target=self._worker, name=f"swap-{self.name}-{i}",
-                                          daemon=True) for i in range(self.thread_count)]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"swap-{self.name}-{i}", daemon=True)
+            for i in range(self.thread_count)
+        ]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, request: IORequest) -> "Future[int]":
+    def submit(self, request: IORequest) -> Future[int]:
         return self.submit_chain([request])[0]
 
-    def submit_chain(self, requests: Sequence[IORequest]) -> "list[Future[int]]":
+    def submit_chain(self, requests: Sequence[IORequest]) -> list[Future[int]]:
         if not 1 <= len(requests) <= self.max_chain:
             raise ValueError(f"a chain takes 1 to {self.max_chain} requests, got {len(requests)}")
         if any(not _continues(a, b) for a, b in zip(requests, requests[1:])):
@@ -113,8 +118,9 @@ class ThreadBackend(IOBackend):
             results: list[int] = [0] * len(batch)
             error = None
             try:
-                results = _split(self._run_batch([r for _, r in batch]),
-                                 [r.length for _, r in batch])
+                results = _split(
+                    self._run_batch([r for _, r in batch]), [r.length for _, r in batch]
+                )
             except BaseException as exc:  # the futures carry it to the callers
                 error = exc
             self.counters.add_cpu(time.thread_time() - started)
@@ -144,8 +150,11 @@ class ThreadBackend(IOBackend):
                 following = self._work.get_nowait()
             except queue.Empty:
                 return run, _NOTHING
-            if (following is None or len(run) + len(following) > _MAX_RUN
-                    or not _continues(run[-1][1], following[0][1])):
+            if (
+                following is None
+                or len(run) + len(following) > _MAX_RUN
+                or not _continues(run[-1][1], following[0][1])
+            ):
                 return run, following
             run.extend(following)
         return run, _NOTHING
@@ -176,12 +185,21 @@ class ThreadBackend(IOBackend):
         if stuck:
             # A thread stuck in a system call cannot be interrupted; its daemon thread is left
             # behind. The futures fail now so nobody waits on them forever.
-            log.error("%s backend: %d request(s) still in flight after %.3g s; closing without "
-                      "them (their buffers may still be written to)", self.name, len(stuck),
-                      self.close_timeout)
+            log.error(
+                "%s backend: %d request(s) still in flight after %.3g s; closing without "
+                "them (their buffers may still be written to)",
+                self.name,
+                len(stuck),
+                self.close_timeout,
+            )
             for future in stuck:
-                resolve(future, None, BackendAbandonedError(
-                    f"the {self.name} backend was closed while this request was in flight"))
+                resolve(
+                    future,
+                    None,
+                    BackendAbandonedError(
+                        f"the {self.name} backend was closed while this request was in flight"
+                    ),
+                )
             return
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -189,7 +207,6 @@ class ThreadBackend(IOBackend):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(queue_depth={self.queue_depth}, threads={self.thread_count})"
-
 
 
 class BufferedBackend(ThreadBackend):

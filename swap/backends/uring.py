@@ -37,12 +37,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
-from swap.backends.base import (BackendAbandonedError, IOBackend, IORequest, Op, memory_at,
-                                resolve)
+from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at, resolve
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +80,7 @@ _MAX_ENTRIES = 32768  # the kernel's limit on submission queue entries
 
 class _Chain:
     """The ids of a chain's requests still pending: the chain holds its slot until none is."""
+
     __slots__ = ("ids",)
 
     def __init__(self) -> None:
@@ -112,21 +112,22 @@ class UringBackend(IOBackend):
         self._idle = threading.Condition(self._lock)
         # request id -> (future, request, iovec, chain); the iovec is held until the completion
         # so its C array outlives the request even if the cache below is cleared meanwhile.
-        self._pending: dict[int, tuple["Future[int]", IORequest, object, _Chain]] = {}
+        self._pending: dict[int, tuple[Future[int], IORequest, object, _Chain]] = {}
         self._chains: set[_Chain] = set()  # chains in the ring: each holds one queue slot
         self._iovecs: dict[tuple[int, int], object] = {}
         self._next_id = 1
         self._closing = False
         self._ring_open = True
         self._local = threading.local()  # .held: request ids prepared in a plugged context
-        self._thread = threading.Thread(target=self._complete_loop, name="swap-uring-completion",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._complete_loop, name="swap-uring-completion", daemon=True
+        )
         self._thread.start()
 
-    def submit(self, request: IORequest) -> "Future[int]":
+    def submit(self, request: IORequest) -> Future[int]:
         return self.submit_chain([request])[0]
 
-    def submit_chain(self, requests: Sequence[IORequest]) -> "list[Future[int]]":
+    def submit_chain(self, requests: Sequence[IORequest]) -> list[Future[int]]:
         if not 1 <= len(requests) <= self.max_chain:
             raise ValueError(f"a chain takes 1 to {self.max_chain} requests, got {len(requests)}")
         futures: list[Future[int]] = []
@@ -138,8 +139,9 @@ class UringBackend(IOBackend):
             if self._closing:
                 raise RuntimeError("the uring backend is closed")
             if len(self._chains) >= self.queue_depth:
-                raise RuntimeError(f"more than queue_depth={self.queue_depth} chains of requests "
-                                   f"in flight")
+                raise RuntimeError(
+                    f"more than queue_depth={self.queue_depth} chains of requests in flight"
+                )
             # Before any slot is taken: if this raises, the ring is as it was.
             iovecs = [self._iovec(r.address, r.length) for r in requests]
             chain = _Chain()
@@ -220,8 +222,7 @@ class UringBackend(IOBackend):
             if error is not None:
                 log.warning("io_uring_submit failed while flushing held requests: %s", error)
 
-    def _submit_locked(self, request_ids: list[int]
-                       ) -> tuple[OSError | None, list["Future[int]"]]:
+    def _submit_locked(self, request_ids: list[int]) -> tuple[OSError | None, list[Future[int]]]:
         """Hands the prepared SQEs to the kernel; returns the error that dropped them, if any,
         and the futures of the dropped requests.
 
@@ -239,14 +240,18 @@ class UringBackend(IOBackend):
                     dropped = [self._forget_locked(i) for i in request_ids]
                     return exc, [d[0] for d in dropped if d is not None]
                 if attempt + 1 == _SUBMIT_TRIES:
-                    log.warning("io_uring_submit keeps failing (%s); the requests stay queued in "
-                                "the ring and go in with the next submit", exc)
+                    log.warning(
+                        "io_uring_submit keeps failing (%s); the requests stay queued in "
+                        "the ring and go in with the next submit",
+                        exc,
+                    )
                     return None, []
             time.sleep(0.001 * (attempt + 1))
         return None, []
 
-    def _forget_locked(self, request_id: int
-                       ) -> tuple["Future[int]", IORequest, object, _Chain] | None:
+    def _forget_locked(
+        self, request_id: int
+    ) -> tuple[Future[int], IORequest, object, _Chain] | None:
         """Removes a request from the pending ones, freeing its chain's slot with the last."""
         entry = self._pending.pop(request_id, None)
         if entry is not None:
@@ -283,7 +288,7 @@ class UringBackend(IOBackend):
         cpu_start = time.thread_time()
         while True:
             os.eventfd_read(self._eventfd)
-            done: list[tuple["Future[int]", int, int]] = []
+            done: list[tuple[Future[int], int, int]] = []
             with self._lock:
                 if not self._ring_open:
                     return
@@ -339,13 +344,21 @@ class UringBackend(IOBackend):
         if stuck:
             # Tearing the ring down makes the kernel cancel what it can; a request it cannot
             # cancel may still finish into its buffer later, which is why this is an error.
-            log.error("uring backend: %d request(s) still in flight after %.3g s; closing the "
-                      "ring without them (their buffers may still be written to)", len(stuck),
-                      self.close_timeout)
+            log.error(
+                "uring backend: %d request(s) still in flight after %.3g s; closing the "
+                "ring without them (their buffers may still be written to)",
+                len(stuck),
+                self.close_timeout,
+            )
             for future, request, _, _ in stuck.values():
-                resolve(future, 0, BackendAbandonedError(
-                    f"the uring backend was closed while a {request.op.value} of "
-                    f"{request.length} bytes at offset {request.offset} was in flight"))
+                resolve(
+                    future,
+                    0,
+                    BackendAbandonedError(
+                        f"the uring backend was closed while a {request.op.value} of "
+                        f"{request.length} bytes at offset {request.offset} was in flight"
+                    ),
+                )
         os.eventfd_write(self._eventfd, 1)
         if not on_completion_thread:
             self._thread.join(max(1.0, deadline - time.monotonic()))
@@ -360,4 +373,3 @@ class UringBackend(IOBackend):
             os.close(self._eventfd)
         else:  # it still reads the eventfd; leave the descriptor to the process exit
             os.eventfd_write(self._eventfd, 1)
-

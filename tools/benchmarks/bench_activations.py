@@ -48,8 +48,7 @@ class SavedBytes:
         self.live: dict[int, list] = {}
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base,
-                                                                torch.nn.Parameter):
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
             return tensor
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -91,15 +90,26 @@ class _Holder:
 
 def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    gpt = GPTConfig(vocab_size=args.vocab, context=args.context, layers=args.layers,
-                    width=args.width, heads=args.heads,
-                    checkpoint_blocks=args.config == "checkpoint")
+    gpt = GPTConfig(
+        vocab_size=args.vocab,
+        context=args.context,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        checkpoint_blocks=args.config == "checkpoint",
+    )
     model = TinyGPT(gpt)
     target = args.config.split()[-1] if args.config.startswith("offload") else "none"
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:
-        store = infinity.TieredStore(infinity.OffloadConfig(
-            device="cpu", offload_param="cpu", offload_activations=target, nvme_path=swap,
-            buffer_size=args.buffer_size))
+        store = infinity.TieredStore(
+            infinity.OffloadConfig(
+                device="cpu",
+                offload_param="cpu",
+                offload_activations=target,
+                nvme_path=swap,
+                buffer_size=args.buffer_size,
+            )
+        )
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         counter = SavedBytes(store)
         data = synthetic_batches(gpt, args.batch, seed=1)
@@ -125,11 +135,17 @@ def worker(args: argparse.Namespace) -> dict:
         saved, total = activations["peak_device_bytes"], activations["peak_device_total_bytes"]
         written, read = activations["bytes_written"], activations["bytes_read"]
     steps = args.warmup + args.steps
-    return {"config": args.config, "step_s": statistics.median(times[args.warmup:]),
-            "loss": float(loss), "peak_device": total, "peak_saved": saved,
-            "written_per_step": written / steps, "read_per_step": read / steps,
-            "rss_peak": peak_resident_bytes(),
-            "params": parameter_count(gpt)}
+    return {
+        "config": args.config,
+        "step_s": statistics.median(times[args.warmup :]),
+        "loss": float(loss),
+        "peak_device": total,
+        "peak_saved": saved,
+        "written_per_step": written / steps,
+        "read_per_step": read / steps,
+        "rss_peak": peak_resident_bytes(),
+        "params": parameter_count(gpt),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,23 +169,35 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
     for config in CONFIGS:
-        command = [sys.executable, "-m", "tools.benchmarks.bench_activations", *passed,
-                   "--config", config]
+        command = [
+            sys.executable,
+            "-m",
+            "tools.benchmarks.bench_activations",
+            *passed,
+            "--config",
+            config,
+        ]
         if args.json:
             command = [c for c in command if c != args.json]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
     keep = results[0]
-    print(f"GPT {keep['params'] / 1e6:.1f}M params, {args.layers} layers x width {args.width}, "
-          f"context {args.context}, batch {args.batch}; parameters in host memory; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{'config':<14} {'step s':>7} {'x keep':>7} {'device peak MiB':>16} "
-          f"{'saved peak MiB':>15} {'disk w/r MiB/step':>18} {'RSS peak MiB':>13}")
+    print(
+        f"GPT {keep['params'] / 1e6:.1f}M params, {args.layers} layers x width {args.width}, "
+        f"context {args.context}, batch {args.batch}; parameters in host memory; "
+        f"median of {args.steps} steps after {args.warmup} warm-up"
+    )
+    print(
+        f"{'config':<14} {'step s':>7} {'x keep':>7} {'device peak MiB':>16} "
+        f"{'saved peak MiB':>15} {'disk w/r MiB/step':>18} {'RSS peak MiB':>13}"
+    )
     for r in results:
-        print(f"{r['config']:<14} {r['step_s']:>7.3f} {r['step_s'] / keep['step_s']:>7.2f} "
-              f"{r['peak_device'] / 2**20:>16.1f} {r['peak_saved'] / 2**20:>15.1f} "
-              f"{r['written_per_step'] / 2**20:>8.0f}/{r['read_per_step'] / 2**20:<9.0f} "
-              f"{r['rss_peak'] / 2**20:>13.0f}")
+        print(
+            f"{r['config']:<14} {r['step_s']:>7.3f} {r['step_s'] / keep['step_s']:>7.2f} "
+            f"{r['peak_device'] / 2**20:>16.1f} {r['peak_saved'] / 2**20:>15.1f} "
+            f"{r['written_per_step'] / 2**20:>8.0f}/{r['read_per_step'] / 2**20:<9.0f} "
+            f"{r['rss_peak'] / 2**20:>13.0f}"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)

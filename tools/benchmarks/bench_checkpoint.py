@@ -45,13 +45,14 @@ class RssWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RssWatch":
+    def __enter__(self) -> RssWatch:
         process = psutil.Process()
         self.peak = process.memory_info().rss
 
         def sample() -> None:
             while not self._stop.wait(0.005):
                 self.peak = max(self.peak, process.memory_info().rss)
+
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
         return self
@@ -92,14 +93,23 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         model = mlp(layers, args.width)
     params = sum(p.numel() for p in model.parameters())
     config = infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=(swap,),
-        buffer_size=args.buffer_size, buffer_count=max(4, args.host_budget // args.buffer_size),
-        host_budget=args.host_budget, device_budget=args.device_budget)
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(swap,),
+        buffer_size=args.buffer_size,
+        buffer_count=max(4, args.host_budget // args.buffer_size),
+        host_budget=args.host_budget,
+        device_budget=args.device_budget,
+    )
     disk = engine_bandwidth(swap, 2 << 30, config)
-    print(f"disk (swap engine on {root}): write {disk['write'] / 1e9:.2f} GB/s, read "
-          f"{disk['read'] / 1e9:.2f} GB/s")
-    print(f"model: {layers} x Linear({args.width}) = {params / 1e6:.0f} M params; training state "
-          f"{params * 16 / 2**30:.2f} GiB, host budget {args.host_budget / 2**30:.2f} GiB")
+    print(
+        f"disk (swap engine on {root}): write {disk['write'] / 1e9:.2f} GB/s, read "
+        f"{disk['read'] / 1e9:.2f} GB/s"
+    )
+    print(
+        f"model: {layers} x Linear({args.width}) = {params / 1e6:.0f} M params; training state "
+        f"{params * 16 / 2**30:.2f} GiB, host budget {args.host_budget / 2**30:.2f} GiB"
+    )
     store = infinity.TieredStore(config)
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     generator = torch.Generator().manual_seed(0)
@@ -128,10 +138,12 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     save_floor = size / disk["write"]
     save_io_floor = save_floor + swap_read / disk["read"]
     save_peak = watch.peak
-    print(f"save: {save_s:.1f} s for {size / 1e9:.2f} GB ({size / save_s / 1e9:.2f} GB/s); "
-          f"floor {save_floor:.1f} s at the write bandwidth ({save_s / save_floor:.2f}x), "
-          f"{save_io_floor:.1f} s with the {swap_read / 1e9:.2f} GB of swap reads "
-          f"({save_s / save_io_floor:.2f}x); peak RSS {save_peak / 2**30:.2f} GiB")
+    print(
+        f"save: {save_s:.1f} s for {size / 1e9:.2f} GB ({size / save_s / 1e9:.2f} GB/s); "
+        f"floor {save_floor:.1f} s at the write bandwidth ({save_s / save_floor:.2f}x), "
+        f"{save_io_floor:.1f} s with the {swap_read / 1e9:.2f} GB of swap reads "
+        f"({save_s / save_io_floor:.2f}x); peak RSS {save_peak / 2**30:.2f} GiB"
+    )
 
     # -- load -----------------------------------------------------------------------------------
     stats = store.stats()
@@ -144,10 +156,12 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     load_floor = size / disk["read"]
     load_io_floor = load_floor + swap_written / disk["write"]
     load_peak = watch.peak
-    print(f"load: {load_s:.1f} s ({size / load_s / 1e9:.2f} GB/s); floor {load_floor:.1f} s at "
-          f"the read bandwidth ({load_s / load_floor:.2f}x), {load_io_floor:.1f} s with the "
-          f"{swap_written / 1e9:.2f} GB of swap writes ({load_s / load_io_floor:.2f}x); "
-          f"peak RSS {load_peak / 2**30:.2f} GiB")
+    print(
+        f"load: {load_s:.1f} s ({size / load_s / 1e9:.2f} GB/s); floor {load_floor:.1f} s at "
+        f"the read bandwidth ({load_s / load_floor:.2f}x), {load_io_floor:.1f} s with the "
+        f"{swap_written / 1e9:.2f} GB of swap writes ({load_s / load_io_floor:.2f}x); "
+        f"peak RSS {load_peak / 2**30:.2f} GiB"
+    )
 
     # -- an asynchronous save, then steps -------------------------------------------------------
     started = time.perf_counter()
@@ -160,27 +174,47 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     figures = store._checkpoints.last
     baseline = statistics.median(before[1:] or before)
     overhead_s = sum(during) - baseline * len(during) + call_s + wait_s
-    print(f"async save: the call took {call_s:.2f} s; steps after it "
-          f"{', '.join(f'{t:.1f}' for t in during)} s against {baseline:.1f} s before; "
-          f"{figures.get('copied_before_change', 0)} chunks copied before a step changed them, "
-          f"the steps waited {figures.get('step_wait_seconds', 0.0):.2f} s for the writer; "
-          f"wait_for_checkpoint {wait_s:.1f} s; cost over those steps {overhead_s:.1f} s "
-          f"(the save alone took {save_s:.1f} s)")
+    print(
+        f"async save: the call took {call_s:.2f} s; steps after it "
+        f"{', '.join(f'{t:.1f}' for t in during)} s against {baseline:.1f} s before; "
+        f"{figures.get('copied_before_change', 0)} chunks copied before a step changed them, "
+        f"the steps waited {figures.get('step_wait_seconds', 0.0):.2f} s for the writer; "
+        f"wait_for_checkpoint {wait_s:.1f} s; cost over those steps {overhead_s:.1f} s "
+        f"(the save alone took {save_s:.1f} s)"
+    )
     store.close(restore_params=False)
     limit = args.host_budget + args.device_budget + overhead + 2 * args.width * args.width * 4
-    print(f"peak RSS during save {save_peak / 2**30:.2f} GiB, load {load_peak / 2**30:.2f} GiB; "
-          f"host budget + device budget + fixed overhead = {limit / 2**30:.2f} GiB: "
-          f"{'within' if max(save_peak, load_peak) <= limit else 'OVER'}")
+    print(
+        f"peak RSS during save {save_peak / 2**30:.2f} GiB, load {load_peak / 2**30:.2f} GiB; "
+        f"host budget + device budget + fixed overhead = {limit / 2**30:.2f} GiB: "
+        f"{'within' if max(save_peak, load_peak) <= limit else 'OVER'}"
+    )
     goal = max(save_s / save_floor, load_s / load_floor)
-    print(f"goal: save and load within 1.3x of bytes / bandwidth: save {save_s / save_floor:.2f}x"
-          f", load {load_s / load_floor:.2f}x: {'met' if goal <= 1.3 else 'NOT met'}")
-    return {"params": params, "disk": disk, "checkpoint_bytes": size,
-            "save_s": save_s, "save_floor_s": save_floor, "save_io_floor_s": save_io_floor,
-            "save_swap_read": swap_read, "save_peak_rss": save_peak,
-            "load_s": load_s, "load_floor_s": load_floor, "load_io_floor_s": load_io_floor,
-            "load_swap_written": swap_written, "load_peak_rss": load_peak,
-            "steps_before": before, "steps_after_async_save": during, "async_call_s": call_s,
-            "async_wait_s": wait_s, "async_overhead_s": overhead_s, "rss_limit": limit}
+    print(
+        f"goal: save and load within 1.3x of bytes / bandwidth: save {save_s / save_floor:.2f}x"
+        f", load {load_s / load_floor:.2f}x: {'met' if goal <= 1.3 else 'NOT met'}"
+    )
+    return {
+        "params": params,
+        "disk": disk,
+        "checkpoint_bytes": size,
+        "save_s": save_s,
+        "save_floor_s": save_floor,
+        "save_io_floor_s": save_io_floor,
+        "save_swap_read": swap_read,
+        "save_peak_rss": save_peak,
+        "load_s": load_s,
+        "load_floor_s": load_floor,
+        "load_io_floor_s": load_io_floor,
+        "load_swap_written": swap_written,
+        "load_peak_rss": load_peak,
+        "steps_before": before,
+        "steps_after_async_save": during,
+        "async_call_s": call_s,
+        "async_wait_s": wait_s,
+        "async_overhead_s": overhead_s,
+        "rss_limit": limit,
+    }
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ were really clipped); then the clip / no-clip step-time ratio and the extra byte
 against the goal: at most 2% slower, no extra reads. The default model's gradient norm is
 about 3e-4, so the default ``--max-norm`` of 1e-4 clips every step.
 
-    python -m tools.benchmarks.bench_clip [--host-budget 2.14 --arena 1.0 --max-norm 1e-4 --repeats 3]
+    python -m tools.benchmarks.bench_clip [--host-budget 2.14 --arena 1.0 --max-norm 1e-4
+                                          --repeats 3]
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ import torch
 
 import infinity
 from infinity.core.memory import peak_resident_bytes
-from tools.benchmarks.bench_overlap import (DEFAULT_ARENAS, add_run_arguments, mlp, nvme_config,
-                                 store_deltas, timed_steps)
+from tools.benchmarks.bench_overlap import (
+    DEFAULT_ARENAS,
+    add_run_arguments,
+    mlp,
+    nvme_config,
+    store_deltas,
+    timed_steps,
+)
 
 log = logging.getLogger("tools.benchmarks.bench_clip")
 
@@ -50,8 +57,12 @@ GOAL_RATIO = 1.02
 GOAL_EXTRA_READ_BYTES = 0
 
 #: configuration name -> (run kind, clip after backward)
-CONFIGS = {"plain": ("plain", False), "plain+clip": ("plain", True),
-           "nvme": ("nvme", False), "nvme+clip": ("nvme", True)}
+CONFIGS = {
+    "plain": ("plain", False),
+    "plain+clip": ("plain", True),
+    "nvme": ("nvme", False),
+    "nvme+clip": ("nvme", True),
+}
 #: the pairs compared: (without clip, with clip)
 PAIRS = (("plain", "plain+clip"), ("nvme", "nvme+clip"))
 
@@ -59,12 +70,16 @@ PAIRS = (("plain", "plain+clip"), ("nvme", "nvme+clip"))
 def run_one(args: argparse.Namespace) -> dict:
     """One configuration in this process: step times, clip call times and norms, I/O bytes."""
     model = mlp(args.layers, args.width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
-                                  fused=True if args.run == "plain" else None)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True if args.run == "plain" else None
+    )
     store = None
     if args.run == "nvme":
-        store = infinity.TieredStore(nvme_config(
-            args.nvme_path, args.host_budget, args.arena, args.device_budget, args.buffer_size))
+        store = infinity.TieredStore(
+            nvme_config(
+                args.nvme_path, args.host_budget, args.arena, args.device_budget, args.buffer_size
+            )
+        )
         model, optimizer = store.attach(model, optimizer)
     norms: list[float] = []
     clip_times: list[float] = []
@@ -84,17 +99,27 @@ def run_one(args: argparse.Namespace) -> dict:
     clip_times.clear()
     before = store.stats() if store else None
     phases: list[tuple[float, float, float]] = []
-    times = timed_steps(model, optimizer, args.steps, args.batch, args.width, phases,
-                        after_backward=hook)
-    out = {"step_s": statistics.median(times), "steps_s": times,
-           "phases_s": [statistics.median(p) for p in zip(*phases)],
-           "clip_s": statistics.median(clip_times) if clip_times else None, "norms": norms,
-           "peak_rss": peak_resident_bytes()}
+    times = timed_steps(
+        model, optimizer, args.steps, args.batch, args.width, phases, after_backward=hook
+    )
+    out = {
+        "step_s": statistics.median(times),
+        "steps_s": times,
+        "phases_s": [statistics.median(p) for p in zip(*phases)],
+        "clip_s": statistics.median(clip_times) if clip_times else None,
+        "norms": norms,
+        "peak_rss": peak_resident_bytes(),
+    }
     if store is not None:
         after = store.stats()
         out.update(store_deltas(before, after, args.steps))
-        out.update({"peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
-                    "backend": after["backend"]})
+        out.update(
+            {
+                "peak_bytes": after["peak_bytes"],
+                "budgets": after["budgets"],
+                "backend": after["backend"],
+            }
+        )
         store.close(restore_params=False)
     return out
 
@@ -110,11 +135,17 @@ def summarize(runs: dict[str, list[dict]], max_norm: float) -> dict:
     configs = {}
     for name, results in runs.items():
         norms = [n for r in results for n in r["norms"]]
-        entry = {"step_s": spread([r["step_s"] for r in results]),
-                 "clip_s": (statistics.median(r["clip_s"] for r in results)
-                            if results[0]["clip_s"] is not None else None),
-                 "mean_norm": statistics.fmean(norms) if norms else None,
-                 "clipped_steps": sum(n > max_norm for n in norms), "norm_steps": len(norms)}
+        entry = {
+            "step_s": spread([r["step_s"] for r in results]),
+            "clip_s": (
+                statistics.median(r["clip_s"] for r in results)
+                if results[0]["clip_s"] is not None
+                else None
+            ),
+            "mean_norm": statistics.fmean(norms) if norms else None,
+            "clipped_steps": sum(n > max_norm for n in norms),
+            "norm_steps": len(norms),
+        }
         if "read_bytes" in results[0]:
             entry["read_bytes"] = spread([r["read_bytes"] for r in results])
             entry["write_bytes"] = spread([r["write_bytes"] for r in results])
@@ -124,16 +155,23 @@ def summarize(runs: dict[str, list[dict]], max_norm: float) -> dict:
         a, b = runs[base], runs[clipped]
         ratio = configs[clipped]["step_s"][0] / configs[base]["step_s"][0]
         paired = [y["step_s"] / x["step_s"] for x, y in zip(a, b)]
-        pair = {"ratio": ratio, "paired_ratios": paired,
-                "noise": max((s[2] - s[1]) / s[0] for s in
-                             (configs[base]["step_s"], configs[clipped]["step_s"]))}
+        pair = {
+            "ratio": ratio,
+            "paired_ratios": paired,
+            "noise": max(
+                (s[2] - s[1]) / s[0] for s in (configs[base]["step_s"], configs[clipped]["step_s"])
+            ),
+        }
         if "read_bytes" in configs[base]:
-            pair["extra_read_bytes"] = (configs[clipped]["read_bytes"][0]
-                                        - configs[base]["read_bytes"][0])
-            pair["extra_write_bytes"] = (configs[clipped]["write_bytes"][0]
-                                         - configs[base]["write_bytes"][0])
-            pair["goal_met"] = (ratio <= GOAL_RATIO
-                                and pair["extra_read_bytes"] <= GOAL_EXTRA_READ_BYTES)
+            pair["extra_read_bytes"] = (
+                configs[clipped]["read_bytes"][0] - configs[base]["read_bytes"][0]
+            )
+            pair["extra_write_bytes"] = (
+                configs[clipped]["write_bytes"][0] - configs[base]["write_bytes"][0]
+            )
+            pair["goal_met"] = (
+                ratio <= GOAL_RATIO and pair["extra_read_bytes"] <= GOAL_EXTRA_READ_BYTES
+            )
         pairs[clipped] = pair
     return {"configs": configs, "pairs": pairs}
 
@@ -141,58 +179,93 @@ def summarize(runs: dict[str, list[dict]], max_norm: float) -> dict:
 def report(summary: dict, max_norm: float) -> None:
     mb = 1e6
     configs, pairs = summary["configs"], summary["pairs"]
-    print(f"{'config':11s} {'step s: median (min-max)':>26s} {'clip call s':>11s} "
-          f"{'read MB/step':>13s} {'written MB/step':>16s}  mean norm (steps > {max_norm:g})")
+    print(
+        f"{'config':11s} {'step s: median (min-max)':>26s} {'clip call s':>11s} "
+        f"{'read MB/step':>13s} {'written MB/step':>16s}  mean norm (steps > {max_norm:g})"
+    )
     for name, c in configs.items():
         step = "{:.3f} ({:.3f}-{:.3f})".format(*c["step_s"])
         clip_s = f"{c['clip_s']:.4f}" if c["clip_s"] is not None else "-"
         read = f"{c['read_bytes'][0] / mb:.1f}" if "read_bytes" in c else "-"
         write = f"{c['write_bytes'][0] / mb:.1f}" if "write_bytes" in c else "-"
-        norm = (f"{c['mean_norm']:.4g} ({c['clipped_steps']}/{c['norm_steps']})"
-                if c["mean_norm"] is not None else "-")
+        norm = (
+            f"{c['mean_norm']:.4g} ({c['clipped_steps']}/{c['norm_steps']})"
+            if c["mean_norm"] is not None
+            else "-"
+        )
         print(f"{name:11s} {step:>26s} {clip_s:>11s} {read:>13s} {write:>16s}  {norm}")
     for base, clipped in PAIRS:
         pair = pairs[clipped]
         paired = "{:.3f}-{:.3f}".format(min(pair["paired_ratios"]), max(pair["paired_ratios"]))
-        noise = (f"the repeats' medians spread up to {pair['noise']:.0%}"
-                 if len(pair["paired_ratios"]) > 1 else "one repeat: its noise is unmeasured")
-        print(f"\n{clipped} / {base}: step time {pair['ratio']:.3f}x (each repeat's pair: "
-              f"{paired}; {noise})" + ("" if "extra_read_bytes" in pair
-                                       else "; for reference, no store"))
+        noise = (
+            f"the repeats' medians spread up to {pair['noise']:.0%}"
+            if len(pair["paired_ratios"]) > 1
+            else "one repeat: its noise is unmeasured"
+        )
+        print(
+            f"\n{clipped} / {base}: step time {pair['ratio']:.3f}x (each repeat's pair: "
+            f"{paired}; {noise})"
+            + ("" if "extra_read_bytes" in pair else "; for reference, no store")
+        )
         if "extra_read_bytes" in pair:
-            print(f"  extra per step: read {pair['extra_read_bytes'] / mb:+.1f} MB, written "
-                  f"{pair['extra_write_bytes'] / mb:+.1f} MB")
-            print(f"  goal: at most {GOAL_RATIO:.2f}x and no extra reads: "
-                  f"{'met' if pair['goal_met'] else 'not met'}"
-                  + (f" (but the repeats spread more than the goal's {GOAL_RATIO - 1:.0%})"
-                     if pair["noise"] > GOAL_RATIO - 1 else ""))
+            print(
+                f"  extra per step: read {pair['extra_read_bytes'] / mb:+.1f} MB, written "
+                f"{pair['extra_write_bytes'] / mb:+.1f} MB"
+            )
+            print(
+                f"  goal: at most {GOAL_RATIO:.2f}x and no extra reads: "
+                f"{'met' if pair['goal_met'] else 'not met'}"
+                + (
+                    f" (but the repeats spread more than the goal's {GOAL_RATIO - 1:.0%})"
+                    if pair["noise"] > GOAL_RATIO - 1
+                    else ""
+                )
+            )
         c = configs[clipped]
         if c["norm_steps"] and not c["mean_norm"]:
-            print("  note: clip_grad_norm_ returned 0 on every step: the parameters expose no "
-                  "gradients after backward, so the call did nothing and the ratio is that of "
-                  "a no-op")
+            print(
+                "  note: clip_grad_norm_ returned 0 on every step: the parameters expose no "
+                "gradients after backward, so the call did nothing and the ratio is that of "
+                "a no-op"
+            )
         elif c["norm_steps"] and not c["clipped_steps"]:
-            print(f"  note: no step's norm exceeded --max-norm {max_norm:g} (mean "
-                  f"{c['mean_norm']:.3g}): nothing was clipped; a --max-norm below the norm "
-                  f"times real clipping")
+            print(
+                f"  note: no step's norm exceeded --max-norm {max_norm:g} (mean "
+                f"{c['mean_norm']:.3g}): nothing was clipped; a --max-norm below the norm "
+                f"times real clipping"
+            )
         reference = configs["plain+clip"]["mean_norm"]
         if clipped != "plain+clip" and c["mean_norm"] and reference:
-            print(f"  mean norm {c['mean_norm']:.6g} against plain's {reference:.6g} "
-                  f"(relative difference {abs(c['mean_norm'] / reference - 1):.1e})")
+            print(
+                f"  mean norm {c['mean_norm']:.6g} against plain's {reference:.6g} "
+                f"(relative difference {abs(c['mean_norm'] / reference - 1):.1e})"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, repeats=3)
-    parser.add_argument("--arena", type=float, default=DEFAULT_ARENAS[1],
-                        help="GiB of staging arena (default: %(default)s)")
-    parser.add_argument("--device-budget", type=float, default=0.1,
-                        help="GiB for the device tier (host memory on a machine without a GPU; "
-                             "default: %(default)s)")
+    parser.add_argument(
+        "--arena",
+        type=float,
+        default=DEFAULT_ARENAS[1],
+        help="GiB of staging arena (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device-budget",
+        type=float,
+        default=0.1,
+        help="GiB for the device tier (host memory on a machine without a GPU; "
+        "default: %(default)s)",
+    )
     parser.add_argument("--buffer-size", type=int, default=64 << 20)
-    parser.add_argument("--max-norm", type=float, default=1e-4,
-                        help="clip_grad_norm_'s max_norm (default: %(default)s; the default "
-                             "MLP's gradient norm is about 3e-4, so every step clips)")
+    parser.add_argument(
+        "--max-norm",
+        type=float,
+        default=1e-4,
+        help="clip_grad_norm_'s max_norm (default: %(default)s; the default "
+        "MLP's gradient norm is about 3e-4, so every step clips)",
+    )
     parser.add_argument("--run", choices=("plain", "nvme"), help=argparse.SUPPRESS)
     parser.add_argument("--clip", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
@@ -202,34 +275,64 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args)))
         return 0
     if args.arena > args.host_budget:
-        parser.error(f"an arena of {args.arena} GiB does not fit a host budget of "
-                     f"{args.host_budget} GiB")
+        parser.error(
+            f"an arena of {args.arena} GiB does not fit a host budget of {args.host_budget} GiB"
+        )
     if min(args.steps, args.repeats) < 1 or args.warmup < 0 or args.max_norm <= 0:
-        parser.error("--steps and --repeats must be at least 1, --warmup at least 0, "
-                     "--max-norm positive")
+        parser.error(
+            "--steps and --repeats must be at least 1, --warmup at least 0, --max-norm positive"
+        )
 
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-clip-"))
     params = sum(p.numel() for p in mlp(args.layers, args.width).parameters())
-    print(f"model: {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
-          f"{params / 1e6:.1f} M params; nvme: params + optimizer state on NVMe, device tier "
-          f"{args.device_budget:.2f} GiB, host tier {args.host_budget:.2f} GiB, staging arena "
-          f"{args.arena:.2f} GiB; clip_grad_norm_(max_norm={args.max_norm:g}); {args.warmup} "
-          f"warm-up + {args.steps} timed steps, {args.repeats} interleaved repeats")
-    common = ["--layers", str(args.layers), "--width", str(args.width), "--batch",
-              str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--host-budget", str(args.host_budget), "--arena", str(args.arena),
-              "--device-budget", str(args.device_budget), "--buffer-size", str(args.buffer_size),
-              "--max-norm", str(args.max_norm), "--nvme-path", str(root)]
+    print(
+        f"model: {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
+        f"{params / 1e6:.1f} M params; nvme: params + optimizer state on NVMe, device tier "
+        f"{args.device_budget:.2f} GiB, host tier {args.host_budget:.2f} GiB, staging arena "
+        f"{args.arena:.2f} GiB; clip_grad_norm_(max_norm={args.max_norm:g}); {args.warmup} "
+        f"warm-up + {args.steps} timed steps, {args.repeats} interleaved repeats"
+    )
+    common = [
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--host-budget",
+        str(args.host_budget),
+        "--arena",
+        str(args.arena),
+        "--device-budget",
+        str(args.device_budget),
+        "--buffer-size",
+        str(args.buffer_size),
+        "--max-norm",
+        str(args.max_norm),
+        "--nvme-path",
+        str(root),
+    ]
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     try:
         for repeat in range(args.repeats):
             for pair in PAIRS:
                 # Alternate which of the pair runs first: a drift within the repeat then
                 # favours neither.
-                for name in (pair if repeat % 2 == 0 else pair[::-1]):
+                for name in pair if repeat % 2 == 0 else pair[::-1]:
                     kind, clip = CONFIGS[name]
-                    command = [sys.executable, "-m", "tools.benchmarks.bench_clip", *common, "--run", kind,
-                               *(["--clip"] if clip else [])]
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "tools.benchmarks.bench_clip",
+                        *common,
+                        "--run",
+                        kind,
+                        *(["--clip"] if clip else []),
+                    ]
                     done = subprocess.run(command, capture_output=True, text=True)
                     if done.returncode:
                         raise SystemExit(f"the {name} run failed:\n{done.stderr}")
@@ -244,10 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, args.max_norm)
     report(summary, args.max_norm)
     if args.json:
-        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                    if k not in ("run", "clip", "json")}
-        args.json.write_text(json.dumps({"settings": settings, "runs": runs,
-                                         "summary": summary}, indent=2))
+        settings = {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("run", "clip", "json")
+        }
+        args.json.write_text(
+            json.dumps({"settings": settings, "runs": runs, "summary": summary}, indent=2)
+        )
     return 0
 
 

@@ -31,8 +31,13 @@ CONFIGS = ("plain eager", "plain compiled", "attached eager", "attached compiled
 
 def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    gpt = GPTConfig(vocab_size=args.vocab, context=args.context, layers=args.layers,
-                    width=args.width, heads=args.heads)
+    gpt = GPTConfig(
+        vocab_size=args.vocab,
+        context=args.context,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+    )
     model = TinyGPT(gpt)
     attached = args.config.startswith("attached")
     compiled = args.config.endswith("compiled")
@@ -40,9 +45,15 @@ def worker(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:
         if attached:
-            store = infinity.TieredStore(infinity.OffloadConfig(
-                offload_param="nvme", offload_optimizer="nvme", nvme_path=swap,
-                buffer_size=args.buffer_size, buffer_count=8))
+            store = infinity.TieredStore(
+                infinity.OffloadConfig(
+                    offload_param="nvme",
+                    offload_optimizer="nvme",
+                    nvme_path=swap,
+                    buffer_size=args.buffer_size,
+                    buffer_count=8,
+                )
+            )
             model, optimizer = store.attach(model, optimizer)
         if compiled:
             if args.compile == "whole":
@@ -62,8 +73,11 @@ def worker(args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - started)
         if store is not None:
             store.close(restore_params=False)
-    return {"config": args.config, "first_step_s": times[0],
-            "step_s": statistics.median(times[args.warmup:])}
+    return {
+        "config": args.config,
+        "first_step_s": times[0],
+        "step_s": statistics.median(times[args.warmup :]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,26 +100,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:  # a worker process
         print(json.dumps(worker(args)))
         return 0
-    gpt = GPTConfig(vocab_size=args.vocab, context=args.context, layers=args.layers,
-                    width=args.width, heads=args.heads)
-    print(f"model: GPT {args.layers} x {args.width}, context {args.context}, vocab {args.vocab}"
-          f" ({parameter_count(gpt) / 1e6:.1f} M params), batch {args.batch}; compile: "
-          f"{args.compile}; {args.steps} timed steps after {args.warmup}, {args.repeats} "
-          f"repeats interleaved")
+    gpt = GPTConfig(
+        vocab_size=args.vocab,
+        context=args.context,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+    )
+    print(
+        f"model: GPT {args.layers} x {args.width}, context {args.context}, vocab {args.vocab}"
+        f" ({parameter_count(gpt) / 1e6:.1f} M params), batch {args.batch}; compile: "
+        f"{args.compile}; {args.steps} timed steps after {args.warmup}, {args.repeats} "
+        f"repeats interleaved"
+    )
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
-                 if not a.startswith("--json")]
+    forwarded = [
+        a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--json")
+    ]
     for repeat in range(args.repeats):
         for config in CONFIGS:
-            done = subprocess.run([sys.executable, "-m", "tools.benchmarks.bench_compile", *forwarded,
-                                   "--config", config], capture_output=True, text=True)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tools.benchmarks.bench_compile",
+                    *forwarded,
+                    "--config",
+                    config,
+                ],
+                capture_output=True,
+                text=True,
+            )
             if done.returncode:
                 print(f"{config} failed:\n{done.stderr[-3000:]}")
                 return 1
             result = json.loads(done.stdout.strip().splitlines()[-1])
             runs[config].append(result)
-            print(f"  {config} run {repeat + 1}: step {result['step_s']:.3f} s (first step "
-                  f"{result['first_step_s']:.1f} s)")
+            print(
+                f"  {config} run {repeat + 1}: step {result['step_s']:.3f} s (first step "
+                f"{result['first_step_s']:.1f} s)"
+            )
     step = {c: statistics.median(r["step_s"] for r in runs[c]) for c in CONFIGS}
     print(f"\n{'configuration':<20} {'median step s':>14}")
     for config in CONFIGS:
@@ -113,13 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     plain_gain = 1 - step["plain compiled"] / step["plain eager"]
     attached_gain = 1 - step["attached compiled"] / step["attached eager"]
     met = attached_gain >= plain_gain - 0.10
-    print(f"\ncompiling gains: plain {plain_gain:+.1%}, attached {attached_gain:+.1%}; goal: "
-          f"attached >= plain - 10 points: {'met' if met else 'NOT met'}")
+    print(
+        f"\ncompiling gains: plain {plain_gain:+.1%}, attached {attached_gain:+.1%}; goal: "
+        f"attached >= plain - 10 points: {'met' if met else 'NOT met'}"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "median_step_s": step,
-                                         "plain_gain": plain_gain,
-                                         "attached_gain": attached_gain, "met": met},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "runs": runs,
+                    "median_step_s": step,
+                    "plain_gain": plain_gain,
+                    "attached_gain": attached_gain,
+                    "met": met,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -40,9 +40,13 @@ from typing import Any
 import torch
 
 from infinity.core.memory import peak_resident_bytes
-
-from tools.benchmarks.bench_overlap import (add_run_arguments, mlp, nvme_config, store_deltas,
-                                 timed_steps)
+from tools.benchmarks.bench_overlap import (
+    add_run_arguments,
+    mlp,
+    nvme_config,
+    store_deltas,
+    timed_steps,
+)
 
 PROJECT = Path(__file__).resolve().parents[2]
 #: the peer harness (its README, the DeepSpeed script), beside the project's checkout
@@ -62,21 +66,29 @@ GOAL_STEP_VS_DEEPSPEED = 0.5
 GOAL_STEP_VS_FSDP2 = 1.0
 GOAL_RSS_VS_DEEPSPEED = 1 / 3
 
-LABELS = {"ours": "ours: ZeRO-3, params + optimizer on NVMe",
-          "fsdp2": "FSDP2 fully_shard per layer, no offload",
-          "deepspeed": "DeepSpeed ZeRO-3, params + optimizer on NVMe"}
+LABELS = {
+    "ours": "ours: ZeRO-3, params + optimizer on NVMe",
+    "fsdp2": "FSDP2 fully_shard per layer, no offload",
+    "deepspeed": "DeepSpeed ZeRO-3, params + optimizer on NVMe",
+}
 
 
 # ---------------------------------------------------------------------------- the ranks
 
+
 def _init_ranks(timeout_s: float) -> tuple[int, int]:
     import torch.distributed as dist
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
-def _timed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-           snapshot: Any = None) -> tuple[dict, Any, Any]:
+def _timed(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    snapshot: Any = None,
+) -> tuple[dict, Any, Any]:
     """The warm-up steps, then the timed ones: their median and per-phase medians, with what
     ``snapshot()`` returned just before and just after the timed steps."""
     # Every rank draws the same inputs (timed_steps' fixed seed): the step's work does not
@@ -86,16 +98,28 @@ def _timed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpa
     phases: list[tuple[float, float, float]] = []
     times = timed_steps(model, optimizer, args.steps, args.batch, args.width, phases)
     after = snapshot() if snapshot else None
-    return ({"step_s": statistics.median(times), "steps_s": times,
-             "phases_s": [statistics.median(p) for p in zip(*phases)]}, before, after)
+    return (
+        {
+            "step_s": statistics.median(times),
+            "steps_s": times,
+            "phases_s": [statistics.median(p) for p in zip(*phases)],
+        },
+        before,
+        after,
+    )
 
 
 def comm_deltas(before: dict, after: dict, steps: int) -> dict:
     """Per-step collective traffic between two ``stats()["comm"]`` snapshots: every counter
     in them (bytes, seconds, collectives and whatever else the store counts there)."""
-    out = {key: (after[key] - before[key]) / steps for key, value in after.items()
-           if isinstance(value, (int, float)) and not isinstance(value, bool)
-           and key not in ("rank", "world", "stage") and key in before}
+    out = {
+        key: (after[key] - before[key]) / steps
+        for key, value in after.items()
+        if isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and key not in ("rank", "world", "stage")
+        and key in before
+    }
     # the short names the report uses
     out["gather_s"] = out.pop("gather_seconds", 0.0)
     out["reduce_s"] = out.pop("reduce_seconds", 0.0)
@@ -104,27 +128,46 @@ def comm_deltas(before: dict, after: dict, steps: int) -> dict:
 
 def worker_ours(args: argparse.Namespace, rank: int, world: int) -> dict:
     import infinity
+
     model = mlp(args.layers, args.width)
-    config = nvme_config(args.swap_dir, args.host_budget, args.arena, args.device_budget,
-                         args.buffer_size, "nvme", device="cpu", zero_stage=3)
+    config = nvme_config(
+        args.swap_dir,
+        args.host_budget,
+        args.arena,
+        args.device_budget,
+        args.buffer_size,
+        "nvme",
+        device="cpu",
+        zero_stage=3,
+    )
     store = infinity.TieredStore(config)
     started = time.perf_counter()
     try:
         model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     except infinity.BudgetError as exc:
         store.close(restore_params=False)
-        return {"error": f"did not attach under a host budget of {args.host_budget:g} GiB "
-                         f"per rank: {exc}"}
+        return {
+            "error": f"did not attach under a host budget of {args.host_budget:g} GiB "
+            f"per rank: {exc}"
+        }
     attach_s = time.perf_counter() - started
     out, before, after = _timed(model, optimizer, args, store.stats)
     comm = comm_deltas(before["comm"], after["comm"], args.steps)
     comm_s = comm["gather_s"] + comm["reduce_s"]
-    out.update({"attach_s": attach_s, "comm": comm, "comm_s": comm_s,
-                # of the mean step: the deltas are sums over the timed steps
-                "comm_share": comm_s / statistics.mean(out["steps_s"]),
-                "peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
-                "backend": after["backend"], "stage": after["comm"]["stage"],
-                "comm_backend": after["comm"]["backend"]})
+    out.update(
+        {
+            "attach_s": attach_s,
+            "comm": comm,
+            "comm_s": comm_s,
+            # of the mean step: the deltas are sums over the timed steps
+            "comm_share": comm_s / statistics.mean(out["steps_s"]),
+            "peak_bytes": after["peak_bytes"],
+            "budgets": after["budgets"],
+            "backend": after["backend"],
+            "stage": after["comm"]["stage"],
+            "comm_backend": after["comm"]["backend"],
+        }
+    )
     out.update(store_deltas(before, after, args.steps))
     store.close(restore_params=False)
     out["peak_rss"] = peak_resident_bytes()
@@ -133,6 +176,7 @@ def worker_ours(args: argparse.Namespace, rank: int, world: int) -> dict:
 
 def worker_fsdp2(args: argparse.Namespace, rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
+
     model = mlp(args.layers, args.width)
     started = time.perf_counter()
     for layer in model:
@@ -152,6 +196,7 @@ WORKERS = {"ours": worker_ours, "fsdp2": worker_fsdp2}
 
 def run_worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
+
     rank, world = _init_ranks(args.collective_timeout)
     try:
         out = WORKERS[args.worker](args, rank, world)
@@ -164,12 +209,21 @@ def run_worker(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- launching
 
-def _launch(command: list[str], timeout_s: float, env: dict[str, str] | None = None,
-            cwd: Path = PROJECT) -> tuple[int, str, str]:
+
+def _launch(
+    command: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: Path = PROJECT
+) -> tuple[int, str, str]:
     """Runs ``command`` in a session of its own (torchrun and its ranks); on timeout the whole
     session is stopped. Returns (exit status, stdout, stderr); 124 when it timed out."""
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
         return process.returncode, stdout, stderr
@@ -196,29 +250,60 @@ def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def run_system(system: str, args: argparse.Namespace, swap_dir: Path,
-               result_dir: Path) -> list[dict] | str:
+def run_system(
+    system: str, args: argparse.Namespace, swap_dir: Path, result_dir: Path
+) -> list[dict] | str:
     """One run of ``system`` on ``args.ranks`` ranks: a record per rank, or why it failed."""
     for old in result_dir.glob(f"{system}-rank*.json"):
         old.unlink()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(args.ranks), "--standalone", "-m", "tools.benchmarks.bench_dist", "--worker", system,
-               "--result-dir", str(result_dir), "--swap-dir", str(swap_dir),
-               "--layers", str(args.layers), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--host-budget", str(args.host_budget),
-               "--arena", str(args.arena), "--device-budget", str(args.device_budget),
-               "--buffer-size", str(args.buffer_size),
-               "--collective-timeout", str(args.collective_timeout)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.ranks),
+        "--standalone",
+        "-m",
+        "tools.benchmarks.bench_dist",
+        "--worker",
+        system,
+        "--result-dir",
+        str(result_dir),
+        "--swap-dir",
+        str(swap_dir),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--host-budget",
+        str(args.host_budget),
+        "--arena",
+        str(args.arena),
+        "--device-budget",
+        str(args.device_budget),
+        "--buffer-size",
+        str(args.buffer_size),
+        "--collective-timeout",
+        str(args.collective_timeout),
+    ]
     code, stdout, stderr = _launch(command, args.timeout, _env(args.threads))
-    records = [json.loads(path.read_text())
-               for path in sorted(result_dir.glob(f"{system}-rank*.json"))]
+    records = [
+        json.loads(path.read_text()) for path in sorted(result_dir.glob(f"{system}-rank*.json"))
+    ]
     errors = [r["error"] for r in records if "error" in r]
     if errors:
         return errors[0]
     if code or len(records) != args.ranks:
-        return (f"exit status {code}, {len(records)} of {args.ranks} ranks reported:\n"
-                f"{_tail(stderr + stdout)}")
+        return (
+            f"exit status {code}, {len(records)} of {args.ranks} ranks reported:\n"
+            f"{_tail(stderr + stdout)}"
+        )
     return sorted(records, key=lambda r: r["rank"])
 
 
@@ -231,8 +316,7 @@ def deepspeed_available(venv: Path, peers: Path) -> tuple[bool, str]:
         return False, f"not installed (no {peers / DEEPSPEED_SCRIPT})"
     code, _, stderr = _launch([str(python), "-c", "import deepspeed"], 300, _env(1, venv))
     if code:
-        return False, f"not installed (deepspeed does not import in {venv}: " \
-                      f"{_tail(stderr, 1)})"
+        return False, f"not installed (deepspeed does not import in {venv}: {_tail(stderr, 1)})"
     return True, f"{venv}"
 
 
@@ -242,26 +326,46 @@ SUMMARY_RE = re.compile(r"SUMMARY .*?mean_step_s=([0-9.]+).*?peak_rss_GiB=([0-9.
 def parse_deepspeed(stdout: str) -> list[dict]:
     """The per-rank records in the DeepSpeed script's SUMMARY lines (one per rank). Its step
     is the mean of the steps after the first, as the script reports it."""
-    return [{"rank": i, "step_s": float(m.group(1)), "peak_rss": float(m.group(2)) * GIB}
-            for i, m in enumerate(SUMMARY_RE.finditer(stdout))]
+    return [
+        {"rank": i, "step_s": float(m.group(1)), "peak_rss": float(m.group(2)) * GIB}
+        for i, m in enumerate(SUMMARY_RE.finditer(stdout))
+    ]
 
 
-def run_deepspeed(args: argparse.Namespace, swap_dir: Path, venv: Path,
-                  peers: Path) -> list[dict] | str:
-    command = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc-per-node",
-               str(args.ranks), "--standalone", str(peers / DEEPSPEED_SCRIPT),
-               "--nvme_path", str(swap_dir), "--steps", str(args.steps + 1),
-               "--layers", str(args.layers), "--hidden", str(args.width),
-               "--batch", str(args.batch)]
+def run_deepspeed(
+    args: argparse.Namespace, swap_dir: Path, venv: Path, peers: Path
+) -> list[dict] | str:
+    command = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.ranks),
+        "--standalone",
+        str(peers / DEEPSPEED_SCRIPT),
+        "--nvme_path",
+        str(swap_dir),
+        "--steps",
+        str(args.steps + 1),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+    ]
     code, stdout, stderr = _launch(command, args.timeout, _env(args.threads, venv), cwd=peers)
     records = parse_deepspeed(stdout)
     if code or len(records) != args.ranks:
-        return (f"exit status {code}, {len(records)} of {args.ranks} SUMMARY lines:\n"
-                f"{_tail(stderr + stdout)}")
+        return (
+            f"exit status {code}, {len(records)} of {args.ranks} SUMMARY lines:\n"
+            f"{_tail(stderr + stdout)}"
+        )
     return records
 
 
 # ---------------------------------------------------------------------------- the report
+
 
 def summarize(runs: list[list[dict] | str]) -> dict | None:
     """Medians over the repeats that succeeded: the slowest rank's median step, the largest
@@ -269,11 +373,13 @@ def summarize(runs: list[list[dict] | str]) -> dict | None:
     good = [r for r in runs if not isinstance(r, str)]
     if not good:
         return None
-    out = {"step_s": statistics.median(max(rank["step_s"] for rank in run) for run in good),
-           "steps_s": [max(rank["step_s"] for rank in run) for run in good],
-           "peak_rss": statistics.median(max(rank["peak_rss"] for rank in run)
-                                         for run in good),
-           "repeats": len(good), "failed": len(runs) - len(good)}
+    out = {
+        "step_s": statistics.median(max(rank["step_s"] for rank in run) for run in good),
+        "steps_s": [max(rank["step_s"] for rank in run) for run in good],
+        "peak_rss": statistics.median(max(rank["peak_rss"] for rank in run) for run in good),
+        "repeats": len(good),
+        "failed": len(runs) - len(good),
+    }
     out["ranks"] = [_median_record([run[i] for run in good]) for i in range(len(good[0]))]
     return out
 
@@ -283,12 +389,21 @@ def _median_record(records: list[dict]) -> dict:
     first = records[0]
     out: dict[str, Any] = {}
     for key, value in first.items():
-        if isinstance(value, list) and value and \
-                all(isinstance(v, (int, float)) and len(r[key]) == len(value)
-                    for r in records for v in r[key]):
+        if (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(v, (int, float)) and len(r[key]) == len(value)
+                for r in records
+                for v in r[key]
+            )
+        ):
             out[key] = [statistics.median(column) for column in zip(*(r[key] for r in records))]
-        elif key in ("rank", "world", "stage") or isinstance(value, bool) or \
-                not isinstance(value, (int, float, dict)):
+        elif (
+            key in ("rank", "world", "stage")
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float, dict))
+        ):
             out[key] = value
         elif isinstance(value, dict):
             out[key] = _median_record([r[key] for r in records])
@@ -305,8 +420,13 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f}"
 
 
-def report(args: argparse.Namespace, summaries: dict[str, dict | None],
-           runs: dict[str, list], deepspeed_note: str, default_model: bool) -> dict:
+def report(
+    args: argparse.Namespace,
+    summaries: dict[str, dict | None],
+    runs: dict[str, list],
+    deepspeed_note: str,
+    default_model: bool,
+) -> dict:
     """Prints the table, the per-rank detail of ours and the goals; returns the ratios."""
     print(f"\n{'system':46s} {'step s':>8s}  {'per repeat':22s} {'peak RSS/rank GiB':>18s}")
     for system in ("ours", "fsdp2", "deepspeed"):
@@ -318,42 +438,54 @@ def report(args: argparse.Namespace, summaries: dict[str, dict | None],
             continue
         per = "[" + ", ".join(f"{x:.2f}" for x in s["steps_s"]) + "]"
         ranks = ", ".join(_gib(r["peak_rss"]) for r in s["ranks"])
-        print(f"{LABELS[system]:46s} {s['step_s']:8.3f}  {per:22s} "
-              f"{_gib(s['peak_rss']):>8s} ({ranks})")
+        print(
+            f"{LABELS[system]:46s} {s['step_s']:8.3f}  {per:22s} "
+            f"{_gib(s['peak_rss']):>8s} ({ranks})"
+        )
     if "deepspeed" not in runs and default_model:
-        print(f"{'DeepSpeed ZeRO-3, NVMe: QUOTED, not measured':46s} "
-              f"{QUOTED_DEEPSPEED['step_s']:8.3f}  {'(peer README, 2 ranks)':22s} "
-              f"{QUOTED_DEEPSPEED['peak_rss_gib']:8.2f}")
+        print(
+            f"{'DeepSpeed ZeRO-3, NVMe: QUOTED, not measured':46s} "
+            f"{QUOTED_DEEPSPEED['step_s']:8.3f}  {'(peer README, 2 ranks)':22s} "
+            f"{QUOTED_DEEPSPEED['peak_rss_gib']:8.2f}"
+        )
     if default_model:
         low, high = QUOTED_FSDP2["step_range_s"]
-        print(f"{'FSDP2, no offload: QUOTED (earlier run)':46s} "
-              f"{QUOTED_FSDP2['step_s']:8.3f}  {f'(range {low}-{high} s)':22s} "
-              f"{QUOTED_FSDP2['peak_rss_gib']:8.2f}")
+        print(
+            f"{'FSDP2, no offload: QUOTED (earlier run)':46s} "
+            f"{QUOTED_FSDP2['step_s']:8.3f}  {f'(range {low}-{high} s)':22s} "
+            f"{QUOTED_FSDP2['peak_rss_gib']:8.2f}"
+        )
     print(f"DeepSpeed: {deepspeed_note}")
 
     ours = summaries.get("ours")
     if ours is not None:
         print("\nours per rank, per step (median over repeats):")
-        print(f"  {'rank':>4s} {'gathered MB':>11s} {'reduce-sc. MB':>13s} "
-              f"{'comm wait s':>11s} {'share':>6s} {'read MB':>8s} {'written MB':>10s} "
-              f"{'stall s':>8s}  peak device / host / nvme GiB (budgets device / host / arena)")
+        print(
+            f"  {'rank':>4s} {'gathered MB':>11s} {'reduce-sc. MB':>13s} "
+            f"{'comm wait s':>11s} {'share':>6s} {'read MB':>8s} {'written MB':>10s} "
+            f"{'stall s':>8s}  peak device / host / nvme GiB (budgets device / host / arena)"
+        )
         for r in ours["ranks"]:
             peak, budgets = r["peak_bytes"], r["budgets"]
-            print(f"  {r['rank']:4d} {_mb(r['comm']['gathered_bytes']):>11s} "
-                  f"{_mb(r['comm']['reduced_bytes']):>13s} {r['comm_s']:11.3f} "
-                  f"{r['comm_share']:6.0%} {_mb(r['read_bytes']):>8s} "
-                  f"{_mb(r['write_bytes']):>10s} {r['stall_s']:8.3f}  "
-                  f"{_gib(peak['device'])} / {_gib(peak['host'])} / {_gib(peak['nvme'])} "
-                  f"({_gib(budgets['device'])} / {_gib(budgets['host'])} / "
-                  f"{_gib(budgets['arena'])})")
+            print(
+                f"  {r['rank']:4d} {_mb(r['comm']['gathered_bytes']):>11s} "
+                f"{_mb(r['comm']['reduced_bytes']):>13s} {r['comm_s']:11.3f} "
+                f"{r['comm_share']:6.0%} {_mb(r['read_bytes']):>8s} "
+                f"{_mb(r['write_bytes']):>10s} {r['stall_s']:8.3f}  "
+                f"{_gib(peak['device'])} / {_gib(peak['host'])} / {_gib(peak['nvme'])} "
+                f"({_gib(budgets['device'])} / {_gib(budgets['host'])} / "
+                f"{_gib(budgets['arena'])})"
+            )
         r0 = ours["ranks"][0]
         ahead = r0["comm"].get("assembled_ahead")
-        print(f"  comm: {r0['comm_backend']}, ZeRO stage {r0['stage']}, "
-              f"{r0['comm']['collectives']:.0f} collectives/step"
-              + (f" ({ahead:.0f} parameters all-gathered ahead)" if ahead is not None else "")
-              + f"; swap backend {r0['backend']}; "
-              f"phases (forward / backward / optimizer step) "
-              f"{' / '.join(f'{p:.3f}' for p in r0['phases_s'])} s; attach {r0['attach_s']:.1f} s")
+        print(
+            f"  comm: {r0['comm_backend']}, ZeRO stage {r0['stage']}, "
+            f"{r0['comm']['collectives']:.0f} collectives/step"
+            + (f" ({ahead:.0f} parameters all-gathered ahead)" if ahead is not None else "")
+            + f"; swap backend {r0['backend']}; "
+            f"phases (forward / backward / optimizer step) "
+            f"{' / '.join(f'{p:.3f}' for p in r0['phases_s'])} s; attach {r0['attach_s']:.1f} s"
+        )
 
     ratios: dict[str, Any] = {}
     if ours is None:
@@ -370,16 +502,33 @@ def report(args: argparse.Namespace, summaries: dict[str, dict | None],
         ds_how = "failed" if "deepspeed" in runs else "no figures for this model"
     goals = []
     if ds_step is not None:
-        goals.append(("step vs DeepSpeed", ours["step_s"] / ds_step, GOAL_STEP_VS_DEEPSPEED,
-                      f"{ours['step_s']:.3f} / {ds_step:.2f} s, DeepSpeed {ds_how}"))
+        goals.append(
+            (
+                "step vs DeepSpeed",
+                ours["step_s"] / ds_step,
+                GOAL_STEP_VS_DEEPSPEED,
+                f"{ours['step_s']:.3f} / {ds_step:.2f} s, DeepSpeed {ds_how}",
+            )
+        )
     fsdp2 = summaries.get("fsdp2")
     if fsdp2 is not None:
-        goals.append(("step vs FSDP2", ours["step_s"] / fsdp2["step_s"], GOAL_STEP_VS_FSDP2,
-                      f"{ours['step_s']:.3f} / {fsdp2['step_s']:.3f} s, FSDP2 measured"))
+        goals.append(
+            (
+                "step vs FSDP2",
+                ours["step_s"] / fsdp2["step_s"],
+                GOAL_STEP_VS_FSDP2,
+                f"{ours['step_s']:.3f} / {fsdp2['step_s']:.3f} s, FSDP2 measured",
+            )
+        )
     if ds_rss is not None:
-        goals.append(("peak RSS vs DeepSpeed", ours["peak_rss"] / GIB / ds_rss,
-                      GOAL_RSS_VS_DEEPSPEED, f"{_gib(ours['peak_rss'])} / {ds_rss:.2f} GiB per "
-                                             f"rank, DeepSpeed {ds_how}"))
+        goals.append(
+            (
+                "peak RSS vs DeepSpeed",
+                ours["peak_rss"] / GIB / ds_rss,
+                GOAL_RSS_VS_DEEPSPEED,
+                f"{_gib(ours['peak_rss'])} / {ds_rss:.2f} GiB per rank, DeepSpeed {ds_how}",
+            )
+        )
     if not goals:
         print("\ngoals: nothing to compare (no peer figures for this model)")
         return ratios
@@ -389,47 +538,81 @@ def report(args: argparse.Namespace, summaries: dict[str, dict | None],
         ok = ratio <= goal
         met.append(ok)
         ratios[name] = {"ratio": ratio, "goal": goal, "met": ok, "detail": detail}
-        print(f"  {name:22s} {ratio:5.2f}x (goal <= {goal:.2f}x): "
-              f"{'MET' if ok else 'NOT MET'}  [{detail}]")
-    missing = [n for n, present in (("step vs DeepSpeed", ds_step is not None),
-                                    ("step vs FSDP2", fsdp2 is not None),
-                                    ("peak RSS vs DeepSpeed", ds_rss is not None)) if not present]
+        print(
+            f"  {name:22s} {ratio:5.2f}x (goal <= {goal:.2f}x): "
+            f"{'MET' if ok else 'NOT MET'}  [{detail}]"
+        )
+    missing = [
+        n
+        for n, present in (
+            ("step vs DeepSpeed", ds_step is not None),
+            ("step vs FSDP2", fsdp2 is not None),
+            ("peak RSS vs DeepSpeed", ds_rss is not None),
+        )
+        if not present
+    ]
     passed = [name for (name, *_), ok in zip(goals, met) if ok]
     failed = [name for (name, *_), ok in zip(goals, met) if not ok]
     quoted = " (DeepSpeed's figures quoted, not measured)" if ds_how.startswith("QUOTED") else ""
-    print(f"goals: {len(passed)} of {len(goals)} met{quoted}. met: {', '.join(passed) or 'none'}; "
-          f"not met: {', '.join(failed) or 'none'}"
-          + (f"; not compared: {', '.join(missing)}" if missing else ""))
+    print(
+        f"goals: {len(passed)} of {len(goals)} met{quoted}. met: {', '.join(passed) or 'none'}; "
+        f"not met: {', '.join(failed) or 'none'}"
+        + (f"; not compared: {', '.join(missing)}" if missing else "")
+    )
     return ratios
 
 
 # ---------------------------------------------------------------------------- main
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, repeats=3)
     parser.set_defaults(host_budget=1.5, warmup=1)
-    parser.add_argument("--arena", type=float, default=0.5,
-                        help="GiB of staging arena per rank, inside the host budget (default: "
-                             "%(default)s; a rank's share of the state is about 0.8 GiB, so "
-                             "part of it streams from NVMe every step)")
-    parser.add_argument("--device-budget", type=float, default=0.1,
-                        help="GiB for the device tier per rank (host memory without a GPU)")
+    parser.add_argument(
+        "--arena",
+        type=float,
+        default=0.5,
+        help="GiB of staging arena per rank, inside the host budget (default: "
+        "%(default)s; a rank's share of the state is about 0.8 GiB, so "
+        "part of it streams from NVMe every step)",
+    )
+    parser.add_argument(
+        "--device-budget",
+        type=float,
+        default=0.1,
+        help="GiB for the device tier per rank (host memory without a GPU)",
+    )
     parser.add_argument("--buffer-size", type=int, default=64 << 20)
     parser.add_argument("--ranks", type=int, default=2, help="ranks per run (%(default)s)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="OMP threads per rank, every system alike (%(default)s)")
-    parser.add_argument("--systems", default="ours,fsdp2,deepspeed",
-                        help="which to run (%(default)s); DeepSpeed only where installed")
-    parser.add_argument("--peers", type=Path, default=PEERS,
-                        help="the peer harness's directory (DeepSpeed's script)")
-    parser.add_argument("--deepspeed-venv", type=Path, default=PEERS_VENV,
-                        help="the peer harness's virtual environment with DeepSpeed "
-                             "(default: $PEERS_VENV or %(default)s)")
-    parser.add_argument("--timeout", type=float, default=900,
-                        help="seconds one run may take before it is stopped")
-    parser.add_argument("--collective-timeout", type=float, default=300,
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OMP threads per rank, every system alike (%(default)s)",
+    )
+    parser.add_argument(
+        "--systems",
+        default="ours,fsdp2,deepspeed",
+        help="which to run (%(default)s); DeepSpeed only where installed",
+    )
+    parser.add_argument(
+        "--peers",
+        type=Path,
+        default=PEERS,
+        help="the peer harness's directory (DeepSpeed's script)",
+    )
+    parser.add_argument(
+        "--deepspeed-venv",
+        type=Path,
+        default=PEERS_VENV,
+        help="the peer harness's virtual environment with DeepSpeed "
+        "(default: $PEERS_VENV or %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900, help="seconds one run may take before it is stopped"
+    )
+    parser.add_argument("--collective-timeout", type=float, default=300, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
@@ -446,8 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     if not systems or set(systems) - {"ours", "fsdp2", "deepspeed"}:
         parser.error(f"--systems {args.systems!r}: a comma list of ours, fsdp2, deepspeed")
     if args.arena > args.host_budget:
-        parser.error(f"an arena of {args.arena} GiB does not fit a host budget of "
-                     f"{args.host_budget} GiB")
+        parser.error(
+            f"an arena of {args.arena} GiB does not fit a host budget of {args.host_budget} GiB"
+        )
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1 or args.ranks < 2:
         parser.error("--steps, --warmup and --repeats must be >= 1, --ranks >= 2")
     began = time.perf_counter()
@@ -458,8 +642,10 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             systems.remove("deepspeed")
             if default_model:
-                deepspeed_note += "; its figures below are QUOTED from the peer harness's " \
-                                  "README, not measured here"
+                deepspeed_note += (
+                    "; its figures below are QUOTED from the peer harness's "
+                    "README, not measured here"
+                )
         else:
             deepspeed_note = f"measured with {deepspeed_note}"
 
@@ -469,14 +655,18 @@ def main(argv: list[str] | None = None) -> int:
     result_dir = root / "results"
     result_dir.mkdir()
     params = sum(p.numel() for p in mlp(args.layers, args.width).parameters())
-    print(f"model: {args.layers} x Linear({args.width}) + ReLU, fp32, {params / 1e6:.1f} M params, "
-          f"batch {args.batch} per rank, {args.ranks} ranks (gloo, torchrun), {args.threads} "
-          f"thread(s) per rank; {args.warmup} untimed + {args.steps} timed steps, "
-          f"{args.repeats} repeat(s) interleaved")
+    print(
+        f"model: {args.layers} x Linear({args.width}) + ReLU, fp32, {params / 1e6:.1f} M params, "
+        f"batch {args.batch} per rank, {args.ranks} ranks (gloo, torchrun), {args.threads} "
+        f"thread(s) per rank; {args.warmup} untimed + {args.steps} timed steps, "
+        f"{args.repeats} repeat(s) interleaved"
+    )
     if "ours" in systems:
-        print(f"ours: ZeRO stage 3, params + optimizer state on NVMe under {root}, per rank: "
-              f"host budget {args.host_budget:.2f} GiB, staging arena {args.arena:.2f} GiB, "
-              f"device tier {args.device_budget:.2f} GiB")
+        print(
+            f"ours: ZeRO stage 3, params + optimizer state on NVMe under {root}, per rank: "
+            f"host budget {args.host_budget:.2f} GiB, staging arena {args.arena:.2f} GiB, "
+            f"device tier {args.device_budget:.2f} GiB"
+        )
     runs: dict[str, list] = {s: [] for s in systems}
     summaries: dict[str, dict | None] = {}
     ratios: dict[str, Any] = {}
@@ -495,8 +685,11 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(result, str):
                     print(f"  {system} run {repeat + 1}: FAILED after {took:.0f} s: {result}")
                 else:
-                    print(f"  {system} run {repeat + 1}: {took:.0f} s, median step "
-                          f"{max(r['step_s'] for r in result):.3f} s", flush=True)
+                    print(
+                        f"  {system} run {repeat + 1}: {took:.0f} s, median step "
+                        f"{max(r['step_s'] for r in result):.3f} s",
+                        flush=True,
+                    )
                 if system == "ours" and swap_dir.exists() and any(swap_dir.iterdir()):
                     leftovers += [str(p) for p in swap_dir.iterdir()]
                 runs[system].append(result)
@@ -508,11 +701,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if args.json:  # what there is, also after a failure
-            args.json.write_text(json.dumps(
-                {"args": {k: (str(v) if isinstance(v, Path) else v)
-                          for k, v in vars(args).items()},
-                 "deepspeed": deepspeed_note, "runs": runs, "summary": summaries,
-                 "ratios": ratios, "leftovers": leftovers}, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "args": {
+                            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                        },
+                        "deepspeed": deepspeed_note,
+                        "runs": runs,
+                        "summary": summaries,
+                        "ratios": ratios,
+                        "leftovers": leftovers,
+                    },
+                    indent=2,
+                )
+            )
     return 0 if summaries.get("ours") is not None else 1
 
 

@@ -34,29 +34,54 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from infinity.config import format_size, parse_size
-from tools.commands.generate import DiskProbe, build_empty_model, inspect_model_dir, offload_config, \
-    timed_generate
+from tools.commands.generate import (
+    DiskProbe,
+    build_empty_model,
+    inspect_model_dir,
+    offload_config,
+    timed_generate,
+)
 
 SYSTEMS = ("ram", "accelerate", "ours")
-FULL = {"hidden": 1024, "layers": 12, "intermediate": 2816, "vocab": 32000, "heads": 16,
-        "host_budget": "256MiB", "device_budget": "128MiB", "reps": 5, "batches": "1,8,32"}
+FULL = {
+    "hidden": 1024,
+    "layers": 12,
+    "intermediate": 2816,
+    "vocab": 32000,
+    "heads": 16,
+    "host_budget": "256MiB",
+    "device_budget": "128MiB",
+    "reps": 5,
+    "batches": "1,8,32",
+}
 #: a 21 M-parameter model with budgets in the same proportion to it
-QUICK = {"hidden": 512, "layers": 4, "intermediate": 1408, "vocab": 8000, "heads": 8,
-         "host_budget": "24MiB", "device_budget": "20MiB", "reps": 2, "batches": "1,8"}
-MARK = "@bench-infer@ "          # a worker's result lines on stdout (libraries print there too)
+QUICK = {
+    "hidden": 512,
+    "layers": 4,
+    "intermediate": 1408,
+    "vocab": 8000,
+    "heads": 8,
+    "host_budget": "24MiB",
+    "device_budget": "20MiB",
+    "reps": 2,
+    "batches": "1,8",
+}
+MARK = "@bench-infer@ "  # a worker's result lines on stdout (libraries print there too)
 ATOL = 1e-5
 GOAL_VS_ACCELERATE = 0.5
 GOAL_VS_FLOOR = 1.15
 
 
 # ---------------------------------------------------------------------------- workers
+
 
 def drop_page_cache(files: Sequence[Path]) -> str:
     """Empties the page cache of ``files``; returns how."""
@@ -90,16 +115,20 @@ class Worker:
         system = spec["system"]
         if system == "ours":
             import infinity
+
             nvme = Path(spec["nvme"])
-            config = offload_config(nvme, spec["host_budget"], spec["device_budget"],
-                                    spec["buffer_size"], device="cpu")
+            config = offload_config(
+                nvme, spec["host_budget"], spec["device_budget"], spec["buffer_size"], device="cpu"
+            )
             self.store = infinity.TieredStore(config)
-            self.model = build_empty_model(inspect_model_dir(model_dir), torch.float32,
-                                           self.store.device)
+            self.model = build_empty_model(
+                inspect_model_dir(model_dir), torch.float32, self.store.device
+            )
             self.store.attach(self.model, initialise=False)
             self.store.load_pretrained(model_dir)
         else:
             from transformers import AutoModelForCausalLM
+
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             self.model.eval()
             if system == "ram":
@@ -111,9 +140,11 @@ class Worker:
                         param.data = param.data.clone()
             if system == "accelerate":
                 import accelerate
+
                 self.offload_dir = Path(spec["offload_dir"])
-                accelerate.disk_offload(self.model, self.offload_dir,
-                                        execution_device=torch.device("cpu"))
+                accelerate.disk_offload(
+                    self.model, self.offload_dir, execution_device=torch.device("cpu")
+                )
                 gc.collect()  # the in-memory weights go: from here on they come from the files
         self.setup_seconds = time.perf_counter() - started
         for _ in range(spec["warmup"]):
@@ -121,8 +152,9 @@ class Worker:
 
     def forward(self) -> dict[str, Any]:
         if self.spec["system"] == "accelerate":
-            self.cache_drop = drop_page_cache(sorted(p for p in self.offload_dir.rglob("*")
-                                                     if p.is_file()))
+            self.cache_drop = drop_page_cache(
+                sorted(p for p in self.offload_dir.rglob("*") if p.is_file())
+            )
         before = self.store.stats() if self.store is not None else None
         with torch.no_grad():
             started = time.perf_counter()
@@ -145,12 +177,18 @@ class Worker:
         ids = torch.randint(0, vocab, (batch, prompt), generator=generator)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         # min_new_tokens: random weights may emit EOS early; every row makes all ``new`` tokens
-        kwargs = {"do_sample": False, "max_new_tokens": new, "min_new_tokens": new,
-                  "pad_token_id": self.model.generation_config.pad_token_id or 0}
+        kwargs = {
+            "do_sample": False,
+            "max_new_tokens": new,
+            "min_new_tokens": new,
+            "pad_token_id": self.model.generation_config.pad_token_id or 0,
+        }
         if not self.generated:  # generate's one-time setup is not part of any batch's figure
             with torch.no_grad():
-                self.model.generate(**{k: v[:1, :4] for k, v in inputs.items()},
-                                    **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+                self.model.generate(
+                    **{k: v[:1, :4] for k, v in inputs.items()},
+                    **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2},
+                )
             self.generated = True
         out, timing = timed_generate(self.model, self.store, inputs, **kwargs)
         timing["sequences"] = out.tolist()
@@ -163,6 +201,7 @@ class Worker:
 
 def worker_main(spec: dict[str, Any]) -> int:
     from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     worker = Worker(spec)
 
@@ -191,13 +230,17 @@ class Remote:
         self.log = log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tools.benchmarks.bench_infer", "--worker", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
 
     def receive(self) -> dict[str, Any]:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                return json.loads(line[len(MARK) :])
         self.process.wait()
         self.log.flush()
         tail = self.log_path.read_text()[-3000:]
@@ -224,33 +267,61 @@ class Remote:
 
 # ---------------------------------------------------------------------------- the run
 
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_infer", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--quick", action="store_true",
-                   help="a 21 M-param model, smaller budgets, 2 repetitions, batches 1 and 8")
-    p.add_argument("--dir", type=Path,
-                   help="where the model, accelerate's offload files and the swap files go "
-                        "(default: a temporary directory under $TMPDIR, on the disk measured)")
-    p.add_argument("--host-budget", help=f"ours (default {FULL['host_budget']}, quick "
-                   f"{QUICK['host_budget']})")
-    p.add_argument("--device-budget", help=f"ours (default {FULL['device_budget']}, quick "
-                   f"{QUICK['device_budget']})")
-    p.add_argument("--buffer-size", help="ours: swap buffer and largest shard (default: an "
-                   "eighth of the host budget, at most 64MiB)")
-    p.add_argument("--reps", type=int, help=f"timed forwards per system (default "
-                   f"{FULL['reps']}, quick {QUICK['reps']})")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed forwards per system first; ours records its trace in the first "
-                        "(%(default)s)")
+    p = argparse.ArgumentParser(
+        prog="bench_infer",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 21 M-param model, smaller budgets, 2 repetitions, batches 1 and 8",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        help="where the model, accelerate's offload files and the swap files go "
+        "(default: a temporary directory under $TMPDIR, on the disk measured)",
+    )
+    p.add_argument(
+        "--host-budget", help=f"ours (default {FULL['host_budget']}, quick {QUICK['host_budget']})"
+    )
+    p.add_argument(
+        "--device-budget",
+        help=f"ours (default {FULL['device_budget']}, quick {QUICK['device_budget']})",
+    )
+    p.add_argument(
+        "--buffer-size",
+        help="ours: swap buffer and largest shard (default: an "
+        "eighth of the host budget, at most 64MiB)",
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        help=f"timed forwards per system (default {FULL['reps']}, quick {QUICK['reps']})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed forwards per system first; ours records its trace in the first (%(default)s)",
+    )
     p.add_argument("--seq", type=int, default=128, help="tokens per forward (%(default)s)")
-    p.add_argument("--batches", help=f"generate batch sizes (default {FULL['batches']}, quick "
-                   f"{QUICK['batches']}; 'none' skips generate)")
+    p.add_argument(
+        "--batches",
+        help=f"generate batch sizes (default {FULL['batches']}, quick "
+        f"{QUICK['batches']}; 'none' skips generate)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=32, help="(%(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="(%(default)s)")
-    p.add_argument("--disk-bytes", default="1GiB",
-                   help="bytes the swap engine reads per bandwidth measurement (%(default)s)")
+    p.add_argument(
+        "--disk-bytes",
+        default="1GiB",
+        help="bytes the swap engine reads per bandwidth measurement (%(default)s)",
+    )
     p.add_argument("--json", type=Path, help="write every measurement to this JSON file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -260,21 +331,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for key in ("host_budget", "device_budget", "reps", "batches"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    args.model_shape = {k: preset[k] for k in ("hidden", "layers", "intermediate", "vocab",
-                                               "heads")}
+    args.model_shape = {
+        k: preset[k] for k in ("hidden", "layers", "intermediate", "vocab", "heads")
+    }
     try:
         args.host_budget = parse_size(args.host_budget, name="--host-budget")
         args.device_budget = parse_size(args.device_budget, name="--device-budget")
-        args.buffer_size = (parse_size(args.buffer_size, name="--buffer-size")
-                            if args.buffer_size else None)
+        args.buffer_size = (
+            parse_size(args.buffer_size, name="--buffer-size") if args.buffer_size else None
+        )
         args.disk_bytes = parse_size(args.disk_bytes, name="--disk-bytes")
-        args.batches = [] if args.batches == "none" else \
-            [int(b) for b in args.batches.split(",") if b.strip()]
+        args.batches = (
+            [] if args.batches == "none" else [int(b) for b in args.batches.split(",") if b.strip()]
+        )
     except ValueError as exc:  # ConfigError is a ValueError too
         p.error(str(exc))
     if args.reps < 1 or args.warmup < 1 or min(args.batches, default=1) < 1:
-        p.error("--reps, --warmup and batch sizes must be >= 1 (ours records its trace in the "
-                "first warm-up forward)")
+        p.error(
+            "--reps, --warmup and batch sizes must be >= 1 (ours records its trace in the "
+            "first warm-up forward)"
+        )
     return args
 
 
@@ -282,10 +358,16 @@ def save_model(shape: dict[str, int], model_dir: Path, seq: int, reference: Path
     """Random weights saved with save_pretrained, and the in-RAM logits every system must give;
     returns the weight bytes."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
-                         intermediate_size=shape["intermediate"], vocab_size=shape["vocab"],
-                         num_attention_heads=shape["heads"], tie_word_embeddings=False,
-                         max_position_embeddings=max(2048, seq))
+
+    config = LlamaConfig(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        intermediate_size=shape["intermediate"],
+        vocab_size=shape["vocab"],
+        num_attention_heads=shape["heads"],
+        tie_word_embeddings=False,
+        max_position_embeddings=max(2048, seq),
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(model_dir)
@@ -318,47 +400,70 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     work.mkdir()
     reference = root / "reference.safetensors"
     shape = args.model_shape
-    print(f"model: Llama hidden {shape['hidden']}, {shape['layers']} layers, MLP "
-          f"{shape['intermediate']}, vocab {shape['vocab']}, untied; saving random weights to "
-          f"{model_dir} ...", flush=True)
+    print(
+        f"model: Llama hidden {shape['hidden']}, {shape['layers']} layers, MLP "
+        f"{shape['intermediate']}, vocab {shape['vocab']}, untied; saving random weights to "
+        f"{model_dir} ...",
+        flush=True,
+    )
     weight_bytes = save_model(shape, model_dir, args.seq, reference)
     gc.collect()
-    print(f"  {weight_bytes / 4 / 1e6:.1f} M params, fp32 {weight_bytes / 1e9:.3f} GB; forward "
-          f"1 x {args.seq} tokens; ours: host budget {format_size(args.host_budget)}, device "
-          f"budget {format_size(args.device_budget)}; {args.warmup} warm-up + {args.reps} timed "
-          f"forwards per system, interleaved", flush=True)
-    base = {"model_dir": str(model_dir), "reference": str(reference), "warmup": args.warmup,
-            "host_budget": args.host_budget, "device_budget": args.device_budget,
-            "buffer_size": args.buffer_size, "nvme": str(work),
-            "offload_dir": str(root / "accelerate-offload")}
+    print(
+        f"  {weight_bytes / 4 / 1e6:.1f} M params, fp32 {weight_bytes / 1e9:.3f} GB; forward "
+        f"1 x {args.seq} tokens; ours: host budget {format_size(args.host_budget)}, device "
+        f"budget {format_size(args.device_budget)}; {args.warmup} warm-up + {args.reps} timed "
+        f"forwards per system, interleaved",
+        flush=True,
+    )
+    base = {
+        "model_dir": str(model_dir),
+        "reference": str(reference),
+        "warmup": args.warmup,
+        "host_budget": args.host_budget,
+        "device_budget": args.device_budget,
+        "buffer_size": args.buffer_size,
+        "nvme": str(work),
+        "offload_dir": str(root / "accelerate-offload"),
+    }
     remotes: dict[str, Remote] = {}
     load_at_start = os.getloadavg()[0]
-    results: dict[str, Any] = {"weight_bytes": weight_bytes, "args": {
-        k: v for k, v in vars(args).items() if k not in ("json", "dir", "worker")}}
+    results: dict[str, Any] = {
+        "weight_bytes": weight_bytes,
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "dir", "worker")},
+    }
     try:
         for system in SYSTEMS:  # one at a time: their setups would compete for the cores
             remotes[system] = Remote({**base, "system": system}, root / f"{system}.log")
             ready = remotes[system].receive()
-            print(f"  {system}: ready in {ready['setup_seconds']:.1f} s (+ {args.warmup} "
-                  f"warm-up forwards)", flush=True)
+            print(
+                f"  {system}: ready in {ready['setup_seconds']:.1f} s (+ {args.warmup} "
+                f"warm-up forwards)",
+                flush=True,
+            )
         forwards: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         disk: list[float] = []
         with DiskProbe([work], args.disk_bytes, offload_config(work, None, None)) as probe:
             for rep in range(args.reps):
-                order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]  # no system always goes first
+                order = SYSTEMS[rep % 3 :] + SYSTEMS[: rep % 3]  # no system always goes first
                 for system in order:
                     forwards[system].append(remotes[system].ask(cmd="forward"))
                 disk.append(probe.read())
-                print(f"  round {rep + 1}: " + ", ".join(
-                    f"{s} {forwards[s][-1]['seconds']:.3f} s" for s in SYSTEMS) +
-                    f", engine read {disk[-1] / 1e9:.2f} GB/s", flush=True)
+                print(
+                    f"  round {rep + 1}: "
+                    + ", ".join(f"{s} {forwards[s][-1]['seconds']:.3f} s" for s in SYSTEMS)
+                    + f", engine read {disk[-1] / 1e9:.2f} GB/s",
+                    flush=True,
+                )
         results["forwards"] = forwards
         results["disk_read_bps"] = disk
         generates: dict[int, dict[str, Any]] = {}
         for batch in args.batches:
-            generates[batch] = {system: remotes[system].ask(
-                cmd="generate", batch=batch, prompt=args.prompt_tokens, new=args.new_tokens)
-                for system in ("ram", "ours")}
+            generates[batch] = {
+                system: remotes[system].ask(
+                    cmd="generate", batch=batch, prompt=args.prompt_tokens, new=args.new_tokens
+                )
+                for system in ("ram", "ours")
+            }
         results["generate"] = generates
         results["load"] = (load_at_start, os.getloadavg()[0])
     finally:
@@ -386,11 +491,18 @@ def summarize(results: dict[str, Any]) -> list[str]:
     fastest = {s: min(r["seconds"] for r in forwards[s]) for s in SYSTEMS}
     min_floor = max(fastest["ram"], weight_bytes / max(results["disk_read_bps"]))
     min_acc, min_floor_ratio = fastest["ours"] / fastest["accelerate"], fastest["ours"] / min_floor
-    results["summary"] = {"median_seconds": t, "disk_read_gbps": disk / 1e9, "floor": floor,
-                          "ours_vs_accelerate": vs_acc, "ours_vs_floor": vs_floor,
-                          "fastest_seconds": fastest, "fastest_ours_vs_accelerate": min_acc,
-                          "fastest_ours_vs_floor": min_floor_ratio,
-                          "bytes_read_per_forward": read, "load_average": results.get("load")}
+    results["summary"] = {
+        "median_seconds": t,
+        "disk_read_gbps": disk / 1e9,
+        "floor": floor,
+        "ours_vs_accelerate": vs_acc,
+        "ours_vs_floor": vs_floor,
+        "fastest_seconds": fastest,
+        "fastest_ours_vs_accelerate": min_acc,
+        "fastest_ours_vs_floor": min_floor_ratio,
+        "bytes_read_per_forward": read,
+        "load_average": results.get("load"),
+    }
     lines += [
         f"(accelerate: page cache dropped before each forward with {drop})",
         "",
@@ -416,10 +528,13 @@ def summarize(results: dict[str, Any]) -> list[str]:
         f"accelerate check {check_text(forwards['accelerate'])}",
     ]
     if results["generate"]:
-        lines += ["", "generate (greedy, attached vs in RAM):",
-                  f"{'batch':>5} {'prompt+new':>10} {'ours tok/s':>10} {'ram tok/s':>9} "
-                  f"{'ours/ram':>8} {'prefill s':>9} {'decode s/tok':>12} {'MB read/tok':>11} "
-                  f"{'stall':>6}  same ids as RAM"]
+        lines += [
+            "",
+            "generate (greedy, attached vs in RAM):",
+            f"{'batch':>5} {'prompt+new':>10} {'ours tok/s':>10} {'ram tok/s':>9} "
+            f"{'ours/ram':>8} {'prefill s':>9} {'decode s/tok':>12} {'MB read/tok':>11} "
+            f"{'stall':>6}  same ids as RAM",
+        ]
         for batch, pair in results["generate"].items():
             ours_g, ram_g = pair["ours"], pair["ram"]
             same = ours_g["sequences"] == ram_g["sequences"]
@@ -429,7 +544,8 @@ def summarize(results: dict[str, Any]) -> list[str]:
                 f"{ours_g['tokens_per_second'] / ram_g['tokens_per_second']:>8.2f} "
                 f"{ours_g['prefill_seconds']:>9.3f} {ours_g['decode_seconds_per_token']:>12.3f} "
                 f"{ours_g['bytes_read_per_token'] / 1e6:>11.1f} {ours_g['stall_share']:>6.0%}  "
-                f"{'yes' if same else 'NO'}")
+                f"{'yes' if same else 'NO'}"
+            )
     return lines
 
 
@@ -440,6 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()  # save_pretrained's bar would interleave with the rounds
     root = Path(tempfile.mkdtemp(prefix="infinity-bench-infer-", dir=args.dir))
     try:

@@ -21,8 +21,8 @@ forward, backward and optimizer-step seconds (where an attached step spends what
 with the seconds of device-tier copies among them: without a GPU these are memory copies on
 the cores that also compute, which a GPU's copy engine would take off them.
 
-    python -m tools.benchmarks.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7 --device-budget 0.1
-                                   --modes step,backward]
+    python -m tools.benchmarks.bench_overlap [--host-budget 2.14 --arena 1.35,1.0,0.7
+                                             --device-budget 0.1 --modes step,backward]
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,11 +64,17 @@ def mlp(layers: int, width: int, seed: int = 0) -> nn.Module:
     return nn.Sequential(*blocks)
 
 
-def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch: int,
-                width: int, phases: list[tuple[float, float, float]] | None = None,
-                after_backward: Callable[[], object] | None = None,
-                at_start: Callable[[], object] | None = None,
-                at_end: Callable[[], object] | None = None) -> list[float]:
+def timed_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    batch: int,
+    width: int,
+    phases: list[tuple[float, float, float]] | None = None,
+    after_backward: Callable[[], object] | None = None,
+    at_start: Callable[[], object] | None = None,
+    at_end: Callable[[], object] | None = None,
+) -> list[float]:
     """Seconds per training step; with ``phases``, also appends each step's (forward,
     backward, optimizer step + zero_grad) seconds to it. ``after_backward`` (e.g. a
     ``clip_grad_norm_`` call) runs between ``loss.backward()`` and ``optimizer.step()``; its
@@ -94,43 +101,66 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
             at_end()
         times.append(time.perf_counter() - started)
         if phases is not None:
-            phases.append((forward_done - started, backward_done - forward_done,
-                           ended - backward_done))
+            phases.append(
+                (forward_done - started, backward_done - forward_done, ended - backward_done)
+            )
     return times
 
 
 def engine_settings(config: infinity.OffloadConfig) -> EngineSettings:
     """The swap engine settings of ``config``'s aio section."""
-    return EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
-                          queue_depth=config.aio.queue_depth, thread_count=config.aio.thread_count)
+    return EngineSettings(
+        backend=config.aio.backend,
+        block_size=config.aio.block_size,
+        queue_depth=config.aio.queue_depth,
+        thread_count=config.aio.thread_count,
+    )
 
 
-def nvme_config(nvme_path: Path, host_budget: float, arena: float, device_budget: float,
-                buffer_size: int = 64 << 20, offload_optimizer: str = "nvme",
-                **settings: object) -> infinity.OffloadConfig:
+def nvme_config(
+    nvme_path: Path,
+    host_budget: float,
+    arena: float,
+    device_budget: float,
+    buffer_size: int = 64 << 20,
+    offload_optimizer: str = "nvme",
+    **settings: object,
+) -> infinity.OffloadConfig:
     """The store configuration of an NVMe run: parameters on NVMe, the optimizer state where
     ``offload_optimizer`` says, a staging arena of ``arena`` GiB in slots of ``buffer_size``
     bytes, under host and device budgets in GiB; ``settings`` are further OffloadConfig keys."""
     return infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer=offload_optimizer, nvme_path=(nvme_path,),
-        buffer_size=buffer_size, buffer_count=max(2, int(arena * 2**30) // buffer_size),
-        host_budget=int(host_budget * 2**30), device_budget=int(device_budget * 2**30),
-        **settings)
+        offload_param="nvme",
+        offload_optimizer=offload_optimizer,
+        nvme_path=(nvme_path,),
+        buffer_size=buffer_size,
+        buffer_count=max(2, int(arena * 2**30) // buffer_size),
+        host_budget=int(host_budget * 2**30),
+        device_budget=int(device_budget * 2**30),
+        **settings,
+    )
 
 
 def store_deltas(before: dict, after: dict, steps: int) -> dict:
     """Per-step I/O and device-tier traffic between two ``store.stats()`` snapshots taken
     ``steps`` steps apart."""
+
     def per_step(key: str) -> float:
         return (after[key] - before[key]) / steps
-    return {"read_bytes": per_step("bytes_read"), "write_bytes": per_step("bytes_written"),
-            "stall_s": per_step("stall_seconds"), "to_device_bytes": per_step("bytes_to_device"),
-            "from_device_bytes": per_step("bytes_from_device"),
-            "device_copy_s": per_step("device_copy_seconds")}
+
+    return {
+        "read_bytes": per_step("bytes_read"),
+        "write_bytes": per_step("bytes_written"),
+        "stall_s": per_step("stall_seconds"),
+        "to_device_bytes": per_step("bytes_to_device"),
+        "from_device_bytes": per_step("bytes_from_device"),
+        "device_copy_s": per_step("device_copy_seconds"),
+    }
 
 
-def run_transfers(calls: list[tuple[Callable[..., Any], Extent]],
-                  buffers: Sequence[HostBuffer]) -> float:
+def run_transfers(
+    calls: list[tuple[Callable[..., Any], Extent]], buffers: Sequence[HostBuffer]
+) -> float:
     """Runs ``call(extent, buffer)`` for each pair in order, one per buffer in flight (the
     oldest waited for before a buffer is reused); returns the seconds they all took."""
     started = time.perf_counter()
@@ -144,8 +174,9 @@ def run_transfers(calls: list[tuple[Callable[..., Any], Extent]],
     return time.perf_counter() - started
 
 
-def duplex_order(engine: SwapEngine, sources: Sequence[Extent], targets: Sequence[Extent]
-                 ) -> list[tuple[Callable[..., Any], Extent]]:
+def duplex_order(
+    engine: SwapEngine, sources: Sequence[Extent], targets: Sequence[Extent]
+) -> list[tuple[Callable[..., Any], Extent]]:
     """Reads of ``sources`` and writes of ``targets`` interleaved by bytes (the next goes to
     whichever stream is further behind), so both run from start to end together, as in a
     pipelined step: the calls for :func:`run_transfers`."""
@@ -161,8 +192,9 @@ def duplex_order(engine: SwapEngine, sources: Sequence[Extent], targets: Sequenc
     return order
 
 
-def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
-                     combined: bool = False) -> dict:
+def engine_bandwidth(
+    path: Path, nbytes: int, config: infinity.OffloadConfig, combined: bool = False
+) -> dict:
     """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``;
     with ``combined``, also reading them back while writing as many elsewhere (bytes of both
     directions over the time both took: what a step that reads and writes at once gets) and
@@ -179,8 +211,11 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
         result["read"] = nbytes / run_transfers([(engine.read, e) for e in extents], pool.buffers)
         if combined:
             others = [engine.allocate(e.nbytes) for e in extents]
-            mixed = [pair for r, w in zip(extents, others)
-                     for pair in ((engine.read, r), (engine.write, w))]
+            mixed = [
+                pair
+                for r, w in zip(extents, others)
+                for pair in ((engine.read, r), (engine.write, w))
+            ]
             cpu = time.process_time()
             result["combined"] = 2 * nbytes / run_transfers(mixed, pool.buffers)
             result["cpu_per_byte"] = (time.process_time() - cpu) / (2 * nbytes)
@@ -191,16 +226,25 @@ def engine_bandwidth(path: Path, nbytes: int, config: infinity.OffloadConfig,
 def run_one(args: argparse.Namespace) -> dict:
     """One configuration in this process: step times, I/O bytes, stalls, peak RSS."""
     model = mlp(args.layers, args.width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
-                                  fused=True if args.run == "plain" else None)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True if args.run == "plain" else None
+    )
     store = None
     started = time.perf_counter()
     if args.run == "fits":
         store = infinity.TieredStore(infinity.OffloadConfig(offload_param="cpu"))
     elif args.run in ("nvme", "nvme+sib"):
-        store = infinity.TieredStore(nvme_config(
-            args.nvme_path, args.host_budget, args.arena, args.device_budget, args.buffer_size,
-            args.offload_optimizer, step_in_backward=args.run == "nvme+sib"))
+        store = infinity.TieredStore(
+            nvme_config(
+                args.nvme_path,
+                args.host_budget,
+                args.arena,
+                args.device_budget,
+                args.buffer_size,
+                args.offload_optimizer,
+                step_in_backward=args.run == "nvme+sib",
+            )
+        )
     if store is not None:
         model, optimizer = store.attach(model, optimizer)
     attach_s = time.perf_counter() - started
@@ -210,14 +254,24 @@ def run_one(args: argparse.Namespace) -> dict:
     before = store.stats() if store else None
     phases: list[tuple[float, float, float]] = []
     times = timed_steps(model, optimizer, args.steps, args.batch, args.width, phases)
-    out = {"step_s": statistics.median(times), "steps_s": times, "attach_s": attach_s,
-           "phases_s": [statistics.median(p) for p in zip(*phases)],
-           "peak_rss": peak_resident_bytes()}
+    out = {
+        "step_s": statistics.median(times),
+        "steps_s": times,
+        "attach_s": attach_s,
+        "phases_s": [statistics.median(p) for p in zip(*phases)],
+        "peak_rss": peak_resident_bytes(),
+    }
     if store is not None:
         after = store.stats()
         out.update(store_deltas(before, after, args.steps))
-        out.update({"peak_bytes": after["peak_bytes"], "budgets": after["budgets"],
-                    "backend": after["backend"], "heap_reuse": after["heap_reuse"]})
+        out.update(
+            {
+                "peak_bytes": after["peak_bytes"],
+                "budgets": after["budgets"],
+                "backend": after["backend"],
+                "heap_reuse": after["heap_reuse"],
+            }
+        )
         store.close(restore_params=False)
     return out
 
@@ -236,29 +290,44 @@ def add_run_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=repeats,
-                        help="interleaved runs per config")
+    parser.add_argument("--repeats", type=int, default=repeats, help="interleaved runs per config")
     parser.add_argument("--nvme-path", type=Path, default=None)
-    parser.add_argument("--host-budget", type=float, default=DEFAULT_HOST_BUDGET,
-                        help="GiB for the host tier (default: %(default)s)")
+    parser.add_argument(
+        "--host-budget",
+        type=float,
+        default=DEFAULT_HOST_BUDGET,
+        help="GiB for the host tier (default: %(default)s)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, repeats=2)
-    parser.add_argument("--arena", type=str, default=",".join(str(a) for a in DEFAULT_ARENAS),
-                        help="GiB of staging arena, a comma list: one NVMe run each, all under "
-                             "the one host budget (default: %(default)s)")
-    parser.add_argument("--device-budget", type=float, default=0.1,
-                        help="GiB for the device tier (host memory on a machine without a GPU)")
+    parser.add_argument(
+        "--arena",
+        type=str,
+        default=",".join(str(a) for a in DEFAULT_ARENAS),
+        help="GiB of staging arena, a comma list: one NVMe run each, all under "
+        "the one host budget (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device-budget",
+        type=float,
+        default=0.1,
+        help="GiB for the device tier (host memory on a machine without a GPU)",
+    )
     parser.add_argument("--buffer-size", type=int, default=64 << 20)
     parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="nvme")
-    parser.add_argument("--modes", default="step,backward",
-                        help="where the NVMe runs update: 'step' (in optimizer.step(), the "
-                             "default mode), 'backward' (step_in_backward), or both "
-                             "(default: %(default)s)")
-    parser.add_argument("--run", choices=("plain", "fits", "nvme", "nvme+sib"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--modes",
+        default="step,backward",
+        help="where the NVMe runs update: 'step' (in optimizer.step(), the "
+        "default mode), 'backward' (step_in_backward), or both "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--run", choices=("plain", "fits", "nvme", "nvme+sib"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -271,22 +340,41 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args)))
         return 0
     if max(arenas) > args.host_budget:
-        parser.error(f"an arena of {max(arenas)} GiB does not fit a host budget of "
-                     f"{args.host_budget} GiB")
+        parser.error(
+            f"an arena of {max(arenas)} GiB does not fit a host budget of {args.host_budget} GiB"
+        )
 
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-"))
     params = sum(p.numel() for p in mlp(args.layers, args.width).parameters())
-    print(f"model: {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
-          f"{params / 1e6:.1f} M params; NVMe runs: params + optimizer state "
-          f"'{args.offload_optimizer}', device tier {args.device_budget:.2f} GiB, host tier "
-          f"{args.host_budget:.2f} GiB, staging arena {', '.join(f'{a:.2f}' for a in arenas)} "
-          f"GiB")
-    common = ["--layers", str(args.layers), "--width", str(args.width), "--batch",
-              str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--device-budget",
-              str(args.device_budget), "--buffer-size", str(args.buffer_size),
-              "--offload-optimizer", args.offload_optimizer, "--nvme-path", str(root),
-              "--host-budget", str(args.host_budget)]
+    print(
+        f"model: {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, "
+        f"{params / 1e6:.1f} M params; NVMe runs: params + optimizer state "
+        f"'{args.offload_optimizer}', device tier {args.device_budget:.2f} GiB, host tier "
+        f"{args.host_budget:.2f} GiB, staging arena {', '.join(f'{a:.2f}' for a in arenas)} "
+        f"GiB"
+    )
+    common = [
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device-budget",
+        str(args.device_budget),
+        "--buffer-size",
+        str(args.buffer_size),
+        "--offload-optimizer",
+        args.offload_optimizer,
+        "--nvme-path",
+        str(root),
+        "--host-budget",
+        str(args.host_budget),
+    ]
     configs = {"plain": ("plain", arenas[0]), "fits": ("fits", arenas[0])}
     if "step" in modes:
         configs.update({f"nvme@{a:.2f}": ("nvme", a) for a in arenas})
@@ -295,40 +383,62 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
         for name, (kind, arena) in configs.items():  # interleaved: drift hits all alike
-            command = [sys.executable, "-m", "tools.benchmarks.bench_overlap", *common, "--run", kind,
-                       "--arena", str(arena)]
+            command = [
+                sys.executable,
+                "-m",
+                "tools.benchmarks.bench_overlap",
+                *common,
+                "--run",
+                kind,
+                "--arena",
+                str(arena),
+            ]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"the {name} run failed:\n{done.stderr}")
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     gc.collect()
     best = {name: min(results, key=lambda r: r["step_s"]) for name, results in runs.items()}
-    most = max((best[n] for n in configs if n.startswith("nvme")),
-               key=lambda r: max(r["read_bytes"], r["write_bytes"]))
-    bandwidth = engine_bandwidth(root, int(max(most["read_bytes"], most["write_bytes"],
-                                               256 << 20)), infinity.OffloadConfig())
+    most = max(
+        (best[n] for n in configs if n.startswith("nvme")),
+        key=lambda r: max(r["read_bytes"], r["write_bytes"]),
+    )
+    bandwidth = engine_bandwidth(
+        root, int(max(most["read_bytes"], most["write_bytes"], 256 << 20)), infinity.OffloadConfig()
+    )
     compute_s = best["plain"]["step_s"]
     gib = 2**30
-    print(f"engine alone on this path: read {bandwidth['read'] / 1e9:.2f} GB/s, write "
-          f"{bandwidth['write'] / 1e9:.2f} GB/s")
-    print(f"{'config':42s} {'step s (best of medians)':>26s} {'vs plain':>9s} "
-          f"{'peak RSS GiB':>13s}")
+    print(
+        f"engine alone on this path: read {bandwidth['read'] / 1e9:.2f} GB/s, write "
+        f"{bandwidth['write'] / 1e9:.2f} GB/s"
+    )
+    print(
+        f"{'config':42s} {'step s (best of medians)':>26s} {'vs plain':>9s} {'peak RSS GiB':>13s}"
+    )
     for name in configs:
         r = best[name]
         kind, arena = configs[name]
         label = {"plain": "plain in memory", "fits": "attached, all in memory"}.get(
-            name, f"attached, NVMe, arena {arena:.2f}"
-            + (", update in backward" if kind == "nvme+sib" else ""))
+            name,
+            f"attached, NVMe, arena {arena:.2f}"
+            + (", update in backward" if kind == "nvme+sib" else ""),
+        )
         medians = ", ".join(f"{x['step_s']:.3f}" for x in runs[name])
-        print(f"{label:42s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
-              f"{r['peak_rss'] / gib:13.2f}")
-    print("median seconds per phase (forward / backward / optimizer step; of the whole step, "
-          "device-tier copies):")
+        print(
+            f"{label:42s} {r['step_s']:10.3f} [{medians}] {r['step_s'] / compute_s:8.2f}x "
+            f"{r['peak_rss'] / gib:13.2f}"
+        )
+    print(
+        "median seconds per phase (forward / backward / optimizer step; of the whole step, "
+        "device-tier copies):"
+    )
     for name in configs:
         forward, backward, step = best[name]["phases_s"]
         copies = best[name].get("device_copy_s")
-        print(f"  {name:15s} {forward:.3f} / {backward:.3f} / {step:.3f}"
-              + (f"; {copies:.3f}" if copies is not None else ""))
+        print(
+            f"  {name:15s} {forward:.3f} / {backward:.3f} / {step:.3f}"
+            + (f"; {copies:.3f}" if copies is not None else "")
+        )
     summary = {}
     deepspeed = (args.layers, args.width, args.batch) == (24, 2048, 16)
     for name in (n for n in configs if n.startswith("nvme")):
@@ -336,40 +446,50 @@ def main(argv: list[str] | None = None) -> int:
         io_s = r["read_bytes"] / bandwidth["read"] + r["write_bytes"] / bandwidth["write"]
         efficiency = max(compute_s, io_s) / r["step_s"]
         summary[name] = {"io_s": io_s, "efficiency": efficiency}
-        print(f"\n{name}: I/O per step read {r['read_bytes'] / 1e9:.2f} GB, write "
-              f"{r['write_bytes'] / 1e9:.2f} GB -> {io_s:.3f} s of pure I/O; stalls "
-              f"{r['stall_s']:.3f} s/step; host tier peak {r['peak_bytes']['host'] / gib:.2f} of "
-              f"{r['budgets']['host'] / gib:.2f} GiB, device {r['peak_bytes']['device'] / gib:.2f}"
-              f" of {r['budgets']['device'] / gib:.2f} GiB; heap reuse "
-              f"{'on' if r['heap_reuse'] else 'off'}")
-        print(f"  overlap efficiency {efficiency:.2f} (max(compute {compute_s:.3f}, io "
-              f"{io_s:.3f}) / attached {r['step_s']:.3f}; target >= 0.85)")
+        print(
+            f"\n{name}: I/O per step read {r['read_bytes'] / 1e9:.2f} GB, write "
+            f"{r['write_bytes'] / 1e9:.2f} GB -> {io_s:.3f} s of pure I/O; stalls "
+            f"{r['stall_s']:.3f} s/step; host tier peak {r['peak_bytes']['host'] / gib:.2f} of "
+            f"{r['budgets']['host'] / gib:.2f} GiB, device {r['peak_bytes']['device'] / gib:.2f}"
+            f" of {r['budgets']['device'] / gib:.2f} GiB; heap reuse "
+            f"{'on' if r['heap_reuse'] else 'off'}"
+        )
+        print(
+            f"  overlap efficiency {efficiency:.2f} (max(compute {compute_s:.3f}, io "
+            f"{io_s:.3f}) / attached {r['step_s']:.3f}; target >= 0.85)"
+        )
         # The step cannot beat the larger of the compute with the device-tier copies it needs
         # (on the cores without a GPU) and its bytes at the engine's bandwidth, reads and
         # writes sharing the disk.
         floor = max(compute_s + r["device_copy_s"], io_s)
         summary[name].update(floor_s=floor, step_vs_floor=r["step_s"] / floor)
-        print(f"  floor {floor:.3f} s (max(compute + device copies {compute_s:.3f} + "
-              f"{r['device_copy_s']:.3f}, I/O {io_s:.3f})): step {r['step_s'] / floor:.2f}x the "
-              f"floor (goal <= 1.3x)")
-        print(f"  device tier: {r['to_device_bytes'] / 1e9:.2f} GB in, "
-              f"{r['from_device_bytes'] / 1e9:.2f} GB out per step, "
-              f"{r['device_copy_s']:.3f} s of copies on the training thread "
-              f"({r['device_copy_s'] / r['step_s']:.0%} of the step)"
-              + ("; a GPU's copy engine would take these off the cores"
-                 if r["device_copy_s"] else ""))
+        print(
+            f"  floor {floor:.3f} s (max(compute + device copies {compute_s:.3f} + "
+            f"{r['device_copy_s']:.3f}, I/O {io_s:.3f})): step {r['step_s'] / floor:.2f}x the "
+            f"floor (goal <= 1.3x)"
+        )
+        print(
+            f"  device tier: {r['to_device_bytes'] / 1e9:.2f} GB in, "
+            f"{r['from_device_bytes'] / 1e9:.2f} GB out per step, "
+            f"{r['device_copy_s']:.3f} s of copies on the training thread "
+            f"({r['device_copy_s'] / r['step_s']:.0%} of the step)"
+            + ("; a GPU's copy engine would take these off the cores" if r["device_copy_s"] else "")
+        )
         if deepspeed:
             step_ratio = r["step_s"] / DEEPSPEED_STEP_S
             rss_ratio = r["peak_rss"] / gib / DEEPSPEED_PEAK_RSS_GIB
             met = step_ratio <= 0.5 and rss_ratio <= 1 / 3
             summary[name].update(step_vs_deepspeed=step_ratio, rss_vs_deepspeed=rss_ratio)
-            print(f"  vs DeepSpeed ZeRO-3, state on NVMe ({DEEPSPEED_STEP_S} s/step, "
-                  f"{DEEPSPEED_PEAK_RSS_GIB} GiB peak RSS, quoted): step {step_ratio:.2f}x, "
-                  f"peak RSS {rss_ratio:.2f}x (goal <= 0.50x and <= 0.33x: "
-                  f"{'met' if met else 'not met'})")
+            print(
+                f"  vs DeepSpeed ZeRO-3, state on NVMe ({DEEPSPEED_STEP_S} s/step, "
+                f"{DEEPSPEED_PEAK_RSS_GIB} GiB peak RSS, quoted): step {step_ratio:.2f}x, "
+                f"peak RSS {rss_ratio:.2f}x (goal <= 0.50x and <= 0.33x: "
+                f"{'met' if met else 'not met'})"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "bandwidth": bandwidth,
-                                         "summary": summary}, indent=2))
+        args.json.write_text(
+            json.dumps({"runs": runs, "bandwidth": bandwidth, "summary": summary}, indent=2)
+        )
     if args.nvme_path is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -8,7 +8,8 @@ them, every run in a process of its own (its peak RSS is its own), and prints pr
 measured: step time (goal: within 20%), bytes read and written per step (within 5%) and peak RSS
 (within 10%).
 
-    python -m tools.benchmarks.bench_plan [--record-arena 1.6 --arenas 1.35,1.0,0.7 --host-budget 2.14]
+    python -m tools.benchmarks.bench_plan [--record-arena 1.6 --arenas 1.35,1.0,0.7
+                                          --host-budget 2.14]
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ import torch
 import infinity
 from infinity.core.memory import peak_resident_bytes
 from infinity.planning.planner import DiskProfile
-from tools.benchmarks.bench_overlap import (DEFAULT_HOST_BUDGET, engine_bandwidth, mlp, nvme_config,
-                                 store_deltas, timed_steps)
+from tools.benchmarks.bench_overlap import (
+    DEFAULT_HOST_BUDGET,
+    engine_bandwidth,
+    mlp,
+    nvme_config,
+    store_deltas,
+    timed_steps,
+)
 from tools.common.cli import spawn_child
 
 log = logging.getLogger("tools.benchmarks.bench_plan")
@@ -38,12 +45,12 @@ GOALS = {"step_s": 0.20, "read_bytes": 0.05, "write_bytes": 0.05, "peak_rss": 0.
 
 
 def _store(args: argparse.Namespace, arena: float) -> infinity.TieredStore:
-    return infinity.TieredStore(nvme_config(args.nvme_path, args.host_budget, arena,
-                                            args.device_budget, args.buffer_size))
+    return infinity.TieredStore(
+        nvme_config(args.nvme_path, args.host_budget, arena, args.device_budget, args.buffer_size)
+    )
 
 
-def _train(args: argparse.Namespace, arena: float
-           ) -> tuple[infinity.TieredStore, dict]:
+def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore, dict]:
     """The model attached under ``arena``, warmed up, then timed: median step, bytes/step."""
     model = mlp(args.layers, args.width)
     store = _store(args, arena)
@@ -52,10 +59,13 @@ def _train(args: argparse.Namespace, arena: float
     before = store.stats()
     times = timed_steps(model, optimizer, args.steps, args.batch, args.width)
     after = store.stats()
-    measured = {"step_s": statistics.median(times), "steps_s": times,
-                **store_deltas(before, after, args.steps),
-                "peak_rss": peak_resident_bytes(),
-                "peak_bytes": after["peak_bytes"]}
+    measured = {
+        "step_s": statistics.median(times),
+        "steps_s": times,
+        **store_deltas(before, after, args.steps),
+        "peak_rss": peak_resident_bytes(),
+        "peak_bytes": after["peak_bytes"],
+    }
     return store, measured
 
 
@@ -63,17 +73,25 @@ def child_record(args: argparse.Namespace) -> dict:
     """Runs the recorded configuration, measures the disk, predicts the others."""
     probe = nvme_config(args.nvme_path, args.host_budget, args.record_arena, args.device_budget)
     bandwidth = engine_bandwidth(args.nvme_path, args.disk_bytes, probe)
-    disk = DiskProfile(bandwidth["read"] / 1e9, bandwidth["write"] / 1e9, shared=True,
-                       source="swap engine, this run")
+    disk = DiskProfile(
+        bandwidth["read"] / 1e9,
+        bandwidth["write"] / 1e9,
+        shared=True,
+        source="swap engine, this run",
+    )
     store, measured = _train(args, args.record_arena)
     predictions = {}
     for arena in [args.record_arena, *args.arenas]:
-        config = nvme_config(args.nvme_path, args.host_budget, arena, args.device_budget,
-                             args.buffer_size)
+        config = nvme_config(
+            args.nvme_path, args.host_budget, arena, args.device_budget, args.buffer_size
+        )
         predictions[str(arena)] = store.predict(disk=disk, buffer_count=config.buffer_count)
     store.close(restore_params=False)
-    return {"disk": {"read_gbps": disk.read_gbps, "write_gbps": disk.write_gbps},
-            "recorded": measured, "predictions": predictions}
+    return {
+        "disk": {"read_gbps": disk.read_gbps, "write_gbps": disk.write_gbps},
+        "recorded": measured,
+        "predictions": predictions,
+    }
 
 
 def child_run(args: argparse.Namespace) -> dict:
@@ -88,13 +106,15 @@ def _ratio(predicted: float, measured: float) -> float:
 
 def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
     disk = record["disk"]
-    lines = [f"disk (swap engine, this run): read {disk['read_gbps']:.2f} GB/s, write "
-             f"{disk['write_gbps']:.2f} GB/s, one shared budget",
-             "",
-             f"{'arena GiB':>9} | {'step s pred/meas':>17} {'ratio':>6} | "
-             f"{'read MB pred/meas':>18} {'ratio':>6} | {'write MB pred/meas':>19} "
-             f"{'ratio':>6} | {'RSS GiB pred/meas':>18} {'ratio':>6}",
-             "-" * 122]
+    lines = [
+        f"disk (swap engine, this run): read {disk['read_gbps']:.2f} GB/s, write "
+        f"{disk['write_gbps']:.2f} GB/s, one shared budget",
+        "",
+        f"{'arena GiB':>9} | {'step s pred/meas':>17} {'ratio':>6} | "
+        f"{'read MB pred/meas':>18} {'ratio':>6} | {'write MB pred/meas':>19} "
+        f"{'ratio':>6} | {'RSS GiB pred/meas':>18} {'ratio':>6}",
+        "-" * 122,
+    ]
     verdicts: dict[str, list[bool]] = {key: [] for key in GOALS}
     for arena, measured_runs in runs.items():
         prediction = record["predictions"][arena]
@@ -105,11 +125,14 @@ def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
             "step_s": statistics.median(r["step_s"] for r in measured_runs),
             "read_bytes": statistics.median(r["read_bytes"] for r in measured_runs),
             "write_bytes": statistics.median(r["write_bytes"] for r in measured_runs),
-            "peak_rss": statistics.median(r["peak_rss"] for r in measured_runs)}
-        predicted = {"step_s": prediction["step_seconds"],
-                     "read_bytes": prediction["bytes_read"],
-                     "write_bytes": prediction["bytes_written"],
-                     "peak_rss": prediction["rss_peak_bytes"]}
+            "peak_rss": statistics.median(r["peak_rss"] for r in measured_runs),
+        }
+        predicted = {
+            "step_s": prediction["step_seconds"],
+            "read_bytes": prediction["bytes_read"],
+            "write_bytes": prediction["bytes_written"],
+            "peak_rss": prediction["rss_peak_bytes"],
+        }
         ratios = {k: _ratio(predicted[k], measured[k]) for k in GOALS}
         for key, goal in GOALS.items():
             verdicts[key].append(abs(ratios[key] - 1) <= goal)
@@ -119,14 +142,21 @@ def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
             f"{measured['read_bytes'] / 1e6:7.1f} {ratios['read_bytes']:6.3f} | "
             f"{predicted['write_bytes'] / 1e6:8.1f} / {measured['write_bytes'] / 1e6:8.1f} "
             f"{ratios['write_bytes']:6.3f} | {predicted['peak_rss'] / GIB:8.2f} / "
-            f"{measured['peak_rss'] / GIB:7.2f} {ratios['peak_rss']:6.2f}")
+            f"{measured['peak_rss'] / GIB:7.2f} {ratios['peak_rss']:6.2f}"
+        )
     lines.append("")
-    names = {"step_s": "step time within 20%", "read_bytes": "bytes read within 5%",
-             "write_bytes": "bytes written within 5%", "peak_rss": "peak RSS within 10%"}
+    names = {
+        "step_s": "step time within 20%",
+        "read_bytes": "bytes read within 5%",
+        "write_bytes": "bytes written within 5%",
+        "peak_rss": "peak RSS within 10%",
+    }
     for key, name in names.items():
         met = verdicts[key]
-        lines.append(f"goal {name}: {'met' if met and all(met) else 'not met'} "
-                     f"({sum(met)} of {len(met)} arenas)")
+        lines.append(
+            f"goal {name}: {'met' if met and all(met) else 'not met'} "
+            f"({sum(met)} of {len(met)} arenas)"
+        )
     return lines
 
 
@@ -143,8 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device-budget", type=float, default=0.1, help="GiB")
     add("--buffer-size", type=int, default=64 << 20)
     add("--record-arena", type=float, default=1.6, help="GiB of the recorded run's arena")
-    add("--arenas", type=lambda t: [float(x) for x in t.split(",")],
-        default=[1.35, 1.0, 0.7], help="GiB of arena to predict and then run")
+    add(
+        "--arenas",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=[1.35, 1.0, 0.7],
+        help="GiB of arena to predict and then run",
+    )
     add("--disk-bytes", type=int, default=1 << 30, help="bytes of the disk measurement")
     add("--nvme-path", type=Path, default=None)
     add("--child", choices=("record", "run"), help=argparse.SUPPRESS)
@@ -162,23 +196,42 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     own_dir = args.nvme_path is None
     args.nvme_path = args.nvme_path or Path(tempfile.mkdtemp(prefix="bench-plan-"))
-    args.forward = [f"--layers={args.layers}", f"--width={args.width}", f"--batch={args.batch}",
-                    f"--steps={args.steps}", f"--warmup={args.warmup}",
-                    f"--host-budget={args.host_budget}", f"--device-budget={args.device_budget}",
-                    f"--buffer-size={args.buffer_size}", f"--record-arena={args.record_arena}",
-                    f"--arenas={','.join(map(str, args.arenas))}",
-                    f"--disk-bytes={args.disk_bytes}", f"--nvme-path={args.nvme_path}"]
+    args.forward = [
+        f"--layers={args.layers}",
+        f"--width={args.width}",
+        f"--batch={args.batch}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--host-budget={args.host_budget}",
+        f"--device-budget={args.device_budget}",
+        f"--buffer-size={args.buffer_size}",
+        f"--record-arena={args.record_arena}",
+        f"--arenas={','.join(map(str, args.arenas))}",
+        f"--disk-bytes={args.disk_bytes}",
+        f"--nvme-path={args.nvme_path}",
+    ]
     try:
-        print(f"recording at a {args.record_arena} GiB arena (host budget {args.host_budget} "
-              f"GiB), predicting {', '.join(map(str, args.arenas))} GiB ...", flush=True)
+        print(
+            f"recording at a {args.record_arena} GiB arena (host budget {args.host_budget} "
+            f"GiB), predicting {', '.join(map(str, args.arenas))} GiB ...",
+            flush=True,
+        )
         record = spawn_child("tools.benchmarks.bench_plan", args.forward, ["--child=record"])
         runs: dict[str, list[dict]] = {str(a): [] for a in args.arenas}
         for repeat in range(args.repeats):  # interleaved: the machine's drift hits them all
             for arena in args.arenas:
-                runs[str(arena)].append(spawn_child("tools.benchmarks.bench_plan", args.forward,
-                                                    ["--child=run", f"--arena={arena}"]))
-                print(f"  run {repeat + 1}: arena {arena} GiB: "
-                      f"{runs[str(arena)][-1]['step_s']:.3f} s/step", flush=True)
+                runs[str(arena)].append(
+                    spawn_child(
+                        "tools.benchmarks.bench_plan",
+                        args.forward,
+                        ["--child=run", f"--arena={arena}"],
+                    )
+                )
+                print(
+                    f"  run {repeat + 1}: arena {arena} GiB: "
+                    f"{runs[str(arena)][-1]['step_s']:.3f} s/step",
+                    flush=True,
+                )
     finally:
         if own_dir:
             shutil.rmtree(args.nvme_path, ignore_errors=True)

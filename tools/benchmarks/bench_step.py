@@ -31,8 +31,13 @@ from torch import nn
 import infinity
 from infinity.config import parse_size
 from swap import BufferPool, SwapEngine
-from tools.benchmarks.bench_overlap import (duplex_order, engine_bandwidth, engine_settings, mlp,
-                                 run_transfers)
+from tools.benchmarks.bench_overlap import (
+    duplex_order,
+    engine_bandwidth,
+    engine_settings,
+    mlp,
+    run_transfers,
+)
 
 
 def update_throughput(numel: int, fused: bool, repeats: int = 3) -> float:
@@ -41,8 +46,9 @@ def update_throughput(numel: int, fused: bool, repeats: int = 3) -> float:
     params = [nn.Parameter(torch.randn(min(chunk, numel - i))) for i in range(0, numel, chunk)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=fused, foreach=False if not fused
-                                  else None)
+    optimizer = torch.optim.AdamW(
+        params, lr=1e-4, fused=fused, foreach=False if not fused else None
+    )
     optimizer.step()  # creates the state
     times = []
     for _ in range(repeats):
@@ -52,8 +58,14 @@ def update_throughput(numel: int, fused: bool, repeats: int = 3) -> float:
     return numel / statistics.median(times)
 
 
-def duplex_seconds(path: Path, read_bytes: int, write_bytes: int,
-                   config: infinity.OffloadConfig, chunk: int = 32 << 20, slots: int = 8) -> float:
+def duplex_seconds(
+    path: Path,
+    read_bytes: int,
+    write_bytes: int,
+    config: infinity.OffloadConfig,
+    chunk: int = 32 << 20,
+    slots: int = 8,
+) -> float:
     """Seconds to read ``read_bytes`` while writing ``write_bytes`` through the swap engine.
 
     Reads and writes are submitted in proportion to their byte counts, so both streams run from
@@ -61,8 +73,10 @@ def duplex_seconds(path: Path, read_bytes: int, write_bytes: int,
     """
     pool = BufferPool(slots, chunk)
     with SwapEngine([path], engine_settings(config)) as engine:
+
         def extents(nbytes: int) -> list:
             return [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+
         sources, targets = extents(read_bytes), extents(write_bytes)
         buffers = pool.buffers
         for i, extent in enumerate(sources):  # something to read back
@@ -75,9 +89,13 @@ def duplex_seconds(path: Path, read_bytes: int, write_bytes: int,
 def step_times(args: argparse.Namespace, root: Path, pipeline: bool) -> dict:
     model = mlp(args.layers, args.width)
     config = infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=(root,),
-        buffer_size=args.buffer_size, buffer_count=max(4, args.host_budget // args.buffer_size),
-        host_budget=args.host_budget)
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(root,),
+        buffer_size=args.buffer_size,
+        buffer_count=max(4, args.host_budget // args.buffer_size),
+        host_budget=args.host_budget,
+    )
     store = infinity.TieredStore(config)
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     store.pipeline_step = pipeline
@@ -99,8 +117,12 @@ def step_times(args: argparse.Namespace, root: Path, pipeline: bool) -> dict:
     store.close(restore_params=False)
     del model, optimizer, store
     gc.collect()
-    return {"step_s": statistics.median(times), "steps_s": times,
-            "read_bytes": statistics.median(reads), "write_bytes": statistics.median(writes)}
+    return {
+        "step_s": statistics.median(times),
+        "steps_s": times,
+        "read_bytes": statistics.median(reads),
+        "write_bytes": statistics.median(writes),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nvme-path", type=Path, default=None)
-    parser.add_argument("--host-budget", type=lambda v: parse_size(v, name="--host-budget"),
-                        default=1 << 30)
-    parser.add_argument("--buffer-size", type=lambda v: parse_size(v, name="--buffer-size"),
-                        default=32 << 20)
+    parser.add_argument(
+        "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=1 << 30
+    )
+    parser.add_argument(
+        "--buffer-size", type=lambda v: parse_size(v, name="--buffer-size"), default=32 << 20
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-step-"))
     params = sum(p.numel() for p in mlp(args.layers, args.width).parameters())
-    print(f"model: {args.layers} x Linear({args.width}), {params / 1e6:.1f} M params; params, "
-          f"grads and Adam state on NVMe; host budget {args.host_budget / 2**30:.2f} GiB")
+    print(
+        f"model: {args.layers} x Linear({args.width}), {params / 1e6:.1f} M params; params, "
+        f"grads and Adam state on NVMe; host budget {args.host_budget / 2**30:.2f} GiB"
+    )
     results: dict = {"params": params}
     # Interleave the two modes so the disk's drift hits both alike.
     runs = {True: [], False: []}
@@ -127,40 +153,63 @@ def main(argv: list[str] | None = None) -> int:
         runs[pipeline].append(step_times(args, root, pipeline))
     pipelined = min(runs[True], key=lambda r: r["step_s"])
     sequential = min(runs[False], key=lambda r: r["step_s"])
-    bandwidth = engine_bandwidth(root, int(max(pipelined["read_bytes"], 256 << 20)),
-                                 infinity.OffloadConfig())
+    bandwidth = engine_bandwidth(
+        root, int(max(pipelined["read_bytes"], 256 << 20)), infinity.OffloadConfig()
+    )
     read_s = pipelined["read_bytes"] / bandwidth["read"]
     write_s = pipelined["write_bytes"] / bandwidth["write"]
-    duplex_s = duplex_seconds(root, int(pipelined["read_bytes"]), int(pipelined["write_bytes"]),
-                              infinity.OffloadConfig())
+    duplex_s = duplex_seconds(
+        root, int(pipelined["read_bytes"]), int(pipelined["write_bytes"]), infinity.OffloadConfig()
+    )
     fused = update_throughput(params, fused=True)
     loop = update_throughput(params, fused=False)
     compute_s = params / fused
     bound = max(read_s, write_s, compute_s)
-    results.update({
-        "pipelined_step_s": pipelined["step_s"], "unpipelined_step_s": sequential["step_s"],
-        "read_bytes": pipelined["read_bytes"], "write_bytes": pipelined["write_bytes"],
-        "read_s": read_s, "write_s": write_s, "compute_s": compute_s,
-        "ratio_to_bound": pipelined["step_s"] / bound,
-        "duplex_s": duplex_s, "ratio_to_duplex": pipelined["step_s"] / max(duplex_s, compute_s),
-        "fused_mparams_per_s": fused / 1e6, "loop_mparams_per_s": loop / 1e6,
-        "engine_read_gbps": bandwidth["read"] / 1e9, "engine_write_gbps": bandwidth["write"] / 1e9,
-        "all_runs": {"pipelined": runs[True], "unpipelined": runs[False]},
-    })
-    print(f"step bytes                read {pipelined['read_bytes'] / 1e9:.2f} GB, "
-          f"write {pipelined['write_bytes'] / 1e9:.2f} GB")
-    print(f"engine bandwidth          read {bandwidth['read'] / 1e9:.2f} GB/s, "
-          f"write {bandwidth['write'] / 1e9:.2f} GB/s")
+    results.update(
+        {
+            "pipelined_step_s": pipelined["step_s"],
+            "unpipelined_step_s": sequential["step_s"],
+            "read_bytes": pipelined["read_bytes"],
+            "write_bytes": pipelined["write_bytes"],
+            "read_s": read_s,
+            "write_s": write_s,
+            "compute_s": compute_s,
+            "ratio_to_bound": pipelined["step_s"] / bound,
+            "duplex_s": duplex_s,
+            "ratio_to_duplex": pipelined["step_s"] / max(duplex_s, compute_s),
+            "fused_mparams_per_s": fused / 1e6,
+            "loop_mparams_per_s": loop / 1e6,
+            "engine_read_gbps": bandwidth["read"] / 1e9,
+            "engine_write_gbps": bandwidth["write"] / 1e9,
+            "all_runs": {"pipelined": runs[True], "unpipelined": runs[False]},
+        }
+    )
+    print(
+        f"step bytes                read {pipelined['read_bytes'] / 1e9:.2f} GB, "
+        f"write {pipelined['write_bytes'] / 1e9:.2f} GB"
+    )
+    print(
+        f"engine bandwidth          read {bandwidth['read'] / 1e9:.2f} GB/s, "
+        f"write {bandwidth['write'] / 1e9:.2f} GB/s"
+    )
     print(f"pure read / write / update {read_s:.3f} / {write_s:.3f} / {compute_s:.3f} s")
-    print(f"read and write together   {duplex_s:.3f} s   "
-          f"({duplex_s / max(read_s, write_s):.2f}x max(read, write): the disk's own overlap)")
-    print(f"pipelined step            {pipelined['step_s']:.3f} s   "
-          f"({results['ratio_to_bound']:.2f}x max(read, write, update); target <= 1.2; "
-          f"{results['ratio_to_duplex']:.2f}x reads and writes together)")
-    print(f"unpipelined step          {sequential['step_s']:.3f} s   "
-          f"({sequential['step_s'] / pipelined['step_s']:.2f}x pipelined)")
-    print(f"AdamW update throughput   fused {fused / 1e6:.0f} Mparam/s, per-tensor loop "
-          f"{loop / 1e6:.0f} Mparam/s ({fused / loop:.1f}x)")
+    print(
+        f"read and write together   {duplex_s:.3f} s   "
+        f"({duplex_s / max(read_s, write_s):.2f}x max(read, write): the disk's own overlap)"
+    )
+    print(
+        f"pipelined step            {pipelined['step_s']:.3f} s   "
+        f"({results['ratio_to_bound']:.2f}x max(read, write, update); target <= 1.2; "
+        f"{results['ratio_to_duplex']:.2f}x reads and writes together)"
+    )
+    print(
+        f"unpipelined step          {sequential['step_s']:.3f} s   "
+        f"({sequential['step_s'] / pipelined['step_s']:.2f}x pipelined)"
+    )
+    print(
+        f"AdamW update throughput   fused {fused / 1e6:.0f} Mparam/s, per-tensor loop "
+        f"{loop / 1e6:.0f} Mparam/s ({fused / loop:.1f}x)"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.nvme_path is None:

@@ -46,23 +46,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError as exc:
-        print(f"gpu-check: torch cannot be imported here ({exc}); run it where PyTorch with CUDA "
-              f"is installed")
+        print(
+            f"gpu-check: torch cannot be imported here ({exc}); run it where PyTorch with CUDA "
+            f"is installed"
+        )
         return 2
     if not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, "
-              f"torch.cuda.is_available() is False); run it on a GPU machine")
+        print(
+            f"gpu-check: no CUDA device here (torch {torch.__version__}, "
+            f"torch.cuda.is_available() is False); run it on a GPU machine"
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    figures: dict = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "device": torch.cuda.get_device_name(0), "python": platform.python_version()}
+    figures: dict = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0),
+        "python": platform.python_version(),
+    }
     try:
         import liburing  # noqa: F401
+
         figures["liburing"] = True
     except ImportError:
         figures["liburing"] = False
-        print("gpu-check: the liburing package is not installed: the swap engine uses its "
-              "thread backend")
+        print(
+            "gpu-check: the liburing package is not installed: the swap engine uses its "
+            "thread backend"
+        )
     print(f"gpu-check on {figures['device']}, torch {figures['torch']} (CUDA {figures['cuda']})")
     status = 0
     if not args.skip_tests:
@@ -70,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="infinity-gpu-check-", dir=args.nvme_path))
     try:
         figures["link"] = link_bandwidth(torch)
-        print(f"link: host->device {figures['link']['h2d'] / 1e9:.1f} GB/s, device->host "
-              f"{figures['link']['d2h'] / 1e9:.1f} GB/s (pinned, 1 GiB)")
+        print(
+            f"link: host->device {figures['link']['h2d'] / 1e9:.1f} GB/s, device->host "
+            f"{figures['link']['d2h'] / 1e9:.1f} GB/s (pinned, 1 GiB)"
+        )
         figures["train"] = train(args, root, figures)
     finally:
         import shutil
+
         shutil.rmtree(root, ignore_errors=True)
     (args.out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
     print(f"figures written to {args.out / 'gpu_check.json'}")
@@ -83,13 +97,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_tests(figures: dict, out: Path) -> int:
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_cuda.py"], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     (out / "cuda_tests.log").write_text(done.stdout + done.stderr)
     summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
-    figures["tests"] = {"returncode": done.returncode, "summary": summary,
-                        "seconds": time.perf_counter() - started}
+    figures["tests"] = {
+        "returncode": done.returncode,
+        "summary": summary,
+        "seconds": time.perf_counter() - started,
+    }
     print(f"CUDA tests: {summary}")
     if done.returncode:
         print(done.stdout[-4000:])
@@ -119,23 +140,39 @@ def train(args: argparse.Namespace, root: Path, figures: dict) -> dict:
     import infinity
     from tools.benchmarks.bench_overlap import engine_bandwidth
     from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
-    gpt = GPTConfig(vocab_size=32000, context=args.context, layers=args.layers,
-                    width=args.width, heads=args.width // 128)
+
+    gpt = GPTConfig(
+        vocab_size=32000,
+        context=args.context,
+        layers=args.layers,
+        width=args.width,
+        heads=args.width // 128,
+    )
     params = parameter_count(gpt)
     swap = root / "swap"
     swap.mkdir()
     config = infinity.OffloadConfig(
-        device="cuda", offload_param="nvme", offload_optimizer="nvme", nvme_path=(swap,),
-        buffer_size=64 << 20, buffer_count=16, host_budget=int(args.host_budget * 2**30),
+        device="cuda",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(swap,),
+        buffer_size=64 << 20,
+        buffer_count=16,
+        host_budget=int(args.host_budget * 2**30),
         device_budget=int(args.device_budget * 2**30),
-        precision=infinity.PrecisionConfig(dtype="bf16"))
+        precision=infinity.PrecisionConfig(dtype="bf16"),
+    )
     disk = engine_bandwidth(swap, 4 << 30, config)
     figures["disk"] = disk
-    print(f"disk: write {disk['write'] / 1e9:.2f} GB/s, read {disk['read'] / 1e9:.2f} GB/s "
-          f"(swap engine on {swap})")
-    print(f"model: GPT {args.layers} x {args.width}, {params / 1e9:.2f} B params, bf16; "
-          f"device budget {args.device_budget:.1f} GiB (model {params * 2 / 2**30:.1f} GiB in "
-          f"bf16), host budget {args.host_budget:.0f} GiB")
+    print(
+        f"disk: write {disk['write'] / 1e9:.2f} GB/s, read {disk['read'] / 1e9:.2f} GB/s "
+        f"(swap engine on {swap})"
+    )
+    print(
+        f"model: GPT {args.layers} x {args.width}, {params / 1e9:.2f} B params, bf16; "
+        f"device budget {args.device_budget:.1f} GiB (model {params * 2 / 2**30:.1f} GiB in "
+        f"bf16), host budget {args.host_budget:.0f} GiB"
+    )
     with torch.device("meta"):
         model = TinyGPT(gpt)
     store = infinity.TieredStore(config)
@@ -169,21 +206,27 @@ def train(args: argparse.Namespace, root: Path, figures: dict) -> dict:
     read = after["bytes_read"] - before["bytes_read"]
     written = after["bytes_written"] - before["bytes_written"]
     result = {
-        "params": params, "attach_s": attach_s, "step_s": times,
+        "params": params,
+        "attach_s": attach_s,
+        "step_s": times,
         "tokens_per_s": args.batch * args.context / step_s,
-        "h2d_GBps": h2d / 1e9, "h2d_vs_link": h2d / figures["link"]["h2d"],
-        "nvme_read_GBps": read / step_s / 1e9, "nvme_written_GBps": written / step_s / 1e9,
+        "h2d_GBps": h2d / 1e9,
+        "h2d_vs_link": h2d / figures["link"]["h2d"],
+        "nvme_read_GBps": read / step_s / 1e9,
+        "nvme_written_GBps": written / step_s / 1e9,
         "nvme_vs_engine": (read + written) / step_s / (disk["read"] + disk["write"]) * 2,
-        "overlap_efficiency": max(summary["compute_seconds"], summary["io_busy_seconds"])
-        / step_s,
+        "overlap_efficiency": max(summary["compute_seconds"], summary["io_busy_seconds"]) / step_s,
         "timeline": {k: v for k, v in summary.items() if k != "counts"},
-        "device_peak": after["peak_bytes"]["device"], "device_budget": config.device_budget,
+        "device_peak": after["peak_bytes"]["device"],
+        "device_budget": config.device_budget,
     }
-    print(f"step {step_s:.2f} s, {result['tokens_per_s']:.0f} tokens/s; host->device "
-          f"{result['h2d_GBps']:.1f} GB/s ({result['h2d_vs_link']:.2f}x the link); NVMe read "
-          f"{result['nvme_read_GBps']:.2f} + write {result['nvme_written_GBps']:.2f} GB/s; "
-          f"overlap efficiency {result['overlap_efficiency']:.2f}; device tier peak "
-          f"{result['device_peak'] / 2**30:.2f} of {config.device_budget / 2**30:.2f} GiB")
+    print(
+        f"step {step_s:.2f} s, {result['tokens_per_s']:.0f} tokens/s; host->device "
+        f"{result['h2d_GBps']:.1f} GB/s ({result['h2d_vs_link']:.2f}x the link); NVMe read "
+        f"{result['nvme_read_GBps']:.2f} + write {result['nvme_written_GBps']:.2f} GB/s; "
+        f"overlap efficiency {result['overlap_efficiency']:.2f}; device tier peak "
+        f"{result['device_peak'] / 2**30:.2f} of {config.device_budget / 2**30:.2f} GiB"
+    )
     return result
 
 

@@ -64,8 +64,11 @@ class Watchdog(threading.Thread):
             time.sleep(1.0)
             started = self.started
             if started is not None and time.monotonic() - started > self.hard_limit:
-                print(f"soak: a step has run for over {self.hard_limit:.0f} s: hung; stacks:",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"soak: a step has run for over {self.hard_limit:.0f} s: hung; stacks:",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 faulthandler.dump_traceback(all_threads=True)
                 os._exit(3)  # the hung thread cannot be stopped; nor can a normal exit join it
 
@@ -96,12 +99,20 @@ class Attached:
             self.faults.random_faults(args.fault_rate, KINDS, max_delay=args.max_delay)
             return self.faults
 
-        config = OffloadConfig(offload_param="nvme", offload_optimizer="nvme",
-                               nvme_path=str(self.root), buffer_size=SHARD,
-                               buffer_count=args.buffer_count, device_budget=64 << 10,
-                               prefetch_depth=2)
-        self.store = TieredStore(config, backend_wrapper=wrap, engine_overrides={
-            "request_timeout": args.request_timeout, "close_timeout": 5.0})
+        config = OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(self.root),
+            buffer_size=SHARD,
+            buffer_count=args.buffer_count,
+            device_budget=64 << 10,
+            prefetch_depth=2,
+        )
+        self.store = TieredStore(
+            config,
+            backend_wrapper=wrap,
+            engine_overrides={"request_timeout": args.request_timeout, "close_timeout": 5.0},
+        )
         self.model, self.optimizer = self.store.attach(model, optimizer)
         self.stores += 1
 
@@ -122,8 +133,14 @@ class Attached:
             return
         stats = store.stats()
         engine = store.engine.stats() if store.engine is not None else None
-        for key in ("io_errors", "io_retries", "io_recoveries", "io_failures", "io_timeouts",
-                    "integrity_errors"):
+        for key in (
+            "io_errors",
+            "io_retries",
+            "io_recoveries",
+            "io_failures",
+            "io_timeouts",
+            "integrity_errors",
+        ):
             self.totals[key] += stats[key]
         if engine is not None:
             self.totals["transfers"] += engine.read_transfers + engine.write_transfers
@@ -131,7 +148,7 @@ class Attached:
         self.injected.update(self.faults.injected)
         try:
             store.close(restore_params=False)  # the plain copy is the state to go on from
-        except Exception as exc:  # noqa: BLE001 - counted; everything is released anyway
+        except Exception as exc:
             self.totals["close_errors"] += 1
             logging.getLogger("tools.benchmarks.soak").error("close failed: %s", exc)
 
@@ -140,8 +157,9 @@ def mismatches(attached: dict[str, torch.Tensor], plain: TinyGPT) -> list[str]:
     bad = []
     for name, param in plain.named_parameters():
         value = attached.get(name)
-        if value is None or not torch.allclose(value, param.detach(), rtol=TOLERANCE,
-                                               atol=TOLERANCE):
+        if value is None or not torch.allclose(
+            value, param.detach(), rtol=TOLERANCE, atol=TOLERANCE
+        ):
             bad.append(name)
     return bad
 
@@ -151,7 +169,7 @@ def check(attached: Attached, plain: TinyGPT, bad: Counter, failures: Counter) -
     the caller rebuilds the attached side from the plain one, which is at the same step)."""
     try:
         values = attached.values()
-    except Exception as exc:  # noqa: BLE001 - counted like a failed step
+    except Exception as exc:
         failures[type(exc).__name__] += 1
         return False
     for name in mismatches(values, plain):
@@ -182,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 attached.step(tokens, targets)
                 error = None
-            except Exception as exc:  # noqa: BLE001 - any failure: skip the batch on both sides
+            except Exception as exc:
                 error = exc
             finally:
                 durations.append(time.monotonic() - started)
@@ -231,11 +249,14 @@ def run(args: argparse.Namespace) -> int:
         f"  retries              {totals['io_retries']} issued, {totals['io_recoveries']} "
         f"recovered, {totals['io_failures']} gave up",
         f"  failed steps         {sum(failures.values())}"
-        + (f" ({', '.join(f'{k} {v}' for k, v in failures.most_common())})" if failures
-           else ""),
+        + (f" ({', '.join(f'{k} {v}' for k, v in failures.most_common())})" if failures else ""),
         f"  failed checks        {sum(failed_checks.values())}"
-        + (f" ({', '.join(f'{k} {v}' for k, v in failed_checks.most_common())}: a parameter "
-           f"could not be read back; rebuilt from the plain copy)" if failed_checks else ""),
+        + (
+            f" ({', '.join(f'{k} {v}' for k, v in failed_checks.most_common())}: a parameter "
+            f"could not be read back; rebuilt from the plain copy)"
+            if failed_checks
+            else ""
+        ),
         f"  close errors         {totals['close_errors']}",
         f"  step time            median {median * 1e3:.1f} ms, p99 "
         f"{ordered[int(0.99 * (len(ordered) - 1))] * 1e3 if ordered else 0:.1f} ms, max "
@@ -254,27 +275,51 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to train")
-    parser.add_argument("--fault-rate", type=float, default=0.01,
-                        help="probability that a swap request gets a fault")
+    parser.add_argument(
+        "--fault-rate",
+        type=float,
+        default=0.01,
+        help="probability that a swap request gets a fault",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout", type=float, default=0.25,
-                        help="seconds before a hung request fails (engine request_timeout)")
-    parser.add_argument("--max-delay", type=float, default=0.05,
-                        help="longest delay of a 'slow' fault, seconds")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.25,
+        help="seconds before a hung request fails (engine request_timeout)",
+    )
+    parser.add_argument(
+        "--max-delay", type=float, default=0.05, help="longest delay of a 'slow' fault, seconds"
+    )
     parser.add_argument("--buffer-count", type=int, default=12, help="arena slots")
-    parser.add_argument("--check-every", type=int, default=10,
-                        help="compare every parameter with the plain copy every N steps")
+    parser.add_argument(
+        "--check-every",
+        type=int,
+        default=10,
+        help="compare every parameter with the plain copy every N steps",
+    )
     parser.add_argument("--hang-factor", type=float, default=10.0)
-    parser.add_argument("--hard-limit", type=float, default=120.0,
-                        help="a step running this long aborts the soak (exit 3)")
-    parser.add_argument("--nvme-path", default=None,
-                        help="swap directory (default: a temporary one, removed at the end)")
-    parser.add_argument("--log", default=None,
-                        help="write the runtime's warnings (retries, faults) to this file")
+    parser.add_argument(
+        "--hard-limit",
+        type=float,
+        default=120.0,
+        help="a step running this long aborts the soak (exit 3)",
+    )
+    parser.add_argument(
+        "--nvme-path",
+        default=None,
+        help="swap directory (default: a temporary one, removed at the end)",
+    )
+    parser.add_argument(
+        "--log", default=None, help="write the runtime's warnings (retries, faults) to this file"
+    )
     args = parser.parse_args(argv)
     if args.log:
-        logging.basicConfig(filename=args.log, level=logging.WARNING,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            filename=args.log,
+            level=logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     else:
         logging.basicConfig(level=logging.CRITICAL)  # the report is the output
     return run(args)

@@ -1,1 +1,2 @@
-"""The user-facing commands: infinity-bench, infinity-train (the demo), infinity-export, infinity-generate, infinity-plan."""
+"""The user-facing commands: infinity-bench, infinity-train (the demo), infinity-export,
+infinity-generate, infinity-plan."""

@@ -24,9 +24,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -36,24 +36,45 @@ from swap.errors import SwapError
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import describe, find_leftovers
 from swap.probe import choose_backend
+from tools.common.machine import DiskCounters, machine_info
+from tools.common.units import format_size, parse_list, parse_size
 from tools.disk import aiofiles_baseline, report
 from tools.disk.fio import FioError, FioJob, FioRunner, find_fio
 from tools.disk.gil_probe import InterferenceResult, measure_fio_interference, measure_interference
-from tools.common.machine import DiskCounters, machine_info
-from tools.disk.recommend import (Candidate, Recommendation, choose_point, recommend,
-                             write_config)
-from tools.disk.sweep import (DIRECTIONS, IN_FLIGHT, Point, PointResult, TransferSweep, fill_pattern,
-                         measure_point, transfer_sizes)
-from tools.common.units import format_size, parse_list, parse_size
+from tools.disk.recommend import Candidate, Recommendation, choose_point, recommend, write_config
+from tools.disk.sweep import (
+    DIRECTIONS,
+    IN_FLIGHT,
+    Point,
+    PointResult,
+    TransferSweep,
+    fill_pattern,
+    measure_point,
+    transfer_sizes,
+)
 
 log = logging.getLogger("infinity.bench")
 
-FULL = {"size": "1G", "block_sizes": "256K,1M,4M,8M", "queue_depths": "1,2,4,8,16",
-        "thread_counts": "qd,2", "repeats": 3, "fio_block_sizes": "256K,1M,4M,8M",
-        "fio_depths": "1,4,16", "sweep_total": "512M"}
-QUICK = {"size": "256M", "block_sizes": "256K,1M,4M", "queue_depths": "1,4,16",
-         "thread_counts": "qd", "repeats": 1, "fio_block_sizes": "4M", "fio_depths": "16",
-         "sweep_total": "128M"}
+FULL = {
+    "size": "1G",
+    "block_sizes": "256K,1M,4M,8M",
+    "queue_depths": "1,2,4,8,16",
+    "thread_counts": "qd,2",
+    "repeats": 3,
+    "fio_block_sizes": "256K,1M,4M,8M",
+    "fio_depths": "1,4,16",
+    "sweep_total": "512M",
+}
+QUICK = {
+    "size": "256M",
+    "block_sizes": "256K,1M,4M",
+    "queue_depths": "1,4,16",
+    "thread_counts": "qd",
+    "repeats": 1,
+    "fio_block_sizes": "4M",
+    "fio_depths": "16",
+    "sweep_total": "128M",
+}
 
 
 def _thread_count(text: str) -> int | None:
@@ -61,38 +82,70 @@ def _thread_count(text: str) -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="infinity-bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="infinity-bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--path", type=Path, help="directory to measure (default: a new temp dir)")
-    p.add_argument("--quick", action="store_true",
-                   help="a first look: 256M, fewer points, 1 repeat, fio at one setting")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look: 256M, fewer points, 1 repeat, fio at one setting",
+    )
     p.add_argument("--size", help="bytes per transfer pass (default 1G, quick 256M)")
-    p.add_argument("--backends", help="comma list of uring,threads,buffered "
-                   "(default: uring,threads, whichever work here)")
+    p.add_argument(
+        "--backends",
+        help="comma list of uring,threads,buffered (default: uring,threads, whichever work here)",
+    )
     p.add_argument("--block-sizes", help=f"default {FULL['block_sizes']}")
     p.add_argument("--queue-depths", help=f"default {FULL['queue_depths']}")
-    p.add_argument("--thread-counts", help="threads backend only; 'qd' = one per queue slot "
-                   f"(default {FULL['thread_counts']}, quick {QUICK['thread_counts']})")
+    p.add_argument(
+        "--thread-counts",
+        help="threads backend only; 'qd' = one per queue slot "
+        f"(default {FULL['thread_counts']}, quick {QUICK['thread_counts']})",
+    )
     p.add_argument("--repeats", type=int, help="rounds over all points (default 3, quick 1)")
     p.add_argument("--buffer-size", default="64M", help="pool buffer size (default 64M)")
     p.add_argument("--buffers", type=int, default=4, help="pool buffers in flight (default 4)")
-    p.add_argument("--fio", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure fio next to the engine (default on)")
-    p.add_argument("--fio-block-sizes", help=f"default {FULL['fio_block_sizes']}, "
-                   f"quick {QUICK['fio_block_sizes']}")
-    p.add_argument("--fio-depths",
-                   help=f"default {FULL['fio_depths']}, quick {QUICK['fio_depths']}")
-    p.add_argument("--interference", action=argparse.BooleanOptionalAction, default=None,
-                   help="GIL interference measurement (default: on, off with --quick)")
-    p.add_argument("--idle-seconds", type=float, default=1.0,
-                   help="length of each idle reference loop of --interference")
-    p.add_argument("--sweep-limit", default="256M",
-                   help="largest transfer size of the buffer-size sweep (default 256M)")
+    p.add_argument(
+        "--fio",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure fio next to the engine (default on)",
+    )
+    p.add_argument(
+        "--fio-block-sizes",
+        help=f"default {FULL['fio_block_sizes']}, quick {QUICK['fio_block_sizes']}",
+    )
+    p.add_argument(
+        "--fio-depths", help=f"default {FULL['fio_depths']}, quick {QUICK['fio_depths']}"
+    )
+    p.add_argument(
+        "--interference",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="GIL interference measurement (default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=1.0,
+        help="length of each idle reference loop of --interference",
+    )
+    p.add_argument(
+        "--sweep-limit",
+        default="256M",
+        help="largest transfer size of the buffer-size sweep (default 256M)",
+    )
     p.add_argument("--sweep-total", help="bytes per point of the buffer-size sweep")
     p.add_argument("--json", type=Path, help="write every measurement to this JSON file")
     p.add_argument("--plot", type=Path, help="draw GB/s vs block size and queue depth (PNG)")
-    p.add_argument("--write-config", type=Path,
-                   help="write the recommended aio/buffer settings (runtime's native JSON)")
+    p.add_argument(
+        "--write-config",
+        type=Path,
+        help="write the recommended aio/buffer settings (runtime's native JSON)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the round order shuffle")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, swap layer too")
@@ -136,8 +189,11 @@ def resolve_backends(requested: list[str] | None, path: Path) -> list[str]:
         except SwapError as exc:
             log.warning("backend %s skipped: %s", name, exc)
     if not usable and not requested:
-        log.warning("no O_DIRECT backend works on %s: measuring 'buffered' (page cache; the read "
-                    "pass drops the cache first)", path)
+        log.warning(
+            "no O_DIRECT backend works on %s: measuring 'buffered' (page cache; the read "
+            "pass drops the cache first)",
+            path,
+        )
         usable = ["buffered"]
     return list(dict.fromkeys(usable))
 
@@ -173,9 +229,17 @@ def candidates(results: list[PointResult]) -> list[Candidate]:
     out = []
     for r in results:
         cpus = [c.median for c in (r.cpu("read"), r.cpu("write")) if c]
-        out.append(Candidate(r.point.backend, r.point.block_size, r.point.queue_depth,
-                             r.point.thread_count, r.median("read"), r.median("write"),
-                             sum(cpus) / len(cpus) if cpus else 0.0))
+        out.append(
+            Candidate(
+                r.point.backend,
+                r.point.block_size,
+                r.point.queue_depth,
+                r.point.thread_count,
+                r.median("read"),
+                r.median("write"),
+                sum(cpus) / len(cpus) if cpus else 0.0,
+            )
+        )
     return out
 
 
@@ -183,7 +247,7 @@ def run_grid(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqdm) -> No
     args = run.args
     # fio's read directly follows its write, as the engine's does, so both read data that was
     # just written (a virtual disk's host cache may still hold it).
-    pairs = [tuple(run.fio_points[i:i + 2]) for i in range(0, len(run.fio_points), 2)]
+    pairs = [tuple(run.fio_points[i : i + 2]) for i in range(0, len(run.fio_points), 2)]
     tasks: list[PointResult | tuple[report.FioPoint, ...]] = [*run.points, *pairs]
     rng = random.Random(args.seed)
     for round_index in range(args.repeats):
@@ -202,13 +266,19 @@ def run_grid(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqdm) -> No
             else:
                 for fio_point in task:
                     job = fio_point.job
-                    bar.set_postfix_str(f"fio {job.rw} bs={format_size(job.block_size)} "
-                                        f"qd={job.iodepth}")
+                    bar.set_postfix_str(
+                        f"fio {job.rw} bs={format_size(job.block_size)} qd={job.iodepth}"
+                    )
                     try:
                         fio_point.runs.append(fio.run(job))  # type: ignore[union-attr]
                     except FioError as exc:
-                        log.warning("fio %s bs=%d iodepth=%d failed: %s", job.rw,
-                                    job.block_size, job.iodepth, exc)
+                        log.warning(
+                            "fio %s bs=%d iodepth=%d failed: %s",
+                            job.rw,
+                            job.block_size,
+                            job.iodepth,
+                            exc,
+                        )
                         fio_point.runs.append(str(exc))
             bar.update()
 
@@ -239,9 +309,12 @@ def run_interference(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqd
         # The point the recommendation would pick for this backend (fastest, near-ties to the
         # least CPU per GiB), so the report's figures are those of the configuration run.
         choice = choose_point(candidates(mine))
-        best = next(r for r in mine if (r.point.backend, r.point.block_size,
-                                        r.point.queue_depth, r.point.thread_count) ==
-                    (choice.backend, choice.block_size, choice.queue_depth, choice.thread_count))
+        best = next(
+            r
+            for r in mine
+            if (r.point.backend, r.point.block_size, r.point.queue_depth, r.point.thread_count)
+            == (choice.backend, choice.block_size, choice.queue_depth, choice.thread_count)
+        )
         points = [best.point]
         if backend == "uring":
             # The same point without checksums: how much of the loop's loss is verification
@@ -251,8 +324,15 @@ def run_interference(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqd
         for point in points:
             bar.set_postfix_str(f"interference, {point.label}")
             try:
-                result = measure_interference(point, run.path, pool, args.size, args.repeats,
-                                              args.idle_seconds, on_step=bar.update)
+                result = measure_interference(
+                    point,
+                    run.path,
+                    pool,
+                    args.size,
+                    args.repeats,
+                    args.idle_seconds,
+                    on_step=bar.update,
+                )
                 result.io_reference = {d: best.median(d) for d in DIRECTIONS}
                 run.interference.append(result)
             except Exception as exc:  # the other measurements are still worth reporting
@@ -262,39 +342,70 @@ def run_interference(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqd
         bar.total += 2 * args.repeats
         bar.set_postfix_str("interference, fio (reference)")
         try:
-            result = measure_fio_interference(fio, choice.block_size, choice.queue_depth,
-                                              args.size, args.repeats, args.idle_seconds,
-                                              on_step=bar.update)
+            result = measure_fio_interference(
+                fio,
+                choice.block_size,
+                choice.queue_depth,
+                args.size,
+                args.repeats,
+                args.idle_seconds,
+                on_step=bar.update,
+            )
             for point in run.fio_points:
                 job, gbps = point.job, point.gbps()
-                if (job.block_size, job.iodepth) == (choice.block_size, choice.queue_depth) \
-                        and gbps:
+                if (job.block_size, job.iodepth) == (
+                    choice.block_size,
+                    choice.queue_depth,
+                ) and gbps:
                     result.io_reference[job.rw] = gbps.median
             run.interference.append(result)
         except FioError as exc:
             log.warning("interference reference with fio failed: %s", exc)
 
 
-def to_json(run: Run, info: dict, started: float, leftovers: list[str],
-            best: dict, fio_best: dict, ratios: dict, config: dict | None) -> dict:
+def to_json(
+    run: Run,
+    info: dict,
+    started: float,
+    leftovers: list[str],
+    best: dict,
+    fio_best: dict,
+    ratios: dict,
+    config: dict | None,
+) -> dict:
     args = run.args
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     rec = run.recommendation
     return {
-        "tool": "infinity-bench", "format": 1, "argv": args.argv,
+        "tool": "infinity-bench",
+        "format": 1,
+        "argv": args.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "elapsed_s": time.time() - started, "settings": settings, "machine": info,
+        "elapsed_s": time.time() - started,
+        "settings": settings,
+        "machine": info,
         "points": [r.as_dict() for r in run.points],
-        "fio": {"available": bool(run.fio_points), "note": run.fio_note,
-                "version": run.fio_version, "jobs": [p.as_dict() for p in run.fio_points]},
+        "fio": {
+            "available": bool(run.fio_points),
+            "note": run.fio_note,
+            "version": run.fio_version,
+            "jobs": [p.as_dict() for p in run.fio_points],
+        },
         "transfer_sweep": run.sweep.as_dict() if run.sweep else None,
         "interference": [r.as_dict() for r in run.interference],
-        "best": best, "fio_best": fio_best, "ratio_to_fio": ratios,
-        "aiofiles": run.aiofiles and {
-            **run.aiofiles, "ratio": report.ratios_to(best, run.aiofiles["summary"])},
-        "recommendation": None if rec is None else {
-            "config": config, "reason": rec.reason, "point": vars(rec.candidate),
-            "score_gbps": rec.candidate.score},
+        "best": best,
+        "fio_best": fio_best,
+        "ratio_to_fio": ratios,
+        "aiofiles": run.aiofiles
+        and {**run.aiofiles, "ratio": report.ratios_to(best, run.aiofiles["summary"])},
+        "recommendation": None
+        if rec is None
+        else {
+            "config": config,
+            "reason": rec.reason,
+            "point": vars(rec.candidate),
+            "score_gbps": rec.candidate.score,
+        },
         "leftover_files": leftovers,
     }
 
@@ -316,14 +427,22 @@ def execute(args: argparse.Namespace, path: Path) -> int:
     need = args.size * (2 if fio_path else 1) + (64 << 20)
     free = shutil.disk_usage(path).free
     if free < need:
-        log.error("%s has %s free; this run needs about %s (lower --size)", path,
-                  format_size(free), format_size(need))
+        log.error(
+            "%s has %s free; this run needs about %s (lower --size)",
+            path,
+            format_size(free),
+            format_size(need),
+        )
         return 1
     info = machine_info(path)
     load, cpus = info["loadavg"][0], info["cpu_affinity"] or 1
     if load > 0.5 * cpus:
-        log.warning("load average %.1f on %d CPUs: other work is running on this machine, so "
-                    "expect noisier numbers (repeats and medians absorb some of it)", load, cpus)
+        log.warning(
+            "load average %.1f on %d CPUs: other work is running on this machine, so "
+            "expect noisier numbers (repeats and medians absorb some of it)",
+            load,
+            cpus,
+        )
     stale = find_leftovers(path, RUN_DIR_PREFIX)
     if stale:  # the first engine below removes them
         print(f"reclaimed: {describe(stale)}")
@@ -331,10 +450,17 @@ def execute(args: argparse.Namespace, path: Path) -> int:
     fio: FioRunner | None = None
     fio_dir: Path | None = None
     pool = BufferPool(args.buffers, args.buffer_size, name="bench")
-    total = args.repeats * len(run.points) + \
-        (args.repeats * 2 * len(backends) if args.interference else 0)
-    bar = tqdm(total=total, file=sys.stderr, unit="pass", dynamic_ncols=True,
-               disable=args.no_progress, desc="infinity-bench")
+    total = args.repeats * len(run.points) + (
+        args.repeats * 2 * len(backends) if args.interference else 0
+    )
+    bar = tqdm(
+        total=total,
+        file=sys.stderr,
+        unit="pass",
+        dynamic_ncols=True,
+        disable=args.no_progress,
+        desc="infinity-bench",
+    )
     try:
         fill_pattern(pool)
         if fio_path:
@@ -345,8 +471,11 @@ def execute(args: argparse.Namespace, path: Path) -> int:
                 for bs in args.fio_block_sizes:
                     for depth in args.fio_depths:
                         for rw in DIRECTIONS:
-                            run.fio_points.append(report.FioPoint(
-                                FioJob(rw, bs, depth, args.size, fio.ioengine or "io_uring")))
+                            run.fio_points.append(
+                                report.FioPoint(
+                                    FioJob(rw, bs, depth, args.size, fio.ioengine or "io_uring")
+                                )
+                            )
                 bar.total += args.repeats * len(run.fio_points) // 2
             else:
                 run.fio_note = fio.note
@@ -360,12 +489,14 @@ def execute(args: argparse.Namespace, path: Path) -> int:
             return 1
         choice = recommend(usable).candidate
         run_sweep(run, choice, bar)
-        run.recommendation = recommend(usable, run.sweep.medians() if run.sweep else None,
-                                       choice=choice)
+        run.recommendation = recommend(
+            usable, run.sweep.medians() if run.sweep else None, choice=choice
+        )
         # The obvious Python baseline, at the recommended point's request size and --size bytes.
         bar.set_postfix_str("aiofiles baseline")
-        run.aiofiles = aiofiles_baseline.measure(run.path, args.size, choice.block_size,
-                                                 args.repeats)
+        run.aiofiles = aiofiles_baseline.measure(
+            run.path, args.size, choice.block_size, args.repeats
+        )
         if args.interference:
             run_interference(run, pool, fio, bar)
     finally:
@@ -390,9 +521,11 @@ def output(run: Run, info: dict, started: float, leftovers: list[str]) -> None:
     config = run.recommendation.config() if run.recommendation else None
     mount = info.get("mount", {})
     device = info.get("block_device", {}).get("name", "?")
-    print(f"infinity-bench on {run.path} ({mount.get('fstype', '?')} on {device}), "
-          f"{format_size(args.size)} per pass, {args.buffers} x {format_size(args.buffer_size)} "
-          f"buffers in flight, {args.repeats} interleaved repeat(s)")
+    print(
+        f"infinity-bench on {run.path} ({mount.get('fstype', '?')} on {device}), "
+        f"{format_size(args.size)} per pass, {args.buffers} x {format_size(args.buffer_size)} "
+        f"buffers in flight, {args.repeats} interleaved repeat(s)"
+    )
     print()
     print("\n".join(report.engine_table(run.points, args.repeats)))
     if run.fio_points:
@@ -403,12 +536,28 @@ def output(run: Run, info: dict, started: float, leftovers: list[str]) -> None:
         medians = run.sweep.medians()
         print(f"Buffer-size sweep, {run.sweep.point.label}: GB/s write/read by transfer size")
         for n in IN_FLIGHT:
-            print(f"  {n} in flight: " + ", ".join(
-                f"{format_size(s)} {m[n]['write']:.2f}/{m[n]['read']:.2f}"
-                for s, m in medians.items()))
+            print(
+                f"  {n} in flight: "
+                + ", ".join(
+                    f"{format_size(s)} {m[n]['write']:.2f}/{m[n]['read']:.2f}"
+                    for s, m in medians.items()
+                )
+            )
     print()
-    print("\n".join(report.summary_lines(best, fio_best, run.fio_note, ratios, run.interference,
-                                         run.recommendation, config, run.aiofiles)))
+    print(
+        "\n".join(
+            report.summary_lines(
+                best,
+                fio_best,
+                run.fio_note,
+                ratios,
+                run.interference,
+                run.recommendation,
+                config,
+                run.aiofiles,
+            )
+        )
+    )
     if config:
         print(f"  config: {json.dumps(config)}")
     if args.json:
@@ -417,17 +566,28 @@ def output(run: Run, info: dict, started: float, leftovers: list[str]) -> None:
         log.info("measurements written to %s", args.json)
     if args.plot:
         from tools.disk.plot import plot
-        plot(args.plot, run.points, run.fio_points,
-             f"infinity-bench: {run.path} ({mount.get('fstype', '?')}), "
-             f"{format_size(args.size)} per pass, medians of {args.repeats}")
+
+        plot(
+            args.plot,
+            run.points,
+            run.fio_points,
+            f"infinity-bench: {run.path} ({mount.get('fstype', '?')}), "
+            f"{format_size(args.size)} per pass, medians of {args.repeats}",
+        )
     if args.write_config and config and run.recommendation:
         rec = run.recommendation
-        evidence = {"config": config, "reason": rec.reason, "point": vars(rec.candidate),
-                    "transfer_sweep": run.sweep.as_dict() if run.sweep else None,
-                    "machine": info, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        evidence = {
+            "config": config,
+            "reason": rec.reason,
+            "point": vars(rec.candidate),
+            "transfer_sweep": run.sweep.as_dict() if run.sweep else None,
+            "machine": info,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         sibling = write_config(args.write_config, config, evidence)
-        log.info("recommended config written to %s (measurements in %s)", args.write_config,
-                 sibling)
+        log.info(
+            "recommended config written to %s (measurements in %s)", args.write_config, sibling
+        )
 
 
 def _setup_logging(verbose: bool) -> Callable[[], None]:
@@ -446,6 +606,7 @@ def _setup_logging(verbose: bool) -> Callable[[], None]:
         root.removeHandler(handler)
         root.setLevel(saved[0])
         swap_log.setLevel(saved[1])
+
     return undo
 
 

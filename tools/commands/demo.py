@@ -21,9 +21,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -31,8 +32,14 @@ from tqdm import tqdm
 from infinity import OffloadConfig, TieredStore
 from infinity.config import format_size, load_json
 from infinity.errors import AttachError, BudgetError, ConfigError
-from swap import (BufferPool, EngineSettings, NvmePathError, SwapConfigError, SwapEngine,
-                  SwapSpaceError)
+from swap import (
+    BufferPool,
+    EngineSettings,
+    NvmePathError,
+    SwapConfigError,
+    SwapEngine,
+    SwapSpaceError,
+)
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import describe, find_leftovers
 from tools.common.cli import config_size, guarded, parse, positive
@@ -45,9 +52,9 @@ HEADS = 4
 #: from the two before) then has 64 x 64 entries, which the model visibly learns in a minute;
 #: over the full 512-token vocabulary it has 262,144 and the loss barely moves in a demo's steps.
 TEXT_VOCAB = 64
-DEMO_BUFFER = 1 << 20     # largest swap buffer (and so shard) the demo picks itself
-DEMO_LR = 2e-3            # high for Adam, so the loss falls clearly within the demo's steps
-BANDWIDTH_SECONDS = 0.6   # per direction, for the disk measurement at the start
+DEMO_BUFFER = 1 << 20  # largest swap buffer (and so shard) the demo picks itself
+DEMO_LR = 2e-3  # high for Adam, so the loss falls clearly within the demo's steps
+BANDWIDTH_SECONDS = 0.6  # per direction, for the disk measurement at the start
 RECORDED_STEPS = 2
 
 
@@ -56,22 +63,29 @@ class UserError(Exception):
 
 
 #: What a user fixes by changing flags, config or paths: one line, exit code 2, no traceback.
-USER_ERRORS = (UserError, ConfigError, BudgetError, AttachError, NvmePathError, SwapSpaceError,
-               SwapConfigError)
+USER_ERRORS = (
+    UserError,
+    ConfigError,
+    BudgetError,
+    AttachError,
+    NvmePathError,
+    SwapSpaceError,
+    SwapConfigError,
+)
 
 
 @dataclass
 class DemoResult:
     losses: list[float]
     step_seconds: list[float]
-    stats: dict[str, Any]                    # store.stats() after the last step
-    attached: dict[str, Any]                 # store.stats() after attach, before step 1
-    disk: dict[str, float]                   # bytes/s measured at the start: "read", "write"
-    timeline: dict[str, Any] | None          # store.timeline.summary() of the recorded steps
+    stats: dict[str, Any]  # store.stats() after the last step
+    attached: dict[str, Any]  # store.stats() after attach, before step 1
+    disk: dict[str, float]  # bytes/s measured at the start: "read", "write"
+    timeline: dict[str, Any] | None  # store.timeline.summary() of the recorded steps
     outputs: dict[str, Path] = field(default_factory=dict)
     nvme_paths: list[Path] = field(default_factory=list)
-    leftovers: list[Path] = field(default_factory=list)   # anything the run left in nvme_path
-    nvme_free: int = 0                       # bytes free on the first nvme_path at the start
+    leftovers: list[Path] = field(default_factory=list)  # anything the run left in nvme_path
+    nvme_free: int = 0  # bytes free on the first nvme_path at the start
     wall_seconds: float = 0.0
     table: list[str] = field(default_factory=list)
 
@@ -79,31 +93,61 @@ class DemoResult:
 # ---------------------------------------------------------------------------- arguments
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infinity-train", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--nvme-path", action="append", default=[], metavar="DIR",
+    add(
+        "--nvme-path",
+        action="append",
+        default=[],
+        metavar="DIR",
         help="swap directory; repeat or comma-separate for several drives (default: the "
-             "config's, else a fresh temporary directory, removed at the end)")
-    add("--config", type=Path, metavar="FILE", help="a DeepSpeed ds_config.json or a native "
-        "infinity JSON config; the flags below override it")
+        "config's, else a fresh temporary directory, removed at the end)",
+    )
+    add(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a DeepSpeed ds_config.json or a native "
+        "infinity JSON config; the flags below override it",
+    )
     add("--steps", type=positive(int), default=40, help="training steps (%(default)s)")
     add("--layers", type=positive(int), default=8, help="transformer blocks (%(default)s)")
-    add("--width", type=positive(int), default=256,
-        help=f"model width, a multiple of {HEADS} (%(default)s)")
+    add(
+        "--width",
+        type=positive(int),
+        default=256,
+        help=f"model width, a multiple of {HEADS} (%(default)s)",
+    )
     add("--vocab", type=positive(int), default=512, help="vocabulary size (%(default)s)")
     add("--context", type=positive(int), default=64, help="tokens per sequence (%(default)s)")
     add("--batch", type=positive(int), default=8, help="sequences per step (%(default)s)")
-    add("--lr", type=positive(float), help=f"AdamW learning rate (default: the DeepSpeed "
-        f"config's optimizer lr, else {DEMO_LR:g})")
-    add("--device-budget", type=config_size, metavar="SIZE",
-        help="e.g. 8MiB (default: the config's, else a quarter of the parameter bytes)")
-    add("--host-budget", type=config_size, metavar="SIZE",
-        help="e.g. 32MiB (default: the config's, else a quarter of params + grads + Adam state)")
+    add(
+        "--lr",
+        type=positive(float),
+        help=f"AdamW learning rate (default: the DeepSpeed "
+        f"config's optimizer lr, else {DEMO_LR:g})",
+    )
+    add(
+        "--device-budget",
+        type=config_size,
+        metavar="SIZE",
+        help="e.g. 8MiB (default: the config's, else a quarter of the parameter bytes)",
+    )
+    add(
+        "--host-budget",
+        type=config_size,
+        metavar="SIZE",
+        help="e.g. 32MiB (default: the config's, else a quarter of params + grads + Adam state)",
+    )
     add("--bf16", action="store_true", help="bf16 working parameters and compute")
-    add("--out", type=Path, default=Path("demo-output"), metavar="DIR",
-        help="where the Chrome trace and timeline plot go (%(default)s)")
+    add(
+        "--out",
+        type=Path,
+        default=Path("demo-output"),
+        metavar="DIR",
+        help="where the Chrome trace and timeline plot go (%(default)s)",
+    )
     add("--seed", type=int, default=0, help="model and data seed (%(default)s)")
     add("--no-timeline", action="store_true", help="record no timeline; write no trace or plot")
     add("-v", "--verbose", action="store_true", help="log the runtime's INFO messages")
@@ -119,8 +163,13 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         raise UserError(f"--width {args.width} must be a multiple of {HEADS} (attention heads)")
     if args.vocab < 2 or args.context < 2:
         raise UserError("--vocab and --context must be at least 2")
-    return GPTConfig(vocab_size=args.vocab, context=args.context, layers=args.layers,
-                     width=args.width, heads=HEADS)
+    return GPTConfig(
+        vocab_size=args.vocab,
+        context=args.context,
+        layers=args.layers,
+        width=args.width,
+        heads=HEADS,
+    )
 
 
 def offload_config(args: argparse.Namespace, model: TinyGPT, nvme: list[Path]) -> OffloadConfig:
@@ -171,18 +220,24 @@ def learning_rate(args: argparse.Namespace) -> float:
 
 # ---------------------------------------------------------------------------- measuring
 
+
 def disk_bandwidth(paths: list[Path], config: OffloadConfig) -> dict[str, float]:
     """Bytes/s the swap engine reaches on ``paths`` with the store's aio settings: write for
     about BANDWIDTH_SECONDS, then read the same bytes back. Busy time is the engine's own clock,
     the same one the store's io_seconds come from, so the two GB/s compare like for like."""
     chunk, depth = 16 << 20, 4 * len(paths)
     limit = 1 << 30
-    settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
-                              queue_depth=config.aio.queue_depth,
-                              thread_count=config.aio.thread_count,
-                              file_size=limit // len(paths) + (chunk << 1))
-    with BufferPool(depth, chunk, name="demo-bandwidth") as pool, \
-            SwapEngine(paths, settings) as engine:
+    settings = EngineSettings(
+        backend=config.aio.backend,
+        block_size=config.aio.block_size,
+        queue_depth=config.aio.queue_depth,
+        thread_count=config.aio.thread_count,
+        file_size=limit // len(paths) + (chunk << 1),
+    )
+    with (
+        BufferPool(depth, chunk, name="demo-bandwidth") as pool,
+        SwapEngine(paths, settings) as engine,
+    ):
         pending: list = []
 
         def submit(call: Any, extent: Any, i: int) -> None:
@@ -203,8 +258,10 @@ def disk_bandwidth(paths: list[Path], config: OffloadConfig) -> dict[str, float]
         for future in pending:
             future.result()
         stats = engine.stats()
-    return {"read": stats.bytes_read / stats.read_seconds,
-            "write": stats.bytes_written / stats.write_seconds}
+    return {
+        "read": stats.bytes_read / stats.read_seconds,
+        "write": stats.bytes_written / stats.write_seconds,
+    }
 
 
 def listing(paths: list[Path]) -> set[Path]:
@@ -214,6 +271,7 @@ def listing(paths: list[Path]) -> set[Path]:
 
 
 # ---------------------------------------------------------------------------- the run
+
 
 def run(args: argparse.Namespace) -> DemoResult:
     began = time.perf_counter()
@@ -230,13 +288,16 @@ def run(args: argparse.Namespace) -> DemoResult:
     before = listing(paths)
     nvme_free = shutil.disk_usage(paths[0]).free if paths and paths[0].is_dir() else 0
     state_bytes = parameter_count(gpt) * 4 * 4  # fp32 params, grads, Adam's two moments
-    print(f"model      TinyGPT {gpt.layers} layers x {gpt.width} wide, vocab {gpt.vocab_size}, "
-          f"context {gpt.context}: {parameter_count(gpt) / 1e6:.2f} M params, "
-          f"params+grads+Adam {format_size(state_bytes)}; AdamW lr {learning_rate(args):g}")
+    print(
+        f"model      TinyGPT {gpt.layers} layers x {gpt.width} wide, vocab {gpt.vocab_size}, "
+        f"context {gpt.context}: {parameter_count(gpt) / 1e6:.2f} M params, "
+        f"params+grads+Adam {format_size(state_bytes)}; AdamW lr {learning_rate(args):g}"
+    )
     print(config.describe())
     store: TieredStore | None = None
-    stale = [found for path in paths if path.is_dir()
-             for found in find_leftovers(path, RUN_DIR_PREFIX)]
+    stale = [
+        found for path in paths if path.is_dir() for found in find_leftovers(path, RUN_DIR_PREFIX)
+    ]
     if stale:  # the first swap engine below removes them
         print(f"reclaimed  {describe(stale)}")
         before -= {found.path for found in stale}
@@ -244,8 +305,10 @@ def run(args: argparse.Namespace) -> DemoResult:
         log.info("measuring the swap engine's bandwidth on %s", ", ".join(map(str, paths)))
         disk = disk_bandwidth(paths, config) if paths else {}
         if disk:
-            print(f"disk       {disk['read'] / 1e9:.2f} GB/s read, {disk['write'] / 1e9:.2f} GB/s "
-                  f"write (swap engine on {', '.join(map(str, paths))}, measured just now)")
+            print(
+                f"disk       {disk['read'] / 1e9:.2f} GB/s read, {disk['write'] / 1e9:.2f} GB/s "
+                f"write (swap engine on {', '.join(map(str, paths))}, measured just now)"
+            )
         record = not args.no_timeline
         if record:
             try:  # before training, so a bad --out costs no training time
@@ -255,12 +318,16 @@ def run(args: argparse.Namespace) -> DemoResult:
         store = TieredStore(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(args))
         model, optimizer = store.attach(model, optimizer)
-        text = synthetic_batches(GPTConfig(vocab_size=min(TEXT_VOCAB, gpt.vocab_size),
-                                           context=gpt.context), args.batch, seed=args.seed)
+        text = synthetic_batches(
+            GPTConfig(vocab_size=min(TEXT_VOCAB, gpt.vocab_size), context=gpt.context),
+            args.batch,
+            seed=args.seed,
+        )
         losses, times = [], []
         attached = previous = store.stats()
-        bar = tqdm(range(args.steps), desc="training", unit="step", file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            range(args.steps), desc="training", unit="step", file=sys.stderr, dynamic_ncols=True
+        )
         for step in bar:
             if record and step == max(0, args.steps - RECORDED_STEPS):
                 store.timeline.clear()
@@ -274,11 +341,18 @@ def run(args: argparse.Namespace) -> DemoResult:
             times.append(time.perf_counter() - started)
             losses.append(loss.item())
             now = store.stats()
-            moved = (now["bytes_read"] - previous["bytes_read"]
-                     + now["bytes_written"] - previous["bytes_written"])
+            moved = (
+                now["bytes_read"]
+                - previous["bytes_read"]
+                + now["bytes_written"]
+                - previous["bytes_written"]
+            )
             previous = now
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", step=f"{times[-1]:.2f}s",
-                            swap=f"{moved / times[-1] / 1e9:.2f}GB/s")
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}",
+                step=f"{times[-1]:.2f}s",
+                swap=f"{moved / times[-1] / 1e9:.2f}GB/s",
+            )
         bar.close()
         store.timeline.enabled = False
         stats = store.stats()
@@ -296,8 +370,19 @@ def run(args: argparse.Namespace) -> DemoResult:
     assert store is not None
     summary = store.timeline.summary() if record and hasattr(store.timeline, "summary") else None
     outputs = write_outputs(store, args.out, gpt) if record else {}
-    result = DemoResult(losses, times, stats, attached, disk, summary, outputs, paths, leftovers,
-                        nvme_free, time.perf_counter() - began)
+    result = DemoResult(
+        losses,
+        times,
+        stats,
+        attached,
+        disk,
+        summary,
+        outputs,
+        paths,
+        leftovers,
+        nvme_free,
+        time.perf_counter() - began,
+    )
     result.table = table(result)
     return result
 
@@ -316,18 +401,26 @@ def write_outputs(store: TieredStore, out: Path, gpt: GPTConfig) -> dict[str, Pa
 def table(result: DemoResult) -> list[str]:
     s, steps, times, size = result.stats, len(result.losses), result.step_seconds, format_size
     # I/O of the training steps only: what attach wrote is shown on its own.
-    io = {key: s[key] - result.attached[key]
-          for key in ("bytes_read", "bytes_written", "read_seconds", "write_seconds")}
+    io = {
+        key: s[key] - result.attached[key]
+        for key in ("bytes_read", "bytes_written", "read_seconds", "write_seconds")
+    }
     busy = io["read_seconds"] + io["write_seconds"]
-    rows = [("steps", f"{steps}"),
-            ("loss", f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} (first -> last step)"),
-            ("step time", f"{statistics.median(times):.3f} s median (min {min(times):.3f}, "
-                          f"max {max(times):.3f})"),
-            ("swap read", f"{size(io['bytes_read'])} total, "
-                          f"{size(io['bytes_read'] // steps)}/step"),
-            ("swap written", f"{size(io['bytes_written'])} total, "
-                             f"{size(io['bytes_written'] // steps)}/step, "
-                             f"+ {size(result.attached['bytes_written'])} during attach")]
+    rows = [
+        ("steps", f"{steps}"),
+        ("loss", f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f} (first -> last step)"),
+        (
+            "step time",
+            f"{statistics.median(times):.3f} s median (min {min(times):.3f}, max {max(times):.3f})",
+        ),
+        ("swap read", f"{size(io['bytes_read'])} total, {size(io['bytes_read'] // steps)}/step"),
+        (
+            "swap written",
+            f"{size(io['bytes_written'])} total, "
+            f"{size(io['bytes_written'] // steps)}/step, "
+            f"+ {size(result.attached['bytes_written'])} during attach",
+        ),
+    ]
     if result.disk:
         achieved = []
         for op, nbytes in (("read", io["bytes_read"]), ("write", io["bytes_written"])):
@@ -338,30 +431,54 @@ def table(result: DemoResult) -> list[str]:
         rows.append(("overlap", "no swap I/O to overlap"))
     elif result.timeline is not None:
         t = result.timeline
-        rows.append(("overlap", f"{t['overlap_efficiency']:.2f} efficiency, "
-                                f"{t['hidden_fraction']:.0%} of I/O time under compute (last "
-                                f"{RECORDED_STEPS} steps: I/O busy {t['io_busy_seconds']:.2f} s, "
-                                f"compute {t['compute_seconds']:.2f} s)"))
+        rows.append(
+            (
+                "overlap",
+                f"{t['overlap_efficiency']:.2f} efficiency, "
+                f"{t['hidden_fraction']:.0%} of I/O time under compute (last "
+                f"{RECORDED_STEPS} steps: I/O busy {t['io_busy_seconds']:.2f} s, "
+                f"compute {t['compute_seconds']:.2f} s)",
+            )
+        )
     else:
-        rows.append(("overlap", f"I/O busy {busy:.2f} s during {sum(times):.2f} s of steps "
-                                f"(no timeline recorded)"))
-    rows.append(("stalls", f"{s['stall_seconds']:.2f} s in all waiting on I/O ({s['demand_loads']}"
-                           f" demand loads, {s['prefetched_loads']} prefetched)"))
+        rows.append(
+            (
+                "overlap",
+                f"I/O busy {busy:.2f} s during {sum(times):.2f} s of steps (no timeline recorded)",
+            )
+        )
+    rows.append(
+        (
+            "stalls",
+            f"{s['stall_seconds']:.2f} s in all waiting on I/O ({s['demand_loads']}"
+            f" demand loads, {s['prefetched_loads']} prefetched)",
+        )
+    )
     for tier in ("device", "host"):
         budget = s.get("budgets", {}).get(tier)
         limit = f" of {size(budget)} budget" if budget else " (no budget)"
         rows.append((f"peak {tier}", f"{size(s['peak_bytes'][tier])}{limit}"))
     if result.nvme_paths:
-        rows.append(("peak nvme", f"{size(s['peak_bytes']['nvme'])} (no budget; "
-                                  f"{size(result.nvme_free)} was free)"))
+        rows.append(
+            (
+                "peak nvme",
+                f"{size(s['peak_bytes']['nvme'])} (no budget; {size(result.nvme_free)} was free)",
+            )
+        )
     rows.append(("peak RSS", size(s["rss_peak_bytes"])))
     if s["backend"]:
         rows.append(("io backend", s["backend"]))
     rows += [(name, str(path)) for name, path in result.outputs.items()]
     if result.nvme_paths:
         where = ", ".join(map(str, result.nvme_paths))
-        rows.append(("swap files", f"LEFT BEHIND: {', '.join(map(str, result.leftovers))}"
-                     if result.leftovers else f"removed, nothing left ({where})"))
+        rows.append(
+            (
+                "swap files",
+                f"LEFT BEHIND: {', '.join(map(str, result.leftovers))}"
+                if result.leftovers
+                else f"removed, nothing left ({where})",
+            )
+        )
     rows.append(("wall time", f"{result.wall_seconds:.1f} s"))
     width = max(len(name) for name, _ in rows)
     return [f"{name:<{width}}  {value}" for name, value in rows]
@@ -372,8 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, argv)
     if isinstance(args, int):
         return args
-    code, result = guarded(parser.prog, lambda: run(args), USER_ERRORS,
-                           "interrupted; swap files removed")
+    code, result = guarded(
+        parser.prog, lambda: run(args), USER_ERRORS, "interrupted; swap files removed"
+    )
     if code:
         return code
     print()

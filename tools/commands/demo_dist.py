@@ -1,17 +1,17 @@
 """Train the demo's small GPT on several ranks (torchrun, gloo) with ZeRO stage 3: each rank
 holds and swaps to NVMe 1/N of the parameters, gradients and Adam state.
 
-    python -m tools.commands.demo_dist                 # what `make demo-dist` runs: 2 ranks, a temp dir
+    python -m tools.commands.demo_dist        # what `make demo-dist` runs: 2 ranks, a temp dir
     python -m tools.commands.demo_dist --ranks 2 --steps 40 --nvme-path /mnt/nvme0
 
-The model, data, budgets and flags are those of ``python -m tools.commands.demo`` (tools/commands/demo.py); each
-rank trains on its own micro-batch (its share of one global batch of --batch x ranks sequences),
-so the run is data-parallel training of that batch. Rank 0 shows a progress bar (stderr); at the
-end each rank's summary is printed as the single-process demo prints it (loss, step time, swap
-traffic against the disk's bandwidth, overlap, stalls, peak bytes per tier), followed by what the
-ranks exchanged per step: the bytes this rank sent into all-gathers (its parameter slices) and
-reduce-scatters (whole gradients), the seconds the training thread waited for them and their
-share of the step. Each rank writes a Chrome trace of its last steps to --out.
+The model, data, budgets and flags are those of ``python -m tools.commands.demo``
+(tools/commands/demo.py); each rank trains on its own micro-batch (its share of one global batch of
+--batch x ranks sequences), so the run is data-parallel training of that batch. Rank 0 shows a
+progress bar (stderr); at the end each rank's summary is printed as the single-process demo prints
+it (loss, step time, swap traffic against the disk's bandwidth, overlap, stalls, peak bytes per
+tier), followed by what the ranks exchanged per step: the bytes this rank sent into all-gathers (its
+parameter slices) and reduce-scatters (whole gradients), the seconds the training thread waited for
+them and their share of the step. Each rank writes a Chrome trace of its last steps to --out.
 """
 
 from __future__ import annotations
@@ -27,16 +27,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from infinity.config import format_size
 from swap import SwapError
-from tools.commands.demo import (RECORDED_STEPS, TEXT_VOCAB, USER_ERRORS, DemoResult, UserError,
-                        build_parser, disk_bandwidth, learning_rate, listing, model_config,
-                        offload_config, split_paths, table)
+from tools.commands.demo import (
+    RECORDED_STEPS,
+    TEXT_VOCAB,
+    USER_ERRORS,
+    DemoResult,
+    UserError,
+    build_parser,
+    disk_bandwidth,
+    learning_rate,
+    listing,
+    model_config,
+    offload_config,
+    split_paths,
+    table,
+)
 from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
 log = logging.getLogger("tools.commands.demo_dist")
@@ -50,8 +63,12 @@ def dist_parser() -> argparse.ArgumentParser:
     parser.prog = PROG
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (%(default)s)")
-    parser.add_argument("--timeout", type=float, default=600,
-                        help="seconds the ranks may take before they are stopped (%(default)s)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds the ranks may take before they are stopped (%(default)s)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
     return parser
@@ -63,6 +80,7 @@ def rank_config(args: argparse.Namespace, model: TinyGPT, nvme: list[Path]) -> A
 
 
 # ---------------------------------------------------------------------------- one rank
+
 
 def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
@@ -85,14 +103,22 @@ def worker(args: argparse.Namespace) -> int:
         model, optimizer = store.attach(model, optimizer)
         # One global batch per step, every rank its own slice of it: the same text the
         # single-process demo would train on with --batch x ranks sequences.
-        text = synthetic_batches(GPTConfig(vocab_size=min(TEXT_VOCAB, gpt.vocab_size),
-                                           context=gpt.context), args.batch * world,
-                                 seed=args.seed)
+        text = synthetic_batches(
+            GPTConfig(vocab_size=min(TEXT_VOCAB, gpt.vocab_size), context=gpt.context),
+            args.batch * world,
+            seed=args.seed,
+        )
         mine = slice(rank * args.batch, (rank + 1) * args.batch)
         losses, times = [], []
         attached = previous = store.stats()
-        bar = tqdm(range(args.steps), desc=f"training on {world} ranks", unit="step",
-                   file=sys.stderr, dynamic_ncols=True, disable=rank != 0)
+        bar = tqdm(
+            range(args.steps),
+            desc=f"training on {world} ranks",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=rank != 0,
+        )
         for step in bar:
             if record and step == max(0, args.steps - RECORDED_STEPS):
                 store.timeline.clear()
@@ -108,14 +134,25 @@ def worker(args: argparse.Namespace) -> int:
             dist.all_reduce(mean)  # the loss of the global batch: the mean over the ranks
             losses.append(mean.item() / world)
             now = store.stats()
-            moved = (now["bytes_read"] - previous["bytes_read"]
-                     + now["bytes_written"] - previous["bytes_written"])
-            comm = (now["comm"]["gather_seconds"] - previous["comm"]["gather_seconds"]
-                    + now["comm"]["reduce_seconds"] - previous["comm"]["reduce_seconds"])
+            moved = (
+                now["bytes_read"]
+                - previous["bytes_read"]
+                + now["bytes_written"]
+                - previous["bytes_written"]
+            )
+            comm = (
+                now["comm"]["gather_seconds"]
+                - previous["comm"]["gather_seconds"]
+                + now["comm"]["reduce_seconds"]
+                - previous["comm"]["reduce_seconds"]
+            )
             previous = now
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", step=f"{times[-1]:.2f}s",
-                            swap=f"{moved / times[-1] / 1e9:.2f}GB/s",
-                            comm=f"{comm / times[-1]:.0%}")
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}",
+                step=f"{times[-1]:.2f}s",
+                swap=f"{moved / times[-1] / 1e9:.2f}GB/s",
+                comm=f"{comm / times[-1]:.0%}",
+            )
         bar.close()
         store.timeline.enabled = False
         stats = store.stats()
@@ -126,14 +163,23 @@ def worker(args: argparse.Namespace) -> int:
         path = store.timeline.export_chrome(args.out / f"demo-dist-trace-rank{rank}.json")
         outputs["Chrome trace"] = str(path)
     dist.destroy_process_group()
-    result = {"rank": rank, "world": world, "losses": losses, "step_seconds": times,
-              "stats": stats, "attached": attached, "timeline": summary, "outputs": outputs,
-              "wall_seconds": time.perf_counter() - began}
+    result = {
+        "rank": rank,
+        "world": world,
+        "losses": losses,
+        "step_seconds": times,
+        "stats": stats,
+        "attached": attached,
+        "timeline": summary,
+        "outputs": outputs,
+        "wall_seconds": time.perf_counter() - began,
+    }
     (args.result_dir / f"rank{rank}.json").write_text(json.dumps(result, default=str))
     return 0
 
 
 # ---------------------------------------------------------------------------- the summary
+
 
 def comm_rows(rank: dict) -> list[tuple[str, str]]:
     """What this rank exchanged with the others per training step (from attach to the end)."""
@@ -142,24 +188,45 @@ def comm_rows(rank: dict) -> list[tuple[str, str]]:
 
     def per_step(key: str) -> float:
         return (after[key] - before[key]) / steps
+
     wait = per_step("gather_seconds") + per_step("reduce_seconds")
     mean_step = sum(times) / steps
     return [
-        ("all-gathered", f"{format_size(per_step('gathered_bytes'))}/step sent (this rank's "
-                         f"parameter slices), {per_step('gather_seconds'):.3f} s/step waited"),
-        ("reduce-scat.", f"{format_size(per_step('reduced_bytes'))}/step sent (whole "
-                         f"gradients), {per_step('reduce_seconds'):.3f} s/step"),
-        ("comm time", f"{wait:.3f} s/step, {wait / mean_step:.0%} of the mean step "
-                      f"({mean_step:.3f} s); {per_step('collectives'):.0f} collectives/step, "
-                      f"{after['backend']}, ZeRO stage {after['stage']}"),
+        (
+            "all-gathered",
+            f"{format_size(per_step('gathered_bytes'))}/step sent (this rank's "
+            f"parameter slices), {per_step('gather_seconds'):.3f} s/step waited",
+        ),
+        (
+            "reduce-scat.",
+            f"{format_size(per_step('reduced_bytes'))}/step sent (whole "
+            f"gradients), {per_step('reduce_seconds'):.3f} s/step",
+        ),
+        (
+            "comm time",
+            f"{wait:.3f} s/step, {wait / mean_step:.0%} of the mean step "
+            f"({mean_step:.3f} s); {per_step('collectives'):.0f} collectives/step, "
+            f"{after['backend']}, ZeRO stage {after['stage']}",
+        ),
     ]
 
 
-def rank_summary(rank: dict, disk: dict[str, float], paths: list[Path], leftovers: list[Path],
-                 nvme_free: int) -> list[str]:
-    result = DemoResult(rank["losses"], rank["step_seconds"], rank["stats"], rank["attached"],
-                        disk, rank["timeline"], {k: Path(v) for k, v in rank["outputs"].items()},
-                        paths, leftovers, nvme_free, rank["wall_seconds"])
+def rank_summary(
+    rank: dict, disk: dict[str, float], paths: list[Path], leftovers: list[Path], nvme_free: int
+) -> list[str]:
+    result = DemoResult(
+        rank["losses"],
+        rank["step_seconds"],
+        rank["stats"],
+        rank["attached"],
+        disk,
+        rank["timeline"],
+        {k: Path(v) for k, v in rank["outputs"].items()},
+        paths,
+        leftovers,
+        nvme_free,
+        rank["wall_seconds"],
+    )
     lines = table(result)
     # The demo's rows are "name<padding>  value", the first one "steps": take its width.
     steps = str(len(rank["losses"]))
@@ -167,26 +234,47 @@ def rank_summary(rank: dict, disk: dict[str, float], paths: list[Path], leftover
     extra = comm_rows(rank)
     width = max(width, *(len(name) for name, _ in extra))
     # After the memory rows, before the file and wall-time rows.
-    at = next((i for i, line in enumerate(lines)
-               if line.startswith(("Chrome trace", "swap files", "wall time"))), len(lines))
+    at = next(
+        (
+            i
+            for i, line in enumerate(lines)
+            if line.startswith(("Chrome trace", "swap files", "wall time"))
+        ),
+        len(lines),
+    )
     return lines[:at] + [f"{name:<{width}}  {value}" for name, value in extra] + lines[at:]
 
 
 # ---------------------------------------------------------------------------- the driver
 
-def launch(args: argparse.Namespace, argv: Sequence[str], nvme: list[Path],
-           result_dir: Path) -> int:
+
+def launch(
+    args: argparse.Namespace, argv: Sequence[str], nvme: list[Path], result_dir: Path
+) -> int:
     """Runs the ranks with torchrun; their output (rank 0's progress bar) goes to ours."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(args.ranks), "--standalone", "-m", "tools.commands.demo_dist", *argv,
-               "--worker", "--result-dir", str(result_dir),
-               *(f"--nvme-path={path}" for path in nvme if not args.nvme_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.ranks),
+        "--standalone",
+        "-m",
+        "tools.commands.demo_dist",
+        *argv,
+        "--worker",
+        "--result-dir",
+        str(result_dir),
+        *(f"--nvme-path={path}" for path in nvme if not args.nvme_path),
+    ]
     # One compute thread per rank unless told otherwise (torchrun's own default); the ranks
     # start where this process runs, so relative paths mean the same, with the project
     # importable from there.
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT),
-                                                        os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])),
+    )
     process = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return process.wait(timeout=args.timeout)
@@ -212,8 +300,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     began = time.perf_counter()
     gpt = model_config(args)
     if args.ranks < 2:
-        raise UserError(f"--ranks {args.ranks}: use 2 or more (python -m tools.commands.demo trains "
-                             f"in one process)")
+        raise UserError(
+            f"--ranks {args.ranks}: use 2 or more (python -m tools.commands.demo trains "
+            f"in one process)"
+        )
     torch.manual_seed(args.seed)
     nvme = split_paths(args.nvme_path)
     config = rank_config(args, TinyGPT(gpt), nvme)
@@ -225,19 +315,25 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     before = listing(paths)
     nvme_free = shutil.disk_usage(paths[0]).free if paths and paths[0].is_dir() else 0
     state_bytes = parameter_count(gpt) * 4 * 4
-    print(f"model      TinyGPT {gpt.layers} layers x {gpt.width} wide, vocab {gpt.vocab_size}, "
-          f"context {gpt.context}: {parameter_count(gpt) / 1e6:.2f} M params, "
-          f"params+grads+Adam {format_size(state_bytes)}; AdamW lr {learning_rate(args):g}")
-    print(f"ranks      {args.ranks} (torchrun, gloo), ZeRO stage {config.zero_stage}: each holds "
-          f"~{format_size(state_bytes // args.ranks)} of the state; micro-batch {args.batch} "
-          f"per rank, global batch {args.batch * args.ranks}")
+    print(
+        f"model      TinyGPT {gpt.layers} layers x {gpt.width} wide, vocab {gpt.vocab_size}, "
+        f"context {gpt.context}: {parameter_count(gpt) / 1e6:.2f} M params, "
+        f"params+grads+Adam {format_size(state_bytes)}; AdamW lr {learning_rate(args):g}"
+    )
+    print(
+        f"ranks      {args.ranks} (torchrun, gloo), ZeRO stage {config.zero_stage}: each holds "
+        f"~{format_size(state_bytes // args.ranks)} of the state; micro-batch {args.batch} "
+        f"per rank, global batch {args.batch * args.ranks}"
+    )
     print(config.describe())
     result_dir = Path(tempfile.mkdtemp(prefix="infinity-demo-dist-results-"))
     try:
         disk = disk_bandwidth(paths, config) if paths else {}
         if disk:
-            print(f"disk       {disk['read'] / 1e9:.2f} GB/s read, {disk['write'] / 1e9:.2f} GB/s "
-                  f"write (swap engine on {', '.join(map(str, paths))}, measured just now)")
+            print(
+                f"disk       {disk['read'] / 1e9:.2f} GB/s read, {disk['write'] / 1e9:.2f} GB/s "
+                f"write (swap engine on {', '.join(map(str, paths))}, measured just now)"
+            )
         if not args.no_timeline:
             args.out.mkdir(parents=True, exist_ok=True)
         code = launch(args, argv, paths, result_dir)
@@ -250,14 +346,19 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 leftovers.append(temp_dir)
         shutil.rmtree(result_dir, ignore_errors=True)
     if code or len(ranks) != args.ranks:
-        print(f"{PROG}: the ranks failed (torchrun exit status {code}, {len(ranks)} of "
-              f"{args.ranks} reported; their errors are above)", file=sys.stderr)
+        print(
+            f"{PROG}: the ranks failed (torchrun exit status {code}, {len(ranks)} of "
+            f"{args.ranks} reported; their errors are above)",
+            file=sys.stderr,
+        )
         return 1
     for rank in sorted(ranks, key=lambda r: r["rank"]):
         print(f"\n-- rank {rank['rank']} of {rank['world']} --")
         print("\n".join(rank_summary(rank, disk, paths, leftovers, nvme_free)))
-    print(f"\ntotal wall time {time.perf_counter() - began:.1f} s (launch, {args.ranks} ranks, "
-          f"summaries)")
+    print(
+        f"\ntotal wall time {time.perf_counter() - began:.1f} s (launch, {args.ranks} ranks, "
+        f"summaries)"
+    )
     if leftovers:
         log.warning("the run left files in nvme_path: %s", ", ".join(map(str, leftovers)))
     return 1 if leftovers else 0
@@ -270,8 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     if args.worker:
         return worker(args)
     try:

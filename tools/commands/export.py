@@ -11,19 +11,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from infinity.checkpointing.export import DTYPES, export_checkpoint
 from infinity.config import parse_size
 from infinity.errors import InfinityError
-from infinity.checkpointing.export import DTYPES, export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infinity-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a directory save_checkpoint wrote")
     parser.add_argument("out", type=Path, help="where the safetensors files go")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="dtype of the exported weights (default fp32, the masters')")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest output file (as Hugging Face counts: 5GB = 5e9 bytes)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="dtype of the exported weights (default fp32, the masters')",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest output file (as Hugging Face counts: 5GB = 5e9 bytes)",
+    )
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size, name="--max-shard-size")
@@ -36,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     for file in files:
         print(f"  {file.name}")
     if not (args.out / "config.json").exists():
-        print("  (no config.json in the checkpoint: copy the model's config there for "
-              "from_pretrained)")
+        print(
+            "  (no config.json in the checkpoint: copy the model's config there for "
+            "from_pretrained)"
+        )
     return 0
 
 

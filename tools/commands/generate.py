@@ -25,19 +25,26 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
+from infinity.checkpointing.pretrained import checkpoint_files
 from infinity.config import format_size
 from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
-from infinity.checkpointing.pretrained import checkpoint_files
-from swap import (BufferPool, EngineSettings, NvmePathError, SwapConfigError, SwapEngine,
-                  SwapSpaceError)
+from swap import (
+    BufferPool,
+    EngineSettings,
+    NvmePathError,
+    SwapConfigError,
+    SwapEngine,
+    SwapSpaceError,
+)
 from swap.files import check_directory
 from tools.benchmarks.bench_overlap import run_transfers
 from tools.common.cli import config_size, guarded, parse, positive
@@ -46,12 +53,17 @@ log = logging.getLogger("tools.commands.generate")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: any of these in the model directory means AutoTokenizer can load one from it
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "tokenizer_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+    "tokenizer_config.json",
+)
 DEFAULT_PROMPT = "The capital of France is"
-DEFAULT_PROMPT_TOKENS = 8        # random ids when there is neither a prompt nor a tokenizer
+DEFAULT_PROMPT_TOKENS = 8  # random ids when there is neither a prompt nor a tokenizer
 DISK_PROBE_BYTES = 256 << 20
-DEFAULT_BUFFER = 64 << 20        # largest swap buffer (and shard) the tool picks itself
+DEFAULT_BUFFER = 64 << 20  # largest swap buffer (and shard) the tool picks itself
 
 
 class UserError(Exception):
@@ -59,60 +71,125 @@ class UserError(Exception):
 
 
 #: What a user fixes by changing flags or paths: one line, exit code 2, no traceback.
-USER_ERRORS = (UserError, ConfigError, BudgetError, AttachError, CheckpointError, NvmePathError,
-               SwapSpaceError, SwapConfigError)
+USER_ERRORS = (
+    UserError,
+    ConfigError,
+    BudgetError,
+    AttachError,
+    CheckpointError,
+    NvmePathError,
+    SwapSpaceError,
+    SwapConfigError,
+)
 
 
 # ---------------------------------------------------------------------------- arguments
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infinity-generate",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="infinity-generate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     add = parser.add_argument
-    add("--model", type=Path, required=True, metavar="DIR",
+    add(
+        "--model",
+        type=Path,
+        required=True,
+        metavar="DIR",
         help="a Hugging Face model directory: config.json and model.safetensors (or shards with "
-             "model.safetensors.index.json)")
-    add("--nvme-path", type=Path, metavar="DIR",
-        help="swap directory (default: a fresh temporary directory, removed at the end)")
-    add("--host-budget", type=config_size, metavar="SIZE",
-        help="host memory for the store, e.g. 256MiB (default: derived by the store)")
-    add("--device-budget", type=config_size, metavar="SIZE",
-        help="device memory for the store, e.g. 128MiB (default: derived by the store)")
-    add("--buffer-size", type=config_size, metavar="SIZE",
+        "model.safetensors.index.json)",
+    )
+    add(
+        "--nvme-path",
+        type=Path,
+        metavar="DIR",
+        help="swap directory (default: a fresh temporary directory, removed at the end)",
+    )
+    add(
+        "--host-budget",
+        type=config_size,
+        metavar="SIZE",
+        help="host memory for the store, e.g. 256MiB (default: derived by the store)",
+    )
+    add(
+        "--device-budget",
+        type=config_size,
+        metavar="SIZE",
+        help="device memory for the store, e.g. 128MiB (default: derived by the store)",
+    )
+    add(
+        "--buffer-size",
+        type=config_size,
+        metavar="SIZE",
         help="swap buffer and largest shard (default: an eighth of --host-budget, at most "
-             f"{format_size(DEFAULT_BUFFER)})")
-    add("--device", default="auto", help="where compute runs: auto, cpu, cuda, cuda:N "
-        "(%(default)s)")
-    add("--dtype", choices=("auto", *DTYPES), default="auto",
+        f"{format_size(DEFAULT_BUFFER)})",
+    )
+    add(
+        "--device", default="auto", help="where compute runs: auto, cpu, cuda, cuda:N (%(default)s)"
+    )
+    add(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
         help="compute dtype; weights are converted to it as they stream in, so bf16/fp16 halve "
-             "the bytes read (default: the model's own)")
-    add("--prompt", action="append", default=[],
-        help="text to continue (needs a tokenizer in --model); repeat for a batch of prompts")
-    add("--token-ids", action="append", default=[], metavar="IDS",
-        help="prompt as comma-separated token ids, e.g. 1,450,7483; repeat for several rows")
-    add("--batch-size", type=positive(int),
-        help="rows per batch; the prompts are repeated to fill it (default: one per prompt)")
+        "the bytes read (default: the model's own)",
+    )
+    add(
+        "--prompt",
+        action="append",
+        default=[],
+        help="text to continue (needs a tokenizer in --model); repeat for a batch of prompts",
+    )
+    add(
+        "--token-ids",
+        action="append",
+        default=[],
+        metavar="IDS",
+        help="prompt as comma-separated token ids, e.g. 1,450,7483; repeat for several rows",
+    )
+    add(
+        "--batch-size",
+        type=positive(int),
+        help="rows per batch; the prompts are repeated to fill it (default: one per prompt)",
+    )
     add("--max-new-tokens", type=positive(int), default=32, help="(%(default)s)")
-    add("--ignore-eos", action="store_true",
-        help="always generate --max-new-tokens (throughput runs on random weights)")
+    add(
+        "--ignore-eos",
+        action="store_true",
+        help="always generate --max-new-tokens (throughput runs on random weights)",
+    )
     parser.set_defaults(sample=False)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", dest="sample", action="store_false",
-                      help="greedy decoding (the default)")
-    mode.add_argument("--sample", dest="sample", action="store_true",
-                      help="sample with --temperature and --top-k")
+    mode.add_argument(
+        "--greedy", dest="sample", action="store_false", help="greedy decoding (the default)"
+    )
+    mode.add_argument(
+        "--sample", dest="sample", action="store_true", help="sample with --temperature and --top-k"
+    )
     add("--temperature", type=positive(float), default=1.0, help="(%(default)s)")
     add("--top-k", type=positive(int), default=50, help="(%(default)s)")
-    add("--seed", type=int, default=0, help="sampling seed, and the default random prompt's "
-        "(%(default)s)")
-    add("--warmup", type=int, default=0, metavar="N",
-        help="untimed generate calls before the measured one (the first records the trace)")
-    add("--disk-gbps", type=positive(float), metavar="GBPS",
-        help="the disk's read bandwidth, instead of measuring it at the start")
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed, and the default random prompt's (%(default)s)",
+    )
+    add(
+        "--warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="untimed generate calls before the measured one (the first records the trace)",
+    )
+    add(
+        "--disk-gbps",
+        type=positive(float),
+        metavar="GBPS",
+        help="the disk's read bandwidth, instead of measuring it at the start",
+    )
     add("--json", action="store_true", help="print one JSON object (outputs and summary) only")
     add("-v", "--verbose", action="store_true", help="log the runtime's INFO messages")
     return parser
@@ -120,40 +197,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- the model directory
 
+
 @dataclass
 class ModelDir:
     path: Path
-    config: Any                    # transformers.PretrainedConfig
-    files: list[Path]              # its safetensors files
+    config: Any  # transformers.PretrainedConfig
+    files: list[Path]  # its safetensors files
     has_tokenizer: bool
 
 
 def inspect_model_dir(path: Path) -> ModelDir:
     """Checks what the run needs from ``path`` before anything is built or written."""
     if not path.exists():
-        raise UserError(f"--model {path} does not exist: pass a Hugging Face model directory "
-                        f"(config.json and model.safetensors), e.g. one written by "
-                        f"model.save_pretrained(dir)")
+        raise UserError(
+            f"--model {path} does not exist: pass a Hugging Face model directory "
+            f"(config.json and model.safetensors), e.g. one written by "
+            f"model.save_pretrained(dir)"
+        )
     if not path.is_dir():
-        raise UserError(f"--model {path} is not a directory: pass the directory holding "
-                        f"config.json and the safetensors files")
+        raise UserError(
+            f"--model {path} is not a directory: pass the directory holding "
+            f"config.json and the safetensors files"
+        )
     if not (path / "config.json").is_file():
-        raise UserError(f"--model {path} holds no config.json: pass the model's directory "
-                        f"(save_pretrained writes config.json next to the weights)")
+        raise UserError(
+            f"--model {path} holds no config.json: pass the model's directory "
+            f"(save_pretrained writes config.json next to the weights)"
+        )
     try:
         files = checkpoint_files(path)
     except CheckpointError as exc:
-        hint = ("; it has PyTorch .bin weights: convert them with from_pretrained(dir)."
-                "save_pretrained(dir, safe_serialization=True)"
-                if any(path.glob("*.bin")) else
-                ": pass a directory with safetensors weights (save_pretrained writes them)")
+        hint = (
+            "; it has PyTorch .bin weights: convert them with from_pretrained(dir)."
+            "save_pretrained(dir, safe_serialization=True)"
+            if any(path.glob("*.bin"))
+            else ": pass a directory with safetensors weights (save_pretrained writes them)"
+        )
         raise UserError(f"--model {path} has no safetensors weights ({exc}){hint}") from None
     from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"--model {path}: config.json cannot be read as a Hugging Face config: "
-                        f"{exc}") from None
+        raise UserError(
+            f"--model {path}: config.json cannot be read as a Hugging Face config: {exc}"
+        ) from None
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
     return ModelDir(path, config, files, has_tokenizer)
 
@@ -171,12 +259,15 @@ def build_empty_model(model_dir: ModelDir, dtype: torch.dtype, device: torch.dev
     """The causal LM of ``model_dir`` with parameters on the meta device and real buffers."""
     import accelerate
     from transformers import AutoModelForCausalLM, GenerationConfig
+
     try:
         with accelerate.init_empty_weights():
             model = AutoModelForCausalLM.from_config(model_dir.config, dtype=dtype)
     except ValueError as exc:
-        raise UserError(f"--model {model_dir.path}: not a causal language model transformers "
-                        f"can build ({type(model_dir.config).__name__}): {exc}") from None
+        raise UserError(
+            f"--model {model_dir.path}: not a causal language model transformers "
+            f"can build ({type(model_dir.config).__name__}): {exc}"
+        ) from None
     # init_empty_weights re-registers every parameter, which unties tied embeddings (GPT-2's
     # lm_head): tied again, the checkpoint's one copy fills both.
     model.tie_weights()
@@ -193,12 +284,14 @@ def build_empty_model(model_dir: ModelDir, dtype: torch.dtype, device: torch.dev
 
 # ---------------------------------------------------------------------------- prompts
 
+
 def parse_token_ids(text: str, vocab_size: int) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"--token-ids {text!r}: expected comma-separated integers such as "
-                        f"1,450,7483") from None
+        raise UserError(
+            f"--token-ids {text!r}: expected comma-separated integers such as 1,450,7483"
+        ) from None
     if not ids:
         raise UserError(f"--token-ids {text!r} holds no token id")
     bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -224,20 +317,23 @@ def prompt_rows(args: argparse.Namespace, model_dir: ModelDir, tokenizer: Any) -
     return [torch.randint(0, vocab, (DEFAULT_PROMPT_TOKENS,), generator=generator).tolist()]
 
 
-def batch_inputs(rows: list[list[int]], batch_size: int | None, pad_id: int,
-                 device: torch.device) -> dict[str, torch.Tensor]:
+def batch_inputs(
+    rows: list[list[int]], batch_size: int | None, pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` of the rows, repeated to ``batch_size`` and padded
     on the left (a decoder-only model continues from the last position of every row)."""
     if batch_size is not None and batch_size < len(rows):
-        raise UserError(f"--batch-size {batch_size} is smaller than the {len(rows)} prompts "
-                        f"given: raise it or pass fewer prompts")
+        raise UserError(
+            f"--batch-size {batch_size} is smaller than the {len(rows)} prompts "
+            f"given: raise it or pass fewer prompts"
+        )
     rows = [rows[i % len(rows)] for i in range(batch_size or len(rows))]
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
@@ -252,19 +348,29 @@ def pad_token_id(generation_config: Any) -> int:
 
 # ---------------------------------------------------------------------------- measuring
 
+
 class DiskProbe:
     """The swap engine's read bandwidth on ``paths``: ``nbytes`` written once (O_DIRECT where
     the file system allows it, striped over the paths as the store's extents are), then read
     back in full by each :meth:`read`, with the store's aio and checksum settings."""
 
-    def __init__(self, paths: Sequence[Path], nbytes: int, config: OffloadConfig,
-                 chunk: int = 16 << 20, depth: int = 4) -> None:
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        nbytes: int,
+        config: OffloadConfig,
+        chunk: int = 16 << 20,
+        depth: int = 4,
+    ) -> None:
         self.depth = depth * len(paths)
-        settings = EngineSettings(backend=config.aio.backend, block_size=config.aio.block_size,
-                                  queue_depth=config.aio.queue_depth,
-                                  thread_count=config.aio.thread_count,
-                                  file_size=nbytes // len(paths) + 2 * chunk,
-                                  verify_checksums=config.verify_checksums)
+        settings = EngineSettings(
+            backend=config.aio.backend,
+            block_size=config.aio.block_size,
+            queue_depth=config.aio.queue_depth,
+            thread_count=config.aio.thread_count,
+            file_size=nbytes // len(paths) + 2 * chunk,
+            verify_checksums=config.verify_checksums,
+        )
         self.pool = BufferPool(self.depth, chunk, name="disk-probe")
         try:
             self.engine = SwapEngine(list(paths), settings)
@@ -273,8 +379,10 @@ class DiskProbe:
             raise
         self.nbytes = nbytes
         try:
-            self.extents = [self.engine.allocate(min(chunk, nbytes - offset))
-                            for offset in range(0, nbytes, chunk)]
+            self.extents = [
+                self.engine.allocate(min(chunk, nbytes - offset))
+                for offset in range(0, nbytes, chunk)
+            ]
             self._pass(self.engine.write)
         except BaseException:
             self.close()
@@ -291,7 +399,7 @@ class DiskProbe:
         self.engine.close()
         self.pool.close()
 
-    def __enter__(self) -> "DiskProbe":
+    def __enter__(self) -> DiskProbe:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -310,8 +418,9 @@ def forward_clock(model: nn.Module) -> Iterator[list[float]]:
         handle.remove()
 
 
-def timed_generate(model: nn.Module, store: TieredStore | None, inputs: dict[str, torch.Tensor],
-                   **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+def timed_generate(
+    model: nn.Module, store: TieredStore | None, inputs: dict[str, torch.Tensor], **kwargs: Any
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """``model.generate(**inputs, **kwargs)`` under no_grad, with its timings and the store's
     I/O during it (zeros without a store)."""
     keys = ("bytes_read", "read_seconds", "stall_seconds")
@@ -327,11 +436,16 @@ def timed_generate(model: nn.Module, store: TieredStore | None, inputs: dict[str
     tokens = batch * new
     decode_steps = len(ends) - 1
     return out, {
-        "batch": batch, "prompt_tokens": prompt, "new_tokens": new, "forwards": len(ends),
-        "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "batch": batch,
+        "prompt_tokens": prompt,
+        "new_tokens": new,
+        "forwards": len(ends),
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
         "prefill_seconds": ends[0] - started if ends else 0.0,
-        "decode_seconds_per_token": (ends[-1] - ends[0]) / decode_steps if decode_steps else
-        math.nan,
+        "decode_seconds_per_token": (ends[-1] - ends[0]) / decode_steps
+        if decode_steps
+        else math.nan,
         "bytes_read": io["bytes_read"],
         "bytes_read_per_token": io["bytes_read"] / tokens if tokens else 0.0,
         "bytes_read_per_forward": io["bytes_read"] / len(ends) if ends else 0.0,
@@ -345,19 +459,27 @@ def timed_generate(model: nn.Module, store: TieredStore | None, inputs: dict[str
 
 # ---------------------------------------------------------------------------- the run
 
+
 def check_nvme_path(path: Path) -> Path:
     path = check_directory(path)  # missing, a file, read-only: named as such
     try:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        raise UserError(f"--nvme-path {path} is not writable ({exc.strerror or exc}): choose a "
-                        f"directory on a writable drive, or fix its permissions") from None
+        raise UserError(
+            f"--nvme-path {path} is not writable ({exc.strerror or exc}): choose a "
+            f"directory on a writable drive, or fix its permissions"
+        ) from None
     return path
 
 
-def offload_config(nvme: Path, host_budget: int | None, device_budget: int | None,
-                   buffer_size: int | None = None, device: str = "auto") -> OffloadConfig:
+def offload_config(
+    nvme: Path,
+    host_budget: int | None,
+    device_budget: int | None,
+    buffer_size: int | None = None,
+    device: str = "auto",
+) -> OffloadConfig:
     """Parameters on NVMe under the budgets, no optimizer; the swap buffers fill the host
     budget."""
     changes: dict[str, Any] = {}
@@ -369,14 +491,23 @@ def offload_config(nvme: Path, host_budget: int | None, device_budget: int | Non
         changes["buffer_count"] = max(2, host_budget // buffer_size)
     if buffer_size is not None:
         changes["buffer_size"] = buffer_size
-    return OffloadConfig(offload_param="nvme", offload_optimizer="none", nvme_path=(nvme,),
-                         host_budget=host_budget, device_budget=device_budget, device=device,
-                         **changes)
+    return OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="none",
+        nvme_path=(nvme,),
+        host_budget=host_budget,
+        device_budget=device_budget,
+        device=device,
+        **changes,
+    )
 
 
 def generate_kwargs(args: argparse.Namespace, pad_id: int) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample,
-                              "pad_token_id": pad_id}
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens,
+        "do_sample": args.sample,
+        "pad_token_id": pad_id,
+    }
     if args.sample:
         kwargs.update(temperature=args.temperature, top_k=args.top_k)
     if args.ignore_eos:
@@ -387,17 +518,22 @@ def generate_kwargs(args: argparse.Namespace, pad_id: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = inspect_model_dir(args.model)
     if args.prompt and not model_dir.has_tokenizer:
-        raise UserError(f"--prompt needs a tokenizer, and --model {args.model} has none "
-                        f"({', '.join(TOKENIZER_FILES[:3])}): pass token ids with --token-ids "
-                        f"1,2,3, or save the tokenizer there (tokenizer.save_pretrained(dir))")
+        raise UserError(
+            f"--prompt needs a tokenizer, and --model {args.model} has none "
+            f"({', '.join(TOKENIZER_FILES[:3])}): pass token ids with --token-ids "
+            f"1,2,3, or save the tokenizer there (tokenizer.save_pretrained(dir))"
+        )
     tokenizer = None
     if model_dir.has_tokenizer and not args.token_ids:
         from transformers import AutoTokenizer
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
         except (OSError, ValueError) as exc:
-            raise UserError(f"--model {args.model}: its tokenizer cannot be loaded ({exc}); "
-                            f"pass --token-ids instead") from None
+            raise UserError(
+                f"--model {args.model}: its tokenizer cannot be loaded ({exc}); "
+                f"pass --token-ids instead"
+            ) from None
     rows = prompt_rows(args, model_dir, tokenizer)
     temp_dir: Path | None = None
     if args.nvme_path is None:
@@ -405,16 +541,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nvme = check_nvme_path(args.nvme_path or temp_dir)
     store: TieredStore | None = None
     try:
-        config = offload_config(nvme, args.host_budget, args.device_budget,
-                                args.buffer_size, args.device)
+        config = offload_config(
+            nvme, args.host_budget, args.device_budget, args.buffer_size, args.device
+        )
         disk_gbps = args.disk_gbps
         if disk_gbps is None:
             if shutil.disk_usage(nvme).free > 4 * DISK_PROBE_BYTES:
                 with DiskProbe([nvme], DISK_PROBE_BYTES, config) as probe:
                     disk_gbps = probe.read() / 1e9
             else:
-                log.warning("%s has too little free space to measure the disk; pass "
-                            "--disk-gbps", nvme)
+                log.warning(
+                    "%s has too little free space to measure the disk; pass --disk-gbps", nvme
+                )
         dtype = model_dtype(model_dir.config, args.dtype)
         started = time.perf_counter()
         store = TieredStore(config)
@@ -427,9 +565,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         params = dict(model.named_parameters(remove_duplicate=False))
         missing = [name for name in result.missing_keys if name in params]
         if missing:
-            raise UserError(f"--model {args.model}: the checkpoint lacks {len(missing)} of the "
-                            f"model's weights (e.g. {missing[:3]}): it is not this config's "
-                            f"model")
+            raise UserError(
+                f"--model {args.model}: the checkpoint lacks {len(missing)} of the "
+                f"model's weights (e.g. {missing[:3]}): it is not this config's "
+                f"model"
+            )
         pad_id = pad_token_id(model.generation_config)
         inputs = batch_inputs(rows, args.batch_size, pad_id, store.device)
         kwargs = generate_kwargs(args, pad_id)
@@ -447,12 +587,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = inputs["input_ids"].shape[1]
     sequences = out.tolist()
     summary: dict[str, Any] = {
-        "model": str(model_dir.path), "architecture": type(model).__name__,
+        "model": str(model_dir.path),
+        "architecture": type(model).__name__,
         "parameters": sum(e.numel for e in store.registry.entries),
-        "weight_bytes": stats["budgets"].get("params", 0), "dtype": str(dtype).split(".")[-1],
-        "device": str(store.device), "nvme_path": str(nvme),
-        "budgets": stats["budgets"], "backend": stats["backend"],
-        "load_seconds": load_seconds, "unexpected_keys": list(result.unexpected_keys),
+        "weight_bytes": stats["budgets"].get("params", 0),
+        "dtype": str(dtype).split(".")[-1],
+        "device": str(store.device),
+        "nvme_path": str(nvme),
+        "budgets": stats["budgets"],
+        "backend": stats["backend"],
+        "load_seconds": load_seconds,
+        "unexpected_keys": list(result.unexpected_keys),
         "sampling": "sample" if args.sample else "greedy",
         **timing,
         "disk_read_gbps": disk_gbps,
@@ -468,34 +613,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(summary: dict[str, Any]) -> list[str]:
     s, gb = summary, 1e9
     disk = s["disk_read_gbps"]
-    lines = [f"model      {s['model']} ({s['architecture']}, {s['parameters'] / 1e6:.1f} M params,"
-             f" {s['dtype']} weights {format_size(s['weight_bytes'])} on NVMe, loaded in "
-             f"{s['load_seconds']:.1f} s)",
-             f"store      device {s['device']}: device budget "
-             f"{format_size(s['budgets'].get('device'))}, host budget "
-             f"{format_size(s['budgets'].get('host'))}, swap in {s['nvme_path']} "
-             f"({s['backend']})",
-             ""]
+    lines = [
+        f"model      {s['model']} ({s['architecture']}, {s['parameters'] / 1e6:.1f} M params,"
+        f" {s['dtype']} weights {format_size(s['weight_bytes'])} on NVMe, loaded in "
+        f"{s['load_seconds']:.1f} s)",
+        f"store      device {s['device']}: device budget "
+        f"{format_size(s['budgets'].get('device'))}, host budget "
+        f"{format_size(s['budgets'].get('host'))}, swap in {s['nvme_path']} "
+        f"({s['backend']})",
+        "",
+    ]
     for i, row in enumerate(s.get("texts") or s["new_token_ids"]):
         lines.append(f"[{i}] {row if isinstance(row, str) else ','.join(map(str, row))}")
     tokens = s["batch"] * s["new_tokens"]
     decode = s["decode_seconds_per_token"]
-    disk_text = (f"; the disk reads {disk:.2f} GB/s, so {s['read_share_of_disk']:.0%} of it"
-                 if disk else "")
-    rows = [("generated", f"{tokens} tokens ({s['batch']} rows x {s['new_tokens']} new after "
-                          f"{s['prompt_tokens']} prompt tokens, {s['sampling']}) in "
-                          f"{s['seconds']:.2f} s"),
-            ("tokens/s", f"{s['tokens_per_second']:.2f}"),
-            ("prefill", f"{s['prefill_seconds']:.3f} s"),
-            ("decode", "-" if math.isnan(decode) else f"{decode:.3f} s per token step "
-                                                      f"({s['forwards'] - 1} steps)"),
-            ("bytes read", f"{s['bytes_read'] / gb:.3f} GB: {s['bytes_read_per_token'] / 1e6:.1f} "
-                           f"MB per generated token, {s['bytes_read_per_forward'] / 1e6:.1f} MB "
-                           f"per forward"),
-            ("read", f"{s['read_gbps']:.2f} GB/s while reading, {s['read_gbps_wall']:.2f} GB/s "
-                     f"over the run{disk_text}"),
-            ("stalls", f"{s['stall_seconds']:.2f} s waiting on reads, {s['stall_share']:.0%} of "
-                       f"the run")]
+    disk_text = (
+        f"; the disk reads {disk:.2f} GB/s, so {s['read_share_of_disk']:.0%} of it" if disk else ""
+    )
+    rows = [
+        (
+            "generated",
+            f"{tokens} tokens ({s['batch']} rows x {s['new_tokens']} new after "
+            f"{s['prompt_tokens']} prompt tokens, {s['sampling']}) in "
+            f"{s['seconds']:.2f} s",
+        ),
+        ("tokens/s", f"{s['tokens_per_second']:.2f}"),
+        ("prefill", f"{s['prefill_seconds']:.3f} s"),
+        (
+            "decode",
+            "-"
+            if math.isnan(decode)
+            else f"{decode:.3f} s per token step ({s['forwards'] - 1} steps)",
+        ),
+        (
+            "bytes read",
+            f"{s['bytes_read'] / gb:.3f} GB: {s['bytes_read_per_token'] / 1e6:.1f} "
+            f"MB per generated token, {s['bytes_read_per_forward'] / 1e6:.1f} MB "
+            f"per forward",
+        ),
+        (
+            "read",
+            f"{s['read_gbps']:.2f} GB/s while reading, {s['read_gbps_wall']:.2f} GB/s "
+            f"over the run{disk_text}",
+        ),
+        (
+            "stalls",
+            f"{s['stall_seconds']:.2f} s waiting on reads, {s['stall_share']:.0%} of the run",
+        ),
+    ]
     width = max(len(name) for name, _ in rows)
     return lines + [""] + [f"{name:<{width}}  {value}" for name, value in rows]
 
@@ -508,8 +673,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
-        print(f"{parser.prog}: error: transformers and accelerate are needed: pip install "
-              f"'infinity-offload[hf]'", file=sys.stderr)
+        print(
+            f"{parser.prog}: error: transformers and accelerate are needed: pip install "
+            f"'infinity-offload[hf]'",
+            file=sys.stderr,
+        )
         return 2
     if not args.verbose:
         hf_logging.set_verbosity_error()
@@ -517,8 +685,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: --warmup must be >= 0", file=sys.stderr)
         return 2
-    code, summary = guarded(parser.prog, lambda: run(args), USER_ERRORS,
-                            "interrupted; swap files removed")
+    code, summary = guarded(
+        parser.prog, lambda: run(args), USER_ERRORS, "interrupted; swap files removed"
+    )
     if code:
         return code
     if args.json:

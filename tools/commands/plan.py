@@ -1,18 +1,19 @@
 """infinity-plan: which offload configuration to run a model with, before paying for the run.
 
     infinity-plan --hf-config ./llama/config.json --batch 4 --seq-len 1024 --disk bench.json
-    infinity-plan --module tools.benchmarks.bench_overlap:mlp --args '{"layers": 24, "width": 2048}' \\
-                  --batch 16 --disk-gbps 2.5,1.8 --write-config best.json
+    infinity-plan --module tools.benchmarks.bench_overlap:mlp \\
+                  --args '{"layers": 24, "width": 2048}' --batch 16 --disk-gbps 2.5,1.8 \\
+                  --write-config best.json
     infinity-plan --hf-config llama-2-70b.json --batch 1 --seq-len 4096 --device-profile H200 \\
                   --disk-gbps 7,7 --drives 4 --ranks 8 --host-ram 2TiB
 
-It trains the model for a few steps here with its parameters and optimizer state on NVMe
-(recording which module needs which parameters when, and how long each computes), then replays
-that recording through the store's own placement, eviction, prefetch and step code for each
-candidate configuration (``infinity.planning.planner.simulate``: tensors that hold no bytes, simulated
-disk and link time) and prints the candidates best first: predicted step time, tokens/s, bytes
-read and written per step, peak bytes per tier, peak RSS and the resource that bounds the step.
-Candidates that do not fit (a budget below one module, more memory than --host-ram or
+It trains the model for a few steps here with its parameters and optimizer state on NVMe (recording
+which module needs which parameters when, and how long each computes), then replays that recording
+through the store's own placement, eviction, prefetch and step code for each candidate configuration
+(``infinity.planning.planner.simulate``: tensors that hold no bytes, simulated disk and link time)
+and prints the candidates best first: predicted step time, tokens/s, bytes read and written per
+step, peak bytes per tier, peak RSS and the resource that bounds the step. Candidates that do not
+fit (a budget below one module, more memory than --host-ram or
 --device-mem) are listed with the reason. --write-config writes the best as a config file that
 ``OffloadConfig.from_file`` loads as it is.
 
@@ -37,26 +38,33 @@ import logging
 import math
 import shutil
 import tempfile
-import time
-import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import psutil
 import torch
 from torch import nn
 
 from infinity import OffloadConfig
-from infinity.planning import planner
-from infinity.planning import scaled as planner_scaled
 from infinity.config import ALIGNMENT, format_size
 from infinity.errors import AttachError, BudgetError, ConfigError
+from infinity.planning import planner
+from infinity.planning import scaled as planner_scaled
 from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
 from swap import NvmePathError, SwapConfigError, SwapSpaceError
-from tools.commands.plan_models import (MIN_BUFFER, OPTIMIZERS, UserError, hf_source,
-                                measure_update_seconds, module_source, parameter_count, record,
-                                scaled_changes)
+from tools.commands.plan_models import (
+    MIN_BUFFER,
+    OPTIMIZERS,
+    UserError,
+    hf_source,
+    measure_update_seconds,
+    module_source,
+    parameter_count,
+    record,
+    scaled_changes,
+)
 from tools.common.cli import config_size, guarded, parse, positive
 
 log = logging.getLogger("tools.commands.plan")
@@ -72,11 +80,20 @@ MAX_BUFFER = 1 << 30
 
 
 #: What a user fixes by changing flags or paths: one line, exit code 2, no traceback.
-USER_ERRORS = (UserError, PlanError, ConfigError, BudgetError, AttachError, NvmePathError,
-               SwapSpaceError, SwapConfigError)
+USER_ERRORS = (
+    UserError,
+    PlanError,
+    ConfigError,
+    BudgetError,
+    AttachError,
+    NvmePathError,
+    SwapSpaceError,
+    SwapConfigError,
+)
 
 
 # ---------------------------------------------------------------------------- arguments
+
 
 def _gbps_pair(text: str) -> tuple[float, float]:
     parts = [p for p in text.split(",") if p.strip()]
@@ -85,8 +102,9 @@ def _gbps_pair(text: str) -> tuple[float, float]:
     except ValueError:
         values = ()
     if len(values) not in (1, 2) or not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected READ,WRITE in GB/s such as 3.5,2.8 (or one "
-                                         f"number for both), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected READ,WRITE in GB/s such as 3.5,2.8 (or one number for both), got {text!r}"
+        )
     return (values[0], values[-1])
 
 
@@ -109,82 +127,180 @@ def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
         items = [p.strip() for p in text.split(",") if p.strip()]
         bad = [p for p in items if p not in allowed]
         if not items or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of "
-                                             f"{', '.join(allowed)}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(allowed)}, got {text!r}"
+            )
         return items
+
     return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infinity-plan",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="infinity-plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--hf-config", type=Path, metavar="DIR_OR_JSON",
-                       help="a Hugging Face config: a model directory with config.json, or the "
-                            "JSON file (built with AutoModelForCausalLM.from_config)")
-    model.add_argument("--module", metavar="PKG.MOD:CALLABLE",
-                       help="a module class or factory, called with --args")
-    add("--args", default="{}", metavar="JSON",
+    model.add_argument(
+        "--hf-config",
+        type=Path,
+        metavar="DIR_OR_JSON",
+        help="a Hugging Face config: a model directory with config.json, or the "
+        "JSON file (built with AutoModelForCausalLM.from_config)",
+    )
+    model.add_argument(
+        "--module", metavar="PKG.MOD:CALLABLE", help="a module class or factory, called with --args"
+    )
+    add(
+        "--args",
+        default="{}",
+        metavar="JSON",
         help="keyword arguments of --module as a JSON object (a single dataclass argument, such "
-             "as tools.common.tiny_gpt:TinyGPT's GPTConfig, is built from them)")
+        "as tools.common.tiny_gpt:TinyGPT's GPTConfig, is built from them)",
+    )
     add("--batch", type=positive(int), default=1, help="sequences per step (%(default)s)")
-    add("--seq-len", type=positive(int),
+    add(
+        "--seq-len",
+        type=positive(int),
         help="tokens per sequence (default: 128 for a language model; none for --module "
-             "models taking a (batch, features) input)")
+        "models taking a (batch, features) input)",
+    )
     add("--optimizer", choices=tuple(OPTIMIZERS), default="adamw", help="(%(default)s)")
-    add("--disk", type=Path, metavar="BENCH_JSON",
-        help="the drive's profile: infinity-bench --json output")
-    add("--disk-gbps", type=_gbps_pair, metavar="READ,WRITE",
-        help="the drive's profile as GB/s (10**9 bytes/s) read and write")
-    add("--drives", type=_counts, default=[1], metavar="N[,N...]",
+    add(
+        "--disk",
+        type=Path,
+        metavar="BENCH_JSON",
+        help="the drive's profile: infinity-bench --json output",
+    )
+    add(
+        "--disk-gbps",
+        type=_gbps_pair,
+        metavar="READ,WRITE",
+        help="the drive's profile as GB/s (10**9 bytes/s) read and write",
+    )
+    add(
+        "--drives",
+        type=_counts,
+        default=[1],
+        metavar="N[,N...]",
         help="drives striped together (nvme_path entries), each as --disk; several counts "
-             "give one table each, from one recording (1)")
-    add("--disk-shared", action=argparse.BooleanOptionalAction, default=True,
+        "give one table each, from one recording (1)",
+    )
+    add(
+        "--disk-shared",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="reads and writes share the drives' bandwidth (most NVMe drives under mixed load; "
-             "default) or run side by side")
-    add("--device-profile", default="this machine", metavar="NAME",
+        "default) or run side by side",
+    )
+    add(
+        "--device-profile",
+        default="this machine",
+        metavar="NAME",
         help=f"where the modules compute: 'this machine' or one of {', '.join(planner.GPU_PRESETS)}"
-             " (%(default)s)")
-    add("--ranks", type=positive(int), default=1,
+        " (%(default)s)",
+    )
+    add(
+        "--ranks",
+        type=positive(int),
+        default=1,
         help="data-parallel ranks (GPUs) under ZeRO-3: each holds and moves 1/N of the state "
-             "(%(default)s)")
-    add("--own-drives", action="store_true",
-        help="each rank has --drives drives of its own (default: the ranks share them)")
-    add("--host-ram", type=config_size, metavar="SIZE",
-        help="host memory the run may use, all ranks together (default: this machine's)")
-    add("--device-mem", type=config_size, metavar="SIZE",
-        help="device memory per rank (default: the GPU preset's; this machine: --host-ram)")
-    add("--host-budget", type=_sizes, metavar="SIZE[,SIZE...]",
-        help="host_budget values to consider instead of the grid's (fractions of --host-ram)")
-    add("--device-budget", type=_sizes, metavar="SIZE[,SIZE...]",
-        help="device_budget values to consider instead of the grid's")
-    add("--buffer-size", type=_sizes, metavar="SIZE[,SIZE...]",
-        help="buffer_size values to consider instead of the grid's")
-    add("--precision", type=_choices(("fp32", "bf16", "fp16")),
-        help="compute dtypes to consider (default: bf16 on a GPU profile, fp32 here)")
-    add("--offload-param", type=_choices(("nvme", "cpu", "none")), default=["nvme", "cpu", "none"],
-        help="offload_param values to consider (nvme,cpu,none)")
-    add("--offload-optimizer", type=_choices(("nvme", "cpu")), default=["nvme", "cpu"],
-        help="offload_optimizer values to consider (nvme,cpu)")
-    add("--max-local-params", type=float, default=200e6, metavar="N",
+        "(%(default)s)",
+    )
+    add(
+        "--own-drives",
+        action="store_true",
+        help="each rank has --drives drives of its own (default: the ranks share them)",
+    )
+    add(
+        "--host-ram",
+        type=config_size,
+        metavar="SIZE",
+        help="host memory the run may use, all ranks together (default: this machine's)",
+    )
+    add(
+        "--device-mem",
+        type=config_size,
+        metavar="SIZE",
+        help="device memory per rank (default: the GPU preset's; this machine: --host-ram)",
+    )
+    add(
+        "--host-budget",
+        type=_sizes,
+        metavar="SIZE[,SIZE...]",
+        help="host_budget values to consider instead of the grid's (fractions of --host-ram)",
+    )
+    add(
+        "--device-budget",
+        type=_sizes,
+        metavar="SIZE[,SIZE...]",
+        help="device_budget values to consider instead of the grid's",
+    )
+    add(
+        "--buffer-size",
+        type=_sizes,
+        metavar="SIZE[,SIZE...]",
+        help="buffer_size values to consider instead of the grid's",
+    )
+    add(
+        "--precision",
+        type=_choices(("fp32", "bf16", "fp16")),
+        help="compute dtypes to consider (default: bf16 on a GPU profile, fp32 here)",
+    )
+    add(
+        "--offload-param",
+        type=_choices(("nvme", "cpu", "none")),
+        default=["nvme", "cpu", "none"],
+        help="offload_param values to consider (nvme,cpu,none)",
+    )
+    add(
+        "--offload-optimizer",
+        type=_choices(("nvme", "cpu")),
+        default=["nvme", "cpu"],
+        help="offload_optimizer values to consider (nvme,cpu)",
+    )
+    add(
+        "--max-local-params",
+        type=float,
+        default=200e6,
+        metavar="N",
         help="train a scaled-down copy instead of the model beyond this many parameters "
-             "(%(default).0f)")
+        "(%(default).0f)",
+    )
     add("--scaled", action="store_true", help="use a scaled-down copy whatever the model's size")
-    add("--scaled-layers", type=positive(int), default=2,
-        help="layers per layer stack of the scaled-down copy (%(default)s)")
+    add(
+        "--scaled-layers",
+        type=positive(int),
+        default=2,
+        help="layers per layer stack of the scaled-down copy (%(default)s)",
+    )
     add("--steps", type=int, default=3, help="training steps recorded here, >= 2 (%(default)s)")
-    add("--optimizer-gelems", type=positive(float), metavar="RATE",
+    add(
+        "--optimizer-gelems",
+        type=positive(float),
+        metavar="RATE",
         help="the CPU optimizer's update rate per rank, in 10**9 elements/s (default: measured "
-             "here)")
-    add("--nvme-path", type=Path, action="append", default=[], metavar="DIR",
+        "here)",
+    )
+    add(
+        "--nvme-path",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
         help="swap directory for the recorded steps (default: a temporary one) and the "
-             "written config's nvme_path (repeat for several drives)")
+        "written config's nvme_path (repeat for several drives)",
+    )
     add("--top", type=positive(int), default=12, help="candidates shown (%(default)s)")
-    add("--write-config", type=Path, metavar="JSON",
-        help="write the best candidate as a config file OffloadConfig.from_file loads")
+    add(
+        "--write-config",
+        type=Path,
+        metavar="JSON",
+        help="write the best candidate as a config file OffloadConfig.from_file loads",
+    )
     add("--json", type=Path, metavar="FILE", help="write every candidate's prediction as JSON")
     add("-v", "--verbose", action="store_true", help="log the runtime's INFO messages")
     return parser
@@ -192,11 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- candidates
 
+
 @dataclass
 class Candidate:
     config: OffloadConfig
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
-    reason: str = ""                     # why it does not fit; empty when it does
+    reason: str = ""  # why it does not fit; empty when it does
     bound: str = ""
     busy: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -213,15 +330,21 @@ def _pow2_at_least(nbytes: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(nbytes, 1))))
 
 
-def candidates(skeleton: nn.Module, gpu: bool, host_ram: int, device_mem: int, ranks: int,
-               base_rss: int, args: argparse.Namespace) -> list[OffloadConfig]:
+def candidates(
+    skeleton: nn.Module,
+    gpu: bool,
+    host_ram: int,
+    device_mem: int,
+    ranks: int,
+    base_rss: int,
+    args: argparse.Namespace,
+) -> list[OffloadConfig]:
     """A grid over where parameters and optimizer state live, the precision, the host budget
     (and with it the staging arena: buffer_count x buffer_size), the buffer size and the
     device budget, each bounded by what a rank may use of --host-ram and --device-mem."""
     numel = sum(p.numel() for p in skeleton.parameters())
     masters = 4 * numel
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False))
-                  for m in skeleton.modules())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in skeleton.modules())
     host = max(MIN_BUFFER * 4, host_ram // ranks - base_rss)
     precisions = args.precision or (["bf16"] if gpu else ["fp32"])
     base_buffer = min(MAX_BUFFER, max(MIN_BUFFER, _pow2_at_least(masters / MAX_SHARDS)))
@@ -232,10 +355,14 @@ def candidates(skeleton: nn.Module, gpu: bool, host_ram: int, device_mem: int, r
             resident = masters if param == "cpu" or (param == "none" and optim == "cpu") else 0
             nvme = "nvme" in (param, optim)
             # What caching every offloaded byte in the arena would take: more buys nothing.
-            cache_all = (masters if param == "nvme" or (param == "none" and optim == "nvme")
-                         else 0) + (3 * masters if optim == "nvme" else 0)
-            budgets = sorted({_align(min(cache_all + base_buffer, host * f))
-                              for f in (0.125, 0.5, 0.9)}) if nvme else [None]
+            cache_all = (
+                masters if param == "nvme" or (param == "none" and optim == "nvme") else 0
+            ) + (3 * masters if optim == "nvme" else 0)
+            budgets = (
+                sorted({_align(min(cache_all + base_buffer, host * f)) for f in (0.125, 0.5, 0.9)})
+                if nvme
+                else [None]
+            )
             if args.host_budget and nvme:
                 budgets = list(args.host_budget)
             for dtype in precisions:
@@ -246,29 +373,41 @@ def candidates(skeleton: nn.Module, gpu: bool, host_ram: int, device_mem: int, r
                 else:
                     # The tier on a GPU shares it with activations; here it is host memory.
                     share = (0.25, 0.6) if gpu else (0.125, 0.5)
-                    devices = sorted({_align(max(2 * item * largest,
-                                                 min(device_total, device_mem * f)))
-                                      for f in share})
+                    devices = sorted(
+                        {
+                            _align(max(2 * item * largest, min(device_total, device_mem * f)))
+                            for f in share
+                        }
+                    )
                     if args.device_budget:
                         devices = list(args.device_budget)
                 for host_budget in budgets:
                     arena = (host_budget - resident) if host_budget is not None else 0
-                    sizes = sorted({min(base_buffer * k, _pow2_floor(max(MIN_BUFFER,
-                                                                         arena // 4)))
-                                    for k in (1, 4)}) if nvme else [base_buffer]
+                    sizes = (
+                        sorted(
+                            {
+                                min(base_buffer * k, _pow2_floor(max(MIN_BUFFER, arena // 4)))
+                                for k in (1, 4)
+                            }
+                        )
+                        if nvme
+                        else [base_buffer]
+                    )
                     if args.buffer_size:
                         sizes = list(args.buffer_size)
                     for size in sizes:
                         for device_budget in devices:
                             changes: dict[str, Any] = dict(
-                                device="cuda" if gpu else "cpu", offload_param=param,
-                                offload_optimizer=optim, buffer_size=size,
+                                device="cuda" if gpu else "cpu",
+                                offload_param=param,
+                                offload_optimizer=optim,
+                                buffer_size=size,
                                 buffer_count=max(2, arena // size) if nvme else 5,
-                                host_budget=(host_budget if nvme else
-                                             max(resident, MIN_BUFFER)),
+                                host_budget=(host_budget if nvme else max(resident, MIN_BUFFER)),
                                 device_budget=device_budget,
                                 precision={"dtype": dtype},
-                                nvme_path=tuple(args.nvme_path))
+                                nvme_path=tuple(args.nvme_path),
+                            )
                             config = OffloadConfig().replace(**changes)
                             key = json.dumps(config.to_dict(), sort_keys=True)
                             if key not in seen:
@@ -281,25 +420,39 @@ def _pow2_floor(nbytes: int) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(nbytes, 1)))))
 
 
-def evaluate(candidate: Candidate, skeleton_of: Callable[[], nn.Module], recording: Recording,
-             disk: DiskProfile, device: DeviceProfile, gpu: bool, host_ram: int,
-             device_mem: int, ranks: int, trainable: int, compute_seconds: float) -> None:
+def evaluate(
+    candidate: Candidate,
+    skeleton_of: Callable[[], nn.Module],
+    recording: Recording,
+    disk: DiskProfile,
+    device: DeviceProfile,
+    gpu: bool,
+    host_ram: int,
+    device_mem: int,
+    ranks: int,
+    trainable: int,
+    compute_seconds: float,
+) -> None:
     """Simulates one candidate and judges it against the caps."""
     config = candidate.config.replace(device="cpu")  # the simulation runs anywhere
-    result = planner.simulate(skeleton_of(), recording, config, disk, device, iterations=2,
-                              cpu_memory=not gpu)
+    result = planner.simulate(
+        skeleton_of(), recording, config, disk, device, iterations=2, cpu_memory=not gpu
+    )
     candidate.result = result
     if not result["fits"]:
         candidate.reason = result.get("error", "does not fit")
         return
     peaks = result["peak_bytes"]
     if ranks * result["rss_peak_bytes"] > host_ram:
-        candidate.reason = (f"peak RSS {format_size(result['rss_peak_bytes'])}"
-                            f"{f' x {ranks} ranks' if ranks > 1 else ''} > --host-ram "
-                            f"{format_size(host_ram)}")
+        candidate.reason = (
+            f"peak RSS {format_size(result['rss_peak_bytes'])}"
+            f"{f' x {ranks} ranks' if ranks > 1 else ''} > --host-ram "
+            f"{format_size(host_ram)}"
+        )
     elif gpu and peaks["device"] > device_mem:
-        candidate.reason = (f"device peak {format_size(peaks['device'])} > --device-mem "
-                            f"{format_size(device_mem)}")
+        candidate.reason = (
+            f"device peak {format_size(peaks['device'])} > --device-mem {format_size(device_mem)}"
+        )
     # Each resource's busy seconds in a step: the one with the most bounds it (the step is at
     # least its time). In the simulation, compute, the optimizer and device copies run one
     # after another on the training thread; the disk's transfers overlap them.
@@ -310,17 +463,23 @@ def evaluate(candidate: Candidate, skeleton_of: Callable[[], nn.Module], recordi
     read_s = result["bytes_read"] / (disk.read_gbps * GB)
     write_s = result["bytes_written"] / (disk.write_gbps * GB)
     disk_s = read_s + write_s if disk.shared else max(read_s, write_s)
-    busy = {"GPU compute" if gpu else "compute": compute_s, "CPU optimizer": optimizer_s,
-            "PCIe link" if gpu else "memcpy": copies, "disk": disk_s}
+    busy = {
+        "GPU compute" if gpu else "compute": compute_s,
+        "CPU optimizer": optimizer_s,
+        "PCIe link" if gpu else "memcpy": copies,
+        "disk": disk_s,
+    }
     candidate.busy = busy
     candidate.bound = max(busy, key=lambda k: busy[k])
 
 
 # ---------------------------------------------------------------------------- the run
 
+
 @dataclass
 class Table:
     """The candidates on one disk profile, best first."""
+
     drives: int
     disk: DiskProfile
     ranked: list[Candidate]
@@ -346,21 +505,27 @@ def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
         raise UserError("pass either --disk or --disk-gbps, not both")
     if args.disk is not None:
         if not args.disk.is_file():
-            raise UserError(f"--disk {args.disk} does not exist: pass infinity-bench --json "
-                            f"output, or --disk-gbps READ,WRITE")
+            raise UserError(
+                f"--disk {args.disk} does not exist: pass infinity-bench --json "
+                f"output, or --disk-gbps READ,WRITE"
+            )
         single = DiskProfile.from_bench_json(args.disk, shared=args.disk_shared)
     elif args.disk_gbps is not None:
         single = DiskProfile(*args.disk_gbps, shared=args.disk_shared, source="--disk-gbps")
     else:
-        raise UserError("no disk profile: pass --disk bench.json (infinity-bench --json) or "
-                        "--disk-gbps READ,WRITE")
+        raise UserError(
+            "no disk profile: pass --disk bench.json (infinity-bench --json) or "
+            "--disk-gbps READ,WRITE"
+        )
     striped = single.scaled(drives) if drives > 1 else single
     if args.ranks > 1 and not args.own_drives:
         # One rank's share of drives every rank uses at once.
-        return dataclasses.replace(striped, read_gbps=striped.read_gbps / args.ranks,
-                                   write_gbps=striped.write_gbps / args.ranks,
-                                   source=f"{striped.source or 'profile'}, shared by "
-                                          f"{args.ranks} ranks")
+        return dataclasses.replace(
+            striped,
+            read_gbps=striped.read_gbps / args.ranks,
+            write_gbps=striped.write_gbps / args.ranks,
+            source=f"{striped.source or 'profile'}, shared by {args.ranks} ranks",
+        )
     return striped
 
 
@@ -392,14 +557,17 @@ def run(args: argparse.Namespace) -> Plan:
     swap_dir = args.nvme_path[0] if args.nvme_path else temp_dir
     try:
         if scaled:
-            changes, small_params = scaled_changes(source, full, args.scaled_layers,
-                                                   args.max_local_params)
+            changes, small_params = scaled_changes(
+                source, full, args.scaled_layers, args.max_local_params
+            )
             torch.manual_seed(0)
             small = source.make(changes)
             small_recording, recorded = record(source, small, args, swap_dir)
             recording = planner_scaled.recording_for_scaled(small, small_recording, full)
-            what = (f"a scaled-down copy ({', '.join(f'{k}={v}' for k, v in changes.items())}; "
-                    f"{small_params / 1e6:.1f} M params), extrapolated to the full model")
+            what = (
+                f"a scaled-down copy ({', '.join(f'{k}={v}' for k, v in changes.items())}; "
+                f"{small_params / 1e6:.1f} M params), extrapolated to the full model"
+            )
         else:
             torch.manual_seed(0)
             model = source.make()
@@ -415,76 +583,136 @@ def run(args: argparse.Namespace) -> Plan:
         device = planner.device_profile(gpu_name, here_tflops=here_tflops)
     if args.optimizer_gelems is not None:
         recording = dataclasses.replace(
-            recording, step_seconds_per_element=1 / (args.optimizer_gelems * 1e9))
+            recording, step_seconds_per_element=1 / (args.optimizer_gelems * 1e9)
+        )
         optimizer_source = "--optimizer-gelems"
     elif scaled:
         # A copy's small tensors time the kernel's per-call overhead, not its rate.
         recording = dataclasses.replace(
-            recording, step_seconds_per_element=measure_update_seconds(args.optimizer))
+            recording, step_seconds_per_element=measure_update_seconds(args.optimizer)
+        )
         optimizer_source = "measured here on 8M-element tensors"
     else:
         optimizer_source = "measured in the recorded steps"
+
     def skeleton_of() -> nn.Module:  # a fresh one per simulation (attach takes it over)
         return planner_scaled.skeleton(full, args.ranks)
+
     skeleton = skeleton_of()
     trainable = sum(p.numel() for p in skeleton.parameters() if p.requires_grad)
     compute_seconds = sum(recording.trace.compute)
-    configs = candidates(skeleton, gpu, host_ram, device_mem, args.ranks, recording.base_rss,
-                         args)
+    configs = candidates(skeleton, gpu, host_ram, device_mem, args.ranks, recording.base_rss, args)
     tables = []
     for drives, disk in disks:
         ranked = []
         for config in configs:
             candidate = Candidate(config)
-            evaluate(candidate, skeleton_of, recording, disk, device, gpu, host_ram,
-                     device_mem, args.ranks, trainable, compute_seconds)
+            evaluate(
+                candidate,
+                skeleton_of,
+                recording,
+                disk,
+                device,
+                gpu,
+                host_ram,
+                device_mem,
+                args.ranks,
+                trainable,
+                compute_seconds,
+            )
             ranked.append(candidate)
-        ranked.sort(key=lambda c: (not c.fits, c.result.get("step_seconds", math.inf)
-                                   if c.fits else 0.0))
+        ranked.sort(
+            key=lambda c: (not c.fits, c.result.get("step_seconds", math.inf) if c.fits else 0.0)
+        )
         tables.append(Table(drives, disk, ranked))
     tokens = args.batch * (args.seq_len or 1)
     ideal = ""
     if gpu:
         tflops = planner.GPU_PRESETS[device.name][0] * planner.GPU_EFFICIENCY
         if source.inputs != "features":
-            ideal = (f"; 6 x params x tokens at {tflops:.0f} TFLOP/s would be "
-                     f"{6 * params * tokens / (tflops * 1e12):.3g} s")
+            ideal = (
+                f"; 6 x params x tokens at {tflops:.0f} TFLOP/s would be "
+                f"{6 * params * tokens / (tflops * 1e12):.3g} s"
+            )
     header = [
-        ("model", f"{source.label}: {params / 1e6:,.1f} M params"
-                  + (f", batch {args.batch} x {args.seq_len} tokens" if args.seq_len else
-                     f", batch {args.batch}")),
-        ("recorded", f"{args.steps} steps of {what} here: {recorded['step_seconds']:.2f} s/step,"
-                     f" compute {recorded['compute_seconds']:.3f} s"),
-        ("compute", f"{compute_seconds:.3g} s here x {device.compute_scale:.3g} ({device.name}"
-                    f"{'' if not gpu else f', matmul {here_tflops:.3f} TFLOP/s here'}) = "
-                    f"{compute_seconds * device.compute_scale:.3g} s per step{ideal}"),
-        ("optimizer", f"{recording.step_seconds_per_element * 1e9:.3g} ns per element "
-                      f"({optimizer_source}); {trainable / 1e6:,.1f} M elements per rank"),
-        ("device", f"{device.name}" + (f", link {device.link_gbps:g} GB/s, "
-                                        f"{format_size(device_mem)} per rank" if gpu else "")),
-        ("ranks", f"{args.ranks} (ZeRO-3: each holds and moves 1/{args.ranks} of the state)"
-                  if args.ranks > 1 else "1"),
+        (
+            "model",
+            f"{source.label}: {params / 1e6:,.1f} M params"
+            + (
+                f", batch {args.batch} x {args.seq_len} tokens"
+                if args.seq_len
+                else f", batch {args.batch}"
+            ),
+        ),
+        (
+            "recorded",
+            f"{args.steps} steps of {what} here: {recorded['step_seconds']:.2f} s/step,"
+            f" compute {recorded['compute_seconds']:.3f} s",
+        ),
+        (
+            "compute",
+            f"{compute_seconds:.3g} s here x {device.compute_scale:.3g} ({device.name}"
+            f"{'' if not gpu else f', matmul {here_tflops:.3f} TFLOP/s here'}) = "
+            f"{compute_seconds * device.compute_scale:.3g} s per step{ideal}",
+        ),
+        (
+            "optimizer",
+            f"{recording.step_seconds_per_element * 1e9:.3g} ns per element "
+            f"({optimizer_source}); {trainable / 1e6:,.1f} M elements per rank",
+        ),
+        (
+            "device",
+            f"{device.name}"
+            + (
+                f", link {device.link_gbps:g} GB/s, {format_size(device_mem)} per rank"
+                if gpu
+                else ""
+            ),
+        ),
+        (
+            "ranks",
+            f"{args.ranks} (ZeRO-3: each holds and moves 1/{args.ranks} of the state)"
+            if args.ranks > 1
+            else "1",
+        ),
         ("host RAM", format_size(host_ram)),
     ]
-    data = {"model": source.label, "parameters": params, "scaled": scaled,
-            "recorded": recorded, "tokens_per_step": tokens * args.ranks, "ranks": args.ranks,
-            "device": dataclasses.asdict(device),
-            "compute_seconds_here": compute_seconds,
-            "step_seconds_per_element": recording.step_seconds_per_element,
-            "tables": [{"drives": t.drives, "disk": dataclasses.asdict(t.disk),
-                        "candidates": [_candidate_json(c, tokens * args.ranks)
-                                       for c in t.ranked]} for t in tables]}
+    data = {
+        "model": source.label,
+        "parameters": params,
+        "scaled": scaled,
+        "recorded": recorded,
+        "tokens_per_step": tokens * args.ranks,
+        "ranks": args.ranks,
+        "device": dataclasses.asdict(device),
+        "compute_seconds_here": compute_seconds,
+        "step_seconds_per_element": recording.step_seconds_per_element,
+        "tables": [
+            {
+                "drives": t.drives,
+                "disk": dataclasses.asdict(t.disk),
+                "candidates": [_candidate_json(c, tokens * args.ranks) for c in t.ranked],
+            }
+            for t in tables
+        ],
+    }
     return Plan(header, tables, tokens, args.ranks, data)
 
 
 def _candidate_json(c: Candidate, tokens: int) -> dict[str, Any]:
-    return {"config": c.config.to_dict(), "fits": c.fits, "reason": c.reason,
-            "bound": c.bound, "busy_seconds": c.busy,
-            "tokens_per_second": tokens / c.result["step_seconds"] if c.fits else None,
-            **{k: v for k, v in c.result.items() if k not in ("disk", "device")}}
+    return {
+        "config": c.config.to_dict(),
+        "fits": c.fits,
+        "reason": c.reason,
+        "bound": c.bound,
+        "busy_seconds": c.busy,
+        "tokens_per_second": tokens / c.result["step_seconds"] if c.fits else None,
+        **{k: v for k, v in c.result.items() if k not in ("disk", "device")},
+    }
 
 
 # ---------------------------------------------------------------------------- output
+
 
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
@@ -504,35 +732,68 @@ def table(plan: Plan, top: int) -> list[str]:
     lines = [f"{name:<10} {value}" for name, value in plan.header]
     for t in plan.tables:
         disk = t.disk
-        lines += ["", f"{'disk':<10} {t.drives} drive(s): {disk.read_gbps:.3g} GB/s read, "
-                      f"{disk.write_gbps:.3g} GB/s write"
-                      f"{', shared' if disk.shared else ', side by side'} per rank "
-                      f"({disk.source})", ""]
+        lines += [
+            "",
+            f"{'disk':<10} {t.drives} drive(s): {disk.read_gbps:.3g} GB/s read, "
+            f"{disk.write_gbps:.3g} GB/s write"
+            f"{', shared' if disk.shared else ', side by side'} per rank "
+            f"({disk.source})",
+            "",
+        ]
         lines += _ranked_lines(plan, t.ranked, top)
-    lines += ["", "per rank: bytes per step, peaks of each tier (host: the store's host tier) and "
-                  "of the process's RSS; bound: the resource busiest in a step. Not modelled: "
-                  "activations' memory, all-gathers between ranks."]
+    lines += [
+        "",
+        "per rank: bytes per step, peaks of each tier (host: the store's host tier) and "
+        "of the process's RSS; bound: the resource busiest in a step. Not modelled: "
+        "activations' memory, all-gathers between ranks.",
+    ]
     return lines
 
 
 def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
     lines: list[str] = []
-    columns = ["#", "param/optim", "dtype", "host budget", "device budget", "buffers",
-               "step s", "tokens/s", "read GB", "write GB", "peak dev", "peak host",
-               "peak nvme", "peak RSS", "bound"]
+    columns = [
+        "#",
+        "param/optim",
+        "dtype",
+        "host budget",
+        "device budget",
+        "buffers",
+        "step s",
+        "tokens/s",
+        "read GB",
+        "write GB",
+        "peak dev",
+        "peak host",
+        "peak nvme",
+        "peak RSS",
+        "bound",
+    ]
     rows = []
     fitting = [c for c in ranked if c.fits]
     for rank, c in enumerate(fitting[:top], 1):
         cfg, r = c.config, c.result
-        rows.append([str(rank), f"{cfg.offload_param}/{cfg.offload_optimizer}",
-                     cfg.precision.dtype, _size(cfg.host_budget), _size(cfg.device_budget),
-                     f"{cfg.buffer_count} x {_size(cfg.buffer_size)}"
-                     if "nvme" in (cfg.offload_param, cfg.offload_optimizer) else "-",
-                     f"{r['step_seconds']:.3g}",
-                     f"{plan.tokens * plan.ranks / r['step_seconds']:,.0f}",
-                     _gb(r["bytes_read"]), _gb(r["bytes_written"]),
-                     _size(r["peak_bytes"]["device"]), _size(r["peak_bytes"]["host"]),
-                     _size(r["peak_bytes"]["nvme"]), _size(r["rss_peak_bytes"]), c.bound])
+        rows.append(
+            [
+                str(rank),
+                f"{cfg.offload_param}/{cfg.offload_optimizer}",
+                cfg.precision.dtype,
+                _size(cfg.host_budget),
+                _size(cfg.device_budget),
+                f"{cfg.buffer_count} x {_size(cfg.buffer_size)}"
+                if "nvme" in (cfg.offload_param, cfg.offload_optimizer)
+                else "-",
+                f"{r['step_seconds']:.3g}",
+                f"{plan.tokens * plan.ranks / r['step_seconds']:,.0f}",
+                _gb(r["bytes_read"]),
+                _gb(r["bytes_written"]),
+                _size(r["peak_bytes"]["device"]),
+                _size(r["peak_bytes"]["host"]),
+                _size(r["peak_bytes"]["nvme"]),
+                _size(r["rss_peak_bytes"]),
+                c.bound,
+            ]
+        )
     if rows:
         widths = [max(len(col), *(len(row[i]) for row in rows)) for i, col in enumerate(columns)]
         lines.append("  ".join(col.ljust(w) for col, w in zip(columns, widths)).rstrip())
@@ -547,17 +808,21 @@ def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
         lines += ["", f"{len(misfits)} candidate(s) do not fit:"]
         for c in misfits:
             cfg = c.config
-            lines.append(f"  {cfg.offload_param}/{cfg.offload_optimizer} {cfg.precision.dtype} "
-                         f"host {_size(cfg.host_budget)} device {_size(cfg.device_budget)} "
-                         f"buffers {cfg.buffer_count} x {_size(cfg.buffer_size)}: {c.reason}")
+            lines.append(
+                f"  {cfg.offload_param}/{cfg.offload_optimizer} {cfg.precision.dtype} "
+                f"host {_size(cfg.host_budget)} device {_size(cfg.device_budget)} "
+                f"buffers {cfg.buffer_count} x {_size(cfg.buffer_size)}: {c.reason}"
+            )
     return lines
 
 
 def write_config(plan: Plan, path: Path) -> OffloadConfig:
     best = next((c for c in plan.ranked if c.fits), None)
     if best is None:
-        raise UserError(f"no candidate fits, so there is nothing to write to {path}: raise "
-                        f"--host-ram or --device-mem, or add drives")
+        raise UserError(
+            f"no candidate fits, so there is nothing to write to {path}: raise "
+            f"--host-ram or --device-mem, or add drives"
+        )
     try:
         path.write_text(json.dumps(best.config.to_dict(), indent=2) + "\n")
     except OSError as exc:
@@ -573,18 +838,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         try:
             from transformers.utils import logging as hf_logging
+
             hf_logging.set_verbosity_error()
         except ImportError:
             pass
+
     def plan_and_write() -> None:
         plan = run(args)
         print("\n".join(table(plan, args.top)))
         if args.write_config is not None:
             write_config(plan, args.write_config)
-            print(f"\nwrote the best candidate to {args.write_config} "
-                  f"(OffloadConfig.from_file loads it)")
+            print(
+                f"\nwrote the best candidate to {args.write_config} "
+                f"(OffloadConfig.from_file loads it)"
+            )
         if args.json is not None:
             args.json.write_text(json.dumps(plan.json, indent=1, default=str) + "\n")
+
     return guarded(parser.prog, plan_and_write, USER_ERRORS)[0]
 
 

@@ -12,22 +12,27 @@ import json
 import math
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.planning import planner
 from infinity.config import ALIGNMENT
+from infinity.planning import planner
 from infinity.planning.planner import Recording
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
 LAYER_KEYS = ("layers", "num_layers", "n_layers", "n_layer", "num_hidden_layers", "depth")
 WIDTH_KEYS = ("width", "hidden", "hidden_size", "d_model", "dim", "n_embd")
 #: the smallest swap buffer a recording uses
@@ -42,11 +47,12 @@ class UserError(Exception):
 class ModelSource:
     """How to build the model (whole or scaled down, on the CPU or the meta device) and feed it
     one training step."""
+
     label: str
-    build: Callable[[dict[str, Any], bool], nn.Module]   # (changes, meta) -> model
-    inputs: str                      # hf (input_ids, labels -> .loss), tokens, features
-    layer_keys: tuple[str, ...]      # the arguments that set the number of layers
-    width_keys: tuple[str, ...]      # the arguments narrowed in a narrower copy
+    build: Callable[[dict[str, Any], bool], nn.Module]  # (changes, meta) -> model
+    inputs: str  # hf (input_ids, labels -> .loss), tokens, features
+    layer_keys: tuple[str, ...]  # the arguments that set the number of layers
+    width_keys: tuple[str, ...]  # the arguments narrowed in a narrower copy
     values: dict[str, Any] = dataclasses.field(default_factory=dict)  # --module's arguments
 
     def make(self, changes: dict[str, Any] | None = None, meta: bool = False) -> nn.Module:
@@ -54,27 +60,32 @@ class ModelSource:
             return self.build(changes or {}, meta)
         except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
             what = f" with {changes}" if changes else ""
-            raise UserError(f"{self.label}: the model cannot be built{what}: "
-                            f"{type(exc).__name__}: {exc}") from None
+            raise UserError(
+                f"{self.label}: the model cannot be built{what}: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def hf_source(path: Path) -> ModelSource:
     if not path.exists():
-        raise UserError(f"--hf-config {path} does not exist: pass a Hugging Face model "
-                        f"directory (with config.json) or a config.json file")
+        raise UserError(
+            f"--hf-config {path} does not exist: pass a Hugging Face model "
+            f"directory (with config.json) or a config.json file"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"--hf-config {path} holds no config.json")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise UserError("--hf-config needs transformers: pip install 'infinity-offload[hf]'") \
-            from None
+        raise UserError(
+            "--hf-config needs transformers: pip install 'infinity-offload[hf]'"
+        ) from None
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"--hf-config {path} cannot be read as a Hugging Face config: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
-            from None
+        raise UserError(
+            f"--hf-config {path} cannot be read as a Hugging Face config: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def build(changes: dict[str, Any], meta: bool) -> nn.Module:
@@ -86,17 +97,22 @@ def hf_source(path: Path) -> ModelSource:
             model = AutoModelForCausalLM.from_config(copy, dtype=torch.float32)
         return model
 
-    widths = tuple(k for k in ("hidden_size", "intermediate_size", "n_inner", "ffn_dim")
-                   if getattr(text, k, None) is not None)
-    return ModelSource(f"{type(config).__name__} ({path})", build, "hf",
-                       ("num_hidden_layers",), widths)
+    widths = tuple(
+        k
+        for k in ("hidden_size", "intermediate_size", "n_inner", "ffn_dim")
+        if getattr(text, k, None) is not None
+    )
+    return ModelSource(
+        f"{type(config).__name__} ({path})", build, "hf", ("num_hidden_layers",), widths
+    )
 
 
 def module_source(spec: str, args_text: str) -> ModelSource:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise UserError(f"--module {spec!r}: expected pkg.mod:Callable, e.g. "
-                        f"tools.benchmarks.bench_overlap:mlp")
+        raise UserError(
+            f"--module {spec!r}: expected pkg.mod:Callable, e.g. tools.benchmarks.bench_overlap:mlp"
+        )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -119,16 +135,27 @@ def module_source(spec: str, args_text: str) -> ModelSource:
 
     values = dict(args)
     if holder:
-        values = {f.name: f.default for f in dataclasses.fields(holder[1])
-                  if f.default is not dataclasses.MISSING} | values
+        values = {
+            f.name: f.default
+            for f in dataclasses.fields(holder[1])
+            if f.default is not dataclasses.MISSING
+        } | values
     else:
-        values = {name: p.default for name, p in _parameters(factory).items()
-                  if p.default is not inspect.Parameter.empty} | values
+        values = {
+            name: p.default
+            for name, p in _parameters(factory).items()
+            if p.default is not inspect.Parameter.empty
+        } | values
     model = ModelSource(spec, build, "features", (), ()).make(meta=True)
     first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
-    return ModelSource(spec, build, "tokens" if isinstance(first, nn.Embedding) else "features",
-                       tuple(k for k in LAYER_KEYS if isinstance(values.get(k), int)),
-                       tuple(k for k in WIDTH_KEYS if isinstance(values.get(k), int)), values)
+    return ModelSource(
+        spec,
+        build,
+        "tokens" if isinstance(first, nn.Embedding) else "features",
+        tuple(k for k in LAYER_KEYS if isinstance(values.get(k), int)),
+        tuple(k for k in WIDTH_KEYS if isinstance(values.get(k), int)),
+        values,
+    )
 
 
 def _parameters(factory: Any) -> dict[str, inspect.Parameter]:
@@ -156,14 +183,17 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def scaled_changes(source: ModelSource, full: nn.Module, layers: int, limit: float
-                   ) -> tuple[dict[str, Any], int]:
+def scaled_changes(
+    source: ModelSource, full: nn.Module, layers: int, limit: float
+) -> tuple[dict[str, Any], int]:
     """The argument changes of a scaled-down copy: ``layers`` per layer stack, and the widths
     halved until it has at most ``limit`` parameters; with its parameter count."""
     if not source.layer_keys:
-        raise UserError(f"{source.label}: no argument sets its number of layers (one of "
-                        f"{', '.join(LAYER_KEYS)}), so no scaled-down copy can be built: run it "
-                        f"whole with a higher --max-local-params")
+        raise UserError(
+            f"{source.label}: no argument sets its number of layers (one of "
+            f"{', '.join(LAYER_KEYS)}), so no scaled-down copy can be built: run it "
+            f"whole with a higher --max-local-params"
+        )
     base = {key: layers for key in source.layer_keys}
     text = _text_config(full)
     for factor in (1, 2, 4, 8, 16, 32, 64):
@@ -176,8 +206,10 @@ def scaled_changes(source: ModelSource, full: nn.Module, layers: int, limit: flo
         count = parameter_count(small)
         if count <= limit:
             return changes, count
-    raise UserError(f"{source.label}: even a {layers}-layer copy narrowed 64x has more than "
-                    f"--max-local-params {limit:.0f} parameters: raise it")
+    raise UserError(
+        f"{source.label}: even a {layers}-layer copy narrowed 64x has more than "
+        f"--max-local-params {limit:.0f} parameters: raise it"
+    )
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -217,8 +249,14 @@ def _narrowed(source: ModelSource, config: Any, factor: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- recording
 
-def inputs_for(source: ModelSource, model: nn.Module, batch: int, seq_len: int | None,
-               generator: torch.Generator) -> tuple[tuple, dict[str, Any]]:
+
+def inputs_for(
+    source: ModelSource,
+    model: nn.Module,
+    batch: int,
+    seq_len: int | None,
+    generator: torch.Generator,
+) -> tuple[tuple, dict[str, Any]]:
     if source.inputs != "features":
         vocab = next(m for m in model.modules() if isinstance(m, nn.Embedding)).num_embeddings
         tokens = torch.randint(0, vocab, (batch, seq_len or 128), generator=generator)
@@ -227,8 +265,10 @@ def inputs_for(source: ModelSource, model: nn.Module, batch: int, seq_len: int |
         return (tokens,), {}
     first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
     if first is None:
-        raise UserError(f"{source.label}: neither an embedding nor a linear layer comes first, "
-                        f"so infinity-plan cannot make its input")
+        raise UserError(
+            f"{source.label}: neither an embedding nor a linear layer comes first, "
+            f"so infinity-plan cannot make its input"
+        )
     shape = (batch, seq_len, first.in_features) if seq_len else (batch, first.in_features)
     return (torch.randn(shape, generator=generator),), {}
 
@@ -243,13 +283,16 @@ def loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, dict):
         output = next(iter(output.values()))
     if not isinstance(output, torch.Tensor):
-        raise UserError(f"the model returned a {type(output).__name__}: infinity-plan needs a "
-                        f"tensor (or .loss) to call backward on")
+        raise UserError(
+            f"the model returned a {type(output).__name__}: infinity-plan needs a "
+            f"tensor (or .loss) to call backward on"
+        )
     return output if output.dim() == 0 else output.float().square().mean()
 
 
-def record(source: ModelSource, model: nn.Module, args: argparse.Namespace,
-           swap_dir: Path) -> tuple[Recording, dict[str, Any]]:
+def record(
+    source: ModelSource, model: nn.Module, args: argparse.Namespace, swap_dir: Path
+) -> tuple[Recording, dict[str, Any]]:
     """Trains ``model`` for ``args.steps`` steps here with its parameters and optimizer state
     on NVMe, and returns the store's recording (``planner.recording_of``)."""
     params = parameter_count(model)
@@ -259,9 +302,15 @@ def record(source: ModelSource, model: nn.Module, args: argparse.Namespace,
     cache_all = 17 * params * 4 // 4 + (64 << 20)
     host_budget = max(16 << 20, min(cache_all, available // 4))
     buffer = min(16 << 20, max(MIN_BUFFER, host_budget // 16 // ALIGNMENT * ALIGNMENT))
-    config = OffloadConfig(device="cpu", offload_param="nvme", offload_optimizer="nvme",
-                           nvme_path=(swap_dir,), host_budget=host_budget, buffer_size=buffer,
-                           buffer_count=max(4, host_budget // buffer))
+    config = OffloadConfig(
+        device="cpu",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(swap_dir,),
+        host_budget=host_budget,
+        buffer_size=buffer,
+        buffer_count=max(4, host_budget // buffer),
+    )
     generator = torch.Generator().manual_seed(0)
     optimizer = OPTIMIZERS[args.optimizer](model.parameters())
     seconds = []
@@ -283,10 +332,16 @@ def record(source: ModelSource, model: nn.Module, args: argparse.Namespace,
     # Each event's fastest followed step: on a shared machine a slow step is someone else's
     # load, not the model's compute.
     trace = recording.trace
-    trace.compute = [min(times) for times in zip(*measured)] if \
-        all(len(m) == len(trace.events) for m in measured) else trace.compute
-    return recording, {"parameters": params, "step_seconds": min(seconds[1:]),
-                       "compute_seconds": sum(recording.trace.compute)}
+    trace.compute = (
+        [min(times) for times in zip(*measured)]
+        if all(len(m) == len(trace.events) for m in measured)
+        else trace.compute
+    )
+    return recording, {
+        "parameters": params,
+        "step_seconds": min(seconds[1:]),
+        "compute_seconds": sum(recording.trace.compute),
+    }
 
 
 def measure_update_seconds(optimizer: str, numel: int = 1 << 23, repeats: int = 3) -> float:

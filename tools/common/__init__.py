@@ -1,1 +1,2 @@
-"""What the command-line tools and benchmarks share: argument parsing, units, aggregation, the machine's description, the demo's GPT."""
+"""What the command-line tools and benchmarks share: argument parsing, units, aggregation, the
+machine's description, the demo's GPT."""

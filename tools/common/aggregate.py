@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
 class Summary:
     """Median, min and max of ``n`` samples. The median, not the mean, is the headline because
     a shared virtual disk occasionally delivers a fraction of its usual speed for one run."""
+
     median: float
     min: float
     max: float

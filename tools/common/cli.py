@@ -9,13 +9,15 @@ import json
 import logging
 import subprocess
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from swap import SwapError
 
 
 def positive(kind: type) -> Callable[[str], Any]:
     """An argparse type: ``kind`` (int, float) of a value > 0."""
+
     def convert(text: str) -> Any:
         try:
             value = kind(text)
@@ -24,6 +26,7 @@ def positive(kind: type) -> Callable[[str], Any]:
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return value
+
     return convert
 
 
@@ -31,27 +34,36 @@ def config_size(text: str) -> int:
     """An argparse type: a byte count as the config reads it ('256MiB', '1GB', 4096)."""
     from infinity.config import parse_size as parse_config_size
     from infinity.errors import ConfigError
+
     try:
         return parse_config_size(text, name="size")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-          ) -> argparse.Namespace | int:
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+) -> argparse.Namespace | int:
     """The parsed arguments, or the exit code argparse chose (it has printed its message):
     returned, not raised, so tests can check it. Sets up logging (``--verbose``: INFO)."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     return args
 
 
-def guarded(prog: str, action: Callable[[], Any], user_errors: tuple[type, ...],
-            interrupted: str = "interrupted") -> tuple[int, Any]:
+def guarded(
+    prog: str,
+    action: Callable[[], Any],
+    user_errors: tuple[type, ...],
+    interrupted: str = "interrupted",
+) -> tuple[int, Any]:
     """Runs ``action``: (0, its result), or the exit code after one line on stderr."""
     try:
         return 0, action()

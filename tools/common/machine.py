@@ -26,10 +26,15 @@ def mount_of(path: Path) -> dict:
         if len(fields) < 4:
             continue
         mount_point = fields[1].replace("\\040", " ")
-        if (path == Path(mount_point) or Path(mount_point) in path.parents) and \
-                len(mount_point) >= len(best.get("mount_point", "")):
-            best = {"device": fields[0], "mount_point": mount_point, "fstype": fields[2],
-                    "options": fields[3]}
+        if (path == Path(mount_point) or Path(mount_point) in path.parents) and len(
+            mount_point
+        ) >= len(best.get("mount_point", "")):
+            best = {
+                "device": fields[0],
+                "mount_point": mount_point,
+                "fstype": fields[2],
+                "options": fields[3],
+            }
     return best
 
 
@@ -43,8 +48,14 @@ def block_device(path: Path) -> dict:
     disk = real.parent if (real / "partition").exists() else real
     queue = disk / "queue"
     info: dict = {"name": disk.name}
-    for key in ("rotational", "scheduler", "max_sectors_kb", "nr_requests", "logical_block_size",
-                "physical_block_size"):
+    for key in (
+        "rotational",
+        "scheduler",
+        "max_sectors_kb",
+        "nr_requests",
+        "logical_block_size",
+        "physical_block_size",
+    ):
         value = _read(queue / key)
         if value is not None:
             info[key] = value
@@ -63,10 +74,18 @@ def cpu_model() -> str:
 
 def git_commit(repo: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode:
@@ -77,13 +96,16 @@ def git_commit(repo: Path) -> str | None:
 def machine_info(path: Path) -> dict:
     import numpy
     import torch
+
     try:
         import psutil
+
         memory = psutil.virtual_memory().total
     except ImportError:  # psutil is a dependency, but the report must not need it
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         from importlib.metadata import version
+
         liburing = version("liburing")
     except Exception:
         liburing = None

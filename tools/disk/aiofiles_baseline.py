@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from tools.common.aggregate import summarize
-from tools.disk.sweep import DIRECTIONS, Sample, _process_cpu
 from tools.common.units import format_size
+from tools.disk.sweep import DIRECTIONS, Sample, _process_cpu
 
 # asyncio.gather over WINDOW worker coroutines, each with its own aiofiles file object (seek then
 # write/read), worker i taking blocks i, i + WINDOW, ...: WINDOW requests at distinct offsets are
@@ -27,8 +27,10 @@ MISSING = "aiofiles not installed (pip install aiofiles)"
 
 
 def label(block_size: int) -> str:
-    return (f"aiofiles, buffered, bs={format_size(block_size)}, {WINDOW} outstanding "
-            "(asyncio.gather), write incl. fsync, read after FADV_DONTNEED (from the disk)")
+    return (
+        f"aiofiles, buffered, bs={format_size(block_size)}, {WINDOW} outstanding "
+        "(asyncio.gather), write incl. fsync, read after FADV_DONTNEED (from the disk)"
+    )
 
 
 async def _write(aiofiles, path: Path, size: int, block_size: int) -> None:
@@ -38,7 +40,7 @@ async def _write(aiofiles, path: Path, size: int, block_size: int) -> None:
         async with aiofiles.open(path, "r+b") as f:
             for offset in range(first * block_size, size, WINDOW * block_size):
                 await f.seek(offset)
-                await f.write(block[:min(block_size, size - offset)])
+                await f.write(block[: min(block_size, size - offset)])
 
     await asyncio.gather(*(worker(i) for i in range(WINDOW)))
     fd = os.open(path, os.O_RDONLY)
@@ -66,13 +68,20 @@ def _timed(coroutine, size: int, block_size: int) -> Sample:
     cpu, start = _process_cpu(), time.perf_counter()
     asyncio.run(coroutine)
     seconds, cpu = time.perf_counter() - start, _process_cpu() - cpu
-    return Sample(nbytes=size, seconds=seconds, process_cpu=cpu, backend_cpu=0.0,
-                  requests=-(-size // block_size), busy_seconds=seconds)
+    return Sample(
+        nbytes=size,
+        seconds=seconds,
+        process_cpu=cpu,
+        backend_cpu=0.0,
+        requests=-(-size // block_size),
+        busy_seconds=seconds,
+    )
 
 
 def measure_pass(directory: Path, size: int, block_size: int) -> dict[str, Sample]:
     """One write and one read pass; the file is removed whatever happens."""
     import aiofiles
+
     path = directory / f"infinity-bench-aiofiles-{os.getpid()}.dat"
     path.write_bytes(b"")
     try:
@@ -91,8 +100,16 @@ def measure_pass(directory: Path, size: int, block_size: int) -> dict[str, Sampl
 def measure(directory: Path, size: int, block_size: int, repeats: int) -> dict:
     """``repeats`` passes (after the engine grid, not interleaved with it); the JSON-ready entry
     with per-direction medians under ``summary``, or ``available: False`` and a note."""
-    entry: dict = {"available": False, "note": "", "label": label(block_size), "size": size,
-                   "block_size": block_size, "window": WINDOW, "repeats": [], "summary": {}}
+    entry: dict = {
+        "available": False,
+        "note": "",
+        "label": label(block_size),
+        "size": size,
+        "block_size": block_size,
+        "window": WINDOW,
+        "repeats": [],
+        "summary": {},
+    }
     try:
         import aiofiles  # noqa: F401
     except ImportError:
@@ -110,7 +127,10 @@ def measure(directory: Path, size: int, block_size: int, repeats: int) -> dict:
         gbps = summarize(run[direction].gbps for run in runs)
         cpu = summarize(run[direction].cpu_per_gib for run in runs)
         if gbps and cpu:
-            entry["summary"][direction] = {"gbps": gbps.median, "cpu_s_per_gib": cpu.median,
-                                           "gbps_min_max": [gbps.min, gbps.max]}
+            entry["summary"][direction] = {
+                "gbps": gbps.median,
+                "cpu_s_per_gib": cpu.median,
+                "gbps_min_max": [gbps.min, gbps.max],
+            }
     entry["available"] = bool(entry["summary"])
     return entry

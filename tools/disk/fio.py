@@ -37,13 +37,23 @@ class FioJob:
     runtime: float = 0.0  # > 0: loop over the file for this many seconds instead of once
 
     def command(self, fio: str, filename: Path) -> list[str]:
-        command = [fio, "--name=infinity-bench", f"--filename={filename}", "--direct=1",
-                   f"--ioengine={self.ioengine}", f"--rw={self.rw}", f"--bs={self.block_size}",
-                   f"--iodepth={self.iodepth}", f"--size={self.size}", "--numjobs=1",
-                   # Anonymous mmap memory, as the engine's buffer pool: with fio's default
-                   # (malloc) reads measured up to 2x slower on a virtio disk, because the
-                   # buffers' pages differ, not the disk.
-                   "--iomem=mmap", "--output-format=json"]
+        command = [
+            fio,
+            "--name=infinity-bench",
+            f"--filename={filename}",
+            "--direct=1",
+            f"--ioengine={self.ioengine}",
+            f"--rw={self.rw}",
+            f"--bs={self.block_size}",
+            f"--iodepth={self.iodepth}",
+            f"--size={self.size}",
+            "--numjobs=1",
+            # Anonymous mmap memory, as the engine's buffer pool: with fio's default
+            # (malloc) reads measured up to 2x slower on a virtio disk, because the
+            # buffers' pages differ, not the disk.
+            "--iomem=mmap",
+            "--output-format=json",
+        ]
         if self.runtime > 0:
             command += ["--time_based", f"--runtime={int(self.runtime * 1000)}ms"]
         return command
@@ -82,7 +92,7 @@ def parse_fio_json(text: str, rw: str) -> FioResult:
     if start < 0:
         raise FioError(f"no JSON in fio output: {text[:200]!r}")
     try:
-        report = json.loads(text[start:text.rfind("}") + 1])
+        report = json.loads(text[start : text.rfind("}") + 1])
     except json.JSONDecodeError as exc:
         raise FioError(f"fio output is not valid JSON: {exc}") from exc
     jobs = report.get("jobs") or []
@@ -90,8 +100,10 @@ def parse_fio_json(text: str, rw: str) -> FioResult:
         raise FioError("fio report has no jobs")
     job = jobs[0]
     if job.get("error"):
-        raise FioError(f"fio job failed with error {job['error']} "
-                       f"({os.strerror(job['error']) if job['error'] > 0 else '?'})")
+        raise FioError(
+            f"fio job failed with error {job['error']} "
+            f"({os.strerror(job['error']) if job['error'] > 0 else '?'})"
+        )
     side = job.get(rw)
     if not side or not side.get("io_bytes"):
         raise FioError(f"fio report has no {rw} data")
@@ -100,8 +112,9 @@ def parse_fio_json(text: str, rw: str) -> FioResult:
     bw_bytes = float(side.get("bw_bytes") or (io_bytes / (runtime_ms / 1000) if runtime_ms else 0))
     job_runtime_s = float(job.get("job_runtime", runtime_ms)) / 1000
     cpu = (float(job.get("usr_cpu", 0)) + float(job.get("sys_cpu", 0))) / 100 * job_runtime_s
-    return FioResult(rw=rw, io_bytes=io_bytes, runtime_s=runtime_ms / 1000, bw_bytes=bw_bytes,
-                     cpu_s=cpu)
+    return FioResult(
+        rw=rw, io_bytes=io_bytes, runtime_s=runtime_ms / 1000, bw_bytes=bw_bytes, cpu_s=cpu
+    )
 
 
 def find_fio(install: bool = True) -> tuple[str | None, str]:
@@ -112,17 +125,25 @@ def find_fio(install: bool = True) -> tuple[str | None, str]:
     if not install:
         return None, "fio not found on PATH"
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return None, ("fio not found on PATH, and it cannot be installed here "
-                      "(needs root and apt-get)")
+        return None, (
+            "fio not found on PATH, and it cannot be installed here (needs root and apt-get)"
+        )
     log.info("fio not found; trying apt-get install -y fio")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
-        subprocess.run(["apt-get", "install", "-y", "fio"], check=True, capture_output=True,
-                       timeout=120, env=env)
+        subprocess.run(
+            ["apt-get", "install", "-y", "fio"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+            env=env,
+        )
     except (subprocess.SubprocessError, OSError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        return None, (f"fio not found and apt-get install fio failed: "
-                      f"{detail.decode(errors='replace').strip()[-200:] or exc}")
+        return None, (
+            f"fio not found and apt-get install fio failed: "
+            f"{detail.decode(errors='replace').strip()[-200:] or exc}"
+        )
     path = shutil.which("fio")
     return (path, version(path)) if path else (None, "apt-get installed fio but it is not on PATH")
 
@@ -141,8 +162,14 @@ class FioRunner:
     The file is written once before any measured job, so measured writes are overwrites and
     measured reads find data, matching what the engine passes see."""
 
-    def __init__(self, fio: str, directory: Path, size: int, timeout: float = 600,
-                 disk: DiskCounters | None = None) -> None:
+    def __init__(
+        self,
+        fio: str,
+        directory: Path,
+        size: int,
+        timeout: float = 600,
+        disk: DiskCounters | None = None,
+    ) -> None:
         self.fio = fio
         self.disk = disk
         self.directory = directory
@@ -178,8 +205,12 @@ class FioRunner:
 
     def spawn(self, job: FioJob) -> subprocess.Popen:
         try:
-            return subprocess.Popen(job.command(self.fio, self.filename), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+            return subprocess.Popen(
+                job.command(self.fio, self.filename),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         except OSError as exc:
             raise FioError(f"cannot run fio: {exc}") from exc
 
@@ -194,8 +225,9 @@ class FioRunner:
             return parse_fio_json(stdout, job.rw)
         except FioError as exc:
             tail = stderr.strip().splitlines()[-1:] if stderr else []
-            raise FioError(f"{exc}{'; ' + tail[0] if tail else ''} (exit {process.returncode})") \
-                from exc
+            raise FioError(
+                f"{exc}{'; ' + tail[0] if tail else ''} (exit {process.returncode})"
+            ) from exc
 
     def cleanup(self) -> None:
         self.filename.unlink(missing_ok=True)

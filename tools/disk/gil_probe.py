@@ -42,6 +42,7 @@ def _cpu_wait() -> float:
 @dataclass(frozen=True)
 class Window:
     """One run of the counting loop."""
+
     rate: float  # iterations per second
     cpu_wait: float  # share of the window the thread waited for a CPU (other processes/threads)
 
@@ -95,7 +96,7 @@ class BackgroundStream:
 
     def start(self) -> None:
         self.started = time.perf_counter()
-        for buffer in self.buffers[:len(self.offsets)]:
+        for buffer in self.buffers[: len(self.offsets)]:
             self._submit(buffer)
 
     def _submit(self, buffer) -> None:
@@ -108,8 +109,9 @@ class BackgroundStream:
             offset = self.offsets[self.next]
             self.next += 1
             self.outstanding += 1
-        future = self.move(self.extent, buffer, nbytes=min(self.chunk, self.size - offset),
-                           extent_offset=offset)
+        future = self.move(
+            self.extent, buffer, nbytes=min(self.chunk, self.size - offset), extent_offset=offset
+        )
         future.add_done_callback(lambda f, b=buffer: self._on_done(f, b))
 
     def _on_done(self, future: Future, buffer) -> None:
@@ -130,6 +132,7 @@ class InterferenceResult:
     """The loop's windows with and without I/O. Every loaded window is compared with the median
     of all idle windows of the measurement: the idle speed of a shared machine jumps between
     windows, and one slow idle window would otherwise read as a ratio above 1."""
+
     point: Point
     loaded: dict[str, list[Window]] = field(default_factory=lambda: {d: [] for d in DIRECTIONS})
     io_gbps: dict[str, list[float]] = field(default_factory=lambda: {d: [] for d in DIRECTIONS})
@@ -161,21 +164,38 @@ class InterferenceResult:
     def as_dict(self) -> dict:
         def opt(summary: Summary | None) -> dict | None:
             return summary.as_dict() if summary else None
-        return {"point": self.point.as_dict(), "label": self.point.label,
-                "idle_windows": [asdict(w) for w in self.idle],
-                "loaded_windows": {d: [asdict(w) for w in ws] for d, ws in self.loaded.items()},
-                "ratios": {d: self.ratios(d) for d in DIRECTIONS}, "io_gbps": self.io_gbps,
-                "io_reference": self.io_reference, "idle_rate": self.idle_rate(),
-                "summary": {d: {"ratio": opt(self.ratio(d)),
-                                "ratio_on_cpu": opt(self.ratio(d, on_cpu=True)),
-                                "io_gbps": opt(self.bandwidth(d)),
-                                "cpu_wait": opt(summarize(w.cpu_wait for w in self.loaded[d]))}
-                            for d in DIRECTIONS},
-                "idle_cpu_wait": opt(self.idle_cpu_wait())}
+
+        return {
+            "point": self.point.as_dict(),
+            "label": self.point.label,
+            "idle_windows": [asdict(w) for w in self.idle],
+            "loaded_windows": {d: [asdict(w) for w in ws] for d, ws in self.loaded.items()},
+            "ratios": {d: self.ratios(d) for d in DIRECTIONS},
+            "io_gbps": self.io_gbps,
+            "io_reference": self.io_reference,
+            "idle_rate": self.idle_rate(),
+            "summary": {
+                d: {
+                    "ratio": opt(self.ratio(d)),
+                    "ratio_on_cpu": opt(self.ratio(d, on_cpu=True)),
+                    "io_gbps": opt(self.bandwidth(d)),
+                    "cpu_wait": opt(summarize(w.cpu_wait for w in self.loaded[d])),
+                }
+                for d in DIRECTIONS
+            },
+            "idle_cpu_wait": opt(self.idle_cpu_wait()),
+        }
 
 
-def measure_interference(point: Point, path: Path, pool: BufferPool, size: int, repeats: int,
-                         idle_seconds: float, on_step=lambda: None) -> InterferenceResult:
+def measure_interference(
+    point: Point,
+    path: Path,
+    pool: BufferPool,
+    size: int,
+    repeats: int,
+    idle_seconds: float,
+    on_step=lambda: None,
+) -> InterferenceResult:
     """``repeats`` rounds of: idle loop, write under the loop, idle loop, read under the loop."""
     result = InterferenceResult(point)
     with SwapEngine(path, point.settings(size)) as engine:
@@ -199,9 +219,15 @@ def measure_interference(point: Point, path: Path, pool: BufferPool, size: int, 
     return result
 
 
-def measure_fio_interference(runner: FioRunner, block_size: int, iodepth: int, size: int,
-                             repeats: int, idle_seconds: float,
-                             on_step=lambda: None) -> InterferenceResult:
+def measure_fio_interference(
+    runner: FioRunner,
+    block_size: int,
+    iodepth: int,
+    size: int,
+    repeats: int,
+    idle_seconds: float,
+    on_step=lambda: None,
+) -> InterferenceResult:
     """The loop next to fio. fio needs a good part of a second to start and to report, so it
     runs time-based and the loop covers a window well inside its I/O phase."""
     lead = 0.5  # past fio's start-up
@@ -209,8 +235,14 @@ def measure_fio_interference(runner: FioRunner, block_size: int, iodepth: int, s
     for _ in range(repeats):
         for direction in DIRECTIONS:
             result.idle.append(idle_window(idle_seconds))
-            job = FioJob(direction, block_size, iodepth, size, runner.ioengine or "io_uring",
-                         runtime=lead + idle_seconds + 0.5)
+            job = FioJob(
+                direction,
+                block_size,
+                iodepth,
+                size,
+                runner.ioengine or "io_uring",
+                runtime=lead + idle_seconds + 0.5,
+            )
             process = runner.spawn(job)
             try:
                 time.sleep(lead)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tools.common.units import format_size
 from tools.disk.report import FioPoint
 from tools.disk.sweep import DIRECTIONS, PointResult
-from tools.common.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -15,21 +15,28 @@ log = logging.getLogger(__name__)
 def _series(results: list[PointResult], direction: str, backend: str, vary: str) -> tuple:
     """The line of ``backend`` that varies ``vary`` ("block_size" or "queue_depth") and holds the
     other setting at that of the backend's best point: one line per backend, through its best."""
-    mine = [r for r in results if r.point.backend == backend and r.point.thread_count is None
-            and r.gbps(direction)]
+    mine = [
+        r
+        for r in results
+        if r.point.backend == backend and r.point.thread_count is None and r.gbps(direction)
+    ]
     if not mine:
         return [], [], [], ""
     best = max(mine, key=lambda r: r.median(direction))
     fixed = "queue_depth" if vary == "block_size" else "block_size"
-    line = sorted((r for r in mine if getattr(r.point, fixed) == getattr(best.point, fixed)),
-                  key=lambda r: getattr(r.point, vary))
+    line = sorted(
+        (r for r in mine if getattr(r.point, fixed) == getattr(best.point, fixed)),
+        key=lambda r: getattr(r.point, vary),
+    )
     xs = [getattr(r.point, vary) for r in line]
     summaries = [r.gbps(direction) for r in line]
     ys = [s.median for s in summaries]
     errors = [[s.median - s.min for s in summaries], [s.max - s.median for s in summaries]]
     value = getattr(best.point, fixed)
-    label = f"{backend} ({'qd' if fixed == 'queue_depth' else 'bs'}=" \
-            f"{value if fixed == 'queue_depth' else format_size(value)})"
+    label = (
+        f"{backend} ({'qd' if fixed == 'queue_depth' else 'bs'}="
+        f"{value if fixed == 'queue_depth' else format_size(value)})"
+    )
     return xs, ys, errors, label
 
 
@@ -40,16 +47,21 @@ def _fio_series(points: list[FioPoint], direction: str, vary: str) -> tuple:
     best = max(mine, key=lambda p: p.gbps().median)
     attr = {"block_size": "block_size", "queue_depth": "iodepth"}
     fixed = "iodepth" if vary == "block_size" else "block_size"
-    line = sorted((p for p in mine if getattr(p.job, fixed) == getattr(best.job, fixed)),
-                  key=lambda p: getattr(p.job, attr[vary]))
+    line = sorted(
+        (p for p in mine if getattr(p.job, fixed) == getattr(best.job, fixed)),
+        key=lambda p: getattr(p.job, attr[vary]),
+    )
     value = getattr(best.job, fixed)
-    label = f"fio ({'qd' if fixed == 'iodepth' else 'bs'}=" \
-            f"{value if fixed == 'iodepth' else format_size(value)})"
+    label = (
+        f"fio ({'qd' if fixed == 'iodepth' else 'bs'}="
+        f"{value if fixed == 'iodepth' else format_size(value)})"
+    )
     return [getattr(p.job, attr[vary]) for p in line], [p.gbps().median for p in line], label
 
 
 def plot(path: Path, results: list[PointResult], fio_points: list[FioPoint], title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # no display; the figure only goes to a file
     import matplotlib.pyplot as plt
 
@@ -72,8 +84,9 @@ def plot(path: Path, results: list[PointResult], fio_points: list[FioPoint], tit
             if ticks:
                 ordered = sorted(ticks)
                 ax.set_xticks(ordered)
-                ax.set_xticklabels([format_size(t) if vary == "block_size" else str(t)
-                                    for t in ordered])
+                ax.set_xticklabels(
+                    [format_size(t) if vary == "block_size" else str(t) for t in ordered]
+                )
             ax.set_xlabel("block size" if vary == "block_size" else "queue depth")
             ax.set_ylabel(f"{direction} GB/s")
             ax.set_ylim(bottom=0)

@@ -7,9 +7,9 @@ unknown keys, so the evidence behind a recommendation goes to a sibling file.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from tools.common.aggregate import harmonic_mean
 
@@ -27,6 +27,7 @@ MIN_BUFFER_COUNT = 3
 @dataclass(frozen=True)
 class Candidate:
     """What the choice needs to know about one grid point (medians over repeats)."""
+
     backend: str
     block_size: int
     queue_depth: int
@@ -103,8 +104,11 @@ def choose_buffers(by_size: BySize, unit: int, enough: float = ENOUGH) -> tuple[
         # rarely fall on the same size.
         need = 0
         for direction, top in best.items():
-            reaching = [size for size, by_flight in by_size.items()
-                        if by_flight.get(in_flight, {}).get(direction, 0.0) >= enough * top]
+            reaching = [
+                size
+                for size, by_flight in by_size.items()
+                if by_flight.get(in_flight, {}).get(direction, 0.0) >= enough * top
+            ]
             if not reaching:
                 break
             need = max(need, min(reaching))
@@ -117,21 +121,26 @@ def choose_buffers(by_size: BySize, unit: int, enough: float = ENOUGH) -> tuple[
         return size, buffer_count_for(2), "no buffer-size sweep: ~64 MiB, double buffered"
     _, count, size, in_flight = min(options)
     size = -(-max(size, unit) // unit) * unit
-    why = (f"{in_flight} transfer(s) of this size in flight per direction reach {enough:.0%} of "
-           f"the best bandwidth of the buffer-size sweep, with the least buffer memory of the "
-           f"{len(options)} regime(s) that do; +1 buffer for compute")
+    why = (
+        f"{in_flight} transfer(s) of this size in flight per direction reach {enough:.0%} of "
+        f"the best bandwidth of the buffer-size sweep, with the least buffer memory of the "
+        f"{len(options)} regime(s) that do; +1 buffer for compute"
+    )
     return size, count, why
 
 
-def recommend(candidates: Sequence[Candidate], by_size: BySize | None = None,
-              choice: Candidate | None = None) -> Recommendation:
+def recommend(
+    candidates: Sequence[Candidate], by_size: BySize | None = None, choice: Candidate | None = None
+) -> Recommendation:
     """The whole recommendation. ``by_size`` is the transfer-size sweep of ``choice`` (chosen
     here when not given)."""
     choice = choice or choose_point(candidates)
     buffer_size, buffer_count, why = choose_buffers(by_size or {}, choice.unit)
-    reason = (f"point: fastest read+write (harmonic mean {choice.score:.2f} GB/s; ties within "
-              f"{TIE_BAND:.0%} go to less CPU per GiB, then more bytes in flight); "
-              f"buffers: {why}")
+    reason = (
+        f"point: fastest read+write (harmonic mean {choice.score:.2f} GB/s; ties within "
+        f"{TIE_BAND:.0%} go to less CPU per GiB, then more bytes in flight); "
+        f"buffers: {why}"
+    )
     return Recommendation(choice, buffer_size, buffer_count, reason)
 
 
@@ -162,8 +171,10 @@ def check_config(config: Mapping) -> None:
             raise ValueError(f"aio.{key} must be a positive integer, got {aio[key]!r}")
     unit = aio["block_size"] * aio["queue_depth"]
     if not isinstance(config["buffer_size"], int) or config["buffer_size"] % unit:
-        raise ValueError(f"buffer_size {config['buffer_size']!r} is not a multiple of "
-                         f"block_size x queue_depth = {unit}")
+        raise ValueError(
+            f"buffer_size {config['buffer_size']!r} is not a multiple of "
+            f"block_size x queue_depth = {unit}"
+        )
     if not isinstance(config["buffer_count"], int) or config["buffer_count"] < MIN_BUFFER_COUNT:
         raise ValueError(f"buffer_count must be an integer >= {MIN_BUFFER_COUNT}")
 

@@ -12,10 +12,10 @@ import os
 import resource
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -34,6 +34,7 @@ _SAMPLE_STEP = 1 << 20  # one checked page per MiB of buffer
 @dataclass(frozen=True, order=True)
 class Point:
     """One engine configuration of the sweep."""
+
     backend: str
     block_size: int
     queue_depth: int
@@ -45,13 +46,20 @@ class Point:
     def label(self) -> str:
         threads = f" t={self.thread_count}" if self.thread_count else ""
         unverified = " (checksums off)" if not self.verify else ""
-        return (f"{self.backend} bs={format_size(self.block_size)} qd={self.queue_depth}"
-                f"{threads}{unverified}")
+        return (
+            f"{self.backend} bs={format_size(self.block_size)} qd={self.queue_depth}"
+            f"{threads}{unverified}"
+        )
 
     def settings(self, file_size: int) -> EngineSettings:
-        return EngineSettings(backend=self.backend, block_size=self.block_size,
-                              queue_depth=self.queue_depth, thread_count=self.thread_count,
-                              file_size=file_size, verify_checksums=self.verify)
+        return EngineSettings(
+            backend=self.backend,
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            thread_count=self.thread_count,
+            file_size=file_size,
+            verify_checksums=self.verify,
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +68,7 @@ class Point:
 @dataclass
 class Sample:
     """One timed pass in one direction."""
+
     nbytes: int
     seconds: float
     process_cpu: float  # whole process, user + kernel, all threads (the backend's included)
@@ -82,8 +91,11 @@ class Sample:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out.update(gbps=self.gbps, cpu_s_per_gib=self.cpu_per_gib,
-                   backend_cpu_s_per_gib=self.backend_cpu_per_gib)
+        out.update(
+            gbps=self.gbps,
+            cpu_s_per_gib=self.cpu_per_gib,
+            backend_cpu_s_per_gib=self.backend_cpu_per_gib,
+        )
         return out
 
 
@@ -91,6 +103,7 @@ class Sample:
 class PointResult:
     """Every repeat of one point; ``runs`` holds one dict per repeat (direction -> Sample, or
     ``error``)."""
+
     point: Point
     runs: list[dict] = field(default_factory=list)
 
@@ -116,16 +129,27 @@ class PointResult:
     def as_dict(self) -> dict:
         def opt(s: Summary | None) -> dict | None:
             return s.as_dict() if s else None
+
         repeats = []
         for run in self.runs:
-            repeats.append({k: (v.as_dict() if isinstance(v, Sample) else v)
-                            for k, v in run.items()})
-        summary = {d: {"gbps": opt(self.gbps(d)), "cpu_s_per_gib": opt(self.cpu(d)),
-                       "backend_cpu_s_per_gib": opt(self.backend_cpu(d)),
-                       "device_request_bytes": opt(self.device_request(d))}
-                   for d in ("write_fresh", *DIRECTIONS)}
-        return {**self.point.as_dict(), "label": self.point.label, "repeats": repeats,
-                "summary": summary}
+            repeats.append(
+                {k: (v.as_dict() if isinstance(v, Sample) else v) for k, v in run.items()}
+            )
+        summary = {
+            d: {
+                "gbps": opt(self.gbps(d)),
+                "cpu_s_per_gib": opt(self.cpu(d)),
+                "backend_cpu_s_per_gib": opt(self.backend_cpu(d)),
+                "device_request_bytes": opt(self.device_request(d)),
+            }
+            for d in ("write_fresh", *DIRECTIONS)
+        }
+        return {
+            **self.point.as_dict(),
+            "label": self.point.label,
+            "repeats": repeats,
+            "summary": summary,
+        }
 
 
 def _process_cpu() -> float:
@@ -141,8 +165,8 @@ def fill_pattern(pool: BufferPool, seed: int = 0) -> None:
     for buffer in pool.buffers:
         array = buffer.array
         for start in range(0, buffer.nbytes, block.size):
-            chunk = array[start:start + block.size]
-            np.bitwise_xor(block[:chunk.size], buffer.index + 1, out=chunk)
+            chunk = array[start : start + block.size]
+            np.bitwise_xor(block[: chunk.size], buffer.index + 1, out=chunk)
 
 
 class _Checker:
@@ -154,30 +178,33 @@ class _Checker:
     def __init__(self, buffers: tuple[HostBuffer, ...], size: int) -> None:
         chunk, count = buffers[0].nbytes, len(buffers)
         chunks = -(-size // chunk)
-        self.buffers = buffers[:min(count, chunks)]
+        self.buffers = buffers[: min(count, chunks)]
         self.lengths = []
         for j in range(len(self.buffers)):
             last = j + (chunks - 1 - j) // count * count
             self.lengths.append(min(chunk, size - last * chunk))
-        self.pages = [{o: b.array[o:o + 4096].copy()
-                       for o in range(0, length - 4096 + 1, _SAMPLE_STEP)}
-                      for b, length in zip(self.buffers, self.lengths)]
+        self.pages = [
+            {o: b.array[o : o + 4096].copy() for o in range(0, length - 4096 + 1, _SAMPLE_STEP)}
+            for b, length in zip(self.buffers, self.lengths)
+        ]
 
     def blank(self) -> None:
         for buffer, pages in zip(self.buffers, self.pages):
             for offset in pages:
-                buffer.array[offset:offset + 4096] = 0
+                buffer.array[offset : offset + 4096] = 0
 
     def check_and_restore(self) -> None:
         bad = None
         for buffer, pages in zip(self.buffers, self.pages):
             for offset, page in pages.items():
-                if bad is None and not np.array_equal(buffer.array[offset:offset + 4096], page):
+                if bad is None and not np.array_equal(buffer.array[offset : offset + 4096], page):
                     bad = (buffer.index, offset)
-                buffer.array[offset:offset + 4096] = page  # the pool stays as filled
+                buffer.array[offset : offset + 4096] = page  # the pool stays as filled
         if bad is not None:
-            raise RuntimeError(f"read-back mismatch in buffer {bad[0]} at byte {bad[1]}: the "
-                               f"engine returned other bytes than were written")
+            raise RuntimeError(
+                f"read-back mismatch in buffer {bad[0]} at byte {bad[1]}: the "
+                f"engine returned other bytes than were written"
+            )
 
 
 def _sync_files(engine: SwapEngine, drop: bool) -> None:
@@ -189,8 +216,14 @@ def _sync_files(engine: SwapEngine, drop: bool) -> None:
             os.posix_fadvise(swap_file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def stream(engine: SwapEngine, extent: Extent, buffers: tuple[HostBuffer, ...], size: int,
-           op: str, chunk: int | None = None) -> None:
+def stream(
+    engine: SwapEngine,
+    extent: Extent,
+    buffers: tuple[HostBuffer, ...],
+    size: int,
+    op: str,
+    chunk: int | None = None,
+) -> None:
     """Moves ``size`` bytes of ``extent`` in transfers of ``chunk`` bytes (default: a whole
     buffer), one per buffer in flight; buffer ``i % n`` carries chunk ``i``, so every chunk
     written from a buffer is read back into the same one."""
@@ -200,14 +233,25 @@ def stream(engine: SwapEngine, extent: Extent, buffers: tuple[HostBuffer, ...], 
     for i, offset in enumerate(range(0, size, chunk)):
         if len(pending) == len(buffers):
             pending.popleft().result()
-        pending.append(move(extent, buffers[i % len(buffers)], nbytes=min(chunk, size - offset),
-                            extent_offset=offset))
+        pending.append(
+            move(
+                extent,
+                buffers[i % len(buffers)],
+                nbytes=min(chunk, size - offset),
+                extent_offset=offset,
+            )
+        )
     for future in pending:
         future.result()
 
 
-def timed(engine: SwapEngine, nbytes: int, run: Callable[[], None], op: str,
-          disk: DiskCounters | None = None) -> Sample:
+def timed(
+    engine: SwapEngine,
+    nbytes: int,
+    run: Callable[[], None],
+    op: str,
+    disk: DiskCounters | None = None,
+) -> Sample:
     before = engine.stats()
     device = disk.snapshot() if disk else None
     cpu = _process_cpu()
@@ -217,17 +261,27 @@ def timed(engine: SwapEngine, nbytes: int, run: Callable[[], None], op: str,
     cpu = _process_cpu() - cpu
     request_bytes = DiskCounters.average_request(device, disk.snapshot(), op) if disk else None
     after = engine.stats()
-    return Sample(nbytes=nbytes, seconds=seconds, process_cpu=cpu,
-                  device_request_bytes=request_bytes,
-                  backend_cpu=after.cpu_seconds - before.cpu_seconds,
-                  requests=(after.read_requests + after.write_requests
-                            - before.read_requests - before.write_requests),
-                  busy_seconds=(after.read_seconds + after.write_seconds
-                                - before.read_seconds - before.write_seconds))
+    return Sample(
+        nbytes=nbytes,
+        seconds=seconds,
+        process_cpu=cpu,
+        device_request_bytes=request_bytes,
+        backend_cpu=after.cpu_seconds - before.cpu_seconds,
+        requests=(
+            after.read_requests
+            + after.write_requests
+            - before.read_requests
+            - before.write_requests
+        ),
+        busy_seconds=(
+            after.read_seconds + after.write_seconds - before.read_seconds - before.write_seconds
+        ),
+    )
 
 
-def measure_point(point: Point, path: Path, pool: BufferPool, size: int,
-                  disk: DiskCounters | None = None) -> dict:
+def measure_point(
+    point: Point, path: Path, pool: BufferPool, size: int, disk: DiskCounters | None = None
+) -> dict:
     """One repeat of one point: a first write into the fresh, preallocated file, then the
     measured write (an overwrite, the steady state of a training run), then the read of it.
 
@@ -249,8 +303,9 @@ def measure_point(point: Point, path: Path, pool: BufferPool, size: int,
         if not direct:
             _sync_files(engine, drop=True)
         checker.blank()
-        read = timed(engine, size, lambda: stream(engine, extent, buffers, size, "read"), "read",
-                     disk)
+        read = timed(
+            engine, size, lambda: stream(engine, extent, buffers, size, "read"), "read", disk
+        )
         checker.check_and_restore()
         peak = engine.stats().inflight_peak
     return {"write_fresh": fresh, "write": steady, "read": read, "inflight_peak": peak}
@@ -283,7 +338,8 @@ class TransferSweep:
         self.total = max(total, 2 * sizes[-1])
         # size -> in flight -> direction -> samples
         self.results: dict[int, dict[int, dict[str, list[Sample]]]] = {
-            s: {n: {d: [] for d in DIRECTIONS} for n in IN_FLIGHT} for s in sizes}
+            s: {n: {d: [] for d in DIRECTIONS} for n in IN_FLIGHT} for s in sizes
+        }
         self.pool = BufferPool(max(IN_FLIGHT), sizes[-1], name="bench-sweep")
         self.engine: SwapEngine | None = None
         try:
@@ -306,30 +362,50 @@ class TransferSweep:
         for in_flight in IN_FLIGHT:
             buffers = self.pool.buffers[:in_flight]
             for direction in DIRECTIONS:
-                def run() -> None:
+
+                def run(buffers: list = buffers, direction: str = direction) -> None:
                     stream(engine, self.extent, buffers, nbytes, direction, chunk=size)
                     if not engine.backend.direct:
                         _sync_files(engine, drop=True)
+
                 self.results[size][in_flight][direction].append(
-                    timed(engine, nbytes, run, direction))
+                    timed(engine, nbytes, run, direction)
+                )
 
     def medians(self) -> dict[int, dict[int, dict[str, float]]]:
         """size -> transfers in flight -> direction -> median GB/s."""
-        return {size: {n: {d: (summarize(s.gbps for s in samples) or Summary(0, 0, 0, 0)).median
-                           for d, samples in by_direction.items()}
-                       for n, by_direction in by_flight.items()}
-                for size, by_flight in self.results.items()}
+        return {
+            size: {
+                n: {
+                    d: (summarize(s.gbps for s in samples) or Summary(0, 0, 0, 0)).median
+                    for d, samples in by_direction.items()
+                }
+                for n, by_direction in by_flight.items()
+            }
+            for size, by_flight in self.results.items()
+        }
 
     def as_dict(self) -> dict:
         def entry(samples: list[Sample]) -> dict:
-            return {"gbps": (summarize(s.gbps for s in samples) or Summary(0, 0, 0, 0)).as_dict(),
-                    "repeats": [s.as_dict() for s in samples]}
-        return {"point": self.point.as_dict(), "label": self.point.label,
-                "bytes_per_sample": self.total, "sizes": [
-                    {"transfer_size": size, "in_flight": n,
-                     **{d: entry(samples) for d, samples in by_direction.items()}}
-                    for size, by_flight in self.results.items()
-                    for n, by_direction in by_flight.items()]}
+            return {
+                "gbps": (summarize(s.gbps for s in samples) or Summary(0, 0, 0, 0)).as_dict(),
+                "repeats": [s.as_dict() for s in samples],
+            }
+
+        return {
+            "point": self.point.as_dict(),
+            "label": self.point.label,
+            "bytes_per_sample": self.total,
+            "sizes": [
+                {
+                    "transfer_size": size,
+                    "in_flight": n,
+                    **{d: entry(samples) for d, samples in by_direction.items()},
+                }
+                for size, by_flight in self.results.items()
+                for n, by_direction in by_flight.items()
+            ],
+        }
 
     def close(self) -> None:
         if self.engine is not None:
