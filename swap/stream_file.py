@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from swap.backends.base import IORequest, Op
-from swap.buffers import ALIGNMENT, BufferPool, align_up
+from swap.buffers import ALIGNMENT, BufferPool, HostBuffer, align_up
 from swap.errors import SwapIOError
 from swap.probe import choose_backend_for, make_backend
 
@@ -50,11 +50,12 @@ class StreamWriter:
             raise
         self.pool = BufferPool(buffer_count, buffer_size, name="stream")
         self.free = list(self.pool.buffers)
-        self.in_flight: list[tuple[Future[int], object, int]] = []
+        self.in_flight: list[tuple[Future[int], HostBuffer, int, int]] = []
         self.buffer = self.free.pop()
         self.filled = 0  # bytes in the current buffer
         self.flushed = 0  # file offset where the current buffer goes
-        self.error: BaseException | None = None
+        #: the first failed write: (its file offset, its length, the error)
+        self.error: tuple[int, int, OSError] | None = None
         self.closed = False
 
     @property
@@ -92,7 +93,7 @@ class StreamWriter:
         future = self.backend.submit(
             IORequest(Op.WRITE, self.fd, self.flushed, self.buffer.address, length)
         )
-        self.in_flight.append((future, self.buffer, length))
+        self.in_flight.append((future, self.buffer, self.flushed, length))
         self.flushed += self.filled
         self.filled = 0
         while not self.free:
@@ -100,13 +101,13 @@ class StreamWriter:
         self.buffer = self.free.pop()
 
     def _reap_oldest(self) -> None:
-        future, buffer, length = self.in_flight.pop(0)
+        future, buffer, offset, length = self.in_flight.pop(0)
         try:
             written = future.result()
             if written != length:
                 raise OSError(errno.EIO, f"short write: {written} of {length} bytes")
         except OSError as exc:
-            self.error = self.error or exc
+            self.error = self.error or (offset, length, exc)
         self.free.append(buffer)
 
     def close(self) -> int:
@@ -127,7 +128,8 @@ class StreamWriter:
             self.backend.close()
             self.pool.close()
         if self.error is not None:
-            raise SwapIOError(f"writing {self.path} failed: {self.error}") from self.error
+            offset, length, exc = self.error
+            raise SwapIOError("write", self.path, offset, length, exc.errno or 0, str(exc)) from exc
         return self.flushed
 
     def __enter__(self) -> StreamWriter:
@@ -190,11 +192,13 @@ def read_pieces(
                     (io.submit(IORequest(Op.READ, fd, file_offset, address, length)), next_request)
                 )
                 next_request = next(pending, None)
-            future, (index, _, length, start) = flight.pop(0)
+            future, (index, request_offset, length, start) = flight.pop(0)
             try:
                 n = future.result()
             except OSError as exc:
-                raise SwapIOError(f"reading {path} failed: {exc}") from exc
+                raise SwapIOError(
+                    "read", path, request_offset, length, exc.errno or 0, str(exc)
+                ) from exc
             got[index] = got.get(index, 0) + max(0, min(n, pieces[index][1] - start))
             left[index] -= 1
             if not left[index]:
