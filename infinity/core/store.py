@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import psutil
 import torch
@@ -53,6 +53,8 @@ from swap.files import check_directory
 from swap.probe import choose_backend_for, make_backend
 
 log = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -170,14 +172,34 @@ class TieredStore(Stepping):
         return self.config.offload_param == "none" and (partition is None or partition.stage < 3)
 
     # -- attach -------------------------------------------------------------------------------
+    @overload
     def attach(
         self,
-        model: nn.Module,
+        model: ModelT,
+        optimizer: None = None,
+        *,
+        initialise: bool = True,
+        process_group: Any = None,
+    ) -> tuple[ModelT, None]: ...
+
+    @overload
+    def attach(
+        self,
+        model: ModelT,
+        optimizer: torch.optim.Optimizer,
+        *,
+        initialise: bool = True,
+        process_group: Any = None,
+    ) -> tuple[ModelT, torch.optim.Optimizer]: ...
+
+    def attach(
+        self,
+        model: ModelT,
         optimizer: torch.optim.Optimizer | None = None,
         *,
         initialise: bool = True,
         process_group: Any = None,
-    ) -> tuple[nn.Module, OffloadedOptimizer | torch.optim.Optimizer | None]:
+    ) -> tuple[ModelT, torch.optim.Optimizer | None]:
         """Takes over ``model``'s parameters (and wraps ``optimizer``). Parameters on the meta
         device are initialised module by module with ``reset_parameters()``; with
         ``initialise=False`` (their values will come from ``load_pretrained`` or
@@ -248,7 +270,9 @@ class TieredStore(Stepping):
         except BaseException:
             self._teardown(restore=True)
             raise
-        return model, self.optimizer
+        # The user's optimizer, wrapped (an OffloadedOptimizer is a torch Optimizer); None when
+        # none was given.
+        return model, self.optimizer if optimizer is not None else None
 
     @staticmethod
     def _check_optimizer(model: nn.Module, optimizer: Any) -> None:

@@ -310,7 +310,7 @@ def step_lines(steps: list[dict[str, Any]]) -> list[str]:
 
 def report(
     results: dict[str, Any],
-    disk: dict[str, float],
+    disk: dict[str, Any],
     deepspeed: dict[str, Any],
     budgets: list[float],
     modes: list[str],
@@ -403,7 +403,7 @@ def report(
             f"goal {key}: step within {GOALS['floor']}x of its floor: "
             f"{'met' if ok else 'not met'} ({s['vs_floor']:.2f}x)"
         )
-    best = {}
+    best: dict[float, tuple[dict, dict, str]] = {}
     for key, budget, s, run in verdicts:
         if budget not in best or s["step_s"] < best[budget][0]["step_s"]:
             best[budget] = (s, run, key)
@@ -552,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                         "tools.benchmarks.bench_budget", args.forward, ["--child=plain"]
                     )
                 results[key]["beside_fio"] = statistics.median(s["step_s"] for s in beside["steps"])
-        disk = {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
+        disk: dict[str, Any] = {
+            key: statistics.median(sample[key] for sample in samples) for key in samples[0]
+        }
         disk["combined_range"] = (
             min(x["combined"] for x in samples),
             max(x["combined"] for x in samples),

@@ -59,7 +59,8 @@ class RssWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def checkpoint_bytes(path: Path) -> int:

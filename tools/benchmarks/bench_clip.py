@@ -70,7 +70,7 @@ PAIRS = (("plain", "plain+clip"), ("nvme", "nvme+clip"))
 def run_one(args: argparse.Namespace) -> dict:
     """One configuration in this process: step times, clip call times and norms, I/O bytes."""
     model = mlp(args.layers, args.width)
-    optimizer = torch.optim.AdamW(
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, fused=True if args.run == "plain" else None
     )
     store = None
@@ -110,7 +110,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "norms": norms,
         "peak_rss": peak_resident_bytes(),
     }
-    if store is not None:
+    if store is not None and before is not None:
         after = store.stats()
         out.update(store_deltas(before, after, args.steps))
         out.update(

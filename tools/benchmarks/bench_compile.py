@@ -42,7 +42,7 @@ def worker(args: argparse.Namespace) -> dict:
     attached = args.config.startswith("attached")
     compiled = args.config.endswith("compiled")
     store = None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as swap:
         if attached:
             store = infinity.TieredStore(
@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> dict:
             model, optimizer = store.attach(model, optimizer)
         if compiled:
             if args.compile == "whole":
-                model = torch.compile(model)
+                model = torch.compile(model)  # type: ignore[assignment]  # a module's stays one
             else:
                 for block in model.blocks:
                     block.compile()

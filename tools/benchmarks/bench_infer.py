@@ -165,7 +165,7 @@ class Worker:
         result["equal"] = torch.equal(logits, expected)
         result["allclose"] = torch.allclose(logits, expected, rtol=ATOL, atol=ATOL)
         result["max_abs_diff"] = (logits - expected).abs().max().item()
-        if before is not None:
+        if before is not None and self.store is not None:
             after = self.store.stats()
             for key in ("bytes_read", "stall_seconds", "read_seconds"):
                 result[key] = after[key] - before[key]

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ DEEPSPEED_STEP_S = 2.73
 DEEPSPEED_PEAK_RSS_GIB = 6.43
 
 
-def mlp(layers: int, width: int, seed: int = 0) -> nn.Module:
+def mlp(layers: int, width: int, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     blocks: list[nn.Module] = []
     for _ in range(layers):
@@ -124,7 +125,7 @@ def nvme_config(
     device_budget: float,
     buffer_size: int = 64 << 20,
     offload_optimizer: str = "nvme",
-    **settings: object,
+    **settings: Any,
 ) -> infinity.OffloadConfig:
     """The store configuration of an NVMe run: parameters on NVMe, the optimizer state where
     ``offload_optimizer`` says, a staging arena of ``arena`` GiB in slots of ``buffer_size``
@@ -164,7 +165,7 @@ def run_transfers(
     """Runs ``call(extent, buffer)`` for each pair in order, one per buffer in flight (the
     oldest waited for before a buffer is reused); returns the seconds they all took."""
     started = time.perf_counter()
-    futures = []
+    futures: list[Future] = []
     for i, (call, extent) in enumerate(calls):
         if len(futures) >= len(buffers):
             futures.pop(0).result()
@@ -226,7 +227,7 @@ def engine_bandwidth(
 def run_one(args: argparse.Namespace) -> dict:
     """One configuration in this process: step times, I/O bytes, stalls, peak RSS."""
     model = mlp(args.layers, args.width)
-    optimizer = torch.optim.AdamW(
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-4, fused=True if args.run == "plain" else None
     )
     store = None
@@ -261,7 +262,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "phases_s": [statistics.median(p) for p in zip(*phases)],
         "peak_rss": peak_resident_bytes(),
     }
-    if store is not None:
+    if store is not None and before is not None:
         after = store.stats()
         out.update(store_deltas(before, after, args.steps))
         out.update(

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: dict = {"params": params}
     # Interleave the two modes so the disk's drift hits both alike.
-    runs = {True: [], False: []}
+    runs: dict[bool, list[dict]] = {True: [], False: []}
     for pipeline in (True, False, True, False):
         runs[pipeline].append(step_times(args, root, pipeline))
     pipelined = min(runs[True], key=lambda r: r["step_s"])

@@ -225,7 +225,7 @@ def train(args: argparse.Namespace, root: Path, figures: dict) -> dict:
         f"{result['h2d_GBps']:.1f} GB/s ({result['h2d_vs_link']:.2f}x the link); NVMe read "
         f"{result['nvme_read_GBps']:.2f} + write {result['nvme_written_GBps']:.2f} GB/s; "
         f"overlap efficiency {result['overlap_efficiency']:.2f}; device tier peak "
-        f"{result['device_peak'] / 2**30:.2f} of {config.device_budget / 2**30:.2f} GiB"
+        f"{result['device_peak'] / 2**30:.2f} of {(config.device_budget or 0) / 2**30:.2f} GiB"
     )
     return result
 

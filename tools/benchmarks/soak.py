@@ -102,7 +102,7 @@ class Attached:
         config = OffloadConfig(
             offload_param="nvme",
             offload_optimizer="nvme",
-            nvme_path=str(self.root),
+            nvme_path=(Path(self.root),),
             buffer_size=SHARD,
             buffer_count=args.buffer_count,
             device_budget=64 << 10,
@@ -123,8 +123,13 @@ class Attached:
         self.optimizer.zero_grad()
         return loss.item()
 
+    def clear_faults(self) -> None:
+        if self.faults is not None:
+            self.faults.clear()
+
     def values(self) -> dict[str, torch.Tensor]:
         store = self.store
+        assert store is not None, "build() first"
         return {e.name: store.materialize(e) for e in store.registry.entries}
 
     def close(self) -> None:
@@ -145,7 +150,8 @@ class Attached:
         if engine is not None:
             self.totals["transfers"] += engine.read_transfers + engine.write_transfers
             self.totals["requests"] += engine.read_requests + engine.write_requests
-        self.injected.update(self.faults.injected)
+        if self.faults is not None:
+            self.injected.update(self.faults.injected)
         try:
             store.close(restore_params=False)  # the plain copy is the state to go on from
         except Exception as exc:
@@ -220,10 +226,10 @@ def run(args: argparse.Namespace) -> int:
                     attached.build(plain, plain_opt)
         # The final check, faults off (a write dropped earlier still fails it: then the
         # attached side is rebuilt and checked again).
-        attached.faults.clear()
+        attached.clear_faults()
         if not check(attached, plain, bad, failed_checks):
             attached.build(plain, plain_opt)
-            attached.faults.clear()
+            attached.clear_faults()
             check(attached, plain, bad, failed_checks)
         checks += 1
     finally:

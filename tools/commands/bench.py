@@ -351,8 +351,8 @@ def run_interference(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqd
                 args.idle_seconds,
                 on_step=bar.update,
             )
-            for point in run.fio_points:
-                job, gbps = point.job, point.gbps()
+            for fio_point in run.fio_points:
+                job, gbps = fio_point.job, fio_point.gbps()
                 if (job.block_size, job.iodepth) == (
                     choice.block_size,
                     choice.queue_depth,

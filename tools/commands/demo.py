@@ -316,7 +316,9 @@ def run(args: argparse.Namespace) -> DemoResult:
             except OSError as exc:
                 raise UserError(f"cannot use --out {args.out}: {exc.strerror or exc}") from None
         store = TieredStore(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(args))
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=learning_rate(args)
+        )
         model, optimizer = store.attach(model, optimizer)
         text = synthetic_batches(
             GPTConfig(vocab_size=min(TEXT_VOCAB, gpt.vocab_size), context=gpt.context),

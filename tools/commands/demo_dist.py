@@ -99,7 +99,9 @@ def worker(args: argparse.Namespace) -> int:
     record = not args.no_timeline
     outputs: dict[str, str] = {}
     try:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(args))
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=learning_rate(args)
+        )
         model, optimizer = store.attach(model, optimizer)
         # One global batch per step, every rank its own slice of it: the same text the
         # single-process demo would train on with --batch x ranks sequences.
@@ -189,17 +191,20 @@ def comm_rows(rank: dict) -> list[tuple[str, str]]:
     def per_step(key: str) -> float:
         return (after[key] - before[key]) / steps
 
+    def bytes_per_step(key: str) -> int:
+        return (after[key] - before[key]) // steps
+
     wait = per_step("gather_seconds") + per_step("reduce_seconds")
     mean_step = sum(times) / steps
     return [
         (
             "all-gathered",
-            f"{format_size(per_step('gathered_bytes'))}/step sent (this rank's "
+            f"{format_size(bytes_per_step('gathered_bytes'))}/step sent (this rank's "
             f"parameter slices), {per_step('gather_seconds'):.3f} s/step waited",
         ),
         (
             "reduce-scat.",
-            f"{format_size(per_step('reduced_bytes'))}/step sent (whole "
+            f"{format_size(bytes_per_step('reduced_bytes'))}/step sent (whole "
             f"gradients), {per_step('reduce_seconds'):.3f} s/step",
         ),
         (

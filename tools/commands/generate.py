@@ -255,7 +255,7 @@ def model_dtype(config: Any, requested: str) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def build_empty_model(model_dir: ModelDir, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_empty_model(model_dir: ModelDir, dtype: torch.dtype, device: torch.device) -> Any:
     """The causal LM of ``model_dir`` with parameters on the meta device and real buffers."""
     import accelerate
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -419,7 +419,7 @@ def forward_clock(model: nn.Module) -> Iterator[list[float]]:
 
 
 def timed_generate(
-    model: nn.Module, store: TieredStore | None, inputs: dict[str, torch.Tensor], **kwargs: Any
+    model: Any, store: TieredStore | None, inputs: dict[str, torch.Tensor], **kwargs: Any
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """``model.generate(**inputs, **kwargs)`` under no_grad, with its timings and the store's
     I/O during it (zeros without a store)."""
@@ -538,7 +538,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     temp_dir: Path | None = None
     if args.nvme_path is None:
         temp_dir = Path(tempfile.mkdtemp(prefix="infinity-generate-"))
-    nvme = check_nvme_path(args.nvme_path or temp_dir)
+    nvme = check_nvme_path(args.nvme_path or temp_dir)  # type: ignore[arg-type]  # one is set
     store: TieredStore | None = None
     try:
         config = offload_config(

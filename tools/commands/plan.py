@@ -373,7 +373,7 @@ def candidates(
                 else:
                     # The tier on a GPU shares it with activations; here it is host memory.
                     share = (0.25, 0.6) if gpu else (0.125, 0.5)
-                    devices = sorted(
+                    devices = sorted(  # type: ignore[assignment]  # ints are int | None
                         {
                             _align(max(2 * item * largest, min(device_total, device_mem * f)))
                             for f in share
@@ -511,7 +511,8 @@ def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
             )
         single = DiskProfile.from_bench_json(args.disk, shared=args.disk_shared)
     elif args.disk_gbps is not None:
-        single = DiskProfile(*args.disk_gbps, shared=args.disk_shared, source="--disk-gbps")
+        read_gbps, write_gbps = args.disk_gbps
+        single = DiskProfile(read_gbps, write_gbps, shared=args.disk_shared, source="--disk-gbps")
     else:
         raise UserError(
             "no disk profile: pass --disk bench.json (infinity-bench --json) or "
@@ -541,7 +542,8 @@ def run(args: argparse.Namespace) -> Plan:
     device = planner.device_profile(gpu_name, here_tflops=rates[0] if rates else None)
     total_ram = psutil.virtual_memory().total
     host_ram = args.host_ram or total_ram
-    device_mem = args.device_mem or (DEVICE_MEMORY.get(device.name) if gpu else host_ram)
+    # device_profile refused a GPU name without a preset, and every preset has its memory here
+    device_mem: int = args.device_mem or (DEVICE_MEMORY[device.name] if gpu else host_ram)
     if args.module is not None:
         source = module_source(args.module, args.args)
     else:
@@ -552,9 +554,10 @@ def run(args: argparse.Namespace) -> Plan:
     params = parameter_count(full)
     scaled = args.scaled or params > args.max_local_params
     temp_dir: Path | None = None
-    if not args.nvme_path:
-        temp_dir = Path(tempfile.mkdtemp(prefix="infinity-plan-"))
-    swap_dir = args.nvme_path[0] if args.nvme_path else temp_dir
+    if args.nvme_path:
+        swap_dir: Path = args.nvme_path[0]
+    else:
+        swap_dir = temp_dir = Path(tempfile.mkdtemp(prefix="infinity-plan-"))
     try:
         if scaled:
             changes, small_params = scaled_changes(

@@ -165,7 +165,7 @@ def _parameters(factory: Any) -> dict[str, inspect.Parameter]:
         return {}
 
 
-def _dataclass_argument(factory: Any, args: dict[str, Any]) -> tuple[str, type] | None:
+def _dataclass_argument(factory: Any, args: dict[str, Any]) -> tuple[str, Any] | None:
     """(name, class) of ``factory``'s one dataclass parameter, when ``args`` are that
     dataclass's fields rather than the factory's own arguments (TinyGPT(GPTConfig(...)))."""
     try:

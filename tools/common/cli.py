@@ -61,7 +61,7 @@ def parse(
 def guarded(
     prog: str,
     action: Callable[[], Any],
-    user_errors: tuple[type, ...],
+    user_errors: tuple[type[BaseException], ...],
     interrupted: str = "interrupted",
 ) -> tuple[int, Any]:
     """Runs ``action``: (0, its result), or the exit code after one line on stderr."""

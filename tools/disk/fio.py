@@ -198,7 +198,7 @@ class FioRunner:
     def run(self, job: FioJob) -> FioResult:
         before = self.disk.snapshot() if self.disk else None
         result = self.finish(self.spawn(job), job)
-        if self.disk:
+        if self.disk and before is not None:
             mean = DiskCounters.average_request(before, self.disk.snapshot(), job.rw)
             result = replace(result, device_request_bytes=mean)
         return result

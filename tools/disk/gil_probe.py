@@ -12,6 +12,7 @@ the loop's speed when only the CPUs and the kernel's I/O work are shared.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -112,7 +113,7 @@ class BackgroundStream:
         future = self.move(
             self.extent, buffer, nbytes=min(self.chunk, self.size - offset), extent_offset=offset
         )
-        future.add_done_callback(lambda f, b=buffer: self._on_done(f, b))
+        future.add_done_callback(functools.partial(self._on_done, buffer=buffer))
 
     def _on_done(self, future: Future, buffer) -> None:
         with self.lock:

@@ -29,7 +29,7 @@ def _series(results: list[PointResult], direction: str, backend: str, vary: str)
         key=lambda r: getattr(r.point, vary),
     )
     xs = [getattr(r.point, vary) for r in line]
-    summaries = [r.gbps(direction) for r in line]
+    summaries = [s for s in (r.gbps(direction) for r in line) if s is not None]
     ys = [s.median for s in summaries]
     errors = [[s.median - s.min for s in summaries], [s.max - s.median for s in summaries]]
     value = getattr(best.point, fixed)
@@ -42,9 +42,10 @@ def _series(results: list[PointResult], direction: str, backend: str, vary: str)
 
 def _fio_series(points: list[FioPoint], direction: str, vary: str) -> tuple:
     mine = [p for p in points if p.job.rw == direction and p.gbps()]
+    medians = {id(p): p.gbps().median for p in mine}  # type: ignore[union-attr]  # filtered
     if not mine:
         return [], [], ""
-    best = max(mine, key=lambda p: p.gbps().median)
+    best = max(mine, key=lambda p: medians[id(p)])
     attr = {"block_size": "block_size", "queue_depth": "iodepth"}
     fixed = "iodepth" if vary == "block_size" else "block_size"
     line = sorted(
@@ -56,7 +57,7 @@ def _fio_series(points: list[FioPoint], direction: str, vary: str) -> tuple:
         f"fio ({'qd' if fixed == 'iodepth' else 'bs'}="
         f"{value if fixed == 'iodepth' else format_size(value)})"
     )
-    return [getattr(p.job, attr[vary]) for p in line], [p.gbps().median for p in line], label
+    return [getattr(p.job, attr[vary]) for p in line], [medians[id(p)] for p in line], label
 
 
 def plot(path: Path, results: list[PointResult], fio_points: list[FioPoint], title: str) -> None:

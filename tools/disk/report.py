@@ -37,7 +37,7 @@ class FioPoint:
         return summarize(r.device_request_bytes for r in self.results())
 
     def as_dict(self) -> dict:
-        gbps, cpu = self.gbps(), self.cpu()
+        gbps, cpu, request = self.gbps(), self.cpu(), self.device_request()
         return {
             "rw": self.job.rw,
             "block_size": self.job.block_size,
@@ -50,9 +50,7 @@ class FioPoint:
             "summary": {
                 "gbps": gbps.as_dict() if gbps else None,
                 "cpu_s_per_gib": cpu.as_dict() if cpu else None,
-                "device_request_bytes": (
-                    self.device_request().as_dict() if self.device_request() else None
-                ),
+                "device_request_bytes": request.as_dict() if request else None,
             },
         }
 
@@ -291,7 +289,7 @@ def summary_lines(
         for direction in DIRECTIONS:
             ratio, gbps = result.ratio(direction), result.bandwidth(direction)
             on_cpu = result.ratio(direction, on_cpu=True)
-            if ratio:
+            if ratio and gbps:
                 flag = "" if ratio.median >= TARGET_RATIO else " (below target)"
                 text = f"{direction} {ratio.median:.2f}{flag}"
                 if on_cpu:

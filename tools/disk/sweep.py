@@ -259,7 +259,11 @@ def timed(
     run()
     seconds = time.perf_counter() - start
     cpu = _process_cpu() - cpu
-    request_bytes = DiskCounters.average_request(device, disk.snapshot(), op) if disk else None
+    request_bytes = (
+        DiskCounters.average_request(device, disk.snapshot(), op)
+        if disk and device is not None
+        else None
+    )
     after = engine.stats()
     return Sample(
         nbytes=nbytes,
@@ -363,7 +367,9 @@ class TransferSweep:
             buffers = self.pool.buffers[:in_flight]
             for direction in DIRECTIONS:
 
-                def run(buffers: list = buffers, direction: str = direction) -> None:
+                def run(
+                    buffers: tuple[HostBuffer, ...] = buffers, direction: str = direction
+                ) -> None:
                     stream(engine, self.extent, buffers, nbytes, direction, chunk=size)
                     if not engine.backend.direct:
                         _sync_files(engine, drop=True)
