@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ class HostBuffer:
         return self.tensor[byte_offset:end].view(dtype)
 
     def memoryview(self, start: int = 0, stop: int | None = None) -> memoryview:
-        return memoryview(self.array)[start:stop]
+        return self.array.data[start:stop]
 
     def release(self) -> None:
         if self.pool is None:
@@ -80,7 +81,8 @@ class HostBuffer:
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
-_madvise = None
+#: libc's madvise once looked up; False where it is unavailable
+_madvise: Any = None
 
 
 def huge_pages_on_request() -> bool:

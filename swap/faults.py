@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import heapq
 import logging
 import random
@@ -261,7 +262,7 @@ class FaultInjectingBackend(IOBackend):
             except Exception as exc:
                 resolve(future, None, exc)
                 continue
-            inner.add_done_callback(lambda f, outer=future: _chain(f, outer))
+            inner.add_done_callback(functools.partial(_chain, outer=future))
 
     def close(self) -> None:
         with self._lock:

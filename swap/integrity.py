@@ -157,7 +157,8 @@ class TransferCheck:
         self.tag = tag
         self.first, self.stop = first, stop  # chunks [first, stop) are covered entirely
         self.partial = partial  # chunks covered in part
-        self.sums = np.zeros(stop - first, dtype=np.uint64) if write else None
+        #: writes: the checksum of each chunk, filled as they are hashed (empty for reads)
+        self.sums = np.zeros(stop - first if write else 0, dtype=np.uint64)
         self.expected = expected  # reads: the version the bytes must match
 
 
@@ -294,6 +295,7 @@ class Integrity:
         self, check: TransferCheck, chunk: Chunk, expected: int, found: int
     ) -> IntegrityError:
         extent = check.extent
+        assert check.expected is not None, "only a read against a recorded version mismatches"
         start = chunk.index * self.chunk_size
         what = self._identify(extent.serial, chunk.index, found, chunk.length)
         message = (
