@@ -6,7 +6,7 @@ request never crosses a stripe unit or an integrity chunk (a whole number of blo
 wait in one queue per drive, and the engine keeps at most ``queue_depth`` queue slots in use per
 drive (and never more than the backend's own queue depth) across all transfers. A slot holds a
 chain: up to ``chain_length`` contiguous requests of one transfer that the backend moves one
-after another without the interpreter (``IOBackend.submit_chain``; see ``CHAIN_BYTES`` for why).
+after another without the interpreter (``IOBackend.start_chain``; see ``CHAIN_BYTES`` for why).
 Each transfer returns a ``concurrent.futures.Future`` resolving to its logical byte count;
 ``read_sync``/``write_sync`` are the blocking forms.
 
@@ -34,7 +34,7 @@ quarantined until it completes (``swap.timeouts``).
 from __future__ import annotations
 
 import atexit
-import errno
+import functools
 import logging
 import os
 import queue
@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op
+from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, Outcome
 from swap.buffers import ALIGNMENT, HostBuffer, align_up
 from swap.errors import IntegrityError, SwapConfigError, SwapIOError, TransferTimeoutError
 from swap.files import Extent, SwapSpace, check_directory
@@ -459,34 +459,19 @@ class SwapEngine(TimeoutsMixin):
             # A signal handler can raise (KeyboardInterrupt, a user's SystemExit) between any
             # two bytecodes here. The requests are counted in flight: they must still be
             # settled, or close() would wait out its timeout for requests nobody submitted.
-            stage = "counted"
-            futures: list[Future[int]] = []
-            hooked = 0
+            # start_chain either raises (nothing started) or will report the chain once;
+            # settling twice is harmless (each piece applies its first outcome only).
             try:
                 self._stats.request_submitted(transfer.op.value, len(pieces))
                 requests = [
                     IORequest(transfer.op, piece.file.fd, piece.offset, piece.address, piece.length)
                     for piece in pieces
                 ]
-                try:
-                    futures = self.backend.submit_chain(requests)
-                except Exception as exc:
-                    stage = "settled"
-                    for piece in pieces:
-                        self._on_done(piece, None, exc)
-                    continue
-                stage = "submitted"
-                for piece, future in zip(pieces, futures):
-                    future.add_done_callback(lambda f, p=piece: self._on_done(p, f, None))
-                    hooked += 1
-                stage = "settled"
+                self.backend.start_chain(requests, functools.partial(self._settle, pieces))
+            except Exception as exc:
+                self._settle(pieces, [exc] * len(pieces))
             except BaseException as exc:
-                if stage == "counted":
-                    for piece in pieces:
-                        self._on_done(piece, None, exc)
-                elif stage == "submitted":
-                    for piece, future in zip(pieces[hooked:], futures[hooked:]):
-                        future.add_done_callback(lambda f, p=piece: self._on_done(p, f, None))
+                self._settle(pieces, [exc] * len(pieces))
                 raise
 
     def _take_locked(self) -> list[Piece] | None:
@@ -511,83 +496,100 @@ class SwapEngine(TimeoutsMixin):
                 return chain
         return None
 
-    def _on_done(
-        self, piece: Piece, future: Future[int] | None, error: BaseException | None
-    ) -> None:
-        transfer = piece.transfer
-        result = 0
-        if future is not None:
-            if future.cancelled():
-                error = OSError(errno.ECANCELED, "the backend cancelled the request")
+    def _settle(self, pieces: list[Piece], outcomes: Sequence[Outcome]) -> None:
+        """Applies the outcome of each of a chain's requests (bytes moved, or the exception it
+        failed with) under one acquisition of the lock: a short request is continued, a failed
+        one fails its transfer with an error naming file, offset and cause. Runs on the
+        backend's thread, once per chain."""
+        settled = []
+        for piece, outcome in zip(pieces, outcomes):
+            error: BaseException | None = None
+            result = 0
+            if isinstance(outcome, BaseException):
+                error = outcome
             else:
-                error = future.exception()
-                if error is None:
-                    result = future.result()
-        requeue = None
-        detail = ""
-        if error is None and result < piece.length:
-            if result <= 0 or (self.backend.direct and result % ALIGNMENT):
-                error = OSError(0, "short transfer")
-                detail = (
-                    "the file is shorter than the extent (truncated or replaced swap file?)"
-                    if transfer.op is Op.READ and result == 0
-                    else f"the kernel moved {result} of {piece.length} bytes"
-                )
-            else:
-                requeue = Piece(
-                    transfer,
-                    piece.file,
-                    piece.offset + result,
-                    piece.address + result,
-                    piece.length - result,
-                    piece.chunk,
-                )
-        elif error is not None and not getattr(error, "errno", 0):
-            detail = f"{type(error).__name__}: {error}"
-        with self._lock:
-            if piece.settled:
-                return
-            piece.settled = True
-            self._inflight -= 1
-            chain = piece.chain
-            assert chain is not None
-            chain.left -= 1
-            freed = chain.left == 0
-            if freed:
-                self._slots -= 1
-                self._drive_slots[chain.drive] -= 1
-                if chain.stalled:
-                    self._stalled -= 1
-                    self._drive_stalled[chain.drive] -= 1
-            if piece.timed_out:
-                self._zombie_done_locked(piece, error)
-            else:
-                self._flying.discard(piece)
-                if isinstance(error, BackendAbandonedError):
-                    self._abandon_locked(piece)
-                transfer.outstanding -= 1
-                if error is None and piece.chunk is not None and transfer.op is Op.READ:
-                    self._chunk_bytes_arrived_locked(transfer, piece.chunk, result)
-                if requeue is not None:
-                    # The rest goes first in its drive's queue: the transfer is under way.
-                    self._stats.note_retry()
-                    transfer.queued += 1
-                    self._queued += 1
-                    self._queues[piece.file.drive].appendleft(requeue)
-                elif error is not None and transfer.error is None and not transfer.done:
-                    err = getattr(error, "errno", 0) or 0
-                    transfer.error = SwapIOError(
-                        transfer.op.value, piece.file.path, piece.offset, piece.length, err, detail
+                result = outcome
+            requeue = None
+            detail = ""
+            if error is None and result < piece.length:
+                if result <= 0 or (self.backend.direct and result % ALIGNMENT):
+                    error = OSError(0, "short transfer")
+                    detail = (
+                        "the file is shorter than the extent (truncated or replaced swap file?)"
+                        if piece.transfer.op is Op.READ and result == 0
+                        else f"the kernel moved {result} of {piece.length} bytes"
                     )
-                    transfer.error.__cause__ = error
-                    self._stats.note_error()
-                self._finish_locked(transfer)
+                else:
+                    requeue = Piece(
+                        piece.transfer,
+                        piece.file,
+                        piece.offset + result,
+                        piece.address + result,
+                        piece.length - result,
+                        piece.chunk,
+                    )
+            elif error is not None and not getattr(error, "errno", 0):
+                detail = f"{type(error).__name__}: {error}"
+            settled.append((piece, result, error, requeue, detail))
+        freed = False
+        with self._lock:
+            for piece, result, error, requeue, detail in settled:
+                freed |= self._settle_locked(piece, result, error, requeue, detail)
             self._notify_if_drained_locked()
         if freed:
-            # Only a freed slot lets anything new start; the rest of a chain's completions
-            # (a requeued remainder included) leave the queue to the one that frees it.
+            # Only a freed slot lets anything new start; completions that free none (a
+            # requeued remainder included) leave the queue to the one that frees it.
             self._stats.request_done()
             self._pump()
+
+    def _settle_locked(
+        self,
+        piece: Piece,
+        result: int,
+        error: BaseException | None,
+        requeue: Piece | None,
+        detail: str,
+    ) -> bool:
+        """One request's outcome; True when it freed its chain's queue slot."""
+        if piece.settled:
+            return False
+        piece.settled = True
+        transfer = piece.transfer
+        self._inflight -= 1
+        chain = piece.chain
+        assert chain is not None
+        chain.left -= 1
+        freed = chain.left == 0
+        if freed:
+            self._slots -= 1
+            self._drive_slots[chain.drive] -= 1
+            if chain.stalled:
+                self._stalled -= 1
+                self._drive_stalled[chain.drive] -= 1
+        if piece.timed_out:
+            self._zombie_done_locked(piece, error)
+            return freed
+        self._flying.discard(piece)
+        if isinstance(error, BackendAbandonedError):
+            self._abandon_locked(piece)
+        transfer.outstanding -= 1
+        if error is None and piece.chunk is not None and transfer.op is Op.READ:
+            self._chunk_bytes_arrived_locked(transfer, piece.chunk, result)
+        if requeue is not None:
+            # The rest goes first in its drive's queue: the transfer is under way.
+            self._stats.note_retry()
+            transfer.queued += 1
+            self._queued += 1
+            self._queues[piece.file.drive].appendleft(requeue)
+        elif error is not None and transfer.error is None and not transfer.done:
+            err = getattr(error, "errno", 0) or 0
+            transfer.error = SwapIOError(
+                transfer.op.value, piece.file.path, piece.offset, piece.length, err, detail
+            )
+            transfer.error.__cause__ = error
+            self._stats.note_error()
+        self._finish_locked(transfer)
+        return freed
 
     def _chunk_bytes_arrived_locked(self, transfer: Transfer, chunk: Chunk, nbytes: int) -> None:
         left = transfer.chunk_left.get(chunk.index)

@@ -102,7 +102,7 @@ class Piece:
     started: float = 0.0  # monotonic time of the submit
     timed_out: bool = False
     chain: Chain | None = None  # set at the submit
-    #: its outcome was applied (SwapEngine._on_done runs once per request, even when a signal
+    #: its outcome was applied (SwapEngine._settle applies it once, even when a signal
     #: interrupted the submit after the backend had already taken the completion callback)
     settled: bool = False
 

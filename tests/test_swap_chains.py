@@ -36,13 +36,13 @@ def buffers():
 def record_chains(backend) -> list[int]:
     """The length of every chain the engine hands ``backend``."""
     lengths: list[int] = []
-    real = backend.submit_chain
+    real = backend.start_chain
 
-    def recording(requests):
+    def recording(requests, done):
         lengths.append(len(requests))
-        return real(requests)
+        return real(requests, done)
 
-    backend.submit_chain = recording
+    backend.start_chain = recording
     return lengths
 
 
@@ -268,31 +268,23 @@ def test_hung_chain_fails_queued_transfers_instead_of_hanging(make_engine, disk_
 
 
 def test_a_signal_during_the_submit_settles_each_request_once(make_engine, disk_dir, buffers):
-    """A signal handler's exception (KeyboardInterrupt) can surface inside
-    ``add_done_callback`` after the backend's future has taken the callback: the interrupted
-    submit then hands the same request its callback again. Each request's outcome must still be
-    applied once, or the in-flight count goes below zero and close() waits out its timeout for
-    a request that does not exist (a SIGINT in the middle of a step hung its process)."""
+    """A signal handler's exception (KeyboardInterrupt) can surface in ``start_chain`` after
+    the backend took the chain and its callback: the interrupted submit settles the requests
+    with the exception, and the backend reports them again when they complete. Each request's
+    outcome must still be applied once, or the in-flight count goes below zero and close()
+    waits out its timeout for a request that does not exist (a SIGINT in the middle of a step
+    hung its process)."""
     engine = make_engine(disk_dir, "threads", block_size=BLOCK, queue_depth=2)
-    real_submit = engine.backend.submit_chain
+    real_start = engine.backend.start_chain
     interrupted = []
 
-    def submit_then_interrupt(requests):
-        futures = real_submit(requests)
+    def start_then_interrupt(requests, done):
+        real_start(requests, done)
         if not interrupted:
             interrupted.append(True)
-            first = futures[0]
-            register = first.add_done_callback
+            raise KeyboardInterrupt
 
-            def register_then_raise(callback):
-                register(callback)
-                first.add_done_callback = register  # once
-                raise KeyboardInterrupt
-
-            first.add_done_callback = register_then_raise
-        return futures
-
-    engine.backend.submit_chain = submit_then_interrupt
+    engine.backend.start_chain = start_then_interrupt
     extent = engine.allocate(BLOCKS * BLOCK)
     with pytest.raises(KeyboardInterrupt):
         engine.write(extent, buffers[0])

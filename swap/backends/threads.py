@@ -27,7 +27,16 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, memory_at, resolve
+from swap.backends.base import (
+    BackendAbandonedError,
+    ChainDone,
+    IOBackend,
+    IORequest,
+    Op,
+    Outcome,
+    memory_at,
+    resolve_outcomes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,15 @@ _NOTHING = object()
 #: requests one system call may move together (well below IOV_MAX)
 _MAX_RUN = 16
 
-_Item = tuple["Future[int]", IORequest]
+
+class _Chain:
+    """Requests that continue one another, for one call, and who to tell how it went."""
+
+    __slots__ = ("requests", "done")
+
+    def __init__(self, requests: Sequence[IORequest], done: ChainDone) -> None:
+        self.requests = requests
+        self.done = done
 
 
 def _continues(last: IORequest, following: IORequest) -> bool:
@@ -68,11 +85,10 @@ class ThreadBackend(IOBackend):
         self.thread_count = thread_count or queue_depth
         # Own daemon threads rather than a ThreadPoolExecutor: the executor joins its workers at
         # interpreter exit, so one system call that never returns would hang the exit too.
-        # Each item is a chain: requests that continue one another, for one call.
-        self._work: queue.SimpleQueue[list[_Item] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[_Chain | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._inflight: set[Future[int]] = set()
+        self._inflight: set[_Chain] = set()
         self._closed = False
         self._threads = [
             threading.Thread(target=self._worker, name=f"swap-{self.name}-{i}", daemon=True)
@@ -85,21 +101,25 @@ class ThreadBackend(IOBackend):
         return self.submit_chain([request])[0]
 
     def submit_chain(self, requests: Sequence[IORequest]) -> list[Future[int]]:
+        futures: list[Future[int]] = []
+        for _ in requests:
+            future: Future[int] = Future()
+            future.set_running_or_notify_cancel()
+            futures.append(future)
+        self.start_chain(requests, lambda outcomes: resolve_outcomes(futures, outcomes))
+        return futures
+
+    def start_chain(self, requests: Sequence[IORequest], done: ChainDone) -> None:
         if not 1 <= len(requests) <= self.max_chain:
             raise ValueError(f"a chain takes 1 to {self.max_chain} requests, got {len(requests)}")
         if any(not _continues(a, b) for a, b in zip(requests, requests[1:])):
             raise ValueError("each request of a chain must continue the one before it")
-        chain: list[_Item] = []
-        for request in requests:
-            future: Future[int] = Future()
-            future.set_running_or_notify_cancel()
-            chain.append((future, request))
+        chain = _Chain(requests, done)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the {self.name} backend is closed")
-            self._inflight.update(future for future, _ in chain)
+            self._inflight.add(chain)
         self._work.put(chain)
-        return [future for future, _ in chain]
 
     def _worker(self) -> None:
         ahead: object = _NOTHING
@@ -107,56 +127,62 @@ class ThreadBackend(IOBackend):
             item = self._work.get() if ahead is _NOTHING else ahead
             if item is None:
                 return
-            batch, ahead = self._gather_run(item)
+            run, ahead = self._gather_run(item)  # type: ignore[arg-type]
             with self._lock:
                 # A request abandoned by a close that timed out must not run: its descriptor may
                 # be closed by now and the number reused by an unrelated file.
-                batch = [(f, r) for f, r in batch if f in self._inflight]
-            if not batch:
+                run = [chain for chain in run if chain in self._inflight]
+            if not run:
                 continue
             started = time.thread_time()
-            results: list[int] = [0] * len(batch)
-            error = None
+            requests = [request for chain in run for request in chain.requests]
+            outcomes: list[Outcome]
             try:
-                results = _split(
-                    self._run_batch([r for _, r in batch]), [r.length for _, r in batch]
-                )
-            except BaseException as exc:  # the futures carry it to the callers
-                error = exc
+                outcomes = list(_split(self._run_batch(requests), [r.length for r in requests]))
+            except BaseException as exc:  # the callbacks carry it to the callers
+                outcomes = [exc] * len(requests)
             self.counters.add_cpu(time.thread_time() - started)
             with self._lock:
-                for future, _ in batch:
-                    self._inflight.discard(future)
+                # Whoever takes a chain out of the in-flight set reports it: close may have
+                # reported it abandoned already, and then this late outcome is dropped.
+                mine = [chain for chain in run if chain in self._inflight]
+                self._inflight.difference_update(mine)
                 if not self._inflight:
                     self._idle.notify_all()
-            for (future, _), result in zip(batch, results):
-                resolve(future, result, error)
+            at = 0
+            for chain in run:
+                count = len(chain.requests)
+                if chain in mine:
+                    _report(chain, outcomes[at : at + count])
+                at += count
             if ahead is _NOTHING:
-                # Resolving usually submitted the next requests: take them now, while this
+                # Reporting usually submitted the next requests: take them now, while this
                 # thread holds the GIL, instead of handing the interpreter to another worker.
                 try:
                     ahead = self._work.get_nowait()
                 except queue.Empty:
                     pass
 
-    def _gather_run(self, item: list[_Item]) -> tuple[list[_Item], object]:
+    def _gather_run(self, item: _Chain) -> tuple[list[_Chain], object]:
         """The chain ``item`` and the queued chains that continue it in the same file (same
         direction, each starting where the last ends), up to ``_MAX_RUN`` requests: one system
         call moves them all, so the worker takes the GIL back once for the run instead of once
         per request. Returns the run and the first queued item that does not continue it."""
-        run = list(item)
-        while len(run) < _MAX_RUN:
+        run = [item]
+        count = len(item.requests)
+        while count < _MAX_RUN:
             try:
                 following = self._work.get_nowait()
             except queue.Empty:
                 return run, _NOTHING
             if (
                 following is None
-                or len(run) + len(following) > _MAX_RUN
-                or not _continues(run[-1][1], following[0][1])
+                or count + len(following.requests) > _MAX_RUN
+                or not _continues(run[-1].requests[-1], following.requests[0])
             ):
                 return run, following
-            run.extend(following)
+            run.append(following)
+            count += len(following.requests)
         return run, _NOTHING
 
     def _run_batch(self, requests: list[IORequest]) -> int:
@@ -184,22 +210,19 @@ class ThreadBackend(IOBackend):
             self._work.put(None)
         if stuck:
             # A thread stuck in a system call cannot be interrupted; its daemon thread is left
-            # behind. The futures fail now so nobody waits on them forever.
+            # behind. The chains are reported now so nobody waits on them forever.
             log.error(
                 "%s backend: %d request(s) still in flight after %.3g s; closing without "
                 "them (their buffers may still be written to)",
                 self.name,
-                len(stuck),
+                sum(len(chain.requests) for chain in stuck),
                 self.close_timeout,
             )
-            for future in stuck:
-                resolve(
-                    future,
-                    None,
-                    BackendAbandonedError(
-                        f"the {self.name} backend was closed while this request was in flight"
-                    ),
+            for chain in stuck:
+                abandoned = BackendAbandonedError(
+                    f"the {self.name} backend was closed while this request was in flight"
                 )
+                _report(chain, [abandoned] * len(chain.requests))
             return
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -218,3 +241,11 @@ class BufferedBackend(ThreadBackend):
 
     name = "buffered"
     direct = False
+
+
+def _report(chain: _Chain, outcomes: list[Outcome]) -> None:
+    """Hands a chain's outcomes to its callback; a failing callback must not kill the worker."""
+    try:
+        chain.done(outcomes)
+    except Exception:
+        log.exception("a chain's completion callback failed")
