@@ -5,8 +5,9 @@ A transfer (one extent range <-> one buffer range) is cut into requests of at mo
 request never crosses a stripe unit or an integrity chunk (a whole number of blocks). Requests
 wait in one queue per drive, and the engine keeps at most ``queue_depth`` queue slots in use per
 drive (and never more than the backend's own queue depth) across all transfers. A slot holds a
-chain: up to ``chain_length`` contiguous requests of one transfer that the backend moves one
-after another without the interpreter (``IOBackend.start_chain``; see ``CHAIN_BYTES`` for why).
+chain: up to ``chain_length`` contiguous requests of one transfer that the backend moves without
+the interpreter in between, with one read or write (``IOBackend.start_chain``; see
+``CHAIN_BYTES`` for why), and reports with one call.
 Each transfer returns a ``concurrent.futures.Future`` resolving to its logical byte count;
 ``read_sync``/``write_sync`` are the blocking forms.
 
@@ -76,8 +77,8 @@ _STOP = object()
 #: queue depth 16). Chains of 4 (64 MiB) kept 0.7-0.98 run to run, chains of 8 (this) 0.78-0.91:
 #: the slots' chains tend to end together, each end costs one wait, so longer chains mean fewer.
 #: The price: transfers smaller than this that are queued together share the slots instead of
-#: finishing one after another. The drive still sees ``queue_depth`` requests at a time with
-#: io_uring (a chain's requests run in turn); the thread backend moves a chain with one call.
+#: finishing one after another. Both backends move a chain with one call, which the kernel splits
+#: into requests of the device's size: the drive sees ``queue_depth`` such calls at a time.
 CHAIN_BYTES = 128 << 20
 
 

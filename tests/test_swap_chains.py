@@ -192,25 +192,33 @@ def test_uring_chain_requests_keep_their_own_outcome(tmp_path, buffers):
 
 
 @needs_uring
-def test_an_interrupted_chain_leaves_nothing_in_the_ring(tmp_path, buffers, monkeypatch):
+@pytest.mark.parametrize(
+    ("pages", "interrupted_call"),
+    [((0, 2), 2), ((0, 1), 1)],
+    ids=["linked-requests", "one-request-for-the-chain"],
+)
+def test_an_interrupted_chain_leaves_nothing_in_the_ring(
+    tmp_path, buffers, monkeypatch, pages, interrupted_call
+):
     """An exception after some of a chain's slots were taken: none of its requests runs, and
-    the backend stays usable."""
+    the backend stays usable. Requests that do not continue one another take a slot each,
+    hard-linked; contiguous ones take one slot for the chain."""
     import swap.backends.uring as uring_module
 
     fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    os.posix_fallocate(fd, 0, 2 * ALIGNMENT)
+    os.posix_fallocate(fd, 0, 3 * ALIGNMENT)
     backend = UringBackend(2)
     real_prep = uring_module._uring.io_uring_prep_writev
     calls = []
 
     def interrupted(*args):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == interrupted_call:
             raise KeyboardInterrupt
         return real_prep(*args)
 
     try:
-        fill(buffers[0], random_bytes(2 * ALIGNMENT, seed=4))
+        fill(buffers[0], random_bytes(3 * ALIGNMENT, seed=4))
         monkeypatch.setattr(uring_module._uring, "io_uring_prep_writev", interrupted)
         with pytest.raises(KeyboardInterrupt):
             backend.submit_chain(
@@ -218,13 +226,13 @@ def test_an_interrupted_chain_leaves_nothing_in_the_ring(tmp_path, buffers, monk
                     IORequest(
                         Op.WRITE, fd, i * ALIGNMENT, buffers[0].address + i * ALIGNMENT, ALIGNMENT
                     )
-                    for i in range(2)
+                    for i in pages
                 ]
             )
         monkeypatch.undo()
         time.sleep(0.05)
         with open(tmp_path / "f.bin", "rb") as f:
-            assert f.read() == b"\0" * 2 * ALIGNMENT  # the prepared first write never ran
+            assert f.read() == b"\0" * 3 * ALIGNMENT  # nothing prepared ever ran
         assert (
             backend.submit(IORequest(Op.READ, fd, 0, buffers[1].address, ALIGNMENT)).result(TIMEOUT)
             == ALIGNMENT

@@ -343,9 +343,9 @@ def test_thread_backend_moves_queued_contiguous_requests_with_one_call(disk_dir,
 
 
 def test_a_short_run_leaves_its_later_requests_short():
-    from swap.backends.threads import _split
+    from swap.backends.base import split
 
-    assert _split(10, [4, 4, 4]) == [4, 4, 2]
-    assert _split(3, [4, 4]) == [3, 0]
-    assert _split(8, [4, 4]) == [4, 4]
-    assert _split(0, [4]) == [0]
+    assert split(10, [4, 4, 4]) == [4, 4, 2]
+    assert split(3, [4, 4]) == [3, 0]
+    assert split(8, [4, 4]) == [4, 4]
+    assert split(0, [4]) == [0]

@@ -324,7 +324,7 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
         )
         real_iovec = backend._iovec
 
-        def interrupted(address, length):
+        def interrupted(*_spans):
             raise KeyboardInterrupt
 
         monkeypatch.setattr(backend, "_iovec", interrupted)

@@ -103,8 +103,10 @@ class IOBackend(ABC):
         same file and memory) as one queue slot, and returns their futures in order. The
         backend moves them without the interpreter in between: the engine's completion path
         can wait for the GIL behind a busy training thread for a whole switch interval, and a
-        chain keeps the drive busy meanwhile. Each request still gets its own outcome, as if
-        it had run alone; the slot is busy until the last one completes."""
+        chain keeps the drive busy meanwhile. Each request still gets its own outcome: the
+        backends move contiguous requests with one call, so a short transfer leaves the later
+        ones short or empty, as if each had run alone, and an error fails them all. The slot is
+        busy until the last one completes."""
         if len(requests) != 1:
             raise ValueError(
                 f"{type(self).__name__} takes chains of one request, got {len(requests)}"
@@ -141,6 +143,26 @@ class IOBackend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(queue_depth={self.queue_depth})"
+
+
+def continues(last: IORequest, following: IORequest) -> bool:
+    """Whether ``following`` starts in the file where ``last`` ends (same file, same direction):
+    one vectored call can move both."""
+    return (
+        following.fd == last.fd
+        and following.op is last.op
+        and following.offset == last.offset + last.length
+    )
+
+
+def split(moved: int, lengths: Sequence[int]) -> list[int]:
+    """The bytes each request of a run got when one call moved ``moved`` bytes in order: a
+    short transfer leaves the later requests short or empty, as if each had run alone."""
+    out = []
+    for length in lengths:
+        out.append(min(length, max(moved, 0)))
+        moved -= length
+    return out
 
 
 class _Gather:

@@ -34,8 +34,10 @@ from swap.backends.base import (
     IORequest,
     Op,
     Outcome,
+    continues,
     memory_at,
     resolve_outcomes,
+    split,
 )
 
 log = logging.getLogger(__name__)
@@ -53,24 +55,6 @@ class _Chain:
     def __init__(self, requests: Sequence[IORequest], done: ChainDone) -> None:
         self.requests = requests
         self.done = done
-
-
-def _continues(last: IORequest, following: IORequest) -> bool:
-    return (
-        following.fd == last.fd
-        and following.op is last.op
-        and following.offset == last.offset + last.length
-    )
-
-
-def _split(moved: int, lengths: list[int]) -> list[int]:
-    """The bytes each request of a run got when one call moved ``moved`` bytes in order: a
-    short transfer leaves the later requests short or empty, as if each had run alone."""
-    out = []
-    for length in lengths:
-        out.append(min(length, max(moved, 0)))
-        moved -= length
-    return out
 
 
 class ThreadBackend(IOBackend):
@@ -112,7 +96,7 @@ class ThreadBackend(IOBackend):
     def start_chain(self, requests: Sequence[IORequest], done: ChainDone) -> None:
         if not 1 <= len(requests) <= self.max_chain:
             raise ValueError(f"a chain takes 1 to {self.max_chain} requests, got {len(requests)}")
-        if any(not _continues(a, b) for a, b in zip(requests, requests[1:])):
+        if any(not continues(a, b) for a, b in zip(requests, requests[1:])):
             raise ValueError("each request of a chain must continue the one before it")
         chain = _Chain(requests, done)
         with self._lock:
@@ -138,7 +122,7 @@ class ThreadBackend(IOBackend):
             requests = [request for chain in run for request in chain.requests]
             outcomes: list[Outcome]
             try:
-                outcomes = list(_split(self._run_batch(requests), [r.length for r in requests]))
+                outcomes = list(split(self._run_batch(requests), [r.length for r in requests]))
             except BaseException as exc:  # the callbacks carry it to the callers
                 outcomes = [exc] * len(requests)
             self.counters.add_cpu(time.thread_time() - started)
@@ -178,7 +162,7 @@ class ThreadBackend(IOBackend):
             if (
                 following is None
                 or count + len(following.requests) > _MAX_RUN
-                or not _continues(run[-1].requests[-1], following.requests[0])
+                or not continues(run[-1].requests[-1], following.requests[0])
             ):
                 return run, following
             run.append(following)
