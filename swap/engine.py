@@ -502,6 +502,14 @@ class SwapEngine(TimeoutsMixin):
         failed with) under one acquisition of the lock: a short request is continued, a failed
         one fails its transfer with an error naming file, offset and cause. Runs on the
         backend's thread, once per chain."""
+        if all(outcome == piece.length for piece, outcome in zip(pieces, outcomes)):
+            with self._lock:
+                freed = self._settle_whole_locked(pieces)
+            if freed is not None:
+                if freed:
+                    self._stats.request_done()
+                    self._pump()
+                return
         settled = []
         for piece, outcome in zip(pieces, outcomes):
             error: BaseException | None = None
@@ -542,6 +550,38 @@ class SwapEngine(TimeoutsMixin):
             # requeued remainder included) leave the queue to the one that frees it.
             self._stats.request_done()
             self._pump()
+
+    def _settle_whole_locked(self, pieces: list[Piece]) -> bool | None:
+        """The common case of ``_settle``: every request of the chain moved all its bytes.
+        The chain is one transfer's contiguous requests, so its bookkeeping is done once for
+        all of them. Returns whether the slot was freed, or None (nothing done) when one of
+        them was settled before or timed out: those take the request-by-request path."""
+        if any(piece.settled or piece.timed_out for piece in pieces):
+            return None
+        transfer = pieces[0].transfer
+        chain = pieces[0].chain
+        assert chain is not None
+        count = len(pieces)
+        for piece in pieces:
+            piece.settled = True
+        self._inflight -= count
+        chain.left -= count
+        freed = chain.left == 0
+        if freed:
+            self._slots -= 1
+            self._drive_slots[chain.drive] -= 1
+            if chain.stalled:
+                self._stalled -= 1
+                self._drive_stalled[chain.drive] -= 1
+        self._flying.difference_update(pieces)
+        transfer.outstanding -= count
+        if transfer.op is Op.READ:
+            for piece in pieces:
+                if piece.chunk is not None:
+                    self._chunk_bytes_arrived_locked(transfer, piece.chunk, piece.length)
+        self._finish_locked(transfer)
+        self._notify_if_drained_locked()
+        return freed
 
     def _settle_locked(
         self,
