@@ -17,7 +17,7 @@ from tools.common.aggregate import harmonic_mean, summarize
 from tools.common.units import format_size, parse_size
 from tools.disk import aiofiles_baseline
 from tools.disk.fio import FioError, FioJob, parse_fio_json
-from tools.disk.gil_probe import measure_interference
+from tools.disk.gil_probe import InterferenceResult, Window, measure_interference
 from tools.disk.recommend import (
     AIO_KEYS,
     CONFIG_KEYS,
@@ -29,7 +29,7 @@ from tools.disk.recommend import (
     recommend,
     write_config,
 )
-from tools.disk.report import aiofiles_lines
+from tools.disk.report import aiofiles_lines, summary_lines
 from tools.disk.sweep import Point, PointResult, Sample, fill_pattern
 
 MIB = 1 << 20
@@ -270,10 +270,33 @@ def test_interference_probe_runs(tmp_path: Path) -> None:
     backend = choose_backend("auto", tmp_path)
     with BufferPool(2, 2 * MIB, name="test") as pool:
         fill_pattern(pool)
-        result = measure_interference(Point(backend, MIB, 2), tmp_path, pool, 8 * MIB, 1, 0.02)
+        result = measure_interference(Point(backend, MIB, 2), tmp_path, pool, 8 * MIB, 2, 0.02)
     for direction in ("read", "write"):
         assert result.ratio(direction).median > 0 and result.bandwidth(direction).median > 0
+        # each round also ran the stream alone, and the share pairs the two of its round
+        assert len(result.io_solo_gbps[direction]) == len(result.io_gbps[direction]) == 2
+        assert result.shares(direction) == [
+            loaded / alone
+            for loaded, alone in zip(result.io_gbps[direction], result.io_solo_gbps[direction])
+        ]
+        for window in result.loaded[direction]:
+            assert window.gil_wait is None or 0.0 <= window.gil_wait <= 1.0
+    summary = result.as_dict()["summary"]["read"]
+    assert summary["io_share"]["median"] > 0 and "gil_wait" in summary
     assert list(tmp_path.iterdir()) == []
+
+
+def test_interference_report_gives_the_share_kept_and_the_gil_wait() -> None:
+    result = InterferenceResult(Point("uring", MIB, 16))
+    result.idle = [Window(100.0, 0.0, 0.0)] * 2
+    for direction, alone, loaded in (("write", 4.0, 2.0), ("read", 2.0, 1.8)):
+        result.io_solo_gbps[direction] = [alone]
+        result.io_gbps[direction] = [loaded]
+        result.loaded[direction] = [Window(90.0, 0.0, 0.05)]
+    lines = summary_lines({}, {}, "no fio", {}, [result], None, None)
+    (line,) = [line for line in lines if line.strip().startswith("uring")]
+    assert "write 0.90 [0.90 on-CPU, GIL 5%] at 2.00 GB/s (50% of 4.00 alone!)" in line
+    assert "read 0.90 [0.90 on-CPU, GIL 5%] at 1.80 GB/s (90% of 2.00 alone)" in line
 
 
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

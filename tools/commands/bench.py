@@ -315,12 +315,10 @@ def run_interference(run: Run, pool: BufferPool, fio: FioRunner | None, bar: tqd
             if (r.point.backend, r.point.block_size, r.point.queue_depth, r.point.thread_count)
             == (choice.backend, choice.block_size, choice.queue_depth, choice.thread_count)
         )
-        points = [best.point]
-        if backend == "uring":
-            # The same point without checksums: how much of the loop's loss is verification
-            # (hashing runs on the completion thread, under the GIL) rather than the I/O path.
-            points.append(dataclasses.replace(best.point, verify=False))
-            bar.total += 2 * args.repeats
+        # And the same point without checksums: how much of the loop's loss is verification
+        # (the hasher thread's hand-offs of the GIL) rather than the I/O path.
+        points = [best.point, dataclasses.replace(best.point, verify=False)]
+        bar.total += 2 * args.repeats
         for point in points:
             bar.set_postfix_str(f"interference, {point.label}")
             try:

@@ -1,10 +1,17 @@
-"""How much swap I/O slows the Python code of the training loop.
+"""How much swap I/O slows the Python code of the training loop, and the loop the I/O.
 
 The main thread spins a pure-Python counting loop while the engine moves data in the background,
 driven only by completion callbacks (as the runtime's prefetch and write-back are), and the loop's
 rate is compared with its rate while nothing else runs. Anything the backend does while holding
 the GIL shows up as a ratio below 1; the bandwidth the engine reaches while competing with the
-loop is recorded too, because a backend can also keep the loop fast by starving its own I/O.
+loop is compared with the same stream run alone next to it, in the same round, because a
+backend can also keep the loop fast by starving its own I/O. Pairing the two within each round
+(and swapping their order every other round) keeps a disk whose speed drifts over minutes (a
+virtual disk, a shared host) from reading as interference.
+
+Each window also records the share of its time the loop's thread slept: it never blocks on
+anything but the GIL, so that is the time other threads held the interpreter, whatever else
+the machine runs (time waiting for a CPU is counted apart).
 
 The same loop next to fio (another process, no GIL involved) is the reference: what is left of
 the loop's speed when only the CPUs and the kernel's I/O work are shared.
@@ -30,14 +37,15 @@ log = logging.getLogger(__name__)
 _CHUNK = 2000
 
 
-def _cpu_wait() -> float:
-    """Seconds the calling thread has been runnable but waiting for a CPU (Linux schedstat);
-    0 where that is not available."""
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread (Linux
+    schedstat); None where that is not available."""
     try:
         with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,9 @@ class Window:
 
     rate: float  # iterations per second
     cpu_wait: float  # share of the window the thread waited for a CPU (other processes/threads)
+    #: share of the window the thread slept: the loop blocks on nothing but the GIL, so this is
+    #: the time other threads of the process held it (None where schedstat is unavailable)
+    gil_wait: float | None = None
 
     @property
     def rate_on_cpu(self) -> float:
@@ -59,13 +70,18 @@ def spin(stop: threading.Event) -> Window:
     """Runs a counting loop until ``stop`` is set."""
     count = 0
     is_set = stop.is_set
-    waited = _cpu_wait()
+    before = _schedstat()
     start = time.perf_counter()
     while not is_set():
         for _ in range(_CHUNK):
             count += 1
     elapsed = time.perf_counter() - start
-    return Window(count / elapsed, (_cpu_wait() - waited) / elapsed)
+    after = _schedstat()
+    if before is None or after is None:
+        return Window(count / elapsed, 0.0)
+    ran, waited = after[0] - before[0], after[1] - before[1]
+    slept = max(0.0, elapsed - ran - waited)
+    return Window(count / elapsed, waited / elapsed, slept / elapsed)
 
 
 def idle_window(seconds: float) -> Window:
@@ -137,6 +153,11 @@ class InterferenceResult:
     point: Point
     loaded: dict[str, list[Window]] = field(default_factory=lambda: {d: [] for d in DIRECTIONS})
     io_gbps: dict[str, list[float]] = field(default_factory=lambda: {d: [] for d in DIRECTIONS})
+    #: the same stream without the loop, run next to each loaded one (before it in even rounds,
+    #: after it in odd ones)
+    io_solo_gbps: dict[str, list[float]] = field(
+        default_factory=lambda: {d: [] for d in DIRECTIONS}
+    )
     idle: list[Window] = field(default_factory=list)
     #: direction -> the same point's median GB/s without the loop (from the grid), if known
     io_reference: dict[str, float] = field(default_factory=dict)
@@ -159,6 +180,24 @@ class InterferenceResult:
     def bandwidth(self, direction: str) -> Summary | None:
         return summarize(self.io_gbps[direction])
 
+    def bandwidth_alone(self, direction: str) -> Summary | None:
+        return summarize(self.io_solo_gbps[direction])
+
+    def shares(self, direction: str) -> list[float]:
+        """GB/s beside the loop / GB/s of the stream alone in the same round, round by round."""
+        return [
+            loaded / alone
+            for loaded, alone in zip(self.io_gbps[direction], self.io_solo_gbps[direction])
+            if alone > 0
+        ]
+
+    def share(self, direction: str) -> Summary | None:
+        return summarize(self.shares(direction))
+
+    def gil_wait(self, direction: str) -> Summary | None:
+        """The share of each loaded window the loop waited for the GIL."""
+        return summarize(w.gil_wait for w in self.loaded[direction])
+
     def idle_cpu_wait(self) -> Summary | None:
         return summarize(w.cpu_wait for w in self.idle)
 
@@ -173,6 +212,8 @@ class InterferenceResult:
             "loaded_windows": {d: [asdict(w) for w in ws] for d, ws in self.loaded.items()},
             "ratios": {d: self.ratios(d) for d in DIRECTIONS},
             "io_gbps": self.io_gbps,
+            "io_solo_gbps": self.io_solo_gbps,
+            "io_shares": {d: self.shares(d) for d in DIRECTIONS},
             "io_reference": self.io_reference,
             "idle_rate": self.idle_rate(),
             "summary": {
@@ -180,6 +221,8 @@ class InterferenceResult:
                     "ratio": opt(self.ratio(d)),
                     "ratio_on_cpu": opt(self.ratio(d, on_cpu=True)),
                     "io_gbps": opt(self.bandwidth(d)),
+                    "io_share": opt(self.share(d)),
+                    "gil_wait": opt(self.gil_wait(d)),
                     "cpu_wait": opt(summarize(w.cpu_wait for w in self.loaded[d])),
                 }
                 for d in DIRECTIONS
@@ -197,27 +240,42 @@ def measure_interference(
     idle_seconds: float,
     on_step=lambda: None,
 ) -> InterferenceResult:
-    """``repeats`` rounds of: idle loop, write under the loop, idle loop, read under the loop."""
+    """``repeats`` rounds of, for writes then reads: the stream alone, an idle loop, the stream
+    under the loop; every other round runs the stream under the loop first, as a stream can
+    run faster or slower for following another one (a virtual disk's write cache)."""
     result = InterferenceResult(point)
     with SwapEngine(path, point.settings(size)) as engine:
         extent = engine.allocate(size)
-        warm = BackgroundStream(engine, extent, pool, size, "write")  # overwrites from now on
-        warm.start()
-        warm.done.wait()
-        if warm.error:
-            raise warm.error
-        for _ in range(repeats):
+        _stream(engine, extent, pool, size, "write")  # overwrites from now on
+        for round_index in range(repeats):
             for direction in DIRECTIONS:
-                result.idle.append(idle_window(idle_seconds))
-                background = BackgroundStream(engine, extent, pool, size, direction)
-                background.start()
-                window = spin(background.done)
-                if background.error:
-                    raise background.error
-                result.loaded[direction].append(window)
-                result.io_gbps[direction].append(background.gbps)
+                steps = ["alone", "idle", "loaded"]
+                for step in steps if round_index % 2 == 0 else steps[::-1]:
+                    if step == "alone":
+                        stream = _stream(engine, extent, pool, size, direction)
+                        result.io_solo_gbps[direction].append(stream.gbps)
+                    elif step == "idle":
+                        result.idle.append(idle_window(idle_seconds))
+                    else:
+                        background = BackgroundStream(engine, extent, pool, size, direction)
+                        background.start()
+                        window = spin(background.done)
+                        if background.error:
+                            raise background.error
+                        result.loaded[direction].append(window)
+                        result.io_gbps[direction].append(background.gbps)
                 on_step()
     return result
+
+
+def _stream(engine: SwapEngine, extent, pool: BufferPool, size: int, op: str) -> BackgroundStream:
+    """Runs one stream with nothing else to do meanwhile."""
+    stream = BackgroundStream(engine, extent, pool, size, op)
+    stream.start()
+    stream.done.wait()
+    if stream.error:
+        raise stream.error
+    return stream
 
 
 def measure_fio_interference(
@@ -235,7 +293,6 @@ def measure_fio_interference(
     result = InterferenceResult(Point("fio", block_size, iodepth))
     for _ in range(repeats):
         for direction in DIRECTIONS:
-            result.idle.append(idle_window(idle_seconds))
             job = FioJob(
                 direction,
                 block_size,
@@ -244,6 +301,8 @@ def measure_fio_interference(
                 runner.ioengine or "io_uring",
                 runtime=lead + idle_seconds + 0.5,
             )
+            result.io_solo_gbps[direction].append(runner.run(job).gbps)
+            result.idle.append(idle_window(idle_seconds))
             process = runner.spawn(job)
             try:
                 time.sleep(lead)

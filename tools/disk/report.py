@@ -281,24 +281,29 @@ def summary_lines(
         lines.append(
             "  interference: pure-Python loop speed during the I/O / idle (target >= "
             f"{TARGET_RATIO}); [on-CPU: the same over the time the loop had a CPU, "
-            "i.e. GIL waits only]; the GB/s reached meanwhile, and that as a share of "
-            "the GB/s without the loop"
+            "i.e. GIL waits only; GIL: the share of its time the loop waited for the GIL]; "
+            "the GB/s reached meanwhile, and that as a share of the same stream's GB/s "
+            f"alone, run next to it in each round (target >= {TARGET_RATIO})"
         )
     for result in interference:
         parts = []
         for direction in DIRECTIONS:
             ratio, gbps = result.ratio(direction), result.bandwidth(direction)
             on_cpu = result.ratio(direction, on_cpu=True)
+            gil = result.gil_wait(direction)
             if ratio and gbps:
                 flag = "" if ratio.median >= TARGET_RATIO else " (below target)"
                 text = f"{direction} {ratio.median:.2f}{flag}"
-                if on_cpu:
-                    text += f" [{on_cpu.median:.2f} on-CPU]"
+                extra = [f"{on_cpu.median:.2f} on-CPU"] if on_cpu else []
+                if gil:
+                    extra.append(f"GIL {gil.median:.0%}")
+                if extra:
+                    text += f" [{', '.join(extra)}]"
                 text += f" at {gbps.median:.2f} GB/s"
-                alone = result.io_reference.get(direction)
-                if alone:
-                    kept = gbps.median / alone
-                    text += f" ({kept:.0%} of its {alone:.2f} alone{'!' if kept < 0.8 else ''})"
+                share, alone = result.share(direction), result.bandwidth_alone(direction)
+                if share and alone:
+                    low = "!" if share.median < TARGET_RATIO else ""
+                    text += f" ({share.median:.0%} of {alone.median:.2f} alone{low})"
                 parts.append(text)
         label = result.point.label.replace(" t=", " threads=")
         if result.point.backend == "fio":
