@@ -132,3 +132,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def stores() -> Iterator[list]:
+    """Stores opened by a test; closed at teardown even when the test fails."""
+    opened: list = []
+    yield opened
+    for store in opened:
+        store.close()

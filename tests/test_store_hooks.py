@@ -151,15 +151,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def stores():
-    """Stores opened by a test; closed at teardown even when the test fails."""
-    opened: list[infinity.TieredStore] = []
-    yield opened
-    for store in opened:
-        store.close()
-
-
 def attach(
     stores: list, model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: dict, tmp_path
 ) -> tuple[infinity.TieredStore, nn.Module, torch.optim.Optimizer]:
