@@ -207,7 +207,7 @@ def test_views_outside_forward_are_read_only_snapshots(tmp_path):
         assert model.to("cpu") is model and weight.device.type == "cpu"
         copied = copy.deepcopy(weight)
         assert type(copied) is nn.Parameter and torch.equal(copied, values + 1.0)
-        with pytest.raises(ParameterAccessError, match="cannot be written"):
+        with pytest.raises(ParameterAccessError, match="OffloadConfig.precision"):
             model.half()
     assert type(weight) is nn.Parameter  # its own class again after close
     assert torch.equal(weight.detach(), values + 1.0)

@@ -218,6 +218,10 @@ def conversion_is_noop(name: str, tensor: Tensor, args: tuple, kwargs: dict) -> 
 def _same_device(wanted: torch.device, actual: torch.device) -> bool:
     if wanted.type != actual.type:
         return False
+    if actual.type == "cpu":
+        # One CPU device whatever the index: accelerate hands each rank torch.device("cpu", 0),
+        # and Trainer moves the model there.
+        return True
     if wanted.index is None:
         return (
             actual.index in (None, torch.cuda.current_device()) if actual.type == "cuda" else True

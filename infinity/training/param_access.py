@@ -354,6 +354,7 @@ class ParamAccess:
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:
         entry = self._entry_of(target)
+        assert entry is not None  # only attached parameters and their aliases come here
         if (
             isinstance(value, torch.Tensor)
             and value.shape == entry.shape
@@ -366,6 +367,8 @@ class ParamAccess:
                 f"p.detach()) would not change the parameter: assign p.data inside "
                 f"`with store.gathered([p], modify=True):`"
             )
+        if not self.modifying.get(entry.index):
+            _refuse_conversion(entry, value)
         self._check_write(entry, "data.__set__")
         target.data = value  # torch function is off here: the real assignment
 
@@ -473,3 +476,29 @@ class ParamAccess:
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same storage object (not merely the same address: every empty storage has 0)."""
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _refuse_conversion(entry: ParamEntry, value: Any) -> None:
+    """``Module.to(dtype)``, ``.half()``, ``.to(other device)`` assign each parameter a converted
+    copy: an attached parameter's dtype and device are the store's, so say which setting
+    decides them instead of the general in-place refusal."""
+    if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
+        return
+    device = entry.device_tensor.device
+    if value.dtype != entry.compute_dtype:
+        raise ParameterAccessError(
+            f"parameter '{entry.name}' is attached to a TieredStore, which computes in "
+            f"{entry.compute_dtype} (its masters are {entry.dtype}): converting the model to "
+            f"{value.dtype} (model.to(dtype), .half(), .bfloat16(), .float()) is refused. The "
+            f"store's precision decides the dtype: set OffloadConfig.precision (e.g. "
+            f"precision=PrecisionConfig(dtype='bf16')), and leave a trainer's own fp16/bf16 "
+            f"settings off"
+        )
+    if value.device != device:
+        raise ParameterAccessError(
+            f"parameter '{entry.name}' is attached to a TieredStore that computes on {device}: "
+            f"moving the model to {value.device} is refused (the store places the parameters; "
+            f"OffloadConfig.device decides where). Across ranks on GPUs, call "
+            f"torch.cuda.set_device(local_rank) before creating the store, so that each rank's "
+            f"store computes on its own cuda:LOCAL_RANK"
+        )
