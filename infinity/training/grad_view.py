@@ -52,16 +52,30 @@ _ZEROS = frozenset({"zero_", "_foreach_zero_"})
 class GradView(torch.Tensor):
     """See the module docstring. Made by an attached parameter's ``.grad``."""
 
+    _infinity_access: Any
+    _infinity_entry: Any
+    #: the shards whose gradient this is: the entry's, or one shard's (an optimizer's view)
+    _infinity_shards: list[Any]
+    _generation: int
+
     @staticmethod
-    def __new__(cls, access: Any, entry: Any) -> GradView:
-        device = entry.device_tensor.device
+    def __new__(
+        cls, access: Any, entry: Any, shard: Any = None, shape: torch.Size | None = None
+    ) -> GradView:
+        """The gradient of ``entry``; with ``shard``, of that one shard, as the wrapped
+        optimizer's per-shard parameter (a host tensor of ``shape``) sees it."""
+        if shard is None:
+            shape, device = entry.shape, entry.device_tensor.device
+        else:
+            shape, device = shape or torch.Size([shard.numel]), shard.step_param.device
         # The master dtype: the store keeps gradients in it (fp32 under bf16/fp16 compute, as
         # autocast's gradients are), so norms and clipping keep their precision.
         view = torch.Tensor._make_wrapper_subclass(
-            cls, entry.shape, dtype=entry.dtype, device=device, requires_grad=False
+            cls, shape, dtype=entry.dtype, device=device, requires_grad=False
         )
         view._infinity_access = access
         view._infinity_entry = entry
+        view._infinity_shards = entry.shards if shard is None else [shard]
         view._generation = entry.grad_generation
         return view
 
@@ -105,6 +119,9 @@ class GradView(torch.Tensor):
         default the view's)."""
         self.check_current()
         values = self._placement.read_grad(self._infinity_entry)
+        if self._infinity_shards is not self._infinity_entry.shards:  # one shard's part
+            (shard,) = self._infinity_shards
+            values = shard.padded(shard.part_of(values.view(-1))).view(self.shape)
         return values.to(device=self.device, dtype=dtype or self.dtype)
 
     def norm_value(self) -> float:
@@ -115,17 +132,23 @@ class GradView(torch.Tensor):
             # keeps each shard's norm, so later steps answer without reading gradients back.
             placement.track_grad_norms = True
             log.info("the training loop reads gradient norms: per-shard norms are kept from now on")
-        return math.sqrt(placement.global_sq_norms([self._infinity_entry.shards])[0])
+        return math.sqrt(placement.global_sq_norms([self._infinity_shards])[0])
 
     def scale(self, factor: float) -> None:
         self.check_current()
-        for shard in self._infinity_entry.shards:
+        for shard in self._infinity_shards:
             shard.grad_scale *= factor
 
     def replace(self, value: torch.Tensor) -> None:
         """Stores ``value`` as this gradient (an in-place op's result); the view stays current."""
         self.check_current()
         entry = self._infinity_entry
+        if self._infinity_shards is not entry.shards:
+            raise ParameterAccessError(
+                f"the optimizer's parameters are the store's per-shard copies of the model's: "
+                f"their p.grad answers norms, scaling and zeroing (clip_grad_norm_), not other "
+                f"in-place ops; apply those to the model's parameters' p.grad ('{entry.name}')"
+            )
         self._placement.replace_grad(
             entry, value.detach().to(device="cpu", dtype=entry.dtype), same_gradient=True
         )
@@ -142,7 +165,9 @@ def _handle(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     first = args[0] if args else None
     if isinstance(first, GradView):
         if name in ("data.__get__", "detach", "alias") and len(args) == 1:
-            return GradView(first._infinity_access, first._infinity_entry)
+            whole = first._infinity_shards is first._infinity_entry.shards
+            shard = None if whole else first._infinity_shards[0]
+            return GradView(first._infinity_access, first._infinity_entry, shard, first.shape)
         if name in ("detach_", "requires_grad_"):
             return first
         if name == "data.__set__":
@@ -234,9 +259,7 @@ def _norm_values(views: list[GradView]) -> list[float]:
     placement = views[0]._placement
     if not placement.track_grad_norms:
         views[0].norm_value()  # turns tracking on (and says so)
-    return [
-        math.sqrt(v) for v in placement.global_sq_norms([v._infinity_entry.shards for v in views])
-    ]
+    return [math.sqrt(v) for v in placement.global_sq_norms([v._infinity_shards for v in views])]
 
 
 def _norm_tensor(view: GradView, dtype: torch.dtype | None) -> torch.Tensor:

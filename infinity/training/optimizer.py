@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from infinity.core.residency import Residency as R
 from infinity.core.shards import Shard
 from infinity.errors import AttachError
+from infinity.training.step_params import StepParams
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class OffloadedOptimizer(Optimizer):
         #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
         #: have overridden inside: checkpoints carry the user's, loads keep the store's
         self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
+        #: between steps, p.grad of a step parameter is its shard's gradient (clipping over
+        #: param_groups, as Lightning does)
+        self.step_params = StepParams(store, shards, _step_shape)
 
     @classmethod
     def wrap(cls, store: Any, optimizer: Optimizer) -> OffloadedOptimizer:
@@ -128,7 +132,8 @@ class OffloadedOptimizer(Optimizer):
         placement = self.store.placement
         started, busy = time.perf_counter(), placement.busy_seconds
         elements = self.updated_elements
-        self.store._run_step(self)
+        with self.step_params.plain():  # once for the whole step, not per tile
+            self.store._run_step(self)
         # For the planner: the step's own work (updates, and the pipeline's bookkeeping around
         # them) without its waits for the disk and its device copies, per element it updated
         # (the median of the last steps: the first are slower, creating state and faulting
@@ -170,7 +175,8 @@ class OffloadedOptimizer(Optimizer):
             bound.append((shard, companions))
         started = time.perf_counter()
         try:
-            self.inner.step()
+            with self.step_params.plain():  # every one: the optimizer skips those without grad
+                self.inner.step()
         finally:
             self.update_seconds += time.perf_counter() - started
             self.updated_elements += sum(shard.numel for shard in tile)
