@@ -8,9 +8,18 @@ The public API is this module's names::
     ...the training loop, unchanged (p.grad, clip_grad_norm_ included)...
     with store.gathered(params, modify=True): ...   # edit parameters outside forward
     store.stats(); store.close()
+    infinity.store_of(model)                         # the store a model is attached to
+
+The trainers people launch have their glue in ``infinity.integrations`` (each imports its
+framework only when used): ``infinity.hf.InfinityTrainer`` (Hugging Face Trainer),
+``infinity.accelerate.InfinityAccelerator`` and ``infinity.lightning.InfinityStrategy``.
 """
 
+import importlib
+from typing import Any
+
 from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
+from infinity.core.lifecycle import store_of
 from infinity.core.residency import Residency, ResidencyError
 from infinity.core.store import TieredStore
 from infinity.errors import (
@@ -38,4 +47,16 @@ __all__ = [
     "Residency",
     "ResidencyError",
     "TieredStore",
+    "store_of",
 ]
+
+#: integrations reachable as attributes (``infinity.lightning``), imported on first use
+_INTEGRATIONS = ("hf", "accelerate", "lightning")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _INTEGRATIONS:
+        module = importlib.import_module(f"infinity.integrations.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'infinity' has no attribute {name!r}")

@@ -97,6 +97,13 @@ def unregister(store: TieredStore) -> None:
             _uninstall_locked()
 
 
+def store_of(module: nn.Module) -> TieredStore | None:
+    """The open store ``module`` (or the model it is part of) is attached to, if any."""
+    with _lock:
+        ref = _owners.get(module)
+    return ref() if ref is not None else None
+
+
 def open_stores() -> list[TieredStore]:
     """The stores of this process that are attached and not yet closed."""
     return list(_stores) if os.getpid() == _owner_pid else []

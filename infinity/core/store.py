@@ -41,6 +41,7 @@ from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.observability.reporting import store_stats
 from infinity.observability.timeline import Timeline
+from infinity.ranks.ddp_guard import DDPGuard
 from infinity.ranks.partition import Partition
 from infinity.training.hooks import HookSet
 from infinity.training.optimizer import OffloadedOptimizer
@@ -405,6 +406,7 @@ class TieredStore(Stepping):
         if self.scaler is not None:
             self._handles.append(self.scaler.install(model))
         self._handles += install_state_dict_hooks(self, model)
+        self._handles.append(DDPGuard(model))  # an error, not a crash, if DDP wraps it
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
             self.update_timing = UpdateTiming(
