@@ -128,6 +128,20 @@ class Partition:
             )
         if device.type == "cpu" and partition.on_device:
             raise AttachError(f"{where}: device='cpu' needs a process group on the gloo backend")
+        if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            local = int(os.environ["LOCAL_RANK"]) % max(torch.cuda.device_count(), 1)
+            if index != local:
+                # Trainer and accelerate put rank r's model on cuda:LOCAL_RANK and would then
+                # ask to move it off the store's device (refused).
+                log.warning(
+                    "%s: the store computes on cuda:%d but LOCAL_RANK is %s: call "
+                    "torch.cuda.set_device(local_rank) before creating the store (or set "
+                    "OffloadConfig(device=f'cuda:{local_rank}'))",
+                    where,
+                    index,
+                    os.environ["LOCAL_RANK"],
+                )
         partition.bucket_bytes = config.reduce_bucket_size if config.overlap_comm else 0
         log.info("%s: each rank holds 1/%d of the training state", where, partition.world)
         return partition
