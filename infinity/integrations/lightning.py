@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from infinity.config import OffloadConfig
@@ -104,6 +105,16 @@ class InfinityStrategy(DDPStrategy):
         self.store: TieredStore | None = None
 
     # -- set-up ------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if self.num_nodes * self.num_processes > 1 or dist.is_initialized():
+            super().setup_environment()  # the process group, as Lightning's DDP makes it
+            return
+        # One process: nothing to communicate with, so no process group is made for it (the
+        # collectives below run only where one exists).
+        self.set_world_ranks()
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
