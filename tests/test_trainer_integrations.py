@@ -53,7 +53,7 @@ def _on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     nvme = root_path / "nvme"
     results: dict[str, Any] = {"ddp_refused": _ddp_refused(nvme)}
     results["hf_plain"] = runs.hf_run("plain", root_path / "hf-plain")
-    results["hf"] = runs.hf_run("infinity", root_path / "hf", nvme)
+    results["hf"] = runs.hf_run("infinity", root_path / "hf", nvme, export=True)
     results["hf_resumed"] = runs.hf_run(
         "infinity", root_path / "hf-resumed", nvme, resume=root_path / "hf" / "checkpoint-4"
     )
@@ -162,6 +162,19 @@ def test_trainer_checkpoints_are_the_stores_and_resume_bit_exactly(ranks):
         for key in ("loss", "grad_norm", "lr"):
             assert resumed[key][4:] == whole[key][4:], (rank, key)
         _same_params(whole["params"], resumed["params"], f"rank {rank} resumed", exact=True)
+    _check_export(ranks[-1]["root"] / "hf" / "export", ranks[0]["hf"]["params"])
+
+
+def _check_export(path: Path, params: dict) -> None:
+    """trainer.save_model() wrote safetensors (assembled from a store checkpoint, one file at a
+    time) that from_pretrained loads with the trained values."""
+    import transformers
+
+    assert "model.safetensors" in {p.name for p in path.iterdir()}
+    assert not (path / ".infinity-export").exists()  # the staging checkpoint is gone
+    loaded = transformers.LlamaForCausalLM.from_pretrained(path)
+    values = {name: p.detach() for name, p in loaded.named_parameters()}
+    _same_params(params, values, "exported", exact=True)
 
 
 def test_trainer_resumes_a_two_rank_checkpoint_in_one_process(ranks, tmp_path):
@@ -229,7 +242,8 @@ def test_lightning_across_ranks_follows_ddp_and_resumes(ranks):
 # -- one process -------------------------------------------------------------------------------
 def test_trainer_in_one_process_follows_trainer(tmp_path):
     plain = runs.hf_run("plain", tmp_path / "plain")
-    attached = runs.hf_run("infinity", tmp_path / "attached", tmp_path / "nvme")
+    attached = runs.hf_run("infinity", tmp_path / "attached", tmp_path / "nvme", export=True)
+    _check_export(tmp_path / "attached" / "export", attached["params"])
     _close(plain["loss"], attached["loss"], "loss")
     _close(plain["grad_norm"], attached["grad_norm"], "grad_norm")
     _close(plain["eval_loss"], attached["eval_loss"], "eval_loss")
@@ -272,6 +286,27 @@ def test_trainer_refuses_what_cannot_work_on_the_store(tmp_path, setting, named)
         setattr(arguments, key, value)  # as parsed; Trainer would act on it in __init__
     with pytest.raises(ConfigError, match=named):
         InfinityTrainer(model=runs.llama(), args=arguments, offload_config=infinity.OffloadConfig())
+
+
+@pytest.mark.skipif(not LIGHTNING, reason="pytorch-lightning is not installed")
+def test_lightning_refuses_its_own_mixed_precision(tmp_path):
+    import pytorch_lightning as pl
+
+    from infinity.integrations.lightning import InfinityStrategy
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        strategy=InfinityStrategy(runs.store_config(tmp_path)),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+    )
+    loader = torch.utils.data.DataLoader(runs.sequences(4), batch_size=4)
+    with pytest.raises(ConfigError, match="OffloadConfig.precision"):
+        trainer.fit(runs.lightning_module(), loader)
 
 
 def test_integrations_refuse_an_unattached_model_and_foreign_precision(tmp_path):

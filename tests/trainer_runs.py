@@ -129,11 +129,13 @@ def hf_run(
     steps: int = 8,
     batch: int = 2,
     resume: Path | None = None,
+    export: bool = False,
 ) -> dict[str, Any]:
     """``kind`` "plain": transformers.Trainer on the model (DDP across ranks); "infinity": the
     model attached first, then InfinityTrainer. AdamW and a warmup-then-linear schedule built by
     the script, as the README's recipe does. Returns the logged loss, grad_norm and learning
-    rate of each step, the evaluation losses and the final parameters."""
+    rate of each step, the evaluation losses and the final parameters; with ``export``,
+    ``trainer.save_model(out / "export")`` is called last (on every rank)."""
     import transformers
 
     from infinity.integrations.hf import InfinityTrainer
@@ -166,6 +168,8 @@ def hf_run(
             "wrapped": type(trainer.model_wrapped).__name__,
             "params": parameters(model),
         }
+        if export:
+            trainer.save_model(str(out / "export"))
     finally:
         if store is not None:
             store.close()
@@ -292,21 +296,10 @@ def accelerate_run(kind: str, out: Path, nvme: Path | None = None) -> dict[str, 
 
 
 # -- Lightning -------------------------------------------------------------------------------------
-def lightning_run(
-    kind: str, out: Path, nvme: Path | None, devices: int, steps: int, resume: Path | None = None
-) -> dict[str, Any]:
-    """A LightningModule as users write it (configure_optimizers returns AdamW and a per-step
-    StepLR), gradient_clip_val, accumulate_grad_batches=2, epochs of 4 steps (so a checkpoint at
-    step 4 resumes exactly: Lightning restarts a dataloader cut mid-epoch from its start), a
-    validation at the end of each and a ModelCheckpoint every 2 steps; ``kind`` "plain"
-    (Lightning's own strategy: DDP across ranks) or "infinity" (InfinityStrategy). In one
-    process the loader is used as it is (across ranks Lightning's distributed sampler shuffles
-    it). Returns per step the gradient norm before clipping, the learning rate and the loss, the
-    validation loss and the final parameters."""
+def lightning_module() -> Any:
+    """The LightningModule of the Lightning runs: the tiny Llama, its loss logged across ranks,
+    AdamW and a per-step StepLR from configure_optimizers."""
     import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
-    from infinity.integrations.lightning import InfinityStrategy
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -329,6 +322,25 @@ def lightning_run(
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
             }
 
+    return Module()
+
+
+def lightning_run(
+    kind: str, out: Path, nvme: Path | None, devices: int, steps: int, resume: Path | None = None
+) -> dict[str, Any]:
+    """A LightningModule as users write it (configure_optimizers returns AdamW and a per-step
+    StepLR), gradient_clip_val, accumulate_grad_batches=2, epochs of 4 steps (so a checkpoint at
+    step 4 resumes exactly: Lightning restarts a dataloader cut mid-epoch from its start), a
+    validation at the end of each and a ModelCheckpoint every 2 steps; ``kind`` "plain"
+    (Lightning's own strategy: DDP across ranks) or "infinity" (InfinityStrategy). In one
+    process the loader is used as it is (across ranks Lightning's distributed sampler shuffles
+    it). Returns per step the gradient norm before clipping, the learning rate and the loss, the
+    validation loss and the final parameters."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from infinity.integrations.lightning import InfinityStrategy
+
     class Record(pl.Callback):
         def __init__(self) -> None:
             self.rows: list[list[float]] = []
@@ -342,7 +354,7 @@ def lightning_run(
             if self.rows and len(self.rows[-1]) == 2:
                 self.rows[-1].append(float(outputs["loss"]))
 
-    module = Module()
+    module = lightning_module()
     record = Record()
     if kind == "infinity":
         assert nvme is not None
