@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dist test bench bench-full bench-scale bench-dist bench-checkpoint \
+.PHONY: demo demo-dist demo-trainer test bench bench-full bench-scale bench-dist bench-checkpoint \
 	bench-compile bench-infer bench-activations bench-plan bench-budget gpu-check soak venv clean
 
 $(STAMP): pyproject.toml constraints.txt
@@ -25,6 +25,10 @@ demo: $(STAMP)
 # The demo on 2 data-parallel ranks (torchrun, gloo), ZeRO stage 3: each rank swaps 1/2 of the state.
 demo-dist: $(STAMP)
 	$(PY) -m tools.commands.demo_dist
+
+# The README's Hugging Face Trainer recipe (InfinityTrainer) on 2 ranks, the same summary per rank.
+demo-trainer: $(STAMP)
+	$(PY) -m tools.commands.demo_dist --trainer
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -160,11 +160,15 @@ class InfinityStrategy(DDPStrategy):
         (original,) = self.optimizers
         wrapped = self._attach(original)
         self.optimizers = [wrapped]
+        rebound = False
         for config in self.lr_scheduler_configs:
             # Schedulers were built over the optimizer configure_optimizers made; they must
             # now move the learning rates of the one the store steps.
             if getattr(config.scheduler, "optimizer", None) is original:
                 config.scheduler.optimizer = wrapped
+                rebound = True
+        if rebound:
+            _track_steps_for_schedulers(wrapped)
 
     def _attach(self, optimizer: torch.optim.Optimizer | None) -> Any:
         if self.store is not None:
@@ -245,3 +249,14 @@ class InfinityStrategy(DDPStrategy):
             self.store.close()
             self.store = None
         super().teardown()
+
+
+def _track_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """PyTorch's LR schedulers check that ``optimizer.step()`` ran before their first step
+    through a marker they put on the optimizer's ``step`` when they are built; schedulers moved
+    onto the wrapped optimizer would warn that its step "has been overridden". Building a
+    constant scheduler over it puts the marker there; the learning rates it resets are put back."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate

@@ -172,7 +172,9 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     )
 
 
-def offload_config(args: argparse.Namespace, model: TinyGPT, nvme: list[Path]) -> OffloadConfig:
+def offload_config(
+    args: argparse.Namespace, model: torch.nn.Module, nvme: list[Path]
+) -> OffloadConfig:
     """The config file (else the demo's NVMe defaults) with the flags given on top."""
     changes: dict[str, Any] = {"nvme_path": tuple(nvme)}
     if args.config is not None:

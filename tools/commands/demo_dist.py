@@ -3,6 +3,7 @@ holds and swaps to NVMe 1/N of the parameters, gradients and Adam state.
 
     python -m tools.commands.demo_dist        # what `make demo-dist` runs: 2 ranks, a temp dir
     python -m tools.commands.demo_dist --ranks 2 --steps 40 --nvme-path /mnt/nvme0
+    python -m tools.commands.demo_dist --trainer   # `make demo-trainer`: Hugging Face Trainer
 
 The model, data, budgets and flags are those of ``python -m tools.commands.demo``
 (tools/commands/demo.py); each rank trains on its own micro-batch (its share of one global batch of
@@ -12,6 +13,8 @@ it (loss, step time, swap traffic against the disk's bandwidth, overlap, stalls,
 tier), followed by what the ranks exchanged per step: the bytes this rank sent into all-gathers (its
 parameter slices) and reduce-scatters (whole gradients), the seconds the training thread waited for
 them and their share of the step. Each rank writes a Chrome trace of its last steps to --out.
+With --trainer each rank runs the README's Hugging Face Trainer recipe instead of the loop
+(tools/commands/demo_trainer.py): a Llama of the same sizes, attached, then InfinityTrainer.
 """
 
 from __future__ import annotations
@@ -69,12 +72,17 @@ def dist_parser() -> argparse.ArgumentParser:
         default=600,
         help="seconds the ranks may take before they are stopped (%(default)s)",
     )
+    parser.add_argument(
+        "--trainer",
+        action="store_true",
+        help="train with Hugging Face Trainer (InfinityTrainer) on a Llama of the same sizes",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
     return parser
 
 
-def rank_config(args: argparse.Namespace, model: TinyGPT, nvme: list[Path]) -> Any:
+def rank_config(args: argparse.Namespace, model: torch.nn.Module, nvme: list[Path]) -> Any:
     """The demo's configuration, computed on CPU: the collectives are gloo's."""
     return offload_config(args, model, nvme).replace(device="cpu")
 
@@ -311,7 +319,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     torch.manual_seed(args.seed)
     nvme = split_paths(args.nvme_path)
-    config = rank_config(args, TinyGPT(gpt), nvme)
+    if args.trainer:
+        from tools.commands import demo_trainer
+
+        model: torch.nn.Module = demo_trainer.llama(args)
+    else:
+        model = TinyGPT(gpt)
+    config = rank_config(args, model, nvme)
     temp_dir: Path | None = None
     if not config.nvme_path and "nvme" in (config.offload_param, config.offload_optimizer):
         temp_dir = Path(tempfile.mkdtemp(prefix="infinity-demo-dist-"))
@@ -319,12 +333,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     paths = list(config.nvme_path)
     before = listing(paths)
     nvme_free = shutil.disk_usage(paths[0]).free if paths and paths[0].is_dir() else 0
-    state_bytes = parameter_count(gpt) * 4 * 4
-    print(
-        f"model      TinyGPT {gpt.layers} layers x {gpt.width} wide, vocab {gpt.vocab_size}, "
-        f"context {gpt.context}: {parameter_count(gpt) / 1e6:.2f} M params, "
-        f"params+grads+Adam {format_size(state_bytes)}; AdamW lr {learning_rate(args):g}"
-    )
+    state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 4
+    if args.trainer:
+        print(demo_trainer.describe(args, model, args.ranks))
+    else:
+        print(
+            f"model      TinyGPT {gpt.layers} layers x {gpt.width} wide, vocab "
+            f"{gpt.vocab_size}, context {gpt.context}: {parameter_count(gpt) / 1e6:.2f} M "
+            f"params, params+grads+Adam {format_size(state_bytes)}; AdamW lr "
+            f"{learning_rate(args):g}"
+        )
     print(
         f"ranks      {args.ranks} (torchrun, gloo), ZeRO stage {config.zero_stage}: each holds "
         f"~{format_size(state_bytes // args.ranks)} of the state; micro-batch {args.batch} "
@@ -380,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.worker and args.trainer:
+        from tools.commands import demo_trainer
+
+        return demo_trainer.worker(args)
     if args.worker:
         return worker(args)
     try:
