@@ -51,7 +51,7 @@ def _on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     runs.set_rank_environment(rank, world)
     root_path = Path(root)
     nvme = root_path / "nvme"
-    results: dict[str, Any] = {"ddp_refused": _ddp_refused(nvme)}
+    results: dict[str, Any] = {"set_up": _set_up_calls_and_ddp(nvme)}
     results["hf_plain"] = runs.hf_run("plain", root_path / "hf-plain")
     results["hf"] = runs.hf_run("infinity", root_path / "hf", nvme, export=True)
     results["hf_resumed"] = runs.hf_run(
@@ -75,17 +75,27 @@ def _on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     return results
 
 
-def _ddp_refused(nvme: Path) -> str:
-    """Wrapping an attached model in DistributedDataParallel: the error it raises (before the
-    guard, this crashed the process)."""
+def _set_up_calls_and_ddp(nvme: Path) -> dict[str, Any]:
+    """On each rank: the calls frameworks make on a model at set-up, then a step with clipping;
+    and wrapping the attached model in DistributedDataParallel, which must raise (before the
+    guard, it crashed the process)."""
+    from tests.test_framework_setup_calls import _set_up_as_frameworks_do
+
     model = runs.llama()
     with infinity.TieredStore(runs.store_config(nvme)) as store:
-        model, _ = store.attach(model)
+        model, optimizer = store.attach(model, runs.fused_adamw(model.parameters()))
+        _set_up_as_frameworks_do(model)
+        tokens = runs.sequences(4, seed=10 + torch.distributed.get_rank())
+        model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), runs.CLIP))
+        optimizer.step()
+        optimizer.zero_grad()
         try:
             torch.nn.parallel.DistributedDataParallel(model)
+            refused = "not refused"
         except AttachError as exc:
-            return str(exc)
-    return "not refused"
+            refused = str(exc)
+        return {"refused": refused, "norm": norm, "params": runs.parameters(model)}
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +132,13 @@ def _ranks_agree(results: dict, key: str) -> None:
 
 
 # -- across ranks ------------------------------------------------------------------------------
-def test_wrapping_an_attached_model_in_ddp_is_refused_clearly(ranks):
+def test_set_up_calls_work_on_every_rank_and_ddp_is_refused_clearly(ranks):
     for rank in range(WORLD):
-        message = ranks[rank]["ddp_refused"]
+        message = ranks[rank]["set_up"]["refused"]
         assert "InfinityTrainer" in message and "DistributedDataParallel" in message, message
+        # Each rank its own batch; one global norm, one update, the same parameters everywhere.
+        assert ranks[rank]["set_up"]["norm"] == ranks[0]["set_up"]["norm"] > runs.CLIP
+    _ranks_agree(ranks, "set_up")
 
 
 def test_trainer_across_ranks_follows_ddp(ranks):
