@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist demo-trainer test bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile bench-infer bench-activations bench-plan bench-budget gpu-check soak venv clean
+	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer gpu-check soak \
+	venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +78,10 @@ bench-plan: $(STAMP)
 # with DeepSpeed measured next to it where the peer harness is installed.
 bench-budget: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_budget
+
+# Hugging Face Trainer on 2 ranks: plain (DDP), InfinityTrainer, and a raw loop on the same store.
+bench-trainer: $(STAMP)
+	$(PY) -m tools.benchmarks.bench_trainer
 
 # Long: save and load of the scale model's checkpoint (tens of GB through the disk).
 bench-checkpoint: $(STAMP)

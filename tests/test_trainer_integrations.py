@@ -15,6 +15,8 @@ The ranks' runs share one spawn (the ``ranks`` fixture); the tests read its resu
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ def _available(name: str) -> bool:
 PEFT = _available("peft")
 LIGHTNING = _available("pytorch_lightning")
 WORLD = 2
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -247,6 +250,9 @@ def test_lightning_across_ranks_follows_ddp_and_resumes(ranks):
         _same_params(plain["params"], attached["params"], f"rank {rank}")
         assert resumed["rows"] == attached["rows"][4:] and resumed["global_step"] == 6
         _same_params(attached["params"], resumed["params"], "resumed", exact=True)
+        # validate() after fit on the module still attached, then close() gives it back.
+        assert np.isfinite(attached["validated"])
+        _same_params(attached["params"], attached["closed"], "closed", exact=True)
     _ranks_agree(ranks, "lit")
     checkpoint = ranks[-1]["root"] / "lit" / "epoch=0-step=4.ckpt"
     assert {"data-0.bin", "data-1.bin", "lightning.pt"} <= {p.name for p in checkpoint.iterdir()}
@@ -336,3 +342,19 @@ def test_integrations_refuse_an_unattached_model_and_foreign_precision(tmp_path)
             InfinityAccelerator(cpu=True, mixed_precision="bf16")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_integrations_are_imported_only_when_used():
+    frameworks = "{'transformers', 'accelerate', 'pytorch_lightning'}"
+    code = f"import sys, infinity; assert not {frameworks} & set(sys.modules), sorted(sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    from infinity.integrations import hf
+
+    assert infinity.hf.InfinityTrainer is hf.InfinityTrainer  # the lazy alias
+    if LIGHTNING:
+        from infinity.integrations import lightning
+
+        assert infinity.lightning.InfinityStrategy is lightning.InfinityStrategy

@@ -381,13 +381,19 @@ def lightning_run(
     loader = torch.utils.data.DataLoader(sequences(32), batch_size=4 // devices)
     validation = torch.utils.data.DataLoader(sequences(8, seed=2), batch_size=4 // devices)
     trainer.fit(module, loader, validation, ckpt_path=str(resume) if resume else None)
-    return {
+    result = {
         "rows": record.rows,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-        "params": parameters(module),
+        "params": parameters(module),  # attached after fit (InfinityStrategy): read through
         "checkpoints": sorted(p.name for p in out.iterdir()),
         "global_step": trainer.global_step,
     }
+    if kind == "infinity":
+        trainer.validate(module, validation)  # the module as fit left it, still attached
+        result["validated"] = float(trainer.callback_metrics["val_loss"])
+        trainer.strategy.close()  # the module's values back as plain tensors
+        result["closed"] = parameters(module)
+    return result
 
 
 def set_rank_environment(rank: int, world: int) -> None:

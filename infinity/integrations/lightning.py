@@ -11,9 +11,11 @@ LR schedulers). The strategy is Lightning's DDP strategy for processes (launchin
 ``devices=N`` or under ``torchrun``, the process group, the distributed sampler, collectives for
 ``self.log(..., sync_dist=True)``), but instead of wrapping the module in
 ``DistributedDataParallel`` it attaches it to a :class:`~infinity.TieredStore` on every rank once
-``configure_optimizers`` has built the optimizer (or without one for ``validate``/``test``/
-``predict``), and closes the store at teardown, which gives the parameters their trained values
-back.
+``configure_optimizers`` has built the optimizer. The module stays attached after ``fit`` (never
+gathered whole into memory: ``validate``/``test``/``predict`` and ``trainer.save_checkpoint``
+use it as it is; a later ``fit`` attaches it again with a new optimizer); ``strategy.close()``
+gives the module its values back as ordinary tensors, and the process's exit closes the store
+otherwise.
 
 Clipping (``gradient_clip_val``, by norm or value) runs over the module's parameters, whose
 gradients are the store's: the norm is the global one across ranks. Checkpoints are
@@ -101,7 +103,7 @@ class InfinityStrategy(DDPStrategy):
         if isinstance(config, dict):
             config = OffloadConfig.from_dict(config)
         self.config = config or OffloadConfig()
-        #: the store of the current fit/validate/test/predict (None between them)
+        #: the store the module is attached to (None before the first stage and after close())
         self.store: TieredStore | None = None
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -131,10 +133,13 @@ class InfinityStrategy(DDPStrategy):
                 f"{STRATEGY}: sync_batchnorm=True is not supported on an attached model"
             )
         self.precision_plugin = InfinityPrecision(self.lightning_module)
-        self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            self.close()  # a new fit: a new optimizer, attached with the module again
+            self.model_to_device()
             self.setup_optimizers(trainer)  # configure_optimizers as written, then attach
-        else:
+        elif self.store is None or self.store.model is not self.lightning_module:
+            self.close()
+            self.model_to_device()
             self._attach(None)
         self.setup_precision_plugin()
         # No DistributedDataParallel, no broadcast of the module's states (the store starts
@@ -171,8 +176,6 @@ class InfinityStrategy(DDPStrategy):
             _track_steps_for_schedulers(wrapped)
 
     def _attach(self, optimizer: torch.optim.Optimizer | None) -> Any:
-        if self.store is not None:
-            raise AttachError(f"{STRATEGY}: the module is already attached to a store")
         config = self.config
         if config.device == "auto":
             config = config.replace(device=str(self.root_device))
@@ -244,11 +247,20 @@ class InfinityStrategy(DDPStrategy):
 
     # -- teardown -------------------------------------------------------------------------------
     def teardown(self) -> None:
+        # What Lightning's teardown does, but the module stays attached: moving it to the CPU
+        # (and the optimizer's state) would take every parameter into memory, or be refused on
+        # a GPU store. The store is closed by close(), a later fit, or the process's exit.
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    def close(self, restore_params: bool = True) -> None:
+        """Closes the store: with ``restore_params`` the module's parameters get their values
+        back as ordinary tensors (every parameter in memory at once), on every rank together."""
         if self.store is not None:
-            # The parameters get their trained values back as ordinary tensors, on every rank.
-            self.store.close()
-            self.store = None
-        super().teardown()
+            store, self.store = self.store, None
+            store.close(restore_params)
 
 
 def _track_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
