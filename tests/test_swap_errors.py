@@ -26,6 +26,7 @@ from swap.backends.base import memory_at
 from swap.backends.threads import ThreadBackend
 from swap.backends.uring import UringBackend, uring_unavailable_reason
 from tests.conftest import REAL_BACKENDS, contents, fill, random_bytes
+from tests.waiting import GUARD, closes, returns, until
 
 
 class FakeBackend(IOBackend):
@@ -202,16 +203,13 @@ def test_engine_close_is_bounded_when_a_request_never_completes(
         )
     )
     waiter.start()
-    deadline = time.monotonic() + 5
-    while len(fake.requests) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)  # close only once the waiter's read is in flight, not before it starts
+    # close only once the waiter's read is in flight, not before it starts
+    until(lambda: len(fake.requests) >= 2, what="the waiter's read")
     assert len(fake.requests) == 2
-    started = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="swap.engine"):
-        engine.close()
-    assert time.monotonic() - started < 5
-    assert isinstance(future.exception(timeout=5), TransferTimeoutError)
-    waiter.join(5)
+        returns(engine.close, what="engine.close()")
+    assert isinstance(future.exception(timeout=GUARD), TransferTimeoutError)
+    waiter.join(GUARD)
     assert not waiter.is_alive() and waiter_error
     assert fake.closed and list(tmp_path.iterdir()) == []
     assert any("closing with" in r.getMessage() for r in caplog.records)
@@ -225,11 +223,9 @@ def test_uring_close_is_bounded_when_a_request_never_completes(buffers, caplog):
         future = backend.submit(IORequest(Op.READ, read_end, 0, buffers[0].address, ALIGNMENT))
         time.sleep(0.05)
         assert not future.done()
-        started = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="swap.backends.uring"):
-            backend.close()
-        assert time.monotonic() - started < 5
-        assert isinstance(future.exception(timeout=1), TimeoutError)
+            returns(backend.close, what="backend.close()")
+        assert isinstance(future.exception(timeout=GUARD), TimeoutError)
         assert any("still in flight" in r.getMessage() for r in caplog.records)
         with pytest.raises(RuntimeError, match="closed"):
             backend.submit(IORequest(Op.READ, read_end, 0, buffers[0].address, ALIGNMENT))
@@ -253,15 +249,13 @@ def test_thread_backend_close_is_bounded_when_a_request_never_completes(buffers,
     future = backend.submit(IORequest(Op.READ, -1, 0, buffers[0].address, ALIGNMENT))
     # queued behind the stuck one on the only thread: once close gives up, it must never run
     queued = backend.submit(IORequest(Op.READ, -2, 0, buffers[0].address, ALIGNMENT))
-    started = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="swap.backends.threads"):
-        backend.close()
-    assert time.monotonic() - started < 5
-    assert isinstance(future.exception(timeout=1), TimeoutError)
-    assert isinstance(queued.exception(timeout=1), TimeoutError)
+        returns(backend.close, what="backend.close()")
+    assert isinstance(future.exception(timeout=GUARD), TimeoutError)
+    assert isinstance(queued.exception(timeout=GUARD), TimeoutError)
     assert any("2 request(s) still in flight" in r.getMessage() for r in caplog.records)
     gate.set()  # the late completion is dropped, not raised in the worker
-    time.sleep(0.1)
+    until(lambda: not any(t.is_alive() for t in backend._threads), what="the worker's end")
     assert isinstance(future.exception(), TimeoutError)
     assert ran == [-1]  # the queued request never ran
 
@@ -304,7 +298,7 @@ def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buf
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
 def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
-    tmp_path, buffers, monkeypatch
+    tmp_path, buffers, monkeypatch, caplog
 ):
     """An exception (a signal handler's, say) between taking a submission slot and filling it:
     the slot must not go to the kernel with what an earlier request left in it, which would
@@ -338,9 +332,7 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
             ).result(timeout=5)
             == ALIGNMENT
         )
-        started = time.monotonic()
-        backend.close()
-        assert time.monotonic() - started < 2
+        closes(backend.close, caplog)
         with open(path, "rb") as f:
             written = f.read(2 * ALIGNMENT)
         assert written[:ALIGNMENT] == old.numpy().tobytes()  # not rewritten with the new bytes
@@ -351,7 +343,7 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
-def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, buffers):
+def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, buffers, caplog):
     """A caller interrupted between preparing requests and submitting them (a plugged block
     whose exit never ran): close submits them, so it does not wait its whole timeout for
     requests the kernel never saw."""
@@ -366,10 +358,8 @@ def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, 
         backend._local.held = None
         time.sleep(0.05)
         assert not future.done()  # the kernel has not seen it
-        started = time.monotonic()
-        backend.close()
-        assert time.monotonic() - started < 5
-        assert future.result(timeout=1) == ALIGNMENT
+        closes(backend.close, caplog)
+        assert future.result(timeout=GUARD) == ALIGNMENT
         with open(path, "rb") as f:
             assert f.read() == payload.numpy().tobytes()
     finally:
@@ -379,7 +369,7 @@ def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
 def test_engine_close_submits_what_an_unfinished_plugged_context_held(
-    tmp_path, make_engine, buffers
+    tmp_path, make_engine, buffers, caplog
 ):
     """SystemExit raised by a signal handler can leave a plugged context unfinished until the
     interpreter exits, after the exit hook's close: close must hand its requests over instead of
@@ -392,10 +382,8 @@ def test_engine_close_submits_what_an_unfinished_plugged_context_held(
     written = engine.write(extent, buffers[0])
     time.sleep(0.05)
     assert not written.done()
-    started = time.monotonic()
-    engine.close()
-    assert time.monotonic() - started < 5
-    assert written.result(timeout=1) == 2 * ALIGNMENT
+    closes(engine.close, caplog)
+    assert written.result(timeout=GUARD) == 2 * ALIGNMENT
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
