@@ -31,6 +31,7 @@ from infinity.core import lifecycle
 from swap import NvmePathError
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import LOCK_NAME
+from tests.waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -461,9 +462,8 @@ def test_the_sigterm_handler_lives_as_long_as_a_store(tmp_path, no_sigterm_handl
     assert signal.getsignal(signal.SIGTERM) is lifecycle._on_sigterm  # second is still open
     # A SIGTERM now reaches the user's handler; it returned, so training goes on, files kept.
     os.kill(os.getpid(), signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while not calls and time.monotonic() < deadline:
-        time.sleep(0.01)  # Python runs the handler between bytecodes of the main thread
+    # Python runs the handler between bytecodes of the main thread
+    until(lambda: calls, what="the user's SIGTERM handler")
     assert calls == [signal.SIGTERM]
     assert swap_files(second) and all(p.is_file() for p in swap_files(second))
     other(torch.randn(2, 32)).sum().backward()

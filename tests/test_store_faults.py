@@ -15,7 +15,6 @@ import os
 import random
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from infinity.config import AioConfig
 from infinity.core.residency import Residency as R
 from infinity.errors import BudgetError
 from swap import FaultInjectingBackend, IntegrityError, SwapIOError, TransferTimeoutError
+from tests.waiting import until
 
 WIDTH = 64  # a weight is 16 KiB: four pages, so "short" faults apply to its transfers
 LAYERS = 4
@@ -150,22 +150,17 @@ class Rig:
         assert self.placement.audit() == []
 
     def close(self) -> None:
-        started = time.monotonic()
-        self.store.close()
-        assert time.monotonic() - started < 10, "close() took too long"
+        self.store.close()  # a hang is caught by no_hang
         self.assert_released()
 
     def assert_released(self) -> None:
         assert not any(self.path.rglob("*")), f"left behind: {list(self.path.rglob('*'))}"
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            alive = [
-                t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()
-            ]
-            if not alive:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"threads still running after close: {alive}")
+        until(
+            lambda: (
+                not [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+            ),
+            what="the end of the store's threads after close",
+        )
 
 
 def assert_same(values: dict, reference: dict, exact: bool = True) -> None:
@@ -493,9 +488,8 @@ def test_a_hung_read_quarantines_its_slot_until_the_engine_lets_go(tmp_path):
         _evict_everything(rig)
         rig.faults.inject("hang", "read", times=1)
         entry = rig.entries[0]
-        started = time.monotonic()
+        # read again once the hung request timed out (not when the hang ends: it never does)
         assert torch.equal(rig.store.materialize(entry), reference[entry.name])
-        assert time.monotonic() - started < REQUEST_TIMEOUT + 2
         placement = rig.placement
         assert len(placement.quarantine) == 1
         offset, nbytes, shard_id = placement.quarantine[0]

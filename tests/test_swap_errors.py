@@ -298,7 +298,7 @@ def test_uring_plugged_requests_go_in_with_one_submit_and_complete(tmp_path, buf
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
 def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
-    tmp_path, buffers, monkeypatch, caplog
+    tmp_path, buffers, monkeypatch
 ):
     """An exception (a signal handler's, say) between taking a submission slot and filling it:
     the slot must not go to the kernel with what an earlier request left in it, which would
@@ -332,7 +332,7 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
             ).result(timeout=5)
             == ALIGNMENT
         )
-        closes(backend.close, caplog)
+        closes(backend.close)
         with open(path, "rb") as f:
             written = f.read(2 * ALIGNMENT)
         assert written[:ALIGNMENT] == old.numpy().tobytes()  # not rewritten with the new bytes
@@ -343,7 +343,7 @@ def test_uring_an_interrupted_submit_leaves_no_stale_request_in_the_ring(
 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
-def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, buffers, caplog):
+def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, buffers):
     """A caller interrupted between preparing requests and submitting them (a plugged block
     whose exit never ran): close submits them, so it does not wait its whole timeout for
     requests the kernel never saw."""
@@ -358,7 +358,7 @@ def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, 
         backend._local.held = None
         time.sleep(0.05)
         assert not future.done()  # the kernel has not seen it
-        closes(backend.close, caplog)
+        closes(backend.close)
         assert future.result(timeout=GUARD) == ALIGNMENT
         with open(path, "rb") as f:
             assert f.read() == payload.numpy().tobytes()
@@ -369,7 +369,7 @@ def test_uring_close_hands_over_requests_prepared_but_never_submitted(tmp_path, 
 
 @pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring unavailable")
 def test_engine_close_submits_what_an_unfinished_plugged_context_held(
-    tmp_path, make_engine, buffers, caplog
+    tmp_path, make_engine, buffers
 ):
     """SystemExit raised by a signal handler can leave a plugged context unfinished until the
     interpreter exits, after the exit hook's close: close must hand its requests over instead of
@@ -382,7 +382,7 @@ def test_engine_close_submits_what_an_unfinished_plugged_context_held(
     written = engine.write(extent, buffers[0])
     time.sleep(0.05)
     assert not written.done()
-    closes(engine.close, caplog)
+    closes(engine.close)
     assert written.result(timeout=GUARD) == 2 * ALIGNMENT
 
 

@@ -78,7 +78,7 @@ CASES = [
 
 @pytest.mark.parametrize("backend", REAL_BACKENDS)
 @pytest.mark.parametrize("kind,op", CASES)
-def test_fault_matrix(disk_dir, make_engine, buffers, caplog, backend, kind, op):
+def test_fault_matrix(disk_dir, make_engine, buffers, backend, kind, op):
     before = set(threading.enumerate())
     engine, faults = build(make_engine, disk_dir, backend)
     source, sink, spare = buffers
@@ -161,7 +161,7 @@ def test_fault_matrix(disk_dir, make_engine, buffers, caplog, backend, kind, op)
     engine.read(target, sink, tag=("t", 2 if op == "write" else 1)).result(TIMEOUT)
     assert torch.equal(contents(sink, SIZE), v2 if op == "write" else v1)
 
-    closes(engine.close, caplog)
+    closes(engine.close)
     assert list(disk_dir.iterdir()) == []
     assert engine.quarantined() == []  # the injected hang was released, never abandoned
     if kind == "hang":
@@ -170,7 +170,7 @@ def test_fault_matrix(disk_dir, make_engine, buffers, caplog, backend, kind, op)
 
 
 @pytest.mark.parametrize("backend", ["threads", "uring"])
-def test_random_faults_lose_nothing(disk_dir, make_engine, caplog, backend):
+def test_random_faults_lose_nothing(disk_dir, make_engine, backend):
     """Soak in small: many transfers under random faults; each one either returns the right
     bytes or fails with SwapIOError, and the data of successful writes reads back."""
     engine, faults = build(make_engine, disk_dir, backend, seed=7)
@@ -201,7 +201,7 @@ def test_random_faults_lose_nothing(disk_dir, make_engine, caplog, backend):
             assert torch.equal(contents(buffers[i], extents[i].nbytes), data)
         assert sum(faults.injected.values()) > 0 and faults.requests > 0
         assert engine.stats().errors == failures
-    closes(engine.close, caplog)
+    closes(engine.close)
     assert list(disk_dir.iterdir()) == []
 
 
@@ -264,9 +264,7 @@ def test_a_slow_request_does_not_hold_up_the_others(disk_dir, make_engine, buffe
     assert held.passed == 8
 
 
-def test_hung_slots_fail_queued_transfers_instead_of_hanging(
-    disk_dir, make_engine, buffers, caplog
-):
+def test_hung_slots_fail_queued_transfers_instead_of_hanging(disk_dir, make_engine, buffers):
     engine, faults = build(make_engine, disk_dir, "threads", queue_depth=2)
     source = buffers[0]
     extent = engine.allocate(SIZE)  # four requests: two hang, two wait for a slot forever
@@ -284,11 +282,11 @@ def test_hung_slots_fail_queued_transfers_instead_of_hanging(
     assert engine.space.allocated_bytes == used
     with pytest.raises(ValueError, match="freed"):
         engine.write(extent, source)
-    closes(engine.close, caplog)  # the hung requests timed out already: not waited for
+    closes(engine.close)  # the hung requests timed out already: not waited for
     assert list(disk_dir.iterdir()) == [] and engine.quarantined() == []
 
 
-def test_hang_without_request_timeout_is_bounded_by_close(disk_dir, make_engine, buffers, caplog):
+def test_hang_without_request_timeout_is_bounded_by_close(disk_dir, make_engine, buffers):
     engine, faults = build(
         make_engine, disk_dir, "threads", request_timeout=None, close_timeout=0.3
     )
@@ -296,14 +294,12 @@ def test_hang_without_request_timeout_is_bounded_by_close(disk_dir, make_engine,
     faults.inject("hang")
     future = engine.read(extent, buffers[0])
     assert faults.hung == 1 and not future.done()
-    closes(engine.close, caplog, gives_up=True)
+    closes(engine.close, gives_up=True)
     assert isinstance(future.exception(TIMEOUT), TransferTimeoutError)
     assert list(disk_dir.iterdir()) == []
 
 
-def test_request_the_kernel_still_holds_at_close_keeps_its_buffer(
-    tmp_path, make_engine, buffers, caplog
-):
+def test_request_the_kernel_still_holds_at_close_keeps_its_buffer(tmp_path, make_engine, buffers):
     """A real request stuck in the kernel: it times out, close abandons it, and its buffer stays
     referenced so the late completion cannot land in freed memory."""
     gate = threading.Event()
@@ -321,7 +317,7 @@ def test_request_the_kernel_still_holds_at_close_keeps_its_buffer(
     try:
         error = engine.read(extent, buffers[0]).exception(TIMEOUT)
         assert type(error) is TransferTimeoutError
-        closes(engine.close, caplog, gives_up=True)
+        closes(engine.close, gives_up=True)
         assert len(swap.timeouts._abandoned) == kept + 1
         assert swap.timeouts._abandoned[-1].buffer is buffers[0]
         assert not error.quarantine.released.is_set()  # never: the kernel may still write

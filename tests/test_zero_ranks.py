@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import infinity
 from tests.dist_helpers import run_ranks
 from tests.store_helpers import SMALL, fused_adamw, make_model
+from tests.waiting import GUARD
 from tools.common.tiny_gpt import synthetic_batches
 
 STEPS = 8
@@ -331,15 +331,14 @@ def test_a_rank_killed_mid_step_stops_the_other_with_a_clear_error(tmp_path):
         )
         for rank in range(2)
     ]
-    started = time.monotonic()
     try:
-        out, err = workers[0].communicate(timeout=90)
+        # the survivor must stop by itself (a hang raises TimeoutExpired here)
+        out, err = workers[0].communicate(timeout=GUARD + 30)
     finally:
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
             worker.wait()
-    assert time.monotonic() - started < 90
     assert workers[1].returncode == -signal.SIGKILL
     assert workers[0].returncode != 0 and "finished" not in out
     assert "infinity.errors.RankError" in err and "rank 0 of 2" in err, err[-3000:]

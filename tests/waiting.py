@@ -6,10 +6,11 @@ any wait a loaded machine could cause, so reaching it means that something never
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: seconds after which a call or a condition that has not come is taken for a hang
@@ -50,14 +51,32 @@ def until(condition: Callable[[], Any], guard: float = GUARD, what: str = "the c
         time.sleep(0.01)
 
 
-def closes(close: Callable[[], Any], caplog: Any, gives_up: bool = False) -> None:
-    """Runs ``close`` (a swap engine's or backend's) guarded against a hang, and checks whether it
-    gave up on requests still in flight: it logs an error when it does, after waiting out its
-    close_timeout. ``gives_up``: the test left a request that never completes. Where it did not,
-    this is what shows that close did not wait for something that would never come (a request
-    nobody submitted, a slot counted twice), without timing it."""
-    caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="swap"):
+@contextlib.contextmanager
+def logged(logger: str = "swap", level: int = logging.ERROR) -> Iterator[list[str]]:
+    """The messages of ``logger`` (and its children) at ``level`` and above while inside."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(level)
+    target = logging.getLogger(logger)
+    target.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        target.removeHandler(handler)
+
+
+def closes(close: Callable[[], Any], gives_up: bool = False) -> None:
+    """Runs ``close`` (a swap engine's or backend's, or a store's) guarded against a hang, and
+    checks whether it gave up on requests still in flight: the engine and the backends log an
+    error when they do, after waiting out their close_timeout. ``gives_up``: the test left a
+    request that never completes. Where it did not, this is what shows that close did not wait
+    for something that would never come (a request nobody submitted, a slot counted twice),
+    without timing it."""
+    with logged() as errors:
         returns(close, what="close()")
-    gave_up = [r.getMessage() for r in caplog.records if "in flight" in r.getMessage()]
+    gave_up = [m for m in errors if "in flight" in m]
     assert bool(gave_up) == gives_up, gave_up or "close() gave up on nothing"
