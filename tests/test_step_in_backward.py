@@ -17,6 +17,7 @@ import torch
 from torch.nn import functional as F
 
 import infinity
+from infinity.core.shards import ShardKind
 from infinity.errors import ConfigError
 from swap import SwapIOError
 from tests.store_helpers import SMALL, assert_equivalent, compare, make_model
@@ -211,7 +212,7 @@ def test_host_gradients_are_used_in_place_and_parked_when_the_update_waits(tmp_p
             waiting = [
                 s
                 for s in placement.registry.shards.values()
-                if s.kind == "param" and placement.has_grad(s)
+                if s.kind is ShardKind.PARAM and placement.has_grad(s)
             ]
             updated = [e for e in store.registry.entries if e.index in store._updated_in_backward]
             assert waiting and updated  # both paths ran: some updates waited, some did not

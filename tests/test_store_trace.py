@@ -15,6 +15,7 @@ from infinity import OffloadConfig, TieredStore
 from infinity.checkpointing.state_dict import write_entry
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch, LRUEviction
 from infinity.core.residency import TRANSITIONS, Residency, ResidencyError, check_transition
+from infinity.core.shards import ShardKind
 from infinity.core.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
 from tests.store_helpers import assert_equivalent, compare, make_model
 
@@ -270,7 +271,7 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
     next_use = placement._next_use()
     end = len(placement.follower.trace) - placement.follower.position + 0.5
     masters = sorted(
-        (s for s in store.registry.shards.values() if s.kind == "param"),
+        (s for s in store.registry.shards.values() if s.kind is ShardKind.PARAM),
         key=lambda s: s.entry.index,
     )
     uses = [next_use(s) for s in masters]

@@ -16,7 +16,7 @@ import torch
 
 from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
-from infinity.core.shards import ParamEntry, Shard
+from infinity.core.shards import ParamEntry, Shard, ShardKind
 
 
 class HostLending:
@@ -27,7 +27,7 @@ class HostLending:
         a whole slot and the next slot is free (for the first shard, a slot with free ones
         after it): the shards are then one contiguous range, which a CPU device can compute on
         without a copy (see can_lend)."""
-        if shard.kind != "param" or self.device.cuda:
+        if shard.kind is not ShardKind.PARAM or self.device.cuda:
             return None
         shards = shard.entry.shards
         k = shards.index(shard) if len(shards) > 1 else 0

@@ -31,7 +31,7 @@ from infinity.core.prefetching import TracePrefetching
 from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, Shard, ShardRegistry
+from infinity.core.shards import ParamEntry, Shard, ShardKind, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
@@ -48,8 +48,10 @@ def _tag(shard: Shard) -> list:
     return [shard.id, shard.version]
 
 
-def _registry_order(shard: Shard) -> tuple[int, str, int]:
-    return shard.entry.index, shard.kind, shard.start
+def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
+    # Within an entry: its companions (the gradient, then optimizer state by key), then the
+    # param shard itself.
+    return shard.entry.index, shard.kind is ShardKind.PARAM, shard.companion_key or "", shard.start
 
 
 class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLending):
@@ -235,10 +237,10 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
                 update is not None
                 and update < position
                 and index not in stepped
-                and (shard.kind != "param" or shard.entry.param.requires_grad)
+                and (shard.kind is not ShardKind.PARAM or shard.entry.param.requires_grad)
             ):
                 return 0.5
-            if shard.kind != "param":
+            if shard.kind is not ShardKind.PARAM:
                 if update is not None:
                     if index in stepped:
                         return update + full - position + 0.5
@@ -255,7 +257,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
 
     @staticmethod
     def _evictable(shard: Shard) -> bool:
-        if shard.kind != "param":
+        if shard.kind is not ShardKind.PARAM:
             return True
         if shard.entry.lent:  # the host copy is the device copy
             return shard.entry.holds == 0
@@ -364,7 +366,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
             self.forced_pass_writes += 1
         elif not self.masters_due or shard.entry.index in self.stepped:
             return  # outside a training iteration, or updated by this step
-        if shard.kind != "grad":  # gradients change during backward
+        if shard.kind is not ShardKind.GRAD:  # gradients change during backward
             self._forced_writes.append(shard)
 
     def pass_started(self) -> None:
@@ -404,7 +406,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         """Whether this iteration's step has still to update ``shard`` (a trainable master or
         a companion of an entry it has not reached yet)."""
         return shard.entry.index not in self.stepped and (
-            shard.kind != "param" or shard.entry.param.requires_grad
+            shard.kind is not ShardKind.PARAM or shard.entry.param.requires_grad
         )
 
     def step_finished(self) -> None:
@@ -444,7 +446,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
     def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
         """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
         its slot), then tries to take ``nbytes``."""
-        if shard.kind == "param" and shard.entry.lent:
+        if shard.kind is ShardKind.PARAM and shard.entry.lent:
             self.drop_device(shard.entry)  # a lent device copy goes with the host copy
         if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
             self._evict_host(shard)
@@ -532,7 +534,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         (a failed prefetch of it included) is retried ``max_retries`` times, then its error is
         raised with the shard back in ``NVME`` (nothing lost)."""
         error = self.reap(shard)
-        if shard.state is R.EMPTY and shard.kind == "param":
+        if shard.state is R.EMPTY and shard.kind is ShardKind.PARAM:
             raise ParameterAccessError(
                 f"parameter '{shard.entry.name}' has no values yet (shard {shard.id}): it was "
                 f"attached on the meta device without reset_parameters(), so its values must "
@@ -585,7 +587,8 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         the shard is on the host; from ``NVME`` it is ``HOST`` with undefined contents, which
         the caller must fill before anything else reads them."""
         self.reap(shard, wait=True)
-        if shard.state is R.EMPTY and shard.kind == "param":  # never had values (uninitialised)
+        # A param shard that never had values (uninitialised):
+        if shard.state is R.EMPTY and shard.kind is ShardKind.PARAM:
             if not self.nvme:
                 shard.host = self.host.allocate(shard.numel, shard.dtype)
             elif not self._host_slot(shard, protect, horizon=0.0):

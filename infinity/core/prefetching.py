@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import Shard
+from infinity.core.shards import Shard, ShardKind
 from infinity.core.trace import FORWARD, Event, Trace
 from infinity.training.optimizer import state_companions
 
@@ -152,8 +152,8 @@ class TracePrefetching:
             if index in self.stepped:
                 continue
             for shard in self.registry.entries[index].shards:
-                for kind, companion in shard.companions.items():
-                    if kind == "grad":
+                for companion in shard.companions.values():
+                    if companion.kind is ShardKind.GRAD:
                         continue
                     window -= self.host.slot_cost(companion.nbytes)
                     if window < 0:

@@ -15,6 +15,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -24,18 +25,36 @@ from infinity.core.residency import Residency, check_transition
 log = logging.getLogger(__name__)
 
 
+class ShardKind(Enum):
+    """What a shard's bytes are."""
+
+    #: a range of a parameter's master values
+    PARAM = "param"
+    #: a param shard's accumulated gradient, kept beside it (a companion)
+    GRAD = "grad"
+    #: one of a param shard's optimizer state tensors, kept beside it (a companion)
+    OPTIM = "optim"
+
+
+#: the key of a param shard's gradient companion in ``Shard.companions``
+GRAD_KEY = "grad"
+
+
 @dataclass(eq=False)
 class Shard:
-    """Bytes with one residency. ``kind`` is "param" (a range of a parameter's master values),
-    or, for a companion of a param shard, "grad" (its accumulated gradient) or "optim" (its
-    optimizer state tensors packed end to end) when those live in the arena and on NVMe."""
+    """Bytes with one residency: a range of a parameter's master values, or, for a param shard,
+    a companion (its accumulated gradient, or one of its optimizer state tensors) when those
+    live in the arena and on NVMe."""
 
     id: str
     entry: ParamEntry
     start: int  # first element within the flattened parameter
     numel: int
     dtype: torch.dtype
-    kind: str = "param"
+    kind: ShardKind = ShardKind.PARAM
+    #: a companion's key in its param shard's ``companions`` (``GRAD_KEY``, or
+    #: ``"optim:<state key>"``); None for a param shard
+    companion_key: str | None = None
     state: Residency = Residency.EMPTY
     #: the host copy (a view into the staging arena, or a standalone host tensor)
     host: torch.Tensor | None = None
@@ -54,10 +73,8 @@ class Shard:
     #: a factor the user's loop applied to the gradient (``p.grad.mul_(c)``, as clipping
     #: does), recorded instead of done and applied where the step reads the gradient
     grad_scale: float = 1.0
-    #: "grad" / "optim" companions of a param shard
-    companions: dict = field(default_factory=dict)
-    #: for an "optim" companion: (key, dtype, shape, byte offset) of each packed state tensor
-    layout: tuple = ()
+    #: a param shard's companions, by key (see ``companion_key``)
+    companions: dict[str, Shard] = field(default_factory=dict)
     #: the host parameter the wrapped optimizer updates
     step_param: torch.nn.Parameter | None = None
     #: CUDA event marking the end of the last copy out of ``host`` (the slot is busy until then)

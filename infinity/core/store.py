@@ -35,7 +35,7 @@ from infinity.core.memory import (
 from infinity.core.placement import Placement
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, ShardRegistry
+from infinity.core.shards import ParamEntry, ShardKind, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError, BudgetError, ConfigError
@@ -435,7 +435,9 @@ class TieredStore(Stepping):
             arena = self._host_tier.arena_bytes
             parts = 2 + (2 if config.offload_optimizer == "nvme" else 0)
             update = max(
-                parts * cost(s.nbytes) for s in self.registry.shards.values() if s.kind == "param"
+                parts * cost(s.nbytes)
+                for s in self.registry.shards.values()
+                if s.kind is ShardKind.PARAM
             )
             largest = max(
                 sum(cost(s.nbytes) for e in entries for s in e.shards)

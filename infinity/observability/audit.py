@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from infinity.core.residency import Residency as R
+from infinity.core.shards import ShardKind
 from swap import align_up
 
 
@@ -22,7 +23,7 @@ def audit(placement: Any) -> list[str]:
     for shard in shards:
         state = shard.state
         if (
-            shard.kind == "param"
+            shard.kind is ShardKind.PARAM
             and state is R.EMPTY
             and shard.entry.index not in placement.uninitialised
         ):
@@ -34,7 +35,7 @@ def audit(placement: Any) -> list[str]:
             )
         if state.on_nvme and shard.extent is None:
             problems.append(f"{shard.id}: {state.name} without an NVMe extent")
-        arena_backed = placement.params_on_nvme if shard.kind == "param" else True
+        arena_backed = placement.params_on_nvme if shard.kind is ShardKind.PARAM else True
         wants_slot = arena_backed and (state.on_host or state is R.NVME_LOADING)
         if wants_slot != (shard in placement.in_arena):
             problems.append(
@@ -48,9 +49,9 @@ def audit(placement: Any) -> list[str]:
                 size = align_up(max(shard.nbytes, 1))
                 ranges.append((shard.arena_offset, shard.arena_offset + size, shard.id))
                 host_bytes += size
-        elif shard.kind == "param" and not arena_backed and state.on_host:
+        elif shard.kind is ShardKind.PARAM and not arena_backed and state.on_host:
             host_bytes += shard.nbytes  # a standalone host tensor
-        if shard.kind == "param" and state.on_device != shard.entry.resident:
+        if shard.kind is ShardKind.PARAM and state.on_device != shard.entry.resident:
             problems.append(
                 f"{shard.id}: {state.name} but the entry is "
                 f"{'' if shard.entry.resident else 'not '}resident"

@@ -14,17 +14,28 @@ import time
 import torch
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, Shard
+from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind
 from infinity.errors import BudgetError
 
 
 class CompanionsAndGradients:
     # -- companions (gradients and optimizer state on NVMe) ----------------------------------------
-    def companion(self, shard: Shard, kind: str, numel: int, dtype: torch.dtype) -> Shard:
-        found = shard.companions.get(kind)
+    def companion(self, shard: Shard, key: str, numel: int, dtype: torch.dtype) -> Shard:
+        """``shard``'s companion under ``key`` (``GRAD_KEY``, or ``"optim:<state key>"``),
+        made EMPTY on first use."""
+        found = shard.companions.get(key)
         if found is None:
-            found = Shard(f"{shard.id}@{kind}", shard.entry, shard.start, numel, dtype, kind=kind)
-            shard.companions[kind] = found
+            kind = ShardKind.GRAD if key == GRAD_KEY else ShardKind.OPTIM
+            found = Shard(
+                f"{shard.id}@{key}",
+                shard.entry,
+                shard.start,
+                numel,
+                dtype,
+                kind=kind,
+                companion_key=key,
+            )
+            shard.companions[key] = found
         return found
 
     def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +118,7 @@ class CompanionsAndGradients:
         else:
             target = self._grad_companion_for_write(shard)
             if target is None:
-                holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+                holder = self.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
                 target = self.fill(holder)
                 self.device.copy_out(target, piece)
             else:
@@ -204,7 +215,7 @@ class CompanionsAndGradients:
         """The shard's host gradient (its companion read back when it is on NVMe)."""
         if shard.grad is not None:
             return shard.grad
-        holder = shard.companions["grad"]
+        holder = shard.companions[GRAD_KEY]
         self.ensure_host(holder)
         return holder.host
 
@@ -248,7 +259,7 @@ class CompanionsAndGradients:
     def _grad_companion_for_write(self, shard: Shard) -> torch.Tensor | None:
         """The host view of an existing gradient to accumulate into (read back if needed),
         marked dirty; None when the shard has no gradient yet."""
-        holder = shard.companions.get("grad")
+        holder = shard.companions.get(GRAD_KEY)
         if holder is None or holder.state is R.EMPTY:
             return None
         self.ensure_host(holder)
@@ -259,7 +270,7 @@ class CompanionsAndGradients:
         return holder.host
 
     def _has_grad_companion(self, shard: Shard) -> bool:
-        holder = shard.companions.get("grad")
+        holder = shard.companions.get(GRAD_KEY)
         return holder is not None and holder.state is not R.EMPTY
 
     def has_grad(self, shard: Shard) -> bool:
@@ -280,7 +291,7 @@ class CompanionsAndGradients:
         for shard in entry.shards:
             if shard.grad is None:
                 continue
-            holder = self.companion(shard, "grad", shard.numel, shard.dtype)
+            holder = self.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
             self.fill(holder, source=shard.grad)
             self._release_grad(shard)
 
@@ -289,7 +300,7 @@ class CompanionsAndGradients:
         if shard.grad is not None:
             return shard.grad
         if self.grads_on_nvme:
-            holder = shard.companions.get("grad")
+            holder = shard.companions.get(GRAD_KEY)
             if holder is None or holder.state is R.EMPTY:
                 return None
             return holder.host
@@ -300,7 +311,7 @@ class CompanionsAndGradients:
         self._forget_grad(shard)
         self._release_grad(shard)
         if self.grads_on_nvme:
-            holder = shard.companions.get("grad")
+            holder = shard.companions.get(GRAD_KEY)
             if holder is not None:
                 self.discard(holder)
 
@@ -309,7 +320,7 @@ class CompanionsAndGradients:
         for shard in self.registry.shards.values():
             self._forget_grad(shard)
             if self.grads_on_nvme:
-                holder = shard.companions.get("grad")
+                holder = shard.companions.get(GRAD_KEY)
                 if holder is not None:
                     self.discard(holder)
             # With gradients on NVMe a host tensor is one kept for an update in backward that

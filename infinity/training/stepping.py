@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from infinity.core.memory import host_tensor_bytes
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, Shard
+from infinity.core.shards import GRAD_KEY, ParamEntry, Shard
 from infinity.errors import BudgetError
 from infinity.training.optimizer import state_companions
 from infinity.training.precision import global_norm
@@ -201,7 +201,7 @@ class Stepping:
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []
         if self.placement.grad_in_companion(shard):
-            out.append(shard.companions["grad"])
+            out.append(shard.companions[GRAD_KEY])
         if optimizer.swap_state:
             out += state_companions(shard).values()
         return out
