@@ -196,9 +196,9 @@ def _recorded(model: torch.nn.Module, tmp_path: Path) -> planner.Recording:
             model(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        assert [
-            name for name, _ in planner_scaled.module_table(model)
-        ] == store.placement.module_names
+        assert [name for name, _ in planner_scaled.module_table(model)] == list(
+            store.placement.settings.module_names
+        )
         return planner.recording_of(store)
 
 

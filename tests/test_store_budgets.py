@@ -303,7 +303,7 @@ def test_when_the_arena_caches_everything_steady_steps_touch_no_disk(tmp_path):
     before = store.stats()
     train(model, optimizer, 3)
     after = store.stats()
-    assert store.placement.write_behind is False
+    assert store.placement.settings.write_behind is False
     assert after["bytes_read"] == before["bytes_read"]
     assert after["bytes_written"] == before["bytes_written"]
     store.close()

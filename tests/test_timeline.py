@@ -80,7 +80,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "png": png,
             "summary": store.timeline.summary(),
             "profiled": [e.name for e in prof.events()],
-            "modules": set(store.placement.module_names),
+            "modules": set(store.placement.settings.module_names),
             "params": {e.name for e in store.registry.entries},
         }
     finally:

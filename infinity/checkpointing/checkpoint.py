@@ -340,7 +340,7 @@ class Checkpointer:
         store.skipped_steps = state["skipped_steps"]
         if store.scaler is not None and state["scaler"] is not None:
             store.scaler.load_state_dict(decode(state["scaler"]))
-            placement.loss_scale = store.scaler.scale
+            placement.set_loss_scale(store.scaler.scale)
         rng = state.get("rng") or []
         if len(rng) == _world():
             _set_rng(rng[_rank()])
@@ -698,7 +698,7 @@ class _LoadPlanner(LoadPlanner):
             raise CheckpointError(f"the checkpoint did not deliver {left[:3]}")
         placement = self.store.placement
         for entry in self.store.registry.entries:
-            placement.uninitialised.discard(entry.index)
+            placement.mark_initialised(entry)
         for entry in self.store.registry.entries:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)

@@ -143,6 +143,6 @@ def write_entry_pieces(store: Any, entry: Any, piece_of: Callable[[Any], torch.T
         shard.version += 1
         if placement.nvme:
             placement.store_async(shard)
-    placement.uninitialised.discard(entry.index)
+    placement.mark_initialised(entry)
     if entry.index in placement.persistent:
         placement.gather(entry, hold=False)

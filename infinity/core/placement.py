@@ -18,9 +18,12 @@ and the tiers' usage are read from other threads (``TieredStore.stats()``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,7 +42,39 @@ from infinity.observability.timeline import Timeline
 from infinity.training.gradients import CompanionsAndGradients
 from swap import SwapEngine
 
+if TYPE_CHECKING:
+    from infinity.ranks.partition import Partition
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """What the store decides at attach for the whole run; what changes while it runs is the
+    placement's own state, changed through its methods."""
+
+    #: the parameters' masters live on NVMe (host copies in the staging arena)
+    params_on_nvme: bool = False
+    #: gradients go into companions that are swapped to NVMe like any shard
+    grads_on_nvme: bool = False
+    #: module index -> qualified name, for the timeline
+    module_names: tuple[str, ...] = ()
+    #: entries whose device copy is never evicted (param_persistence_threshold)
+    persistent: frozenset[int] = frozenset()
+    #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
+    prefetch_bytes: int | None = None
+    #: keep the front of the eviction order clean during the step (see clean_ahead); off
+    #: when the arena caches everything, so nothing is ever evicted
+    write_behind: bool = True
+    #: keep each shard's squared gradient norm from the start (for clipping and overflow
+    #: checks); a loop that reads norms turns it on later
+    track_grad_norms: bool = True
+    #: the loss scale gradients arrive multiplied by at first (fp16 dynamic scaling)
+    loss_scale: float = 1.0
+    #: attempts of a transfer after its first failure (see infinity.core.completions)
+    max_retries: int = MAX_RETRIES
+    #: start the next module's all-gathers while this one computes (stage 3 across ranks)
+    assemble_ahead: bool = True
 
 
 def _tag(shard: Shard) -> list:
@@ -64,15 +99,16 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         follower: TraceFollower,
         eviction: EvictionPolicy,
         prefetch: PrefetchPolicy,
+        settings: PlacementSettings,
         *,
-        params_on_nvme: bool,
-        grads_on_nvme: bool,
+        partition: Partition | None = None,
         timeline: Timeline | None = None,
     ) -> None:
         self.registry = registry
         self.timeline = timeline or Timeline()
-        self.params_on_nvme = params_on_nvme
-        self.grads_on_nvme = grads_on_nvme
+        self.settings = settings
+        #: this rank's place among data-parallel ranks (infinity.ranks.partition); None: one process
+        self.partition = partition
         self.device = device
         self.host = host
         self.engine = engine
@@ -93,21 +129,12 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         self.grad_bytes = 0
         self.grad_peak = 0
         #: the loss scale gradients arrive multiplied by (fp16 dynamic scaling), divided out here
-        self.loss_scale = 1.0
+        self.loss_scale = settings.loss_scale
         #: keep each shard's squared gradient norm (for clipping and overflow checks)
-        self.track_grad_norms = True
-        #: module index -> qualified name, for the timeline
-        self.module_names: list[str] = []
-        #: entries whose device copy is never evicted (param_persistence_threshold)
-        self.persistent: set[int] = set()
+        self.track_grad_norms = settings.track_grad_norms
         #: entries attached without values (a meta-device module without reset_parameters):
         #: their shards stay EMPTY until a checkpoint load writes them
         self.uninitialised: set[int] = set()
-        #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
-        self.prefetch_bytes: int | None = None
-        #: keep the front of the eviction order clean during the step (see clean_ahead); off
-        #: when the arena caches everything, so nothing is ever evicted
-        self.write_behind = True
         #: entries the running optimizer step has updated: their optimizer state is next
         #: needed a whole iteration later, that of the others in this step
         self.stepped: set[int] = set()
@@ -130,17 +157,13 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         #: write-backs eviction had to start during forward/backward, and those started ahead
         self.forced_pass_writes = 0
         self.writes_ahead = 0
-        #: this rank's place among data-parallel ranks (infinity.ranks.partition); None: one process
-        self.partition = None
         #: entry index -> all-gathers a look-ahead left under way for its device copy
         self.assembling: dict[int, list] = {}
-        #: start the next module's all-gathers while this one computes (stage 3 across ranks)
-        self.assemble_ahead_enabled = True
         self.assembled_ahead = 0
         #: device copies lent by the host copy instead of copied (see can_lend)
         self.lent_gathers = 0
         #: attempts of a transfer after its first failure (see the module docstring)
-        self.max_retries = MAX_RETRIES
+        self.max_retries = settings.max_retries
         #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
         #: for good (after the retries)
         self.io_errors = 0
@@ -153,8 +176,63 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         self.quarantine: list[tuple[int, int, str]] = []
 
     @property
+    def params_on_nvme(self) -> bool:
+        return self.settings.params_on_nvme
+
+    @property
+    def grads_on_nvme(self) -> bool:
+        return self.settings.grads_on_nvme
+
+    @property
     def nvme(self) -> bool:
-        return self.params_on_nvme
+        return self.settings.params_on_nvme
+
+    @property
+    def persistent(self) -> frozenset[int]:
+        return self.settings.persistent
+
+    # -- state the run changes, through these -----------------------------------------------
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
+        self.loss_scale = scale
+
+    def keep_grad_norms(self) -> bool:
+        """Keeps each shard's gradient norm from now on (a loop reads gradient norms); True if
+        that is new."""
+        started = not self.track_grad_norms
+        self.track_grad_norms = True
+        return started
+
+    def set_update_in_backward(self, enabled: bool) -> None:
+        """Whether the optimizer updates each entry in backward, as its gradient completes
+        (``step_in_backward``; :class:`~infinity.training.update_timing.UpdateTiming` decides)."""
+        self.update_in_backward = enabled
+
+    @contextlib.contextmanager
+    def pinned_while(self, shards: set[Shard]) -> Iterator[None]:
+        """Keeps the host copies of ``shards`` from eviction for the block (the optimizer's
+        tile). ``shards`` itself is the pinned set: what :meth:`pin` adds shows in it."""
+        self.pinned = shards
+        try:
+            yield
+        finally:
+            self.pinned = set()
+
+    def pin(self, shard: Shard) -> None:
+        """Adds ``shard`` to the pinned host copies (optimizer state made during the tile)."""
+        self.pinned.add(shard)
+
+    def mark_stepped(self, entry: ParamEntry) -> None:
+        """The running optimizer step has updated ``entry``."""
+        self.stepped.add(entry.index)
+
+    def mark_uninitialised(self, entry: ParamEntry) -> None:
+        """``entry`` was attached without values: its shards stay EMPTY until written."""
+        self.uninitialised.add(entry.index)
+
+    def mark_initialised(self, entry: ParamEntry) -> None:
+        """``entry``'s values were written (a checkpoint or state dict load)."""
+        self.uninitialised.discard(entry.index)
 
     @property
     def busy_seconds(self) -> float:
@@ -641,7 +719,7 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         if (
             partition is None
             or partition.stage < 3
-            or not self.assemble_ahead_enabled
+            or not self.settings.assemble_ahead
             or self.follower.trace is None
         ):
             return

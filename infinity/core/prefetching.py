@@ -42,7 +42,7 @@ class TracePrefetching:
     def on_event(self, event: Event) -> None:
         self.follower.observe(event, busy=self.busy_seconds)
         if self.timeline.enabled:
-            names = self.module_names
+            names = self.settings.module_names
             self.timeline.event(
                 event.kind, names[event.module] if event.module < len(names) else str(event.module)
             )
@@ -83,7 +83,7 @@ class TracePrefetching:
         if not self.nvme or trace is None:
             return None
         position = self.follower.position
-        budget = self.prefetch_bytes
+        budget = self.settings.prefetch_bytes
         if budget is not None:
             budget -= sum(s.nbytes for s in self.in_arena if s.state is R.NVME_LOADING)
         entries = self.registry.entries

@@ -32,7 +32,7 @@ from infinity.core.memory import (
     huge_page_allocations,
     resident_bytes,
 )
-from infinity.core.placement import Placement
+from infinity.core.placement import Placement, PlacementSettings
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
 from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, ShardKind, ShardRegistry
@@ -341,6 +341,26 @@ class TieredStore(Stepping):
         device_tier, self._host_tier = self._make_tiers()
         if nvme:
             self.engine = self._open_engine()
+        settings = PlacementSettings(
+            params_on_nvme=self._master_tier == "nvme",
+            grads_on_nvme=config.offload_optimizer == "nvme",
+            module_names=tuple(name for name, _, _ in module_entries),
+            persistent=frozenset(
+                e.index
+                for e in self.registry.entries
+                if self._params_stay_on_device or e.numel <= config.param_persistence_threshold
+            ),
+            prefetch_bytes=config.prefetch_bytes,
+            # During the step, the shards about to be evicted are written back ahead of the
+            # reads that need their room (Placement.clean_ahead); when the arena caches
+            # everything nothing is evicted, and dirty shards are written only at close with
+            # keep_swap_files.
+            write_behind=not self._cached_all,
+            # Per-shard norms cost a pass over every gradient: only when clipping or overflow
+            # checks use them.
+            track_grad_norms=self.scaler is not None or config.gradient_clipping > 0,
+            loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+        )
         self.placement = Placement(
             self.registry,
             device_tier,
@@ -349,27 +369,10 @@ class TieredStore(Stepping):
             self.follower,
             BeladyEviction(),
             LookaheadPrefetch(config.prefetch_depth),
-            params_on_nvme=self._master_tier == "nvme",
-            grads_on_nvme=config.offload_optimizer == "nvme",
+            settings,
+            partition=self.partition,
             timeline=self.timeline,
         )
-        self.placement.module_names = [name for name, _, _ in module_entries]
-        self.placement.partition = self.partition
-        # During the step, the shards about to be evicted are written back ahead of the reads
-        # that need their room (Placement.clean_ahead); when the arena caches everything nothing
-        # is evicted, and dirty shards are written only at close with keep_swap_files.
-        self.placement.write_behind = not self._cached_all
-        self.placement.prefetch_bytes = config.prefetch_bytes
-        self.placement.persistent = {
-            e.index
-            for e in self.registry.entries
-            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold
-        }
-        # Per-shard norms cost a pass over every gradient: only when clipping or overflow
-        # checks use them.
-        self.placement.track_grad_norms = self.scaler is not None or config.gradient_clipping > 0
-        if self.scaler is not None:
-            self.placement.loss_scale = self.scaler.scale
         started = time.perf_counter()
         self._initialise(model, initialise)
         log.info(
@@ -529,7 +532,7 @@ class TieredStore(Stepping):
                             owner._parameters[owner_name] = real
                         self.registry.rebind(entry, real)
                         placement.adopt(entry, self.device)
-                        placement.uninitialised.add(entry.index)
+                        placement.mark_uninitialised(entry)
                         done.add(entry.index)
                 log.debug(
                     "module '%s' (%s): parameters on the meta device left without values "

@@ -127,10 +127,9 @@ class GradView(torch.Tensor):
     def norm_value(self) -> float:
         self.check_current()
         placement = self._placement
-        if not placement.track_grad_norms:
-            # The loop reads gradient norms (clipping, logging): from now on the gradient hook
-            # keeps each shard's norm, so later steps answer without reading gradients back.
-            placement.track_grad_norms = True
+        # The loop reads gradient norms (clipping, logging): from now on the gradient hook
+        # keeps each shard's norm, so later steps answer without reading gradients back.
+        if placement.keep_grad_norms():
             log.info("the training loop reads gradient norms: per-shard norms are kept from now on")
         return math.sqrt(placement.global_sq_norms([self._infinity_shards])[0])
 

@@ -205,7 +205,7 @@ class OffloadedOptimizer(Optimizer):
             if companion is None:
                 companion = placement.companion(shard, OPTIM_PREFIX + key, shard.numel, value.dtype)
                 placement.fill(companion)
-                placement.pinned.add(companion)  # the rest of this tile must not evict it
+                placement.pin(companion)  # the rest of this tile must not evict it
             view = companion.host.view(value.shape)
             if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
                 view.copy_(value)  # new state, or the optimizer replaced the tensor

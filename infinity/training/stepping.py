@@ -69,7 +69,7 @@ class Stepping:
             if self.scaler is not None:
                 overflow = not math.isfinite(norm)
                 self.scaler.update(overflow)
-                placement.loss_scale = self.scaler.scale
+                placement.set_loss_scale(self.scaler.scale)
                 if overflow:
                     self.skipped_steps += 1
                     return  # the user's zero_grad() discards the overflowed gradients
@@ -300,22 +300,19 @@ class Stepping:
             ):
                 ahead_bytes += size(todo[ahead])
                 ahead += 1
-            placement.pinned = protect
-            try:
+            with placement.pinned_while(protect):
                 changed = optimizer.update(tile, multiplier)
-            finally:
-                placement.pinned = set()
             self.watch_heap()
             for shard in tile:
                 self.registry.set_state(shard, R.HOST)
                 shard.version += 1
-                placement.stepped.add(shard.entry.index)
+                placement.mark_stepped(shard.entry)
                 done.add(shard.id)
                 if placement.grads_on_nvme:
                     placement.drop_grad(shard)
             for companion in changed:
                 companion.version += 1
-            if placement.write_behind:
+            if placement.settings.write_behind:
                 # The reads of the next two tiles will need room: make it now, by writing back
                 # what will be evicted first, so that those reads never wait for a write.
                 missing = sum(

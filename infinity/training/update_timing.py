@@ -129,7 +129,7 @@ class UpdateTiming:
 
     def _set(self, mode: UpdateMode) -> None:
         self.mode = mode
-        self.placement.update_in_backward = mode is UpdateMode.IN_BACKWARD
+        self.placement.set_update_in_backward(mode is UpdateMode.IN_BACKWARD)
 
     def _give_up(self, what: str, cost: str) -> None:
         """A change after the switch: say what it cost, and update in optimizer.step() from
