@@ -212,12 +212,12 @@ def test_host_gradients_are_used_in_place_and_parked_when_the_update_waits(tmp_p
             waiting = [
                 s
                 for s in placement.registry.shards.values()
-                if s.kind is ShardKind.PARAM and placement.has_grad(s)
+                if s.kind is ShardKind.PARAM and placement.gradients.has_grad(s)
             ]
             updated = [e for e in store.registry.entries if e.index in store._updated_in_backward]
             assert waiting and updated  # both paths ran: some updates waited, some did not
-            assert all(s.grad is None and placement.grad_in_companion(s) for s in waiting)
-            assert placement.grad_bytes == 0
+            assert all(s.grad is None and placement.gradients.grad_in_companion(s) for s in waiting)
+            assert placement.gradients.grad_bytes == 0
             assert placement.audit() == []
             optimizer.step()
             optimizer.zero_grad()
@@ -233,7 +233,9 @@ def test_no_gradient_is_copied_off_a_cpu_device(tmp_path):
     try:
         for tokens, targets in gpt_batches(3, SMALL):
             model(tokens, targets).backward()
-            assert store.placement.grad_bytes == 0  # each consumed by its update, then freed
+            assert (
+                store.placement.gradients.grad_bytes == 0
+            )  # each consumed by its update, then freed
             optimizer.step()
             optimizer.zero_grad()
         assert store.stats()["bytes_from_device"] == 0

@@ -103,7 +103,7 @@ class Checkpointer:
             partial.mkdir()
         _barrier()
         placement = store.placement
-        placement.finish_reductions()
+        placement.gradients.finish_reductions()
         # Masters are read from the host or NVMe, never from a device copy (which may be in
         # a lower precision, and whose host slot may be gone): device copies go first, and the
         # persistent ones come back after (in entry order: across ranks they are gathers).
@@ -317,7 +317,7 @@ class Checkpointer:
                 )
             self._load_optimizer_scalars(state["optimizer"])
         placement = store.placement
-        placement.finish_reductions()
+        placement.gradients.finish_reductions()
         # Every value is overwritten: no device copy may outlive it (the persistent ones come
         # back in planner.finish()).
         self._drop_device_copies("load_checkpoint()")
@@ -340,7 +340,7 @@ class Checkpointer:
         store.skipped_steps = state["skipped_steps"]
         if store.scaler is not None and state["scaler"] is not None:
             store.scaler.load_state_dict(decode(state["scaler"]))
-            placement.set_loss_scale(store.scaler.scale)
+            placement.gradients.set_loss_scale(store.scaler.scale)
         rng = state.get("rng") or []
         if len(rng) == _world():
             _set_rng(rng[_rank()])

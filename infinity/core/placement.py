@@ -34,12 +34,12 @@ from infinity.core.prefetching import TracePrefetching
 from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, Shard, ShardKind, ShardRegistry
+from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
 from infinity.observability.timeline import Timeline
-from infinity.training.gradients import CompanionsAndGradients
+from infinity.training.gradients import Gradients
 from swap import SwapEngine
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
     return shard.entry.index, shard.kind is ShardKind.PARAM, shard.companion_key or "", shard.start
 
 
-class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLending):
+class Placement(Completions, TracePrefetching, HostLending):
     def __init__(
         self,
         registry: ShardRegistry,
@@ -126,12 +126,6 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         #: reads the optimizer step started for its next tile
         self.read_ahead_loads = 0
         self.demand_loads = 0
-        self.grad_bytes = 0
-        self.grad_peak = 0
-        #: the loss scale gradients arrive multiplied by (fp16 dynamic scaling), divided out here
-        self.loss_scale = settings.loss_scale
-        #: keep each shard's squared gradient norm (for clipping and overflow checks)
-        self.track_grad_norms = settings.track_grad_norms
         #: entries attached without values (a meta-device module without reset_parameters):
         #: their shards stay EMPTY until a checkpoint load writes them
         self.uninitialised: set[int] = set()
@@ -174,14 +168,22 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         self._failed: dict[Shard, int] = {}
         #: arena ranges (offset, nbytes, shard id) a timed-out read may still write into
         self.quarantine: list[tuple[int, int, str]] = []
+        #: the gradient path and what the loop sees of gradients
+        self.gradients = Gradients(
+            self,
+            registry,
+            device,
+            host,
+            grads_on_nvme=settings.grads_on_nvme,
+            track_norms=settings.track_grad_norms,
+            loss_scale=settings.loss_scale,
+            partition=partition,
+            timeline=self.timeline,
+        )
 
     @property
     def params_on_nvme(self) -> bool:
         return self.settings.params_on_nvme
-
-    @property
-    def grads_on_nvme(self) -> bool:
-        return self.settings.grads_on_nvme
 
     @property
     def nvme(self) -> bool:
@@ -192,17 +194,6 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         return self.settings.persistent
 
     # -- state the run changes, through these -----------------------------------------------
-    def set_loss_scale(self, scale: float) -> None:
-        """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
-        self.loss_scale = scale
-
-    def keep_grad_norms(self) -> bool:
-        """Keeps each shard's gradient norm from now on (a loop reads gradient norms); True if
-        that is new."""
-        started = not self.track_grad_norms
-        self.track_grad_norms = True
-        return started
-
     def set_update_in_backward(self, enabled: bool) -> None:
         """Whether the optimizer updates each entry in backward, as its gradient completes
         (``step_in_backward``; :class:`~infinity.training.update_timing.UpdateTiming` decides)."""
@@ -681,6 +672,44 @@ class Placement(Completions, CompanionsAndGradients, TracePrefetching, HostLendi
         # Its NVMe copy is superseded: through EMPTY (nothing valid), then HOST (dirty).
         self.registry.set_state(shard, R.EMPTY)
         self.registry.set_state(shard, R.HOST)
+
+    # -- companions (gradients and optimizer state beside a param shard) --------------------
+    def companion(self, shard: Shard, key: str, numel: int, dtype: torch.dtype) -> Shard:
+        """``shard``'s companion under ``key`` (``GRAD_KEY``, or ``"optim:<state key>"``),
+        made EMPTY on first use."""
+        found = shard.companions.get(key)
+        if found is None:
+            kind = ShardKind.GRAD if key == GRAD_KEY else ShardKind.OPTIM
+            found = Shard(
+                f"{shard.id}@{key}",
+                shard.entry,
+                shard.start,
+                numel,
+                dtype,
+                kind=kind,
+                companion_key=key,
+            )
+            shard.companions[key] = found
+        return found
+
+    def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
+        HOST (dirty): written back when evicted or after the step."""
+        if not self._host_slot(shard, protect=(), horizon=0.0):
+            raise BudgetError(self._no_room(shard))
+        if source is not None:
+            shard.host.copy_(source)
+        self.registry.set_state(shard, R.HOST)
+        return shard.host
+
+    def discard(self, shard: Shard) -> None:
+        """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""
+        if shard.state is R.EMPTY:
+            return
+        self.reap(shard, wait=True)
+        if shard.arena_offset is not None:
+            self._free_slot(shard)
+        self.registry.set_state(shard, R.EMPTY)
 
     # -- device copies ------------------------------------------------------------------------
     def gather(self, entry: ParamEntry, hold: bool = True, lend: bool = False) -> None:

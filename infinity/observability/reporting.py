@@ -62,7 +62,7 @@ def store_stats(store: Any) -> dict[str, Any]:
         # and those started ahead, during forward, from what the last pass had to wait for
         "forced_pass_writes": placement.forced_pass_writes if placement else 0,
         "write_ahead_writes": placement.writes_ahead if placement else 0,
-        "grad_bytes": placement.grad_bytes if placement else 0,
+        "grad_bytes": placement.gradients.grad_bytes if placement else 0,
         "pinned_bytes": placement.host.pinned_bytes if placement else 0,
         "rss_peak_bytes": store._rss_peak,
         # freed heap blocks reused (a host budget left room for it; infinity.core.memory)

@@ -597,7 +597,7 @@ def _replay(
                 taken = entry.param.requires_grad
                 if taken:
                     sim._grad_arriving(entry)
-                    placement.take_grad(
+                    placement.gradients.take_grad(
                         entry, torch.empty(entry.shape, dtype=entry.compute_dtype, device="meta")
                     )
                 for _ in range(holds.pop(entry, 0)):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from infinity.training.op_kinds import (
     tensors_in,
     written,
 )
+
+if TYPE_CHECKING:
+    from infinity.training.gradients import Gradients
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,8 @@ class GradView(torch.Tensor):
 
     # -- the gradient behind the view ---------------------------------------------------------
     @property
-    def _placement(self) -> Any:
-        return self._infinity_access.store.placement
+    def _gradients(self) -> Gradients:
+        return self._infinity_access.placement.gradients
 
     def check_current(self) -> None:
         entry = self._infinity_entry
@@ -118,7 +121,7 @@ class GradView(torch.Tensor):
         """The gradient's values as a new tensor on the view's device (in ``dtype``, by
         default the view's)."""
         self.check_current()
-        values = self._placement.read_grad(self._infinity_entry)
+        values = self._gradients.read_grad(self._infinity_entry)
         if self._infinity_shards is not self._infinity_entry.shards:  # one shard's part
             (shard,) = self._infinity_shards
             values = shard.padded(shard.part_of(values.view(-1))).view(self.shape)
@@ -126,12 +129,12 @@ class GradView(torch.Tensor):
 
     def norm_value(self) -> float:
         self.check_current()
-        placement = self._placement
+        gradients = self._gradients
         # The loop reads gradient norms (clipping, logging): from now on the gradient hook
         # keeps each shard's norm, so later steps answer without reading gradients back.
-        if placement.keep_grad_norms():
+        if gradients.keep_norms():
             log.info("the training loop reads gradient norms: per-shard norms are kept from now on")
-        return math.sqrt(placement.global_sq_norms([self._infinity_shards])[0])
+        return math.sqrt(gradients.global_sq_norms([self._infinity_shards])[0])
 
     def scale(self, factor: float) -> None:
         self.check_current()
@@ -148,7 +151,7 @@ class GradView(torch.Tensor):
                 f"their p.grad answers norms, scaling and zeroing (clip_grad_norm_), not other "
                 f"in-place ops; apply those to the model's parameters' p.grad ('{entry.name}')"
             )
-        self._placement.replace_grad(
+        self._gradients.replace_grad(
             entry, value.detach().to(device="cpu", dtype=entry.dtype), same_gradient=True
         )
 
@@ -255,10 +258,10 @@ def _norm_values(views: list[GradView]) -> list[float]:
         view.check_current()
     if not views:
         return []
-    placement = views[0]._placement
-    if not placement.track_grad_norms:
+    gradients = views[0]._gradients
+    if not gradients.track_grad_norms:
         views[0].norm_value()  # turns tracking on (and says so)
-    return [math.sqrt(v) for v in placement.global_sq_norms([v._infinity_shards for v in views])]
+    return [math.sqrt(v) for v in gradients.global_sq_norms([v._infinity_shards for v in views])]
 
 
 def _norm_tensor(view: GradView, dtype: torch.dtype | None) -> torch.Tensor:

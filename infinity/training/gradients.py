@@ -1,61 +1,91 @@
-"""Companion shards (gradients and optimizer state kept beside a parameter shard) and the
-gradient path: a finished device gradient goes into its shard's host accumulator, or into a
-gradient companion that can be swapped to NVMe like any shard.
+"""The gradient path and what the user's loop sees of a gradient: a finished device gradient
+goes into its shard's host accumulator, or into a gradient companion that the placement keeps
+(and swaps to NVMe) like any shard; norms, factors the loop applies, reads and replacements.
 
-A mixin of :class:`infinity.core.placement.Placement`: it uses the placement's host slots, reaping
-and registry, and keeps no state of its own beyond the placement's attributes.
+:class:`Gradients` is a part of :class:`infinity.core.placement.Placement` with its own state
+(the gradient bytes held, the loss scale, whether norms are kept); what it needs of the
+placement (companion slots, reaping) is :class:`GradientSlots`. Like the placement it runs on
+the training thread.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind
-from infinity.errors import BudgetError
+from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardRegistry
+from infinity.core.tiers import DeviceTier, HostTier
+from infinity.observability.timeline import Timeline
+
+if TYPE_CHECKING:
+    from infinity.ranks.partition import Partition
 
 
-class CompanionsAndGradients:
-    # -- companions (gradients and optimizer state on NVMe) ----------------------------------------
-    def companion(self, shard: Shard, key: str, numel: int, dtype: torch.dtype) -> Shard:
-        """``shard``'s companion under ``key`` (``GRAD_KEY``, or ``"optim:<state key>"``),
-        made EMPTY on first use."""
-        found = shard.companions.get(key)
-        if found is None:
-            kind = ShardKind.GRAD if key == GRAD_KEY else ShardKind.OPTIM
-            found = Shard(
-                f"{shard.id}@{key}",
-                shard.entry,
-                shard.start,
-                numel,
-                dtype,
-                kind=kind,
-                companion_key=key,
-            )
-            shard.companions[key] = found
-        return found
+class GradientSlots(Protocol):
+    """What the gradient path needs of the placement: gradient companions and their slots."""
 
-    def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
-        """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
-        HOST (dirty): written back when evicted or after the step."""
-        if not self._host_slot(shard, protect=(), horizon=0.0):
-            raise BudgetError(self._no_room(shard))
-        if source is not None:
-            shard.host.copy_(source)
-        self.registry.set_state(shard, R.HOST)
-        return shard.host
+    @property
+    def update_in_backward(self) -> bool: ...
 
-    def discard(self, shard: Shard) -> None:
-        """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""
-        if shard.state is R.EMPTY:
-            return
-        self.reap(shard, wait=True)
-        if shard.arena_offset is not None:
-            self._free_slot(shard)
-        self.registry.set_state(shard, R.EMPTY)
+    def companion(self, shard: Shard, key: str, numel: int, dtype: torch.dtype) -> Shard: ...
+
+    def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def discard(self, shard: Shard) -> None: ...
+
+    def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None: ...
+
+    def reap(self, shard: Shard, wait: bool = False) -> BaseException | None: ...
+
+
+class Gradients:
+    """Gradients of the attached parameters, wherever their bytes are (see the module
+    docstring)."""
+
+    def __init__(
+        self,
+        slots: GradientSlots,
+        registry: ShardRegistry,
+        device: DeviceTier,
+        host: HostTier,
+        *,
+        grads_on_nvme: bool,
+        track_norms: bool,
+        loss_scale: float,
+        partition: Partition | None,
+        timeline: Timeline,
+    ) -> None:
+        self._slots = slots
+        self.registry = registry
+        self.device = device
+        self.host = host
+        #: gradients go into companions that are swapped to NVMe like any shard
+        self.grads_on_nvme = grads_on_nvme
+        self.partition = partition
+        self.timeline = timeline
+        #: bytes of gradients held in host tensors (not companions), and their peak
+        self.grad_bytes = 0
+        self.grad_peak = 0
+        #: the loss scale gradients arrive multiplied by (fp16 dynamic scaling), divided out here
+        self.loss_scale = loss_scale
+        #: keep each shard's squared gradient norm (for clipping and overflow checks)
+        self.track_grad_norms = track_norms
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
+        self.loss_scale = scale
+
+    def keep_norms(self) -> bool:
+        """Keeps each shard's gradient norm from now on (a loop reads gradient norms); True if
+        that is new."""
+        started = not self.track_grad_norms
+        self.track_grad_norms = True
+        return started
 
     # -- gradients ---------------------------------------------------------------------------------
     def take_grad(
@@ -118,8 +148,8 @@ class CompanionsAndGradients:
         else:
             target = self._grad_companion_for_write(shard)
             if target is None:
-                holder = self.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
-                target = self.fill(holder)
+                holder = self._slots.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
+                target = self._slots.fill(holder)
                 self.device.copy_out(target, piece)
             else:
                 target.add_(self._on_host(piece, target.dtype))
@@ -216,7 +246,7 @@ class CompanionsAndGradients:
         if shard.grad is not None:
             return shard.grad
         holder = shard.companions[GRAD_KEY]
-        self.ensure_host(holder)
+        self._slots.ensure_host(holder)
         return holder.host
 
     def _grad_for_write(self, shard: Shard) -> torch.Tensor:
@@ -232,7 +262,7 @@ class CompanionsAndGradients:
         memory (no GPU) with no part already in the companion: copying it into a companion
         would only pay if the update had to wait (then park_grads moves it there)."""
         return (
-            self.update_in_backward
+            self._slots.update_in_backward
             and shard.step_param is not None
             and self.device.host_memory
             and not self._has_grad_companion(shard)
@@ -262,9 +292,9 @@ class CompanionsAndGradients:
         holder = shard.companions.get(GRAD_KEY)
         if holder is None or holder.state is R.EMPTY:
             return None
-        self.ensure_host(holder)
+        self._slots.ensure_host(holder)
         if holder.state is R.HOST_STORING:
-            self.reap(holder, wait=True)
+            self._slots.reap(holder, wait=True)
         if holder.state is R.HOST_NVME:
             self.registry.set_state(holder, R.HOST)
         return holder.host
@@ -291,8 +321,8 @@ class CompanionsAndGradients:
         for shard in entry.shards:
             if shard.grad is None:
                 continue
-            holder = self.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
-            self.fill(holder, source=shard.grad)
+            holder = self._slots.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
+            self._slots.fill(holder, source=shard.grad)
             self._release_grad(shard)
 
     def grad_view(self, shard: Shard) -> torch.Tensor | None:
@@ -313,7 +343,7 @@ class CompanionsAndGradients:
         if self.grads_on_nvme:
             holder = shard.companions.get(GRAD_KEY)
             if holder is not None:
-                self.discard(holder)
+                self._slots.discard(holder)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
         self.finish_reductions()
@@ -322,7 +352,7 @@ class CompanionsAndGradients:
             if self.grads_on_nvme:
                 holder = shard.companions.get(GRAD_KEY)
                 if holder is not None:
-                    self.discard(holder)
+                    self._slots.discard(holder)
             # With gradients on NVMe a host tensor is one kept for an update in backward that
             # did not run: always dropped.
             if set_to_none or self.grads_on_nvme:

@@ -261,7 +261,7 @@ class HookSet:
             self.placement.follower.grad_ready(entry.index)
             if grad is not None:
                 self.store._grad_arriving(entry)
-                self.placement.take_grad(entry, grad)
+                self.placement.gradients.take_grad(entry, grad)
             self._release_backward(entry)
             if grad is not None and self.placement.update_in_backward:
                 self.store._grad_complete(entry, nested=self._nested_backward())
@@ -310,7 +310,7 @@ class HookSet:
     def _end_of_backward(self) -> None:
         # Across ranks, the gradient reductions still under way complete now: the loop reads
         # gradients after backward (clipping, norms) and the step consumes them.
-        self.placement.finish_reductions()
+        self.placement.gradients.finish_reductions()
         self._callback_queued = False
         self._pass_task = None
         self._backward_pass += 1

@@ -161,11 +161,11 @@ class OffloadedOptimizer(Optimizer):
             view = shard.host.view(_step_shape(shard))
             param = shard.step_param
             param.data = view
-            grad = placement.grad_view(shard)
+            grad = placement.gradients.grad_view(shard)
             if grad is not None:
                 grad = grad.view_as(view)
                 # Clipping's factor, and any the loop recorded on p.grad (mul_, zero_).
-                placement.apply_grad_multiplier(shard, grad, grad_multiplier)
+                placement.gradients.apply_grad_multiplier(shard, grad, grad_multiplier)
             param.grad = grad
             companions = state_companions(shard) if self.swap_state else {}
             if companions:
@@ -217,7 +217,7 @@ class OffloadedOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.store._unfinished_step = None  # a failed step is abandoned with its gradients
-        self.store.placement.clear_grads(set_to_none)
+        self.store.placement.gradients.clear_grads(set_to_none)
         self.store._gradients_cleared()
 
     # -- state ----------------------------------------------------------------------------------

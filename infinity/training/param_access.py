@@ -96,6 +96,9 @@ class ParamAccess:
     def __init__(self, store: Any) -> None:
         self.store = store
         self.registry = store.registry
+        placement = store.placement
+        assert placement is not None  # made by attach, after the placement
+        self.placement = placement
         #: entry index -> the parameter's own class, restored at close
         self._original: dict[int, type] = {}
         self._classes: dict[type, type] = {}
@@ -273,7 +276,7 @@ class ParamAccess:
     def _values(self, entry: ParamEntry) -> torch.Tensor:
         """The parameter's current values as a new tensor on its device, in its dtype."""
         if entry.resident:
-            self.store.placement.settle(entry)  # a look-ahead's all-gathers may be under way
+            self.placement.settle(entry)  # a look-ahead's all-gathers may be under way
             return entry.device_tensor.clone()
         host = self.store.materialize(entry)
         return host.to(device=entry.device_tensor.device, dtype=entry.compute_dtype)
@@ -312,8 +315,8 @@ class ParamAccess:
     # -- .grad and .data -------------------------------------------------------------------------
     def _grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._entry_of(param)
-        placement = self.store.placement
-        if entry is not None and any(placement.has_grad(s) for s in entry.shards):
+        placement = self.placement
+        if entry is not None and any(placement.gradients.has_grad(s) for s in entry.shards):
             return GradView(self, entry)
         consumed = entry is not None and entry.index in self.store._updated_in_backward
         if consumed:
@@ -343,7 +346,7 @@ class ParamAccess:
             if isinstance(value, GradView):
                 value = value.materialize()
             value = value.detach().to(device="cpu", dtype=entry.dtype).clone()
-        self.store.placement.replace_grad(entry, value)
+        self.placement.gradients.replace_grad(entry, value)
         param.grad = None  # torch function is off here: the autograd field
         if value is None:
             self.store._gradients_cleared()
@@ -378,7 +381,7 @@ class ParamAccess:
         self, params: Iterable[torch.Tensor] | None = None, modify: bool = False
     ) -> Iterator[None]:
         entries = self._entries_for(params)
-        placement = self.store.placement
+        placement = self.placement
         self.store._loop_acted("store.gathered()")
         if modify:
             busy = [e.name for e in entries if e.holds]
@@ -458,7 +461,7 @@ class ParamAccess:
     def _write_back(self, entry: ParamEntry, value: torch.Tensor) -> None:
         """Writes the elements that changed to the master (and NVMe); nothing when none did."""
         # The masters themselves, not the cached device copy (rounded under mixed precision).
-        self.store.placement.drop_device(entry, force=True)
+        self.placement.drop_device(entry, force=True)
         master = self.store.materialize(entry)
         if entry.compute_dtype == entry.dtype:
             if torch.equal(value, master):

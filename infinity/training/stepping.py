@@ -33,7 +33,7 @@ class Stepping:
         placement = self.placement
         assert placement is not None
         placement.follower.pause(placement.busy_seconds)
-        placement.finish_reductions()
+        placement.gradients.finish_reductions()
         placement.pass_finished()
         timing = self.update_timing
         if timing is not None:
@@ -46,7 +46,7 @@ class Stepping:
 
     def _step_updates(self, optimizer: OffloadedOptimizer) -> None:
         placement = self.placement
-        todo = [s for s in optimizer.shards if placement.has_grad(s)]
+        todo = [s for s in optimizer.shards if placement.gradients.has_grad(s)]
         for entry in {s.entry for s in todo}:
             if entry.holds:
                 raise RuntimeError(
@@ -61,15 +61,15 @@ class Stepping:
         else:
             done = set()
             norm = (
-                global_norm(placement.global_sq_norms([todo]))
-                if placement.track_grad_norms
+                global_norm(placement.gradients.global_sq_norms([todo]))
+                if placement.gradients.track_grad_norms
                 else math.nan
             )
             self.last_grad_norm = norm
             if self.scaler is not None:
                 overflow = not math.isfinite(norm)
                 self.scaler.update(overflow)
-                placement.set_loss_scale(self.scaler.scale)
+                placement.gradients.set_loss_scale(self.scaler.scale)
                 if overflow:
                     self.skipped_steps += 1
                     return  # the user's zero_grad() discards the overflowed gradients
@@ -113,9 +113,9 @@ class Stepping:
             device = self.budgets["device"] if self.device.type == "cpu" else 0
             # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
             # state and gradients in host tensors) exists only now; the line moves up by it.
-            outside = (placement.grad_peak if not placement.grads_on_nvme else 0) + (
-                0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state)
-            )
+            outside = (
+                placement.gradients.grad_peak if not placement.gradients.grads_on_nvme else 0
+            ) + (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
             self._heap_watch.start(largest, device + 4 * largest, outside=outside)
         self.watch_heap()
         self._sample_memory()
@@ -151,9 +151,11 @@ class Stepping:
         if not placement.update_in_backward:
             return
         if optimizer is None or nested or entry.holds or self._unfinished_step is not None:
-            placement.park_grads(entry)  # left to optimizer.step(): into the budget
+            placement.gradients.park_grads(entry)  # left to optimizer.step(): into the budget
             return
-        todo = [s for s in entry.shards if s.step_param is not None and placement.has_grad(s)]
+        todo = [
+            s for s in entry.shards if s.step_param is not None and placement.gradients.has_grad(s)
+        ]
         if not todo:
             return
         placement.drop_device(entry, force=True)  # refreshed from the master on next use
@@ -177,7 +179,7 @@ class Stepping:
                     raise
         for shard in todo:
             # Consumed: optimizer.step() must not apply it again, and its memory is free now.
-            placement.drop_grad(shard)
+            placement.gradients.drop_grad(shard)
         placement.clean_for_updates()
         if entry.index in placement.persistent:
             placement.gather(entry, hold=False)
@@ -191,16 +193,16 @@ class Stepping:
         placement = self.placement
         for shard in todo:
             if shard.id in done:
-                placement.drop_grad(shard)  # applied: the step must not apply it again
+                placement.gradients.drop_grad(shard)  # applied: the step must not apply it again
         try:
-            placement.park_grads(entry)
+            placement.gradients.park_grads(entry)
         except BudgetError:
             pass  # no room for its companion either: the step reads it where autograd left it
         self.update_timing.no_room(entry.name, str(exc).splitlines()[0])
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []
-        if self.placement.grad_in_companion(shard):
+        if self.placement.gradients.grad_in_companion(shard):
             out.append(shard.companions[GRAD_KEY])
         if optimizer.swap_state:
             out += state_companions(shard).values()
@@ -308,8 +310,8 @@ class Stepping:
                 shard.version += 1
                 placement.mark_stepped(shard.entry)
                 done.add(shard.id)
-                if placement.grads_on_nvme:
-                    placement.drop_grad(shard)
+                if placement.gradients.grads_on_nvme:
+                    placement.gradients.drop_grad(shard)
             for companion in changed:
                 companion.version += 1
             if placement.settings.write_behind:
