@@ -165,7 +165,7 @@ def test_a_slot_is_not_reused_before_its_copy_finished(tmp_path):
             and shard.state is infinity.Residency.DEVICE_HOST_NVME
         ):
             event = shard.copy_event
-            placement._free_slot(shard)
+            placement.free_slot(shard)
             assert event.query()  # freeing the slot waited for the copy out of it
             placement.registry.set_state(shard, infinity.Residency.DEVICE_NVME)
         _loop(model, optimizer, steps=1)

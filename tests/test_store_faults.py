@@ -221,7 +221,7 @@ def test_a_dropped_read_is_caught_by_verification_and_read_again(tmp_path):
         rig.step()
         rig.plain_step()
         # No more drops than retries: all of them may hit the same shard in a row.
-        rig.faults.inject("drop", "read", times=rig.placement.max_retries)
+        rig.faults.inject("drop", "read", times=rig.placement.completions.max_retries)
         for _ in range(2):
             assert rig.step() == pytest.approx(rig.plain_step(), abs=1e-6)
         rig.placement.drain()
@@ -289,7 +289,7 @@ def test_a_persistent_fault_fails_cleanly_and_nothing_is_lost(tmp_path, kind, op
             assert_names_the_place(error, tmp_path)
             stats = rig.store.stats()
             assert stats["io_failures"] >= 1
-            assert stats["io_retries"] >= rig.placement.max_retries
+            assert stats["io_retries"] >= rig.placement.completions.max_retries
         rig.check()
         # No dirty host copy was dropped, no read returned wrong bytes: once the fault is
         # gone every entry reads back as last written, and work goes on from there.
@@ -386,7 +386,10 @@ def test_a_flipped_byte_in_a_swap_file_is_named_and_never_trained_on(tmp_path):
         assert error.expected == [shard.id, shard.version]
         assert "matches nothing this engine wrote" in str(error)
         stats = rig.store.stats()
-        assert stats["io_retries"] == rig.placement.max_retries and stats["io_failures"] == 1
+        assert (
+            stats["io_retries"] == rig.placement.completions.max_retries
+            and stats["io_failures"] == 1
+        )
         assert shard.state is R.NVME and not entry.resident
         rig.check()
         # Rewriting the value (from a checkpoint; here the copy taken before) heals it, without
@@ -491,8 +494,8 @@ def test_a_hung_read_quarantines_its_slot_until_the_engine_lets_go(tmp_path):
         # read again once the hung request timed out (not when the hang ends: it never does)
         assert torch.equal(rig.store.materialize(entry), reference[entry.name])
         placement = rig.placement
-        assert len(placement.quarantine) == 1
-        offset, nbytes, shard_id = placement.quarantine[0]
+        assert len(placement.completions.quarantine) == 1
+        offset, nbytes, shard_id = placement.completions.quarantine[0]
         assert shard_id == entry.shards[0].id and entry.shards[0].arena_offset != offset
         assert rig.store.stats()["quarantined_bytes"] == SHARD
         # The slot stays allocated while any other shard needs room.

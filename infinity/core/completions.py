@@ -1,11 +1,12 @@
 """Applying the outcome of NVMe transfers to the residency states ("reaping"), and what a
 failed transfer does.
 
-A mixin of :class:`infinity.core.placement.Placement`: it uses the placement's registry, engine,
-arena and counters, and keeps no state of its own beyond the placement's attributes. Like the
-rest of the placement it runs on the training thread only: the swap engine's futures complete
-in the background, and their outcome is applied here when the training thread next looks at
-the shard.
+:class:`Completions` is a part of :class:`infinity.core.placement.Placement` with its own state
+(each shard's failed attempts, the quarantined arena ranges, the I/O counters and the seconds
+waited); what it needs of the placement (re-issuing a write, giving back or leaving a slot) is
+:class:`SlotKeeper`. Like the rest of the placement it runs on the training thread only: the
+swap engine's futures complete in the background, and their outcome is applied here when the
+training thread next looks at the shard.
 
 Failed transfers never leave a shard without a valid copy:
 
@@ -32,10 +33,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import Shard
-from swap import SwapError, align_up
+from infinity.core.shards import Shard, ShardRegistry
+from infinity.core.tiers import HostTier
+from infinity.observability.timeline import Timeline
+from swap import SwapEngine, SwapError, align_up
 
 # The placement's logger: its transfer warnings keep the name users filter them by.
 log = logging.getLogger("infinity.core.placement")
@@ -51,7 +55,70 @@ def retryable(error: BaseException) -> bool:
     return isinstance(error, (SwapError, OSError))
 
 
+class SlotKeeper(Protocol):
+    """What applying transfer outcomes needs of the placement."""
+
+    def store_async(self, shard: Shard) -> None:
+        """Starts HOST -> NVMe (a failed write's retry)."""
+
+    def free_slot(self, shard: Shard) -> None:
+        """Gives ``shard``'s arena slot back."""
+
+    def leave_slot(self, shard: Shard) -> None:
+        """``shard`` leaves its arena slot, which stays allocated (quarantined)."""
+
+
 class Completions:
+    """Transfer outcomes and failures of one placement (see the module docstring)."""
+
+    def __init__(
+        self,
+        slots: SlotKeeper,
+        registry: ShardRegistry,
+        host: HostTier,
+        engine: SwapEngine | None,
+        timeline: Timeline,
+        max_retries: int = MAX_RETRIES,
+    ) -> None:
+        self._slots = slots
+        self.registry = registry
+        self.host = host
+        self.engine = engine
+        self.timeline = timeline
+        #: attempts of a transfer after its first failure (see the module docstring)
+        self.max_retries = max_retries
+        #: the training thread's seconds waiting for transfers
+        self.stall_seconds = 0.0
+        #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
+        #: for good (after the retries)
+        self.io_errors = 0
+        self.io_retries = 0
+        self.io_recoveries = 0
+        self.io_failures = 0
+        #: shard -> failed attempts of its current transfer
+        self._failed: dict[Shard, int] = {}
+        #: arena ranges (offset, nbytes, shard id) a timed-out read may still write into
+        self.quarantine: list[tuple[int, int, str]] = []
+
+    # -- attempts -------------------------------------------------------------------------------
+    def attempt(self, shard: Shard) -> None:
+        """A transfer of ``shard`` is issued: a retry if its last attempt failed."""
+        if self._failed.get(shard):
+            self.io_retries += 1
+
+    def failures(self, shard: Shard) -> int:
+        """Failed attempts of ``shard``'s current transfer."""
+        return self._failed.get(shard, 0)
+
+    def gave_up(self, shard: Shard) -> None:
+        """``shard``'s transfer failed for good: its error is raised."""
+        self._failed.pop(shard, None)
+        self.io_failures += 1
+
+    def forget(self, shard: Shard) -> None:
+        """``shard``'s failed transfer no longer matters (its value is overwritten whole)."""
+        self._failed.pop(shard, None)
+
     # -- reaping NVMe completions -----------------------------------------------------------
     def reap(self, shard: Shard, wait: bool = False) -> BaseException | None:
         """Applies the outcome of ``shard``'s transfer to its state, once it has finished (with
@@ -119,11 +186,9 @@ class Completions:
                 start + size,
                 shard.id,
             )
-            self.in_arena.discard(shard)
-            shard.arena_offset = None
-            shard.host = None
+            self._slots.leave_slot(shard)
         else:
-            self._free_slot(shard)
+            self._slots.free_slot(shard)
         self.registry.set_state(shard, R.NVME)
         log.warning(
             "read of shard %s (%d bytes) failed: %s: %s",
@@ -152,7 +217,7 @@ class Completions:
                 attempt,
                 self.max_retries,
             )
-            self.store_async(shard)
+            self._slots.store_async(shard)
             return True
         self._failed.pop(shard, None)
         self.io_failures += 1
@@ -196,8 +261,10 @@ class Completions:
         old, shard.extent = shard.extent, fresh
         self.engine.free(old)
 
-    def _reclaim_quarantine(self) -> None:
+    def reclaim_quarantine(self) -> None:
         """Gives back the quarantined arena ranges no timed-out read covers any more."""
+        if not self.quarantine:
+            return
         arena = self.host.arena
         records = [q for q in self.engine.quarantined() if q.op == "read" and q.buffer is arena]
         kept = []
@@ -213,36 +280,3 @@ class Completions:
     @property
     def quarantined_bytes(self) -> int:
         return sum(align_up(max(n, 1)) for _, n, _ in self.quarantine)
-
-    def drain(self) -> BaseException | None:
-        """Waits for every transfer in flight (before a checkpoint, at close). Returns the first
-        error of a transfer that failed for good (states stay legal; see ``reap``)."""
-        first = None
-        for shard in list(self.in_arena):
-            error = self.reap(shard, wait=True)
-            first = first or error
-        return first
-
-    def flush(self) -> None:
-        """Writes every dirty host copy in the arena to NVMe and waits: afterwards every
-        NVMe-backed shard's swap extent holds its current value, or this raises the error of a
-        write that failed for good (the shard stays dirty on the host)."""
-        errors: dict[Shard, BaseException] = {}
-        for shard in list(self.in_arena):
-            error = self.reap(shard, wait=True)
-            if error is not None:
-                errors[shard] = error
-            if shard.state is R.HOST:
-                self.store_async(shard)
-        for shard in list(self.in_arena):
-            error = self.reap(shard, wait=True)
-            if error is not None:
-                errors[shard] = error
-        dirty = [s for s in self.in_arena if s.state is R.HOST]
-        if dirty:
-            error = next((errors[s] for s in dirty if s in errors), None)
-            if error is not None:
-                raise error
-            raise RuntimeError(
-                f"flush left {len(dirty)} shard(s) dirty: {', '.join(s.id for s in dirty[:3])}"
-            )

@@ -89,7 +89,7 @@ def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
     return shard.entry.index, shard.kind is ShardKind.PARAM, shard.companion_key or "", shard.start
 
 
-class Placement(Completions, TracePrefetching, HostLending):
+class Placement(TracePrefetching, HostLending):
     def __init__(
         self,
         registry: ShardRegistry,
@@ -121,7 +121,6 @@ class Placement(Completions, TracePrefetching, HostLending):
         self.on_device: set[ParamEntry] = set()
         self.last_used: dict[int, int] = {}
         self.clock = 0
-        self.stall_seconds = 0.0
         self.prefetched_loads = 0
         #: reads the optimizer step started for its next tile
         self.read_ahead_loads = 0
@@ -156,18 +155,10 @@ class Placement(Completions, TracePrefetching, HostLending):
         self.assembled_ahead = 0
         #: device copies lent by the host copy instead of copied (see can_lend)
         self.lent_gathers = 0
-        #: attempts of a transfer after its first failure (see the module docstring)
-        self.max_retries = settings.max_retries
-        #: transfers that failed (each attempt), re-issued, succeeded after failing, and failed
-        #: for good (after the retries)
-        self.io_errors = 0
-        self.io_retries = 0
-        self.io_recoveries = 0
-        self.io_failures = 0
-        #: shard -> failed attempts of its current transfer
-        self._failed: dict[Shard, int] = {}
-        #: arena ranges (offset, nbytes, shard id) a timed-out read may still write into
-        self.quarantine: list[tuple[int, int, str]] = []
+        #: the outcomes of NVMe transfers: reaping, retries, quarantine, I/O counters
+        self.completions = Completions(
+            self, registry, host, engine, self.timeline, settings.max_retries
+        )
         #: the gradient path and what the loop sees of gradients
         self.gradients = Gradients(
             self,
@@ -228,7 +219,7 @@ class Placement(Completions, TracePrefetching, HostLending):
     @property
     def busy_seconds(self) -> float:
         """The training thread's seconds in the store's waits and device copies so far."""
-        return self.stall_seconds + self.device.copy_seconds
+        return self.completions.stall_seconds + self.device.copy_seconds
 
     # -- initialisation ---------------------------------------------------------------------
     def initialise(self, entry: ParamEntry, source: torch.Tensor) -> None:
@@ -251,8 +242,7 @@ class Placement(Completions, TracePrefetching, HostLending):
         self, shard: Shard, protect: Iterable[Shard], horizon: float, strict: bool = False
     ) -> bool:
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
-        if self.quarantine:
-            self._reclaim_quarantine()
+        self.completions.reclaim_quarantine()
         offset = self._after_previous(shard)
         if offset is None:
             offset = self.host.take_arena(shard.nbytes)
@@ -267,7 +257,8 @@ class Placement(Completions, TracePrefetching, HostLending):
         self.in_arena.add(shard)
         return True
 
-    def _free_slot(self, shard: Shard) -> None:
+    def free_slot(self, shard: Shard) -> None:
+        """Gives ``shard``'s arena slot back (its host copy goes with it)."""
         if shard.copy_event is not None:
             shard.copy_event.synchronize()
             shard.copy_event = None
@@ -276,6 +267,52 @@ class Placement(Completions, TracePrefetching, HostLending):
         self.doomed.discard(shard)
         shard.arena_offset = None
         shard.host = None
+
+    def leave_slot(self, shard: Shard) -> None:
+        """``shard`` leaves its arena slot without giving it back: a timed-out read may still
+        write there (the slot is quarantined; see :mod:`infinity.core.completions`)."""
+        self.in_arena.discard(shard)
+        shard.arena_offset = None
+        shard.host = None
+
+    # -- transfer outcomes (infinity.core.completions) -------------------------------------------
+    def reap(self, shard: Shard, wait: bool = False) -> BaseException | None:
+        """Applies the outcome of ``shard``'s NVMe transfer once it has finished (``wait``:
+        waits for it); see :meth:`Completions.reap`."""
+        return self.completions.reap(shard, wait)
+
+    def drain(self) -> BaseException | None:
+        """Waits for every transfer in flight (before a checkpoint, at close). Returns the first
+        error of a transfer that failed for good (states stay legal; see ``reap``)."""
+        first = None
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            first = first or error
+        return first
+
+    def flush(self) -> None:
+        """Writes every dirty host copy in the arena to NVMe and waits: afterwards every
+        NVMe-backed shard's swap extent holds its current value, or this raises the error of a
+        write that failed for good (the shard stays dirty on the host)."""
+        errors: dict[Shard, BaseException] = {}
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            if error is not None:
+                errors[shard] = error
+            if shard.state is R.HOST:
+                self.store_async(shard)
+        for shard in list(self.in_arena):
+            error = self.reap(shard, wait=True)
+            if error is not None:
+                errors[shard] = error
+        dirty = [s for s in self.in_arena if s.state is R.HOST]
+        if dirty:
+            error = next((errors[s] for s in dirty if s in errors), None)
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                f"flush left {len(dirty)} shard(s) dirty: {', '.join(s.id for s in dirty[:3])}"
+            )
 
     def _next_use(self):
         """Events until a shard is needed again, or None without a trace. Companions (grads,
@@ -530,7 +567,7 @@ class Placement(Completions, TracePrefetching, HostLending):
             self.registry.set_state(shard, R.DEVICE_NVME)
         else:
             raise RuntimeError(f"cannot evict the host copy of {shard}")
-        self._free_slot(shard)
+        self.free_slot(shard)
 
     # -- NVMe transfers -----------------------------------------------------------------------
     def store_async(self, shard: Shard) -> None:
@@ -538,8 +575,7 @@ class Placement(Completions, TracePrefetching, HostLending):
         assert self.engine is not None and shard.host is not None
         if shard.extent is None:
             shard.extent = self.engine.allocate(shard.nbytes)
-        if self._failed.get(shard):
-            self.io_retries += 1
+        self.completions.attempt(shard)
         # The engine refuses a bad request synchronously: the state changes only once the
         # transfer exists, so a refusal leaves the shard HOST.
         future = self.engine.write(
@@ -568,8 +604,7 @@ class Placement(Completions, TracePrefetching, HostLending):
             return True
         if not self._host_slot(shard, protect, horizon, strict):
             return False
-        if self._failed.get(shard):
-            self.io_retries += 1
+        self.completions.attempt(shard)
         try:
             future = self.engine.read(
                 shard.extent,
@@ -579,7 +614,7 @@ class Placement(Completions, TracePrefetching, HostLending):
                 tag=_tag(shard),
             )
         except BaseException:
-            self._free_slot(shard)  # refused: nothing in flight, the shard stays NVME
+            self.free_slot(shard)  # refused: nothing in flight, the shard stays NVME
             raise
         self.registry.set_state(shard, R.NVME_LOADING)
         shard.pending = future
@@ -612,10 +647,12 @@ class Placement(Completions, TracePrefetching, HostLending):
             )
         while not shard.state.on_host:
             if shard.state is R.NVME:
-                failures = self._failed.get(shard, 0)
-                if error is not None and (failures > self.max_retries or not retryable(error)):
-                    self._failed.pop(shard, None)
-                    self.io_failures += 1
+                completions = self.completions
+                failures = completions.failures(shard)
+                if error is not None and (
+                    failures > completions.max_retries or not retryable(error)
+                ):
+                    completions.gave_up(shard)
                     log.error(
                         "read of shard %s failed %d time(s); giving up: %s: %s",
                         shard.id,
@@ -626,8 +663,7 @@ class Placement(Completions, TracePrefetching, HostLending):
                     raise error
                 if not self.load_async(shard, protect):
                     if error is not None:  # the retry found no room: the failure is the news
-                        self._failed.pop(shard, None)
-                        self.io_failures += 1
+                        completions.gave_up(shard)
                         raise error
                     raise BudgetError(self._no_room(shard))
             if shard.state is R.NVME_LOADING:
@@ -640,11 +676,12 @@ class Placement(Completions, TracePrefetching, HostLending):
             f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
             f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} bytes)"
         )
-        if self.quarantine:
+        completions = self.completions
+        if completions.quarantine:
             hung = [q for q in self.engine.quarantined() if q.buffer is self.host.arena]
             return (
-                f"{text}: {self.quarantined_bytes} bytes of it are quarantined behind reads "
-                f"that timed out (the drive hangs?)"
+                f"{text}: {completions.quarantined_bytes} bytes of it are quarantined behind "
+                f"reads that timed out (the drive hangs?)"
                 + (f", e.g. a {hung[0].describe()}" if hung else "")
             )
         return f"{text}: raise buffer_count or buffer_size, or host_budget"
@@ -668,7 +705,7 @@ class Placement(Completions, TracePrefetching, HostLending):
             return
         if not self._host_slot(shard, protect, horizon=0.0):
             raise BudgetError(self._no_room(shard))
-        self._failed.pop(shard, None)
+        self.completions.forget(shard)
         # Its NVMe copy is superseded: through EMPTY (nothing valid), then HOST (dirty).
         self.registry.set_state(shard, R.EMPTY)
         self.registry.set_state(shard, R.HOST)
@@ -708,7 +745,7 @@ class Placement(Completions, TracePrefetching, HostLending):
             return
         self.reap(shard, wait=True)
         if shard.arena_offset is not None:
-            self._free_slot(shard)
+            self.free_slot(shard)
         self.registry.set_state(shard, R.EMPTY)
 
     # -- device copies ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def audit(placement: Any) -> list[str]:
     problems: list[str] = []
     shards = [s for p in placement.registry.shards.values() for s in (p, *p.companions.values())]
     ranges: list[tuple[int, int, str]] = []
-    host_bytes = placement.quarantined_bytes
+    host_bytes = placement.completions.quarantined_bytes
     for shard in shards:
         state = shard.state
         if (
@@ -56,7 +56,10 @@ def audit(placement: Any) -> list[str]:
                 f"{shard.id}: {state.name} but the entry is "
                 f"{'' if shard.entry.resident else 'not '}resident"
             )
-    ranges += [(o, o + align_up(max(n, 1)), f"quarantine({i})") for o, n, i in placement.quarantine]
+    ranges += [
+        (o, o + align_up(max(n, 1)), f"quarantine({i})")
+        for o, n, i in placement.completions.quarantine
+    ]
     ranges.sort()
     for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
         if start < end:

@@ -41,7 +41,7 @@ def store_stats(store: Any) -> dict[str, Any]:
         else 0.0,
         "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
         "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
-        "stall_seconds": placement.stall_seconds if placement else 0.0,
+        "stall_seconds": placement.completions.stall_seconds if placement else 0.0,
         # traffic between the device and host tiers; the seconds are the training thread's
         # own synchronous copies (all of them without a GPU: the share of a step that a
         # GPU's copy engine would take off the cores)
@@ -73,14 +73,14 @@ def store_stats(store: Any) -> dict[str, Any]:
         "backend": engine.backend_name if engine is not None else None,
         # failed transfers: each failed attempt, re-issues, transfers that succeeded after
         # failing, and failures that outlasted the retries (see infinity.core.placement)
-        "io_errors": placement.io_errors if placement else 0,
-        "io_retries": placement.io_retries if placement else 0,
-        "io_recoveries": placement.io_recoveries if placement else 0,
-        "io_failures": placement.io_failures if placement else 0,
+        "io_errors": placement.completions.io_errors if placement else 0,
+        "io_retries": placement.completions.io_retries if placement else 0,
+        "io_recoveries": placement.completions.io_recoveries if placement else 0,
+        "io_failures": placement.completions.io_failures if placement else 0,
         "io_timeouts": engine_stats.timeouts if engine_stats else 0,
         "integrity_errors": engine_stats.integrity_errors if engine_stats else 0,
         # arena bytes held back because a timed-out read may still write into them
-        "quarantined_bytes": placement.quarantined_bytes if placement else 0,
+        "quarantined_bytes": placement.completions.quarantined_bytes if placement else 0,
         # across data-parallel ranks (None in one process): bytes this rank sent into
         # all-gathers (its slices) and reductions (whole gradients), and the seconds the
         # training thread waited for them
