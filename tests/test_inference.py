@@ -216,7 +216,7 @@ def test_close_after_inference_gives_the_values_back() -> None:
     with torch.no_grad():
         model(prompt(1))
         model(prompt(1))
-    assert store.placement.lent_gathers > 0
+    assert store.placement.lending.lent_gathers > 0
     store.close()
     for (name, param), original in zip(model.named_parameters(), plain.parameters()):
         assert type(param) is torch.nn.Parameter
@@ -256,5 +256,5 @@ def test_training_after_inference_equals_plain(no_autograd) -> None:
                 net.eval()
                 out.append(loss.item())
             losses[which] = out
-        assert store.placement.lent_gathers > 0
+        assert store.placement.lending.lent_gathers > 0
     assert losses["attached"] == pytest.approx(losses["plain"], rel=1e-5, abs=1e-6)

@@ -3,30 +3,85 @@
 
 On a CPU device the device tier is host memory too, so a gather's copy is a memcpy on the cores
 that compute. Without autograd (inference) a gather lends the host copy itself when the
-parameter's shards form one range of the arena (``_after_previous`` places a parameter's shards
-in adjacent slots when it can), and otherwise copies into the device tier's reusable slab
-(``_stage``) rather than a fresh allocation. With autograd every gather copies: weights saved for
-backward must outlive an arena slot. The state (``ParamEntry.placeholder`` and ``slab_offset``,
-the counters) is set up in ``Placement``; everything runs on the training thread.
+parameter's shards form one range of the arena (:meth:`HostLending.after_previous` places a
+parameter's shards in adjacent slots when it can), and otherwise copies into the device tier's
+reusable slab (:meth:`HostLending.stage`) rather than a fresh allocation. With autograd every
+gather copies: weights saved for backward must outlive an arena slot.
+
+:class:`HostLending` keeps its own count of lent gathers; the state of a lent or staged copy is
+the entry's (``ParamEntry.placeholder`` and ``slab_offset``). What it needs of the placement
+(host copies settled, the device-copy helper) is :class:`DeviceCopies`. Everything runs on the
+training thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 
-from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
-from infinity.core.shards import ParamEntry, Shard, ShardKind
+from infinity.core.shards import ParamEntry, Shard, ShardKind, ShardRegistry
+from infinity.core.tiers import DeviceTier, HostTier
+
+if TYPE_CHECKING:
+    from infinity.ranks.partition import Partition
+
+
+class DeviceCopies(Protocol):
+    """What lending needs of the placement."""
+
+    @property
+    def on_device(self) -> set[ParamEntry]: ...
+
+    def shards_on_host(
+        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None = None
+    ) -> Iterator[Shard]: ...
+
+    def copy_to_device(
+        self,
+        entry: ParamEntry,
+        copy: Callable[[Shard], torch.cuda.Event | None],
+        undo: Callable[[], None],
+        *,
+        prepare: Callable[[], None] | None = None,
+        before_read: Callable[[Shard], None] | None = None,
+        complete: Callable[[], None] | None = None,
+    ) -> None: ...
+
+    def mark_resident(self, entry: ParamEntry) -> None: ...
+
+    def drop_device(self, entry: ParamEntry, force: bool = False) -> None: ...
 
 
 class HostLending:
-    """Mixed into Placement: its state, tiers and transfers are Placement's."""
+    """Lent and staged device copies of one placement (see the module docstring)."""
 
-    def _after_previous(self, shard: Shard) -> int | None:
+    def __init__(
+        self,
+        copies: DeviceCopies,
+        registry: ShardRegistry,
+        device: DeviceTier,
+        host: HostTier,
+        *,
+        partition: Partition | None,
+        persistent: frozenset[int],
+    ) -> None:
+        self._copies = copies
+        self.registry = registry
+        self.device = device
+        self.host = host
+        self.partition = partition
+        self.persistent = persistent
+        #: device copies lent by the host copy instead of copied (see can_lend)
+        self.lent_gathers = 0
+
+    def after_previous(self, shard: Shard) -> int | None:
         """The slot right after the previous shard of the same parameter, when that one fills
         a whole slot and the next slot is free (for the first shard, a slot with free ones
         after it): the shards are then one contiguous range, which a CPU device can compute on
-        without a copy (see can_lend)."""
+        without a copy (see can_lend). None where that does not apply or is not free."""
         if shard.kind is not ShardKind.PARAM or self.device.cuda:
             return None
         shards = shard.entry.shards
@@ -44,7 +99,7 @@ class HostLending:
         """Whether the device copy may be the host copy itself: a CPU device (both are host
         memory, so the copy would be a memcpy on the cores that compute), the parameter in its
         compute dtype in one range of host memory (one shard, or shards in adjacent arena slots:
-        see _after_previous), and one process. Only without autograd (the caller's word,
+        see after_previous), and one process. Only without autograd (the caller's word,
         ``gather(lend=True)``): backward may use views of the weights saved in forward after
         their host copy was evicted and its slot reused; a copy of its own keeps them valid
         (see drop_device)."""
@@ -55,7 +110,8 @@ class HostLending:
             and entry.index not in self.persistent
         )
 
-    def _contiguous(self, entry: ParamEntry) -> bool:
+    @staticmethod
+    def _contiguous(entry: ParamEntry) -> bool:
         """Whether the entry's host copies form one range (checked once they are on the
         host)."""
         shards = entry.shards
@@ -66,25 +122,24 @@ class HostLending:
             for a, b in zip(shards, shards[1:])
         )
 
-    def _lend(self, entry: ParamEntry) -> bool:
+    def lend(self, entry: ParamEntry) -> bool:
         """The device copy becomes a view of the host copy: no bytes move. The host copies
-        then stay until the device copy is dropped (``_evictable``), and eviction of one drops
-        the device copy first. False (nothing lent) when the shards did not land in one range
-        of the arena."""
+        then stay until the device copy is dropped (``Placement._evictable``), and eviction of
+        one drops the device copy first. False (nothing lent) when the shards did not land in
+        one range of the arena."""
         shards = entry.shards
-        self._start_reads(entry)
-        waiting = list(shards)
-        for shard in shards:
-            self._settled_on_host(shard, waiting)
+        for _shard in self._copies.shards_on_host(entry):
+            pass  # each host copy valid and settled, in turn
         if not self._contiguous(entry):
             return False
         self.device.charge(entry.device_bytes)
         first = shards[0]
-        view = (
-            first.host
-            if len(shards) == 1
-            else self.host.arena_view(first.arena_offset, entry.dtype, entry.numel)
-        )
+        if len(shards) == 1:
+            view = first.host
+        else:
+            assert first.arena_offset is not None  # contiguous in the arena
+            view = self.host.arena_view(first.arena_offset, entry.dtype, entry.numel)
+        assert view is not None  # on the host
         view = view.view(entry.shape)
         entry.placeholder = entry.device_tensor
         entry.device_tensor = view
@@ -92,12 +147,11 @@ class HostLending:
             entry.param.data = view
         for shard in shards:
             self.registry.set_state(shard, _TO_DEVICE[shard.state])
-        entry.resident = True
-        self.on_device.add(entry)
+        self._copies.mark_resident(entry)
         self.lent_gathers += 1
         return True
 
-    def _stage(self, entry: ParamEntry) -> bool:
+    def stage(self, entry: ParamEntry) -> bool:
         """Without autograd on a CPU device, where the host copy cannot be lent (its shards are
         not one range): the device copy is a range of the device tier's reusable slab, so the
         copy faults no fresh pages. False (nothing done) where the slab has no room."""
@@ -107,21 +161,14 @@ class HostLending:
         if offset is None:
             return False
         flat = self.device.slab_view(offset, entry.compute_dtype, entry.numel)
-        self._start_reads(entry)
-        waiting = list(entry.shards)
-        moved: list[Shard] = []
-        try:
-            for shard in entry.shards:
-                self._settled_on_host(shard, waiting)
-                self.device.copy_in(flat[shard.start : shard.start + shard.numel], shard.host)
-                # On the device now: the next shard's read may evict this host copy.
-                self.registry.set_state(shard, _TO_DEVICE[shard.state])
-                moved.append(shard)
-        except BaseException:
-            for shard in moved:
-                self.registry.set_state(shard, _FROM_DEVICE[shard.state])
-            self.device.slab_give(offset, entry.device_bytes)
-            raise
+
+        def copy(shard: Shard) -> torch.cuda.Event | None:
+            assert shard.host is not None  # settled on the host
+            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], shard.host)
+
+        self._copies.copy_to_device(
+            entry, copy, undo=lambda: self.device.slab_give(offset, entry.device_bytes)
+        )
         view = flat.view(entry.shape)
         entry.placeholder, entry.device_tensor, entry.slab_offset = (
             entry.device_tensor,
@@ -130,12 +177,10 @@ class HostLending:
         )
         with torch._C.DisableTorchFunctionSubclass():
             entry.param.data = view
-        entry.resident = True
-        self.on_device.add(entry)
         return True
 
     def return_lent(self) -> None:
         """Drops every lent device copy (before the host tier's memory goes away)."""
-        for entry in [e for e in self.on_device if e.placeholder is not None]:
+        for entry in [e for e in self._copies.on_device if e.placeholder is not None]:
             entry.holds = 0
-            self.drop_device(entry, force=True)
+            self._copies.drop_device(entry, force=True)

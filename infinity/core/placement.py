@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -89,7 +89,7 @@ def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
     return shard.entry.index, shard.kind is ShardKind.PARAM, shard.companion_key or "", shard.start
 
 
-class Placement(TracePrefetching, HostLending):
+class Placement(TracePrefetching):
     def __init__(
         self,
         registry: ShardRegistry,
@@ -153,11 +153,19 @@ class Placement(TracePrefetching, HostLending):
         #: entry index -> all-gathers a look-ahead left under way for its device copy
         self.assembling: dict[int, list] = {}
         self.assembled_ahead = 0
-        #: device copies lent by the host copy instead of copied (see can_lend)
-        self.lent_gathers = 0
         #: the outcomes of NVMe transfers: reaping, retries, quarantine, I/O counters
         self.completions = Completions(
             self, registry, host, engine, self.timeline, settings.max_retries
+        )
+        #: device copies that are the host copy itself, or a range of the device slab (a CPU
+        #: device, without autograd)
+        self.lending = HostLending(
+            self,
+            registry,
+            device,
+            host,
+            partition=partition,
+            persistent=settings.persistent,
         )
         #: the gradient path and what the loop sees of gradients
         self.gradients = Gradients(
@@ -243,7 +251,7 @@ class Placement(TracePrefetching, HostLending):
     ) -> bool:
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
         self.completions.reclaim_quarantine()
-        offset = self._after_previous(shard)
+        offset = self.lending.after_previous(shard)
         if offset is None:
             offset = self.host.take_arena(shard.nbytes)
         if offset is None:
@@ -752,17 +760,18 @@ class Placement(TracePrefetching, HostLending):
     def gather(self, entry: ParamEntry, hold: bool = True, lend: bool = False) -> None:
         """Makes the parameter's device copy resident (filling its storage from the host
         masters) and takes a hold on it. ``lend`` (the caller runs without autograd): where the
-        host copy can serve as the device copy (see :meth:`can_lend`), use it instead of
-        copying."""
+        host copy can serve as the device copy (see :meth:`HostLending.can_lend`), use it
+        instead of copying."""
         self.clock += 1
         self.last_used[entry.index] = self.clock
         self.settle(entry)
-        lend = lend and self.can_lend(entry)
+        lending = self.lending
+        lend = lend and lending.can_lend(entry)
         if entry.placeholder is not None and not lend:
             self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
         if not entry.resident:
             self._make_device_room(entry)
-            if not (lend and (self._lend(entry) or self._stage(entry))):
+            if not (lend and (lending.lend(entry) or lending.stage(entry))):
                 self._fill_device(entry)
         if hold:
             entry.holds += 1
@@ -809,64 +818,119 @@ class Placement(TracePrefetching, HostLending):
                 if shard.state is R.NVME:
                     self.load_async(shard, protect=entry.shards, horizon=0.5)
 
-    def _settled_on_host(self, shard: Shard, waiting: list[Shard]) -> None:
-        """``shard``'s host copy, valid and in a settled state to move from (no write under
-        way), protecting the entry's shards still ``waiting``; removes it from them."""
-        self.ensure_host(shard, protect=waiting)
-        waiting.remove(shard)
-        if shard.state is R.HOST_STORING:
-            self.reap(shard, wait=True)
-
-    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
-        """Fills the entry's device copy from its host masters (across ranks: assembled from
-        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+    def shards_on_host(
+        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None = None
+    ) -> Iterator[Shard]:
+        """Starts the reads of the entry's shards now (so they overlap, and overlap what the
+        caller does before taking the first shard), then yields each shard in turn once its
+        host copy is valid and settled (no write under way), protecting the shards still to
+        come. ``before_read(shard)`` runs first for a shard not on the host yet."""
         self._start_reads(entry)
-        tensor = entry.device_tensor
-        self.device.fill(tensor)
-        flat = tensor.view(-1)
-        events = []
+        return self._settled_in_turn(entry, before_read)
+
+    def _settled_in_turn(
+        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None
+    ) -> Iterator[Shard]:
         waiting = list(entry.shards)
+        for shard in entry.shards:
+            if before_read is not None and not shard.state.on_host:
+                before_read(shard)
+            self.ensure_host(shard, protect=waiting)
+            waiting.remove(shard)
+            if shard.state is R.HOST_STORING:
+                self.reap(shard, wait=True)
+            yield shard
+
+    def copy_to_device(
+        self,
+        entry: ParamEntry,
+        copy: Callable[[Shard], torch.cuda.Event | None],
+        undo: Callable[[], None],
+        *,
+        prepare: Callable[[], None] | None = None,
+        before_read: Callable[[Shard], None] | None = None,
+        complete: Callable[[], None] | None = None,
+    ) -> None:
+        """Makes ``entry``'s device copy from its host copies: starts their reads, runs
+        ``prepare`` (the destination's bytes), then, shard by shard as each host copy is
+        settled (see :meth:`shards_on_host`), ``copy`` (which returns the copy's event or None)
+        and marks the shard on the device (the next shard's read may evict its host copy);
+        ``complete`` runs once all are copied. If anything fails the device copy is incomplete
+        and none of it counts: the shards copied so far go back to their host/NVMe states, the
+        copies are waited for and ``undo`` frees the destination. Otherwise the entry is
+        resident once its copies are ordered before the compute stream's next use."""
+        shards = self.shards_on_host(entry, before_read)
+        if prepare is not None:
+            prepare()
+        events: list[torch.cuda.Event | None] = []
         moved: list[Shard] = []
-        assembling = []  # all-gathers under way (several ranks)
         try:
             with torch.no_grad():
-                for shard in entry.shards:
-                    if assembling and not defer and not shard.state.on_host:
-                        # Its read may evict the slices the all-gathers under way read.
-                        for pending in assembling:
-                            pending.wait()
-                        assembling.clear()
-                    self._settled_on_host(shard, waiting)
-                    if shard.piece is None:
-                        event = self.device.copy_in(
-                            flat[shard.start : shard.start + shard.numel], shard.host
-                        )
-                    else:
-                        event, pending = self._assemble(flat, shard, own_input=defer)
-                        assembling.append(pending)
+                for shard in shards:
+                    event = copy(shard)
                     shard.copy_event = event
                     events.append(event)
                     self.registry.set_state(shard, _TO_DEVICE[shard.state])
                     moved.append(shard)
-                if defer:
-                    self.assembling[entry.index] = assembling
-                else:
-                    for pending in assembling:
-                        pending.wait()
+                if complete is not None:
+                    complete()
         except BaseException:
-            # A shard could not be read: the device copy is incomplete, so none of it
-            # counts. The shards copied so far keep their host/NVMe copies.
             for shard in moved:
                 self.registry.set_state(shard, _FROM_DEVICE[shard.state])
             for event in events:
                 if event is not None:
                     event.synchronize()
-            self.device.empty(tensor)
+            undo()
             raise
         for event in events:
             self.device.wait(event)
+        self.mark_resident(entry)
+
+    def mark_resident(self, entry: ParamEntry) -> None:
+        """``entry``'s device copy holds its values."""
         entry.resident = True
         self.on_device.add(entry)
+
+    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
+        """Fills the entry's device copy from its host masters (across ranks: assembled from
+        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+        tensor = entry.device_tensor
+        assert tensor is not None  # given at attach (adopt)
+        flat = tensor.view(-1)  # the storage that fill() gives its bytes
+        assembling: list[Any] = []  # all-gathers under way (several ranks)
+
+        def before_read(shard: Shard) -> None:
+            if assembling and not defer:
+                # Its read may evict the slices the all-gathers under way read.
+                for pending in assembling:
+                    pending.wait()
+                assembling.clear()
+
+        def copy(shard: Shard) -> torch.cuda.Event | None:
+            if shard.piece is None:
+                assert shard.host is not None  # settled on the host
+                return self.device.copy_in(
+                    flat[shard.start : shard.start + shard.numel], shard.host
+                )
+            event, pending = self._assemble(flat, shard, own_input=defer)
+            assembling.append(pending)
+            return event
+
+        def complete() -> None:
+            if defer:
+                self.assembling[entry.index] = assembling
+            else:
+                for pending in assembling:
+                    pending.wait()
+
+        self.copy_to_device(
+            entry,
+            copy,
+            undo=lambda: self.device.empty(tensor),
+            prepare=lambda: self.device.fill(tensor),
+            before_read=before_read,
+            complete=complete,
+        )
 
     def _assemble(
         self, flat: torch.Tensor, shard: Shard, own_input: bool = False

@@ -148,11 +148,11 @@ class ParamEntry:
     #: the parameter's dtype when attached: what it gets back at close
     given_dtype: torch.dtype | None = None
     #: set while the device copy is lent by the host copy (a CPU device in inference, see
-    #: Placement.lend): ``device_tensor`` is then a view of the host master, and this is the
+    #: HostLending.lend): ``device_tensor`` is then a view of the host master, and this is the
     #: empty placeholder the parameter goes back to when the copy is dropped
     placeholder: torch.Tensor | None = None
     #: set while the device copy is a range of the device tier's reusable slab (a CPU device in
-    #: inference, when the host copy cannot be lent: see Placement._stage): its byte offset
+    #: inference, when the host copy cannot be lent: see HostLending.stage): its byte offset
     slab_offset: int | None = None
 
     @property

@@ -939,7 +939,7 @@ class TieredStore(Stepping):
                         failure = exc
                 # Failed write-backs do not matter here: the host copies stay valid.
                 placement.drain()
-                placement.return_lent()  # before the parameters get their values back
+                placement.lending.return_lent()  # before the parameters get their values back
                 if self.access is not None:
                     self.access.remove()  # the parameters are plain again
                 if restore:
@@ -971,7 +971,7 @@ class TieredStore(Stepping):
                 self.engine.close()
                 self.engine = None
             if placement is not None:
-                placement.return_lent()  # they would view the host memory closed next
+                placement.lending.return_lent()  # they would view the host memory closed next
                 placement.device.close()
             if self._host_tier is not None:
                 self._host_tier.close()

@@ -49,7 +49,7 @@ def store_stats(store: Any) -> dict[str, Any]:
         "bytes_from_device": placement.device.bytes_out if placement else 0,
         "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
         # device copies that are the host copy itself (a CPU device, no autograd): no copy
-        "lent_gathers": placement.lent_gathers if placement else 0,
+        "lent_gathers": placement.lending.lent_gathers if placement else 0,
         # a CPU device's gathers that found no free range in its slab (fresh memory instead)
         "device_slab_misses": placement.device.slab_misses if placement else 0,
         "steps": store.steps,
