@@ -405,7 +405,7 @@ def test_write_backs_a_pass_waited_for_start_ahead_in_the_next_forward(tmp_path)
         )
         model = make_model()
         model, optimizer = store.attach(model, fused_adamw(model.parameters()))
-        store.placement.write_ahead_enabled = ahead
+        store.placement.prefetching.write_ahead_enabled = ahead
         losses = train(model, optimizer, 6)
         runs[ahead] = (losses, {k: v.clone() for k, v in model.state_dict().items()}, store.stats())
         store.close()

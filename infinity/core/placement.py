@@ -36,7 +36,7 @@ from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.residency import Residency as R
 from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
-from infinity.core.trace import TraceFollower
+from infinity.core.trace import Event, TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
 from infinity.observability.timeline import Timeline
 from infinity.training.gradients import Gradients
@@ -89,7 +89,7 @@ def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
     return shard.entry.index, shard.kind is ShardKind.PARAM, shard.companion_key or "", shard.start
 
 
-class Placement(TracePrefetching):
+class Placement:
     def __init__(
         self,
         registry: ShardRegistry,
@@ -114,7 +114,6 @@ class Placement(TracePrefetching):
         self.engine = engine
         self.follower = follower
         self.eviction = eviction
-        self.prefetcher = prefetch
         self.in_arena: set[Shard] = set()
         #: shards whose host copies are in use right now (the optimizer's current tile)
         self.pinned: set[Shard] = set()
@@ -134,22 +133,14 @@ class Placement(TracePrefetching):
         #: the optimizer updates each entry in backward, as its gradient completes (the
         #: ``step_in_backward`` option): its optimizer state is needed there, not in the step
         self.update_in_backward = False
-        #: write-behind learned from the last forward + backward: the dirty shards that its
-        #: reads and gradients had to evict, written back on the spot while the pass waited
-        self._forced_writes: list[Shard] = []
-        self._forced_last: list[Shard] = []
         #: arena shards written back to free their room (see :meth:`_make_arena_room`): once
         #: clean, they are the first to go
         self.doomed: set[Shard] = set()
-        self._prewritten = 0  # how many of _forced_last this pass has looked at
         self._in_pass = False  # between the first forward hook and optimizer.step()
         #: a training pass began and its step has not finished: the step needs the masters
         self.masters_due = False
-        #: learn and start ahead the write-backs a pass had to wait for (see write_ahead)
-        self.write_ahead_enabled = True
-        #: write-backs eviction had to start during forward/backward, and those started ahead
+        #: write-backs eviction had to start during forward/backward
         self.forced_pass_writes = 0
-        self.writes_ahead = 0
         #: entry index -> all-gathers a look-ahead left under way for its device copy
         self.assembling: dict[int, list] = {}
         self.assembled_ahead = 0
@@ -166,6 +157,17 @@ class Placement(TracePrefetching):
             host,
             partition=partition,
             persistent=settings.persistent,
+        )
+        #: reads and write-backs ahead of need, driven by the trace
+        self.prefetching = TracePrefetching(
+            self,
+            registry,
+            follower,
+            host,
+            prefetch,
+            nvme=settings.params_on_nvme,
+            swaps=engine is not None,
+            prefetch_bytes=settings.prefetch_bytes,
         )
         #: the gradient path and what the loop sees of gradients
         self.gradients = Gradients(
@@ -228,6 +230,18 @@ class Placement(TracePrefetching):
     def busy_seconds(self) -> float:
         """The training thread's seconds in the store's waits and device copies so far."""
         return self.completions.stall_seconds + self.device.copy_seconds
+
+    # -- module events --------------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        """A module is about to run (forward or backward): the trace follower observes it,
+        the timeline records it, and reads and write-backs ahead of need start."""
+        self.follower.observe(event, busy=self.busy_seconds)
+        if self.timeline.enabled:
+            names = self.settings.module_names
+            self.timeline.event(
+                event.kind, names[event.module] if event.module < len(names) else str(event.module)
+            )
+        self.prefetching.at_event(event)
 
     # -- initialisation ---------------------------------------------------------------------
     def initialise(self, entry: ParamEntry, source: torch.Tensor) -> None:
@@ -473,19 +487,17 @@ class Placement(TracePrefetching):
     def _forced_write(self, shard: Shard) -> None:
         """A write-back that eviction needs now; remembered when a forward or backward pass
         forced it, or the step did for a shard it had not updated yet (dirty since the last
-        step), so the next forward can start it ahead (see :meth:`write_ahead`)."""
+        step), so the next forward can start it ahead (see :meth:`TracePrefetching.write_ahead`)."""
         self.store_async(shard)
         self.doomed.add(shard)
         if self._in_pass:
             self.forced_pass_writes += 1
         elif not self.masters_due or shard.entry.index in self.stepped:
             return  # outside a training iteration, or updated by this step
-        if shard.kind is not ShardKind.GRAD:  # gradients change during backward
-            self._forced_writes.append(shard)
+        self.prefetching.remember_forced(shard)
 
     def pass_started(self) -> None:
-        self._forced_last, self._forced_writes = self._forced_writes, []
-        self._prewritten = 0
+        self.prefetching.pass_started()
         self._in_pass = True
         self.masters_due = True
 

@@ -4,23 +4,111 @@
 At each event the prefetch policy names the entries worth reading now, nearest use first, and a
 read may only evict what is needed after it (see ``Placement._make_arena_room``); with updates in
 backward the optimizer state of the next updates is read too. Write-ahead starts, during forward,
-the write-backs the last pass had to wait for. The state these use (the policy, the byte cap, the
-write-ahead lists) is set up in ``Placement.__init__``; everything runs on the training thread.
+the write-backs the last pass had to wait for.
+
+:class:`TracePrefetching` keeps its own state (the policy, the byte cap, what the last pass had
+to write back and how much of it was started ahead); what it needs of the placement (its arena
+shards and transfers) is :class:`ReadsAndWrites`. Everything runs on the training thread.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
+from infinity.core.policies import PrefetchPolicy
 from infinity.core.residency import Residency as R
-from infinity.core.shards import Shard, ShardKind
-from infinity.core.trace import FORWARD, Event, Trace
+from infinity.core.shards import Shard, ShardKind, ShardRegistry
+from infinity.core.tiers import HostTier
+from infinity.core.trace import FORWARD, Event, Trace, TraceFollower
 from infinity.training.optimizer import state_companions
 
 
+class ReadsAndWrites(Protocol):
+    """What reading and writing ahead needs of the placement."""
+
+    @property
+    def in_arena(self) -> set[Shard]: ...
+
+    @property
+    def pinned(self) -> set[Shard]: ...
+
+    @property
+    def stepped(self) -> set[int]: ...
+
+    @property
+    def update_in_backward(self) -> bool: ...
+
+    def reap(self, shard: Shard, wait: bool = False) -> BaseException | None: ...
+
+    def store_async(self, shard: Shard) -> None: ...
+
+    def load_async(
+        self,
+        shard: Shard,
+        protect: Iterable[Shard] = (),
+        horizon: float = 0.0,
+        prefetch: bool = False,
+        read_ahead: bool = False,
+        strict: bool = False,
+    ) -> bool: ...
+
+    def clean_ahead(
+        self, reserve: int, protect: Iterable[Shard] = (), horizon: float = 0.0
+    ) -> None: ...
+
+
 class TracePrefetching:
-    """Mixed into Placement: its state and its eviction mechanism are Placement's."""
+    """Reads and write-backs ahead of need for one placement (see the module docstring)."""
+
+    def __init__(
+        self,
+        placement: ReadsAndWrites,
+        registry: ShardRegistry,
+        follower: TraceFollower,
+        host: HostTier,
+        policy: PrefetchPolicy,
+        *,
+        nvme: bool,
+        swaps: bool,
+        prefetch_bytes: int | None,
+    ) -> None:
+        """``nvme``: the parameters' masters are on NVMe (what prefetch reads); ``swaps``:
+        anything is (a swap engine exists)."""
+        self._placement = placement
+        self.registry = registry
+        self.follower = follower
+        self.host = host
+        self.policy = policy
+        self.nvme = nvme
+        self.swaps = swaps
+        #: cap on bytes of prefetch reads in flight (None: bounded by the arena)
+        self.prefetch_bytes = prefetch_bytes
+        #: learn and start ahead the write-backs a pass had to wait for (see write_ahead);
+        #: benchmarks and tests turn it off to compare
+        self.write_ahead_enabled = True
+        #: write-behind learned from the last forward + backward: the dirty shards that its
+        #: reads and gradients had to evict, written back on the spot while the pass waited
+        self._forced_writes: list[Shard] = []
+        self._forced_last: list[Shard] = []
+        self._prewritten = 0  # how many of _forced_last this pass has looked at
+        #: write-backs started ahead
+        self.writes_ahead = 0
+
+    # -- write-ahead ----------------------------------------------------------------------------
+    def remember_forced(self, shard: Shard) -> None:
+        """A training iteration had to wait for ``shard``'s write-back: the next one starts it
+        ahead (see :meth:`write_ahead`). Gradients are not remembered: they change during
+        backward."""
+        if shard.kind is not ShardKind.GRAD:
+            self._forced_writes.append(shard)
+
+    def pass_started(self) -> None:
+        """A forward pass with autograd begins: what the last one had to write back is what
+        this one writes ahead."""
+        self._forced_last, self._forced_writes = self._forced_writes, []
+        self._prewritten = 0
 
     def write_ahead(self, share: float) -> None:
         """Starts the write-backs the last pass had to wait for, ``share`` of them per call
@@ -29,23 +117,24 @@ class TracePrefetching:
         made dirty), and nothing changes them before the step, so their eviction in backward
         finds them clean at the cost of the same write. One that this pass ends up not evicting
         is written again after the step (a few percent more bytes on a small GPT)."""
+        placement = self._placement
         last = self._forced_last
         stop = min(len(last), self._prewritten + max(1, round(share * len(last))))
         while self._prewritten < stop:
             shard = last[self._prewritten]
             self._prewritten += 1
-            self.reap(shard)
-            if shard.state is R.HOST and shard in self.in_arena and shard not in self.pinned:
-                self.store_async(shard)
+            placement.reap(shard)
+            if (
+                shard.state is R.HOST
+                and shard in placement.in_arena
+                and shard not in placement.pinned
+            ):
+                placement.store_async(shard)
                 self.writes_ahead += 1
 
-    def on_event(self, event: Event) -> None:
-        self.follower.observe(event, busy=self.busy_seconds)
-        if self.timeline.enabled:
-            names = self.settings.module_names
-            self.timeline.event(
-                event.kind, names[event.module] if event.module < len(names) else str(event.module)
-            )
+    # -- at each event --------------------------------------------------------------------------
+    def at_event(self, event: Event) -> None:
+        """Reads (and write-backs) ahead after the follower observed ``event``."""
         if not self.nvme or self.follower.trace is None:
             return
         trace = self.follower.trace
@@ -63,7 +152,7 @@ class TracePrefetching:
             shard for index in event.entries for shard in self.registry.entries[index].shards
         }
         budget = self.prefetch_ahead(protect=current)
-        if budget is not None and self.update_in_backward:
+        if budget is not None and self._placement.update_in_backward:
             # Strict: it reads far ahead, and what a read evicts out of order must be read
             # again (without it, half as many bytes again were read at bench_overlap's smallest
             # arena). In forward only the state of updates a few events away: further, the room
@@ -73,7 +162,7 @@ class TracePrefetching:
             reach = (
                 math.inf
                 if event.kind != FORWARD
-                else 2 * max(1, getattr(self.prefetcher, "depth", 1)) + 1
+                else 2 * max(1, getattr(self.policy, "depth", 1)) + 1
             )
             self._prefetch(self._state_wanted(trace, position, reach), budget, strict=True)
 
@@ -83,15 +172,15 @@ class TracePrefetching:
         if not self.nvme or trace is None:
             return None
         position = self.follower.position
-        budget = self.settings.prefetch_bytes
+        budget = self.prefetch_bytes
         if budget is not None:
-            budget -= sum(s.nbytes for s in self.in_arena if s.state is R.NVME_LOADING)
+            budget -= sum(s.nbytes for s in self._placement.in_arena if s.state is R.NVME_LOADING)
         entries = self.registry.entries
 
         def wanted() -> Iterator[tuple[Shard, float]]:
             # Only shards still on NVMe: the window ahead is mostly read already (with
             # streaming inference, the whole trace is walked at every event).
-            for index in self.prefetcher.wanted(self.follower):
+            for index in self.policy.wanted(self.follower):
                 horizon = None
                 for shard in entries[index].shards:
                     if shard.state is R.NVME:
@@ -125,12 +214,13 @@ class TracePrefetching:
         needed after its horizon. Returns the ``prefetch_bytes`` left (``math.inf`` without a
         cap), or None once a read found no room or the cap was reached: prefetch less, never
         over-commit."""
+        placement = self._placement
         left = math.inf if budget is None else budget
         for shard, horizon in wanted:
-            self.reap(shard)
+            placement.reap(shard)
             if shard.state is not R.NVME:
                 continue
-            if left < shard.nbytes or not self.load_async(
+            if left < shard.nbytes or not placement.load_async(
                 shard, protect, horizon=horizon, prefetch=True, strict=strict
             ):
                 return None
@@ -149,7 +239,7 @@ class TracePrefetching:
         for update, index in trace.updates_from(position):
             if update - position > reach:
                 return
-            if index in self.stepped:
+            if index in self._placement.stepped:
                 continue
             for shard in self.registry.entries[index].shards:
                 for companion in shard.companions.values():
@@ -171,12 +261,12 @@ class TracePrefetching:
         no change under 1.0 GiB; eight stalled as little but wrote 10% more, for room that later
         reads took back."""
         trace = self.follower.trace
-        if self.engine is None or trace is None:
+        if not self.swaps or trace is None:
             return
         position = self.follower.position
         missing, horizon = 0, 0.0
         for update, index in trace.updates_from(position)[:updates]:
-            if index in self.stepped:
+            if index in self._placement.stepped:
                 continue
             horizon = update - position + 1.0
             for shard in self.registry.entries[index].shards:
@@ -186,4 +276,4 @@ class TracePrefetching:
                     if part.state in (R.NVME, R.DEVICE_NVME)
                 )
         if missing:
-            self.clean_ahead(missing, horizon=horizon)
+            self._placement.clean_ahead(missing, horizon=horizon)

@@ -61,7 +61,7 @@ def store_stats(store: Any) -> dict[str, Any]:
         # write-backs eviction had to start (and wait for) during forward and backward,
         # and those started ahead, during forward, from what the last pass had to wait for
         "forced_pass_writes": placement.forced_pass_writes if placement else 0,
-        "write_ahead_writes": placement.writes_ahead if placement else 0,
+        "write_ahead_writes": placement.prefetching.writes_ahead if placement else 0,
         "grad_bytes": placement.gradients.grad_bytes if placement else 0,
         "pinned_bytes": placement.host.pinned_bytes if placement else 0,
         "rss_peak_bytes": store._rss_peak,

@@ -587,8 +587,8 @@ def _replay(
             if event.kind == FORWARD:
                 for entry in used:
                     placement.release(entry)
-                if placement.inference_iteration_over:
-                    placement.prefetch_ahead()
+                if placement.prefetching.inference_iteration_over:
+                    placement.prefetching.prefetch_ahead()
                 continue
             for entry in used:
                 holds[entry] = holds.get(entry, 0) + 1

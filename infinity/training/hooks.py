@@ -184,9 +184,9 @@ class HookSet:
             with _normal_tensors():
                 for entry in gathered:
                     self._release(entry)
-            if not torch.is_grad_enabled() and self.placement.inference_iteration_over:
+            if not torch.is_grad_enabled() and self.placement.prefetching.inference_iteration_over:
                 with _normal_tensors():
-                    self.placement.prefetch_ahead()
+                    self.placement.prefetching.prefetch_ahead()
             if torch.is_grad_enabled():
                 self._hook_outputs(flat, backward_event, entries)
                 self._hook_inputs((args, kwargs), entries)

@@ -180,7 +180,7 @@ class Stepping:
         for shard in todo:
             # Consumed: optimizer.step() must not apply it again, and its memory is free now.
             placement.gradients.drop_grad(shard)
-        placement.clean_for_updates()
+        placement.prefetching.clean_for_updates()
         if entry.index in placement.persistent:
             placement.gather(entry, hold=False)
 
