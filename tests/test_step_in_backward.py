@@ -214,7 +214,9 @@ def test_host_gradients_are_used_in_place_and_parked_when_the_update_waits(tmp_p
                 for s in placement.registry.shards.values()
                 if s.kind is ShardKind.PARAM and placement.gradients.has_grad(s)
             ]
-            updated = [e for e in store.registry.entries if e.index in store._updated_in_backward]
+            updated = [
+                e for e in store.registry.entries if e.index in store.stepping.updated_in_backward
+            ]
             assert waiting and updated  # both paths ran: some updates waited, some did not
             assert all(s.grad is None and placement.gradients.grad_in_companion(s) for s in waiting)
             assert placement.gradients.grad_bytes == 0

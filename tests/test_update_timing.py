@@ -295,7 +295,7 @@ def test_an_update_without_room_in_backward_waits_for_the_step(tmp_path, caplog)
     try:
         attached = copy.deepcopy(reference)
         model, optimizer = store.attach(attached, fused_adamw(attached.parameters()))
-        tiled_step, calls = store._tiled_step, []
+        tiled_step, calls = store.stepping._tiled_step, []
 
         def no_room_once(optimizer, todo, multiplier, done):
             calls.append(todo[0].entry.name)
@@ -303,7 +303,7 @@ def test_an_update_without_room_in_backward_waits_for_the_step(tmp_path, caplog)
                 raise BudgetError("no room in the host staging arena (forced by the test)")
             return tiled_step(optimizer, todo, multiplier, done)
 
-        store._tiled_step = no_room_once
+        store.stepping._tiled_step = no_room_once
         modes: list = []
         with caplog.at_level(logging.INFO, logger="infinity.training.update_timing"):
             losses, _ = run_loop(model, optimizer, 4, modes=modes)

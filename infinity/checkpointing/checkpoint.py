@@ -33,7 +33,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -65,8 +65,13 @@ from infinity.checkpointing.storage import (
     InfinityStorageWriter,
 )
 from infinity.core.residency import Residency as R
+from infinity.core.shards import Shard
 from infinity.errors import CheckpointError, InfinityError
 from infinity.training.optimizer import _KERNEL_KEYS, _step_shape, state_companions
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +82,7 @@ STATE_FORMAT = "infinity-state-1"
 class Checkpointer:
     """Saves and loads one attached store's training state; see the module docstring."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: AttachedStore) -> None:
         self.store = store
         #: figures of the last save / load (seconds, bytes), for tools and logs
         self.last: dict[str, float] = {}
@@ -336,8 +341,7 @@ class Checkpointer:
         except CheckpointException as exc:
             raise _unwrapped(exc, f"loading the checkpoint {path}") from None
         planner.finish()
-        store.steps = state["steps"]
-        store.skipped_steps = state["skipped_steps"]
+        store.stepping.restore_counts(state["steps"], state["skipped_steps"])
         if store.scaler is not None and state["scaler"] is not None:
             store.scaler.load_state_dict(decode(state["scaler"]))
             placement.gradients.set_loss_scale(store.scaler.scale)
@@ -419,11 +423,11 @@ def _unwrapped(exc: Any, what: str) -> BaseException:
 
 
 # -- DCP planners ----------------------------------------------------------------------------------
-def _per_element(value: Any, shard: Any) -> bool:
+def _per_element(value: Any, shard: Shard) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == shard.numel and value.dim() > 0
 
 
-def _chunks(store: Any) -> list[tuple[str, Any, str | None]]:
+def _chunks(store: AttachedStore) -> list[tuple[str, Any, str | None]]:
     """(key, shard, optimizer state key or None) for every chunk this rank holds."""
     out = []
     optimizer = store.optimizer
@@ -448,7 +452,7 @@ def _chunks(store: Any) -> list[tuple[str, Any, str | None]]:
 class _SavePlanner(SavePlanner):
     """Plans this rank's chunks and reads each from the tiers when the writer asks."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: AttachedStore) -> None:
         self.store = store
         self.sources: dict[tuple[str, int], tuple[Any, str | None]] = {}
         #: an asynchronous save's staging queue (None: read on demand, in this thread)
@@ -485,7 +489,7 @@ class _SavePlanner(SavePlanner):
             self.sources[(key, shard.start)] = (shard, state_key)
         self.plan = SavePlan(items)
 
-    def _state_dtype(self, shard: Any, key: str) -> torch.dtype:
+    def _state_dtype(self, shard: Shard, key: str) -> torch.dtype:
         companion = state_companions(shard).get(key)
         if companion is not None:
             return companion.dtype
@@ -540,21 +544,21 @@ class _SavePlanner(SavePlanner):
             started.pop(i, None)
             yield item, tensor
 
-    def _part(self, shard: Any, state_key: str | None) -> Any:
+    def _part(self, shard: Shard, state_key: str | None) -> Any:
         """The shard whose bytes hold a chunk (the master, or its state's companion); None
         for state that lives in memory."""
         if state_key is None:
             return shard if self.store.placement.nvme else None
         return state_companions(shard).get(state_key)
 
-    def read(self, shard: Any, state_key: str | None, copy: bool = True) -> torch.Tensor:
+    def read(self, shard: Shard, state_key: str | None, copy: bool = True) -> torch.Tensor:
         """This rank's chunk of ``shard`` (its master, or an optimizer state): a copy, or
         (``copy=False``) a view valid until the tiers next move something."""
         placement = self.store.placement
         out = self._view(placement, shard, state_key)
         return out.clone() if copy else out
 
-    def _view(self, placement: Any, shard: Any, state_key: str | None) -> torch.Tensor:
+    def _view(self, placement: Any, shard: Shard, state_key: str | None) -> torch.Tensor:
         real = shard.real_numel
         if state_key is None:
             placement.ensure_host(shard)
@@ -577,7 +581,7 @@ class _LoadPlanner(LoadPlanner):
     """Reads this rank's chunks (whatever slices the checkpoint was saved in) and writes each
     into its shard as soon as all of its bytes are in."""
 
-    def __init__(self, store: Any, load_optimizer: bool) -> None:
+    def __init__(self, store: AttachedStore, load_optimizer: bool) -> None:
         self.store = store
         self.load_optimizer = load_optimizer
         self.targets: dict[tuple[str, int], tuple[Any, str | None]] = {}
@@ -668,7 +672,7 @@ class _LoadPlanner(LoadPlanner):
         else:
             self._write_state(shard, state_key, buffer)
 
-    def _write_master(self, shard: Any, values: torch.Tensor) -> None:
+    def _write_master(self, shard: Shard, values: torch.Tensor) -> None:
         store = self.store
         placement = store.placement
         placement.prepare_overwrite(shard)
@@ -681,14 +685,14 @@ class _LoadPlanner(LoadPlanner):
         if placement.nvme:
             placement.store_async(shard)
 
-    def _write_state(self, shard: Any, key: str, values: torch.Tensor) -> None:
+    def _write_state(self, shard: Shard, key: str, values: torch.Tensor) -> None:
         optimizer = self.store.optimizer
         state = optimizer.inner.state.setdefault(shard.step_param, {})
         # Without padding, the planner's buffer itself (ours now): no copy.
         state[key] = shard.padded(values).view(_step_shape(shard))
         if optimizer.swap_state:
             # Into its companion now: per-element state is never all in memory at once.
-            optimizer._stash_loaded_state(shard, keep_others=True)
+            optimizer.stash_loaded_state(shard, keep_others=True)
 
     def finish(self) -> None:
         """After the reads: entries that had no values have them now; persistent device
@@ -778,7 +782,7 @@ def _world() -> int:
     return dist.get_world_size() if _distributed() else 1
 
 
-def _group(store: Any) -> Any:
+def _group(store: AttachedStore) -> Any:
     return store.partition.group if store.partition is not None else None
 
 

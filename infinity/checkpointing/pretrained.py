@@ -19,14 +19,19 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from infinity.checkpointing.state_dict import write_entry_pieces
+from infinity.core.shards import ParamEntry, Shard
 from infinity.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
 
 
-def load_pretrained(store: Any, path: Path) -> _IncompatibleKeys:
+def load_pretrained(store: AttachedStore, path: Path) -> _IncompatibleKeys:
     """See the module docstring. Returns ``(missing_keys, unexpected_keys)``."""
     from safetensors import safe_open
 
@@ -113,7 +118,7 @@ def load_pretrained(store: Any, path: Path) -> _IncompatibleKeys:
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _stream(store: Any, entry: Any, view: Any, key: str, file: Path) -> None:
+def _stream(store: AttachedStore, entry: ParamEntry, view: Any, key: str, file: Path) -> None:
     shape = tuple(view.get_shape())
     if shape != tuple(entry.shape):
         raise CheckpointError(
@@ -126,7 +131,7 @@ def _stream(store: Any, entry: Any, view: Any, key: str, file: Path) -> None:
         return
     row = math.prod(shape[1:])  # elements per first-dimension index
 
-    def piece(shard: Any) -> torch.Tensor:
+    def piece(shard: Shard) -> torch.Tensor:
         if not shard.real_numel:  # this rank's slice is all padding
             return torch.empty(0)
         first = shard.start // row

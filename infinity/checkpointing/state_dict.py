@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from infinity.core.residency import Residency as R
+from infinity.core.shards import ParamEntry, Shard
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ def _own_params(module: nn.Module):
     return module.named_parameters(recurse=False, remove_duplicate=False)
 
 
-def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
+def install_state_dict_hooks(store: AttachedStore, model: nn.Module) -> list[Any]:
     registry = store.registry
     #: keys written by a module's pre-hook in the load under way, removed from missing_keys by
     #: the same module's post-hook (which torch runs even when load_state_dict was called on a
@@ -48,7 +53,7 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
             entry = registry.entry_of(param)
             key = prefix + name
             if entry is not None and key in state_dict:
-                store._loop_acted("model.state_dict()")
+                store.stepping.loop_acted("model.state_dict()")
                 state_dict[key] = store.materialize(entry)
 
     def load_pre_hook(
@@ -113,24 +118,26 @@ def install_state_dict_hooks(store: Any, model: nn.Module) -> list[Any]:
     return handles
 
 
-def write_entry(store: Any, entry: Any, value: torch.Tensor) -> None:
+def write_entry(store: AttachedStore, entry: ParamEntry, value: torch.Tensor) -> None:
     """Overwrites a parameter's values in every tier it lives in."""
     flat = value.detach().reshape(-1).to(entry.dtype)
     write_entry_pieces(store, entry, shard_part(flat))
 
 
-def shard_part(flat: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+def shard_part(flat: torch.Tensor) -> Callable[[Shard], torch.Tensor]:
     """``piece_of`` for :func:`write_entry_pieces` from a whole flat value."""
     return lambda shard: shard.part_of(flat)
 
 
-def write_entry_pieces(store: Any, entry: Any, piece_of: Callable[[Any], torch.Tensor]) -> None:
+def write_entry_pieces(
+    store: AttachedStore, entry: ParamEntry, piece_of: Callable[[Shard], torch.Tensor]
+) -> None:
     """Overwrites a parameter's values shard by shard, each from ``piece_of(shard)`` (its
     flat range, any dtype), so a caller reading from a file holds one shard's worth at a
     time."""
     placement = store.placement
     placement.drop_device(entry, force=True)
-    store._before_state_change(entry.shards)  # a checkpoint being saved copies them first
+    store.before_state_change(entry.shards)  # a checkpoint being saved copies them first
     for shard in entry.shards:
         piece = piece_of(shard).reshape(-1).to(shard.dtype)
         # The whole value is replaced: no need to read the old one (which may be the very

@@ -182,8 +182,8 @@ def remove_swap_files() -> int:
     for store in list(_stores):
         if store.engine is not None:
             engines.append(store.engine)
-        if store._temp_dir is not None and not store.config.keep_swap_files:
-            temp_dirs.append(store._temp_dir)
+        if store.temp_dir is not None and not store.config.keep_swap_files:
+            temp_dirs.append(store.temp_dir)
     try:  # engines of stores dropped without close(): still open, files still on disk
         from swap import engine as engine_module
 

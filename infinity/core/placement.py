@@ -10,7 +10,14 @@ the candidates and the furthest-needed ones are dropped (clean host copies) or w
 (dirty ones). Prefetch may only evict what is needed later than the thing it fetches, so it never
 pushes out what the next module needs and never over-commits the arena.
 
-Completions and failed transfers: :mod:`infinity.core.completions`.
+The placement owns four parts, each an object with its own state in its own module, which
+reaches the placement only through a protocol of what it needs:
+
+* ``completions`` (:mod:`infinity.core.completions`): applying transfer outcomes, retries,
+  quarantine, the I/O counters;
+* ``prefetching`` (:mod:`infinity.core.prefetching`): trace-driven reads and write-backs ahead;
+* ``lending`` (:mod:`infinity.core.lending`): device copies that are host copies (a CPU device);
+* ``gradients`` (:mod:`infinity.training.gradients`): the gradient path and ``p.grad``.
 
 Thread safety: everything here belongs to the training thread. Only the counters (plain ints)
 and the tiers' usage are read from other threads (``TieredStore.stats()``).
@@ -90,6 +97,10 @@ def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
 
 
 class Placement:
+    """Where every shard's copies are, and the moves between the tiers (see the module
+    docstring). Its settings are fixed at construction; what changes during the run changes
+    through its methods."""
+
     def __init__(
         self,
         registry: ShardRegistry,

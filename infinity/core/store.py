@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import psutil
 import torch
@@ -29,17 +28,18 @@ from infinity.core import lifecycle
 from infinity.core.memory import (
     HeapWatch,
     bound_heap_retention,
+    host_tensor_bytes,
     huge_page_allocations,
     resident_bytes,
 )
 from infinity.core.placement import Placement, PlacementSettings
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, ShardKind, ShardRegistry
+from infinity.core.shards import ParamEntry, Shard, ShardKind, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError, BudgetError, ConfigError
-from infinity.observability.reporting import store_stats
+from infinity.observability.reporting import MemoryFigures, store_stats
 from infinity.observability.timeline import Timeline
 from infinity.ranks.ddp_guard import DDPGuard
 from infinity.ranks.partition import Partition
@@ -52,6 +52,10 @@ from infinity.training.update_timing import UpdateTiming
 from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
 from swap.files import check_directory
 from swap.probe import choose_backend_for, make_backend
+
+if TYPE_CHECKING:
+    from infinity.checkpointing.checkpoint import Checkpointer
+    from infinity.training.activations import ActivationOffload
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class TieredStore(Stepping):
+class TieredStore:
     """Holds a model's parameters across device, host and NVMe. See the package docstring."""
 
     def __init__(
@@ -106,20 +110,19 @@ class TieredStore(Stepping):
         #: process
         self.partition: Partition | None = None
         #: saves and loads checkpoints (infinity.checkpointing.checkpoint), made on first use
-        self._checkpoints: Any = None
+        self._checkpoints: Checkpointer | None = None
         #: what serves operations on attached parameters outside the hooks (p.grad, reads,
         #: store.gathered)
         self.access: ParamAccess | None = None
         self.engine: SwapEngine | None = None
         #: moves saved activations off the device (offload_activations;
         #: infinity.training.activations)
-        self.activations: Any = None
+        self.activations: ActivationOffload | None = None
         #: the engine activations use when nothing else of the model is on NVMe
         self._activation_engine: SwapEngine | None = None
         self.hooks: HookSet | None = None
         self.optimizer: OffloadedOptimizer | None = None
         self.model: nn.Module | None = None
-        self.steps = 0
         self.budgets: dict[str, int] = {}
         self._temp_dir: Path | None = None
         self._handles: list[Any] = []
@@ -131,17 +134,10 @@ class TieredStore(Stepping):
         self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
         self.storage_dtype = STORAGE_DTYPES[precision.storage_dtype]
         self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
-        self.skipped_steps = 0
-        #: global gradient norm of the last step; computed only where something needs it
-        #: (gradient_clipping, fp16 overflow checks), NaN otherwise
-        self.last_grad_norm = math.nan
         #: transfers, waits and compute spans, recorded while ``timeline.enabled``
         self.timeline = Timeline()
-        #: a step that failed part-way (its clipping factor, the ids of the shards it updated),
-        #: until it is finished or abandoned
-        self._unfinished_step: tuple[float, set[str]] | None = None
-        #: entries that step_in_backward updated since the last optimizer.step()
-        self._updated_in_backward: set[int] = set()
+        #: the optimizer step and updates in backward, and what the loop does around them
+        self.stepping = Stepping(self)
         #: where optimizer updates run (step_in_backward), once an optimizer is attached
         self.update_timing: UpdateTiming | None = None
         #: with a host budget: RSS kept under the budgets' line while heap blocks are reused
@@ -154,8 +150,35 @@ class TieredStore(Stepping):
             # reads the setting once (infinity.core.memory).
             huge_page_allocations()
 
+    # -- what the step counted ----------------------------------------------------------------
     @property
-    def _master_tier(self) -> str:
+    def steps(self) -> int:
+        """Optimizer steps taken (a skipped fp16 step does not count)."""
+        return self.stepping.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps fp16 loss scaling skipped (gradients that overflowed)."""
+        return self.stepping.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float:
+        """The global gradient norm of the last step; computed only where something needs it
+        (gradient_clipping, fp16 overflow checks), NaN otherwise."""
+        return self.stepping.last_grad_norm
+
+    @property
+    def temp_dir(self) -> Path | None:
+        """The temporary directory swapped to when ``nvme_path`` is not set (None otherwise)."""
+        return self._temp_dir
+
+    @property
+    def last_checkpoint(self) -> dict[str, float]:
+        """Figures (seconds, bytes) of the last checkpoint saved or loaded; empty before."""
+        return dict(self._checkpoints.last) if self._checkpoints is not None else {}
+
+    @property
+    def master_tier(self) -> str:
         """Where the parameters' master copies live between steps. ``offload_param='none'``
         with an offloaded optimizer (ZeRO-Offload) keeps every parameter on the device and
         its master with the optimizer state; so does mixed precision with nothing offloaded."""
@@ -301,7 +324,7 @@ class TieredStore(Stepping):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, initialise: bool = True
     ) -> None:
         config = self.config
-        nvme = self._master_tier == "nvme" or config.offload_optimizer == "nvme"
+        nvme = self.master_tier == "nvme" or config.offload_optimizer == "nvme"
         if config.host_budget is not None:
             # An explicit host budget asks for bounded memory: freed temporaries must go back to
             # the system (costs page faults on large allocations; see infinity.core.memory).
@@ -342,7 +365,7 @@ class TieredStore(Stepping):
         if nvme:
             self.engine = self._open_engine()
         settings = PlacementSettings(
-            params_on_nvme=self._master_tier == "nvme",
+            params_on_nvme=self.master_tier == "nvme",
             grads_on_nvme=config.offload_optimizer == "nvme",
             module_names=tuple(name for name, _, _ in module_entries),
             persistent=frozenset(
@@ -382,7 +405,7 @@ class TieredStore(Stepping):
             len(self.registry.shards),
             total / 1e6,
             time.perf_counter() - started,
-            "the device (masters on " + self._master_tier + ")"
+            "the device (masters on " + self.master_tier + ")"
             if self._params_stay_on_device
             else config.offload_param,
             self.budgets["device"],
@@ -467,7 +490,11 @@ class TieredStore(Stepping):
         if self.config.offload_activations != "none":
             from infinity.training.activations import offload_for_store
 
-            self.activations = offload_for_store(self, model)
+            engine = self.engine
+            if self.config.offload_activations == "nvme" and engine is None:
+                # Its own engine: the store's decides how the optimizer steps (stepping.py).
+                engine = self._activation_engine = self._open_engine()
+            self.activations = offload_for_store(self, model, engine)
 
     def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
         """The device and host tiers under the budgets (the planner's simulation makes its own,
@@ -606,7 +633,7 @@ class TieredStore(Stepping):
                 f"while it runs{extra}: set device_budget to at least "
                 f"{largest_bytes + persistent}"
             )
-        params_nvme = self._master_tier == "nvme"
+        params_nvme = self.master_tier == "nvme"
         optim_nvme = config.offload_optimizer == "nvme"
         needed = 0
         slot = align_up(config.buffer_size)
@@ -689,7 +716,7 @@ class TieredStore(Stepping):
             label = f"rank{self.partition.rank}-"
         stripe = config.aio.block_size
         shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
-        needed = (shard_bytes if self._master_tier == "nvme" else 0) + (
+        needed = (shard_bytes if self.master_tier == "nvme" else 0) + (
             3 * shard_bytes if config.offload_optimizer == "nvme" else 0
         )
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
@@ -777,7 +804,7 @@ class TieredStore(Stepping):
         checkpoint at ``path`` intact. With ``async_save`` the call returns once the save has
         started and training goes on; the checkpoint is still exactly the state at the call (what a
         step would change is copied out first): see :mod:`infinity.checkpointing.async_save`."""
-        self._loop_acted("save_checkpoint()")
+        self.stepping.loop_acted("save_checkpoint()")
         self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
 
     def wait_for_checkpoint(self) -> None:
@@ -787,12 +814,14 @@ class TieredStore(Stepping):
         if self._checkpoints is not None:
             self._checkpoints.wait()
 
-    def _before_state_change(self, shards: Any) -> None:
-        """Called before masters or optimizer state of ``shards`` change."""
+    def before_state_change(self, shards: Iterable[Shard]) -> None:
+        """Called (by the step, state dict and checkpoint loads) before masters or optimizer
+        state of ``shards`` change: an asynchronous save copies what it has not written yet."""
         if self._checkpoints is not None:
             self._checkpoints.before_change(shards)
 
-    def _checkpoint_progress(self) -> None:
+    def checkpoint_progress(self) -> None:
+        """Called at each module's forward: an asynchronous save moves on."""
         if self._checkpoints is not None:
             self._checkpoints.progress()
 
@@ -832,30 +861,26 @@ class TieredStore(Stepping):
 
         return predict(self, overrides, disk=disk, device=device)
 
-    # -- called by hooks and the optimizer ------------------------------------------------------
-    def _start_iteration(self, grad_enabled: bool, training: bool) -> None:
-        self._unfinished_step = None  # a new forward moves on from a step that failed
-        self._loop_acted("a forward pass")
-        self.follower.start_iteration((grad_enabled, training))
-        if self.placement is not None and grad_enabled:
-            self.placement.pass_started()
-
-    def _loop_acted(self, what: str, grads: bool = False) -> None:
-        """The loop used the model (``grads``: its gradients) outside forward and backward;
-        where updates run may depend on it (infinity.training.update_timing)."""
-        if self.update_timing is not None:
-            self.update_timing.loop_acted(what, grads)
-
-    def _gradients_cleared(self) -> None:
-        """``zero_grad()`` or ``p.grad = None``."""
-        timing = self.update_timing
-        if timing is None:
-            return
-        timing.gradients_cleared(len(self._updated_in_backward))
-        if timing.auto and not timing.in_backward:
-            # Updates left backward after some ran there (a backward that raised, then
-            # zero_grad): the next backward is not a second one on top of them.
-            self._updated_in_backward.clear()
+    # -- called by the step and the hooks ---------------------------------------------------------
+    def after_step(self, optimizer: OffloadedOptimizer, first: bool) -> None:
+        """Called when ``optimizer.step()`` has updated the shards (``first``: the first
+        step)."""
+        if first and self._heap_watch is not None:
+            # From now on every step allocates the same sizes: reuse freed blocks instead of
+            # faulting fresh mappings, for as long as RSS stays under the line.
+            # Expected to stay in the heap: the device tier's copies (host memory without a
+            # GPU) and a few gradients and autograd temporaries of the largest parameter.
+            largest = max(e.nbytes for e in self.registry.entries)
+            device = self.budgets["device"] if self.device.type == "cpu" else 0
+            # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
+            # state and gradients in host tensors) exists only now; the line moves up by it.
+            gradients = self.placement.gradients if self.placement is not None else None
+            outside = (
+                gradients.grad_peak if gradients is not None and not gradients.grads_on_nvme else 0
+            ) + (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
+            self._heap_watch.start(largest, device + 4 * largest, outside=outside)
+        self.watch_heap()
+        self._sample_memory()
 
     def watch_heap(self) -> None:
         """Called where the heap grows (module gathers, step tiles)."""
@@ -879,7 +904,15 @@ class TieredStore(Stepping):
         """Bytes per tier (current and peak), I/O totals and timings, steps; see
         :func:`infinity.observability.reporting.store_stats` for each key."""
         self._sample_memory()
-        return store_stats(self)
+        return store_stats(
+            self,
+            MemoryFigures(
+                nvme_bytes=self._nvme_bytes(),
+                nvme_peak=self._nvme_peak,
+                rss_peak=self._rss_peak,
+                heap_reuse=bool(self._heap_watch and self._heap_watch.active),
+            ),
+        )
 
     # -- teardown -------------------------------------------------------------------------------
     def materialize(self, entry: ParamEntry) -> torch.Tensor:

@@ -4,12 +4,29 @@ it while the training thread works)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from infinity.core.memory import huge_pages_advised
 
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
 
-def store_stats(store: Any) -> dict[str, Any]:
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """What the store samples of memory beyond its tiers (see ``TieredStore.stats``)."""
+
+    #: bytes of NVMe extents held now, and their peak
+    nvme_bytes: int
+    nvme_peak: int
+    #: the process's peak RSS as sampled
+    rss_peak: int
+    #: freed heap blocks are reused (a host budget left room for it; infinity.core.memory)
+    heap_reuse: bool
+
+
+def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
     """``store.stats()``: bytes per tier (current and peak), I/O totals and timings, steps."""
     placement = store.placement
     engine = store.engine  # read once: close() may clear it from the training thread
@@ -20,12 +37,12 @@ def store_stats(store: Any) -> dict[str, Any]:
         "current_bytes": {
             "device": device.current if device else 0,
             "host": host.current if host else 0,
-            "nvme": store._nvme_bytes(),
+            "nvme": memory.nvme_bytes,
         },
         "peak_bytes": {
             "device": device.peak if device else 0,
             "host": host.peak if host else 0,
-            "nvme": store._nvme_peak,
+            "nvme": memory.nvme_peak,
         },
         "budgets": dict(store.budgets),
         "bytes_read": engine_stats.bytes_read if engine_stats else 0,
@@ -52,7 +69,7 @@ def store_stats(store: Any) -> dict[str, Any]:
         "lent_gathers": placement.lending.lent_gathers if placement else 0,
         # a CPU device's gathers that found no free range in its slab (fresh memory instead)
         "device_slab_misses": placement.device.slab_misses if placement else 0,
-        "steps": store.steps,
+        "steps": store.stepping.steps,
         # where optimizer updates run now (step_in_backward; 'auto' settles after one step)
         "update_mode": store.update_timing.mode.value if store.update_timing else None,
         "prefetched_loads": placement.prefetched_loads if placement else 0,
@@ -64,9 +81,9 @@ def store_stats(store: Any) -> dict[str, Any]:
         "write_ahead_writes": placement.prefetching.writes_ahead if placement else 0,
         "grad_bytes": placement.gradients.grad_bytes if placement else 0,
         "pinned_bytes": placement.host.pinned_bytes if placement else 0,
-        "rss_peak_bytes": store._rss_peak,
+        "rss_peak_bytes": memory.rss_peak,
         # freed heap blocks reused (a host budget left room for it; infinity.core.memory)
-        "heap_reuse": bool(store._heap_watch and store._heap_watch.active),
+        "heap_reuse": memory.heap_reuse,
         # torch's large CPU blocks fault 2 MiB pages (THP_MEM_ALLOC_ENABLE; infinity.core.memory)
         "huge_page_allocations": bool(huge_pages_advised()),
         "trace_departures": store.follower.diverged_iterations,
@@ -90,7 +107,7 @@ def store_stats(store: Any) -> dict[str, Any]:
     }
 
 
-def _comm_stats(store: Any) -> dict[str, Any] | None:
+def _comm_stats(store: AttachedStore) -> dict[str, Any] | None:
     partition = store.partition
     if partition is None:
         return None

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,10 @@ from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace
 from infinity.errors import BudgetError, InfinityError
 from swap import EngineStats
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +252,10 @@ class _Engine:
     def free(self, extent: _Extent) -> None:
         self.space.allocated_bytes -= extent.nbytes
 
+    def idle_at(self) -> float:
+        """When the transfers queued so far are done."""
+        return max(self._free_at.values())
+
     def _transfer(self, op: str, nbytes: int) -> _Future:
         queue = "read" if self.disk.shared else op
         gbps = self.disk.read_gbps if op == "read" else self.disk.write_gbps
@@ -318,7 +326,7 @@ class Recording:
     optimizer_options: dict = dataclasses.field(default_factory=dict)
 
 
-def recording_of(store: Any) -> Recording:
+def recording_of(store: AttachedStore) -> Recording:
     """The recording of an attached store that has run two iterations (the second gives the
     compute times)."""
     if store.model is None or store.placement is None:
@@ -404,7 +412,7 @@ def tree_with(model: nn.Module, param_for: Callable[[nn.Parameter], nn.Parameter
 
 
 def predict(
-    store: Any,
+    store: AttachedStore,
     overrides: dict[str, Any],
     disk: DiskProfile | None = None,
     device: DeviceProfile | None = None,
@@ -458,9 +466,11 @@ def simulate(
     clock = _Clock()
     copy_gbps = device.link_gbps or recording.copy_gbps
 
+    engine = _Engine(clock, disk)
+
     class Simulated(TieredStore):
         def _open_engine(self) -> Any:
-            return _Engine(clock, disk)
+            return engine
 
         def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
             return (
@@ -496,7 +506,7 @@ def simulate(
             )
         sim.placement.drain()
         if sim.engine is not None:
-            clock.wait_until(max(sim.engine._free_at.values()))
+            clock.wait_until(engine.idle_at())
         clock.stalled = 0.0
         phases = _replay(
             sim, recording, clock, device.compute_scale, iterations, lend=device.link_gbps is None
@@ -524,7 +534,7 @@ def simulate(
     return result
 
 
-def _disk_from(store: Any) -> DiskProfile:
+def _disk_from(store: AttachedStore) -> DiskProfile:
     """This run's own disk, as its engine saw it (bytes over busy seconds per direction)."""
     engine = store.engine
     stats = engine.stats() if engine is not None else None
@@ -571,7 +581,7 @@ def _replay(
         engine_before = sim.engine.stats() if sim.engine is not None else EngineStats()
         start, stalled = clock.now, clock.stalled
         marks: dict[str, float] = {}
-        sim._start_iteration(recorded.training, recorded.training)
+        sim.stepping.start_iteration(recorded.training, recorded.training)
         holds: dict[ParamEntry, int] = {}
         grads = collections.defaultdict(list)  # events observed -> gradients completed there
         for observed, index in trace.grads:
@@ -596,14 +606,14 @@ def _replay(
             for entry in grads.get(position + 1, ()):
                 taken = entry.param.requires_grad
                 if taken:
-                    sim._grad_arriving(entry)
+                    sim.stepping.grad_arriving(entry)
                     placement.gradients.take_grad(
                         entry, torch.empty(entry.shape, dtype=entry.compute_dtype, device="meta")
                     )
                 for _ in range(holds.pop(entry, 0)):
                     placement.release(entry)
                 if taken and placement.update_in_backward:
-                    sim._grad_complete(entry, nested=False)
+                    sim.stepping.grad_complete(entry, nested=False)
         for entry, count in holds.items():
             for _ in range(count):
                 placement.release(entry)

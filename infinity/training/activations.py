@@ -42,13 +42,17 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from infinity.errors import BudgetError, InfinityError
 from swap import BufferPool, Extent, HostBuffer, SwapEngine, align_up
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -734,21 +738,20 @@ class ActivationOffload:
             self._staging = None
 
 
-def offload_for_store(store: Any, model: nn.Module) -> ActivationOffload:
+def offload_for_store(
+    store: AttachedStore, model: nn.Module, engine: SwapEngine | None
+) -> ActivationOffload:
     """The activation offload of an attached ``store`` (``offload_activations``), hooked on
-    ``model``: within the host room the store's budgets leave, on the store's swap engine (or
-    one of its own, kept as ``store._activation_engine``, when nothing else is on NVMe)."""
+    ``model``: within the host room the store's budgets leave, on ``engine`` (the store's swap
+    engine, or one of its own when nothing else is on NVMe; None: activations stay in host
+    memory)."""
     config = store.config
-    engine = store.engine
-    if config.offload_activations == "nvme" and engine is None:
-        # Its own engine: the store's decides how the optimizer steps (stepping.py).
-        engine = store._activation_engine = store._open_engine()
     placement = store.placement
     room = None
     if config.host_budget is not None:
         room = config.host_budget
         if placement is not None:  # what the arena and host-held parameters leave
-            held = 0 if store._master_tier == "nvme" else store.budgets["params"]
+            held = 0 if store.master_tier == "nvme" else store.budgets["params"]
             room = store.budgets["host"] - store.budgets["arena"] - held
         if room <= 0:
             raise BudgetError(

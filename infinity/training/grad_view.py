@@ -43,7 +43,9 @@ from infinity.training.op_kinds import (
 )
 
 if TYPE_CHECKING:
+    from infinity.core.shards import ParamEntry, Shard
     from infinity.training.gradients import Gradients
+    from infinity.training.param_access import ParamAccess
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +57,19 @@ _ZEROS = frozenset({"zero_", "_foreach_zero_"})
 class GradView(torch.Tensor):
     """See the module docstring. Made by an attached parameter's ``.grad``."""
 
-    _infinity_access: Any
-    _infinity_entry: Any
+    _infinity_access: ParamAccess
+    _infinity_entry: ParamEntry
     #: the shards whose gradient this is: the entry's, or one shard's (an optimizer's view)
-    _infinity_shards: list[Any]
+    _infinity_shards: list[Shard]
     _generation: int
 
     @staticmethod
     def __new__(
-        cls, access: Any, entry: Any, shard: Any = None, shape: torch.Size | None = None
+        cls,
+        access: ParamAccess,
+        entry: ParamEntry,
+        shard: Shard | None = None,
+        shape: torch.Size | None = None,
     ) -> GradView:
         """The gradient of ``entry``; with ``shard``, of that one shard, as the wrapped
         optimizer's per-shard parameter (a host tensor of ``shape``) sees it."""
@@ -101,6 +107,11 @@ class GradView(torch.Tensor):
         return func(*args, **kwargs)
 
     # -- the gradient behind the view ---------------------------------------------------------
+    @property
+    def entry(self) -> ParamEntry:
+        """The parameter whose gradient this views."""
+        return self._infinity_entry
+
     @property
     def _gradients(self) -> Gradients:
         return self._infinity_access.placement.gradients

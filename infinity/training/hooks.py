@@ -42,14 +42,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from infinity.core.shards import ParamEntry
+from infinity.core.shards import ParamEntry, ShardRegistry
 from infinity.core.trace import BACKWARD, FORWARD, Event
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,10 @@ class HookSet:
     """Installs and removes the hooks of one attached model."""
 
     def __init__(
-        self, store: Any, root: nn.Module, module_entries: list[tuple[nn.Module, list[ParamEntry]]]
+        self,
+        store: AttachedStore,
+        root: nn.Module,
+        module_entries: list[tuple[nn.Module, list[ParamEntry]]],
     ) -> None:
         self.store = store
         self.placement = store.placement
@@ -133,7 +140,7 @@ class HookSet:
             # parameters would stay held, no later pass would queue the callback and no later
             # forward would start an iteration.
             self._end_of_backward()
-        self.store._start_iteration(torch.is_grad_enabled(), module.training)
+        self.store.stepping.start_iteration(torch.is_grad_enabled(), module.training)
 
     def _in_backward(self) -> bool:
         task = _graph_task()
@@ -169,7 +176,7 @@ class HookSet:
                     gathered.append(entry)
                 self._computing(gathered, True)
                 self.placement.assemble_ahead()
-            self.store._checkpoint_progress()
+            self.store.checkpoint_progress()
             self.store.watch_heap()
 
         def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -260,11 +267,11 @@ class HookSet:
                     param.grad = None  # first: a refused gradient must not stay to be added to
             self.placement.follower.grad_ready(entry.index)
             if grad is not None:
-                self.store._grad_arriving(entry)
+                self.store.stepping.grad_arriving(entry)
                 self.placement.gradients.take_grad(entry, grad)
             self._release_backward(entry)
             if grad is not None and self.placement.update_in_backward:
-                self.store._grad_complete(entry, nested=self._nested_backward())
+                self.store.stepping.grad_complete(entry, nested=self._nested_backward())
 
         return grad_ready
 
@@ -340,7 +347,9 @@ def _normal_tensors() -> contextlib.AbstractContextManager:
 
 
 def _with_subtrees(
-    registry: Any, root: nn.Module, module_entries: list[tuple[nn.Module, list[ParamEntry]]]
+    registry: ShardRegistry,
+    root: nn.Module,
+    module_entries: list[tuple[nn.Module, list[ParamEntry]]],
 ) -> list[tuple[nn.Module, list[ParamEntry]]]:
     """``module_entries`` (each module's own parameters, in ``root.modules()`` order) with the
     modules of ``SUBTREE_MODULES`` also needing every parameter below them."""

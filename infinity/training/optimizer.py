@@ -19,15 +19,18 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import Shard
+from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.errors import AttachError
 from infinity.training.step_params import StepParams
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class OffloadedOptimizer(Optimizer):
 
     def __init__(
         self,
-        store: Any,
+        store: AttachedStore,
         inner: Optimizer,
         shards: list[Shard],
         user_kernels: list[dict[str, Any]] | None = None,
@@ -56,6 +59,9 @@ class OffloadedOptimizer(Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
         self.store = store
+        placement = store.placement
+        assert placement is not None  # wrapped by attach, after the placement is made
+        self.placement = placement
         self.inner = inner
         self.shards = shards
         self.state = inner.state
@@ -63,7 +69,7 @@ class OffloadedOptimizer(Optimizer):
         #: per-element optimizer state lives in NVMe-backed companions, not in memory
         self.swap_state = store.config.offload_optimizer == "nvme"
         #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
-        self._host_device = "meta" if store.placement.host.meta else "cpu"
+        self._host_device = "meta" if placement.host.meta else "cpu"
         #: the inner optimizer's own time and the elements it updated; the steps' time less
         #: their waits and copies per element updated; the last iteration's device copies
         #: (bytes, seconds): what the planner replays (infinity.planning.planner)
@@ -81,8 +87,9 @@ class OffloadedOptimizer(Optimizer):
         self.step_params = StepParams(store, shards, _step_shape)
 
     @classmethod
-    def wrap(cls, store: Any, optimizer: Optimizer) -> OffloadedOptimizer:
+    def wrap(cls, store: AttachedStore, optimizer: Optimizer) -> OffloadedOptimizer:
         registry = store.registry
+        assert store.placement is not None  # wrapped by attach, after the placement is made
         device = "meta" if store.placement.host.meta else "cpu"
         groups = []
         shards: list[Shard] = []
@@ -129,11 +136,11 @@ class OffloadedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        placement = self.store.placement
+        placement = self.placement
         started, busy = time.perf_counter(), placement.busy_seconds
         elements = self.updated_elements
         with self.step_params.plain():  # once for the whole step, not per tile
-            self.store._run_step(self)
+            self.store.stepping.run(self)
         # For the planner: the step's own work (updates, and the pipeline's bookkeeping around
         # them) without its waits for the disk and its device copies, per element it updated
         # (the median of the last steps: the first are slower, creating state and faulting
@@ -154,8 +161,8 @@ class OffloadedOptimizer(Optimizer):
         """Runs the inner optimizer over ``tile``, whose host copies, gradients and (when
         swapped) optimizer-state companions are on the host. Returns the optimizer-state
         companions it filled or changed, for the caller to write back."""
-        placement = self.store.placement
-        self.store._before_state_change(tile)  # a checkpoint being saved copies them first
+        placement = self.placement
+        self.store.before_state_change(tile)  # a checkpoint being saved copies them first
         bound: list[tuple[Shard, dict[str, Shard]]] = []
         for shard in tile:
             view = shard.host.view(_step_shape(shard))
@@ -196,7 +203,7 @@ class OffloadedOptimizer(Optimizer):
         state = self.inner.state.get(shard.step_param)
         if not state:
             return []
-        placement = self.store.placement
+        placement = self.placement
         changed = []
         for key, value in list(state.items()):
             if not isinstance(value, torch.Tensor) or value.numel() != shard.numel:
@@ -216,9 +223,9 @@ class OffloadedOptimizer(Optimizer):
         return changed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.store._unfinished_step = None  # a failed step is abandoned with its gradients
-        self.store.placement.gradients.clear_grads(set_to_none)
-        self.store._gradients_cleared()
+        self.store.stepping.abandon_unfinished()  # with its gradients
+        self.placement.gradients.clear_grads(set_to_none)
+        self.store.stepping.gradients_cleared()
 
     # -- state ----------------------------------------------------------------------------------
     # Checkpoints use the layout of the user's own optimizer (one entry per parameter, in the
@@ -249,7 +256,7 @@ class OffloadedOptimizer(Optimizer):
         """The optimizer's state in the user's optimizer's own layout, with real tensors:
         per-element state that lives on NVMe is read back (it takes host memory for the whole
         state; the copy is the caller's)."""
-        self.store._loop_acted("optimizer.state_dict()")
+        self.store.stepping.loop_acted("optimizer.state_dict()")
         state: dict[int, dict[str, Any]] = {}
         for i, (entry, shards) in enumerate(self._entries()):
             merged = self._entry_state(entry, shards)
@@ -263,8 +270,8 @@ class OffloadedOptimizer(Optimizer):
         ]
         return {"state": state, "param_groups": groups}
 
-    def _entry_state(self, entry: Any, shards: list[Shard]) -> dict[str, Any]:
-        placement = self.store.placement
+    def _entry_state(self, entry: ParamEntry, shards: list[Shard]) -> dict[str, Any]:
+        placement = self.placement
         pieces: dict[str, list[torch.Tensor]] = {}
         merged: dict[str, Any] = {}
         for shard in shards:
@@ -327,13 +334,13 @@ class OffloadedOptimizer(Optimizer):
         self.param_groups = self.inner.param_groups
         if self.swap_state:
             for shard in self.shards:
-                self._stash_loaded_state(shard)
+                self.stash_loaded_state(shard)
 
-    def _stash_loaded_state(self, shard: Shard, keep_others: bool = False) -> None:
+    def stash_loaded_state(self, shard: Shard, keep_others: bool = False) -> None:
         """Moves loaded per-element state into the shard's companions (overwriting what they
         held, without reading it) and drops companions the loaded state has no value for
         (unless ``keep_others``: a checkpoint load brings one key at a time)."""
-        placement = self.store.placement
+        placement = self.placement
         registry = self.store.registry
         state = self.inner.state.get(shard.step_param, {})
         loaded = set()
@@ -428,7 +435,7 @@ def _step_shape(shard: Shard) -> torch.Size:
     return entry.shape if len(entry.shards) == 1 else torch.Size([shard.numel])
 
 
-def _split_state(state: dict[str, Any], entry: Any, shard: Shard) -> dict[str, Any]:
+def _split_state(state: dict[str, Any], entry: ParamEntry, shard: Shard) -> dict[str, Any]:
     """A parameter's optimizer state as its shard's: per-element tensors are cut like the
     parameter, everything else (``step`` counters, scalars) is copied."""
     moved = {}
@@ -443,7 +450,7 @@ def _split_state(state: dict[str, Any], entry: Any, shard: Shard) -> dict[str, A
     return moved
 
 
-def _migrate_state(optimizer: Optimizer, inner: Optimizer, registry: Any) -> None:
+def _migrate_state(optimizer: Optimizer, inner: Optimizer, registry: ShardRegistry) -> None:
     """Carries state the user's optimizer already has (it stepped, or its constructor made
     some) over to the step parameters."""
     for param, state in optimizer.state.items():

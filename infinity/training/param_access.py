@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,6 +52,10 @@ from infinity.training.op_kinds import (
     tensors_in,
     written,
 )
+
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,7 @@ class _ReadParameter(torch.autograd.Function):
 class ParamAccess:
     """The store's side of every operation on an attached parameter outside the hooks."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: AttachedStore) -> None:
         self.store = store
         self.registry = store.registry
         placement = store.placement
@@ -235,7 +239,7 @@ class ParamAccess:
         display = name in _DISPLAY
         for tensor, entry in found:
             if id(tensor) not in values and not self._live(entry):
-                self.store._loop_acted(f"a read of parameter {entry.name}")
+                self.store.stepping.loop_acted(f"a read of parameter {entry.name}")
                 values[id(tensor)] = self._read(tensor, entry, display)
         args, kwargs = substitute(args, kwargs, values)
         result = func(*args, **kwargs)
@@ -318,10 +322,12 @@ class ParamAccess:
         placement = self.placement
         if entry is not None and any(placement.gradients.has_grad(s) for s in entry.shards):
             return GradView(self, entry)
-        consumed = entry is not None and entry.index in self.store._updated_in_backward
+        stepping = self.store.stepping
+        consumed = entry is not None and entry.index in stepping.updated_in_backward
         if consumed:
-            self.store._loop_acted(f"p.grad of {entry.name} read", grads=True)
-        if consumed and not self._warned_consumed and not self.store.update_timing.auto:
+            stepping.loop_acted(f"p.grad of {entry.name} read", grads=True)
+        timing = self.store.update_timing
+        if consumed and not self._warned_consumed and timing is not None and not timing.auto:
             self._warned_consumed = True
             log.warning(
                 "p.grad of %s is None: step_in_backward=True applied each gradient in "
@@ -333,7 +339,7 @@ class ParamAccess:
 
     def _set_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         entry = self._entry_of(param)
-        if isinstance(value, GradView) and value._infinity_entry is entry:
+        if isinstance(value, GradView) and value.entry is entry:
             value.check_current()
             return  # p.grad = p.grad
         if value is not None:
@@ -349,11 +355,11 @@ class ParamAccess:
         self.placement.gradients.replace_grad(entry, value)
         param.grad = None  # torch function is off here: the autograd field
         if value is None:
-            self.store._gradients_cleared()
+            self.store.stepping.gradients_cleared()
 
     def grads_used(self) -> None:
         """The loop used a gradient (read its values or norm, scaled or set it)."""
-        self.store._loop_acted("the loop used p.grad (clipping, norms?)", grads=True)
+        self.store.stepping.loop_acted("the loop used p.grad (clipping, norms?)", grads=True)
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:
         entry = self._entry_of(target)
@@ -382,7 +388,7 @@ class ParamAccess:
     ) -> Iterator[None]:
         entries = self._entries_for(params)
         placement = self.placement
-        self.store._loop_acted("store.gathered()")
+        self.store.stepping.loop_acted("store.gathered()")
         if modify:
             busy = [e.name for e in entries if e.holds]
             if busy:

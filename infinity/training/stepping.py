@@ -1,18 +1,21 @@
 """The optimizer step over offloaded shards: the global gradient norm, fp16 overflow skipping
 and clipping, then the update of every shard wherever it lives, pipelined over the staging arena
-(read ahead, update a tile, write back what the next reads need room for).
+(read ahead, update a tile, write back what the next reads need room for); and updates in
+backward (``step_in_backward``) as each gradient completes.
 
-A mixin of :class:`infinity.core.store.TieredStore`: it uses the store's placement, registry,
-engine, config and counters, and keeps no state of its own beyond the store's attributes. Design
-notes: the "step" section of ``docs/architecture.md``.
+:class:`Stepping` is a part of the store (``store.stepping``) with its own state (the step
+counts, the last gradient norm, a step that failed part-way, the entries updated in backward);
+the hooks, the wrapped optimizer and parameter access tell it what the loop does. What it uses
+of the store is :class:`~infinity.core.attached.AttachedStore`. Design notes: the "step"
+section of ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Set
 from typing import TYPE_CHECKING
 
-from infinity.core.memory import host_tensor_bytes
 from infinity.core.residency import Residency as R
 from infinity.core.shards import GRAD_KEY, ParamEntry, Shard
 from infinity.errors import BudgetError
@@ -20,24 +23,95 @@ from infinity.training.optimizer import state_companions
 from infinity.training.precision import global_norm
 
 if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+    from infinity.core.placement import Placement
     from infinity.training.optimizer import OffloadedOptimizer
+    from infinity.training.update_timing import UpdateTiming
 
 
 class Stepping:
+    """The optimizer step and updates in backward of one store (see the module docstring)."""
+
+    def __init__(self, store: AttachedStore) -> None:
+        self._store = store
+        #: optimizer steps taken, and those fp16 overflow skipped
+        self.steps = 0
+        self.skipped_steps = 0
+        #: global gradient norm of the last step; computed only where something needs it
+        #: (gradient_clipping, fp16 overflow checks), NaN otherwise
+        self.last_grad_norm = math.nan
+        #: a step that failed part-way (its clipping factor, the ids of the shards it updated),
+        #: until it is finished or abandoned
+        self._unfinished: tuple[float, set[str]] | None = None
+        #: entries that step_in_backward updated since the last optimizer.step()
+        self._updated_in_backward: set[int] = set()
+
+    @property
+    def _placement(self) -> Placement:
+        placement = self._store.placement
+        assert placement is not None  # the step and its hooks exist once attached
+        return placement
+
+    @property
+    def updated_in_backward(self) -> Set[int]:
+        """Entries whose update ran in backward since the last ``optimizer.step()`` (their
+        gradients were consumed there)."""
+        return self._updated_in_backward
+
+    def restore_counts(self, steps: int, skipped_steps: int) -> None:
+        """The step counts a checkpoint load brings back."""
+        self.steps = steps
+        self.skipped_steps = skipped_steps
+
+    # -- what the loop does -------------------------------------------------------------------
+    def start_iteration(self, grad_enabled: bool, training: bool) -> None:
+        """The root module's forward begins a new iteration."""
+        self._unfinished = None  # a new forward moves on from a step that failed
+        self.loop_acted("a forward pass")
+        store = self._store
+        store.follower.start_iteration((grad_enabled, training))
+        if store.placement is not None and grad_enabled:
+            store.placement.pass_started()
+
+    def loop_acted(self, what: str, grads: bool = False) -> None:
+        """The loop used the model (``grads``: its gradients) outside forward and backward;
+        where updates run may depend on it (infinity.training.update_timing)."""
+        timing = self._store.update_timing
+        if timing is not None:
+            timing.loop_acted(what, grads)
+
+    def gradients_cleared(self) -> None:
+        """``zero_grad()`` or ``p.grad = None``."""
+        timing = self._store.update_timing
+        if timing is None:
+            return
+        timing.gradients_cleared(len(self._updated_in_backward))
+        if timing.auto and not timing.in_backward:
+            # Updates left backward after some ran there (a backward that raised, then
+            # zero_grad): the next backward is not a second one on top of them.
+            self._updated_in_backward.clear()
+
+    def abandon_unfinished(self) -> None:
+        """``zero_grad()``: a step that failed part-way is abandoned with its gradients."""
+        self._unfinished = None
+
     # -- the step -------------------------------------------------------------------------------
-    def _run_step(self, optimizer: OffloadedOptimizer) -> None:
-        with self.timeline.timed("optimizer.step", "step"):
+    def run(self, optimizer: OffloadedOptimizer) -> None:
+        """``optimizer.step()``."""
+        with self._store.timeline.timed("optimizer.step", "step"):
             self._step(optimizer)
 
     def _step(self, optimizer: OffloadedOptimizer) -> None:
-        placement = self.placement
-        assert placement is not None
+        store = self._store
+        placement = self._placement
         placement.follower.pause(placement.busy_seconds)
         placement.gradients.finish_reductions()
         placement.pass_finished()
-        timing = self.update_timing
+        timing = store.update_timing
         if timing is not None:
-            timing.step_starts(self.hooks.backward_passes, optimizer)
+            hooks = store.hooks
+            assert hooks is not None  # installed at attach, before the optimizer is wrapped
+            timing.step_starts(hooks.backward_passes, optimizer)
         try:
             self._step_updates(optimizer)
         finally:
@@ -45,18 +119,19 @@ class Stepping:
                 timing.step_ends()
 
     def _step_updates(self, optimizer: OffloadedOptimizer) -> None:
-        placement = self.placement
+        store = self._store
+        placement = self._placement
         todo = [s for s in optimizer.shards if placement.gradients.has_grad(s)]
         for entry in {s.entry for s in todo}:
             if entry.holds:
                 raise RuntimeError(
                     f"optimizer.step() while {entry.name} is in use by a forward or backward pass"
                 )
-        if self._unfinished_step is not None:
+        if self._unfinished is not None:
             # The last step failed part-way: finish it for the shards it had not updated, with
             # the same clipping factor; the global norm and the loss scale were settled when it
             # started.
-            multiplier, done = self._unfinished_step
+            multiplier, done = self._unfinished
             todo = [s for s in todo if s.id not in done]
         else:
             done = set()
@@ -66,25 +141,26 @@ class Stepping:
                 else math.nan
             )
             self.last_grad_norm = norm
-            if self.scaler is not None:
+            scaler = store.scaler
+            if scaler is not None:
                 overflow = not math.isfinite(norm)
-                self.scaler.update(overflow)
-                placement.gradients.set_loss_scale(self.scaler.scale)
+                scaler.update(overflow)
+                placement.gradients.set_loss_scale(scaler.scale)
                 if overflow:
                     self.skipped_steps += 1
                     return  # the user's zero_grad() discards the overflowed gradients
             multiplier = 1.0
-            clip = self.config.gradient_clipping
+            clip = store.config.gradient_clipping
             if clip > 0 and norm > clip:
                 multiplier = clip / (norm + 1e-6)
         self._updated_in_backward.clear()
         updated = {s.entry for s in todo}
         for entry in updated:
             placement.drop_device(entry, force=True)  # refreshed from the master below or on use
-        if self.engine is None:
+        if store.engine is None:
             self._update_in_memory(optimizer, todo, multiplier)
         else:
-            self._unfinished_step = (multiplier, done)
+            self._unfinished = (multiplier, done)
             try:
                 self._tiled_step(optimizer, todo, multiplier, done)
             except BaseException as exc:
@@ -99,26 +175,12 @@ class Stepping:
                 raise
             finally:
                 placement.step_finished()
-            self._unfinished_step = None
+            self._unfinished = None
         for entry in sorted(updated, key=lambda e: e.index):  # the same order on every rank
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1
-        if self.steps == 1 and self._heap_watch is not None:
-            # From now on every step allocates the same sizes: reuse freed blocks instead of
-            # faulting fresh mappings, for as long as RSS stays under the line.
-            # Expected to stay in the heap: the device tier's copies (host memory without a
-            # GPU) and a few gradients and autograd temporaries of the largest parameter.
-            largest = max(e.nbytes for e in self.registry.entries)
-            device = self.budgets["device"] if self.device.type == "cpu" else 0
-            # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
-            # state and gradients in host tensors) exists only now; the line moves up by it.
-            outside = (
-                placement.gradients.grad_peak if not placement.gradients.grads_on_nvme else 0
-            ) + (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
-            self._heap_watch.start(largest, device + 4 * largest, outside=outside)
-        self.watch_heap()
-        self._sample_memory()
+        store.after_step(optimizer, first=self.steps == 1)
 
     def _update_in_memory(
         self, optimizer: OffloadedOptimizer, todo: list[Shard], multiplier: float
@@ -126,31 +188,32 @@ class Stepping:
         """The update without swap files: every master and its state are in memory."""
         optimizer.update(todo, multiplier)
         for shard in todo:
-            self.registry.set_state(shard, R.HOST)
+            self._store.registry.set_state(shard, R.HOST)
             shard.version += 1
 
     # -- updates in backward (step_in_backward) -------------------------------------------------
-    def _grad_arriving(self, entry: ParamEntry) -> None:
+    def grad_arriving(self, entry: ParamEntry) -> None:
         """Called before a gradient of ``entry`` is taken: refuses a second backward whose
         gradients would meet an update already applied."""
-        timing = self.update_timing
+        timing = self._store.update_timing
         if timing is None:
             return
         if entry.index in self._updated_in_backward:
             timing.refused_second_backward()
             raise RuntimeError(timing.second_backward_message(entry.name))
-        timing.gradient_arriving(self.optimizer)
+        timing.gradient_arriving(self._store.optimizer)
 
-    def _grad_complete(self, entry: ParamEntry, nested: bool) -> None:
+    def grad_complete(self, entry: ParamEntry, nested: bool) -> None:
         """With ``step_in_backward``: updates ``entry``'s shards now that backward has
         completed its gradient. Left to ``optimizer.step()``: a gradient taken inside a nested
         backward (reentrant activation checkpointing: more of it may follow), an entry still
         held by a forward, and the rest of a step that failed part-way."""
-        placement = self.placement
-        optimizer = self.optimizer
+        store = self._store
+        placement = self._placement
+        optimizer = store.optimizer
         if not placement.update_in_backward:
             return
-        if optimizer is None or nested or entry.holds or self._unfinished_step is not None:
+        if optimizer is None or nested or entry.holds or self._unfinished is not None:
             placement.gradients.park_grads(entry)  # left to optimizer.step(): into the budget
             return
         todo = [
@@ -160,16 +223,17 @@ class Stepping:
             return
         placement.drop_device(entry, force=True)  # refreshed from the master on next use
         self._updated_in_backward.add(entry.index)
-        with self.timeline.timed(entry.name, "step"):
-            if self.engine is None:
+        with store.timeline.timed(entry.name, "step"):
+            if store.engine is None:
                 self._update_in_memory(optimizer, todo, 1.0)
             else:
                 done: set[str] = set()
                 try:
                     self._tiled_step(optimizer, todo, 1.0, done)
                 except BaseException as exc:
-                    if isinstance(exc, BudgetError) and self.update_timing.auto:
-                        self._update_left_to_step(entry, todo, done, exc)
+                    timing = store.update_timing
+                    if isinstance(exc, BudgetError) and timing is not None and timing.auto:
+                        self._update_left_to_step(timing, entry, todo, done, exc)
                         return
                     exc.add_note(
                         f"the update of {entry.name} in backward stopped after "
@@ -185,12 +249,17 @@ class Stepping:
             placement.gather(entry, hold=False)
 
     def _update_left_to_step(
-        self, entry: ParamEntry, todo: list[Shard], done: set[str], exc: BudgetError
+        self,
+        timing: UpdateTiming,
+        entry: ParamEntry,
+        todo: list[Shard],
+        done: set[str],
+        exc: BudgetError,
     ) -> None:
         """'auto' chose updates in backward, and this one found no room next to what backward
         holds: what it had not updated waits for optimizer.step(), which has the whole arena,
         and updates stay there from now on (no sizing crash from a default)."""
-        placement = self.placement
+        placement = self._placement
         for shard in todo:
             if shard.id in done:
                 placement.gradients.drop_grad(shard)  # applied: the step must not apply it again
@@ -198,11 +267,11 @@ class Stepping:
             placement.gradients.park_grads(entry)
         except BudgetError:
             pass  # no room for its companion either: the step reads it where autograd left it
-        self.update_timing.no_room(entry.name, str(exc).splitlines()[0])
+        timing.no_room(entry.name, str(exc).splitlines()[0])
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []
-        if self.placement.gradients.grad_in_companion(shard):
+        if self._placement.gradients.grad_in_companion(shard):
             out.append(shard.companions[GRAD_KEY])
         if optimizer.swap_state:
             out += state_companions(shard).values()
@@ -216,7 +285,8 @@ class Stepping:
         A tile's reads (master, gradient, optimizer state) overlap the previous tile's update
         and writes; the step costs about max(read, update, write), not their sum. The ids of
         the shards it updated go into ``done``, as they are updated."""
-        placement = self.placement
+        store = self._store
+        placement = self._placement
         params_on_nvme = placement.params_on_nvme
 
         def parts(shard: Shard) -> list[Shard]:
@@ -295,7 +365,7 @@ class Stepping:
                 ahead, ahead_bytes = i, 0
             upcoming: set[Shard] = set()
             while (
-                self.pipeline_step
+                store.pipeline_step
                 and ahead < len(todo)
                 and (ahead == i or ahead_bytes + size(todo[ahead]) <= window)
                 and read_ahead(todo[ahead], protect, upcoming)
@@ -304,9 +374,9 @@ class Stepping:
                 ahead += 1
             with placement.pinned_while(protect):
                 changed = optimizer.update(tile, multiplier)
-            self.watch_heap()
+            store.watch_heap()
             for shard in tile:
-                self.registry.set_state(shard, R.HOST)
+                store.registry.set_state(shard, R.HOST)
                 shard.version += 1
                 placement.mark_stepped(shard.entry)
                 done.add(shard.id)
@@ -324,6 +394,6 @@ class Stepping:
                     if not p.state.on_host and p.state is not R.NVME_LOADING
                 )
                 placement.clean_ahead(missing, protect=protect | upcoming, horizon=after_step)
-            if not self.pipeline_step:
+            if not store.pipeline_step:
                 for part in [*tile, *changed]:
                     placement.reap(part, wait=True)

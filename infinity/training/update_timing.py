@@ -24,7 +24,7 @@ gradient is left after a step for it to clear.)
 A loop that changes later cannot be undone for the step where it shows: those gradients were
 applied already. Each such change is logged as a warning, saying what it cost, and updates go
 back to ``optimizer.step()`` for good; a second backward is refused before its gradient is
-used (``Stepping._grad_arriving``), since summing it into an update already applied has no
+used (``Stepping.grad_arriving``), since summing it into an update already applied has no
 right answer.
 """
 
@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from infinity.core.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,9 @@ class UpdateTiming:
     ``optimizer.step()``.
     """
 
-    def __init__(self, setting: bool | str, reasons_against: list[str], placement: Any) -> None:
+    def __init__(
+        self, setting: bool | str, reasons_against: list[str], placement: Placement
+    ) -> None:
         """``reasons_against``: why the config keeps 'auto' from updating in backward (empty:
         it may)."""
         self.auto = setting == "auto"

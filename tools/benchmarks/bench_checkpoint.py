@@ -172,7 +172,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     started = time.perf_counter()
     store.wait_for_checkpoint()
     wait_s = time.perf_counter() - started
-    figures = store._checkpoints.last
+    figures = store.last_checkpoint
     baseline = statistics.median(before[1:] or before)
     overhead_s = sum(during) - baseline * len(during) + call_s + wait_s
     print(
