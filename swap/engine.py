@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from typing import Any
 from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, Outcome
 from swap.buffers import ALIGNMENT, HostBuffer, align_up
 from swap.errors import IntegrityError, SwapConfigError, SwapIOError, TransferTimeoutError
-from swap.files import Extent, SwapSpace, check_directory
+from swap.files import Extent, SwapDirectories, SwapSpace, check_directory
 from swap.integrity import Chunk, Integrity
 from swap.probe import choose_backend_for, make_backend
 from swap.settings import EngineSettings
@@ -118,21 +118,29 @@ class SwapEngine(TimeoutsMixin):
 
     def __init__(
         self,
-        paths: Sequence[Path | str] | Path | str,
+        paths: Sequence[Path | str] | Path | str | SwapDirectories,
         settings: EngineSettings | None = None,
         *,
         keep_files: bool = False,
         backend: IOBackend | None = None,
+        backend_wrapper: Callable[[IOBackend], IOBackend] | None = None,
         label: str = "",
     ) -> None:
-        """``label`` goes into the run directories' names (``infinity-swap-<label>...``): a
-        rank number, so that one rank's files are recognisable next to another's."""
+        """``paths``: the swap directories (checked here, unless they are
+        :class:`~swap.files.SwapDirectories` already checked). ``backend``: the I/O backend
+        (default: the best every directory supports); ``backend_wrapper`` (tests and tools)
+        wraps it, e.g. in a fault-injecting backend. ``label`` goes into the run directories'
+        names (``infinity-swap-<label>...``): a rank number, so that one rank's files are
+        recognisable next to another's."""
         if isinstance(paths, (str, Path)):
             paths = [paths]
         self.settings = settings or EngineSettings()
         self.keep_files = keep_files
-        # Every directory is checked before anything is created in any of them.
-        roots = [check_directory(Path(p)) for p in paths]
+        if isinstance(paths, SwapDirectories):
+            roots = list(paths.paths)
+        else:
+            # Every directory is checked before anything is created in any of them.
+            roots = [check_directory(Path(p)) for p in paths]
         if not roots:
             raise SwapConfigError("nvme_path lists no directory")
         if backend is None:
@@ -143,13 +151,15 @@ class SwapEngine(TimeoutsMixin):
                 self.settings.thread_count,
                 self.settings.close_timeout,
             )
+        if backend_wrapper is not None:
+            backend = backend_wrapper(backend)
         self.backend = backend
         self.window = backend.queue_depth  # queue slots over all drives
         self.drive_depth = min(self.settings.queue_depth, self.window)
         self.chain_length = chain_length(self.settings, backend.max_chain)
         try:
             self.space = SwapSpace(
-                roots,
+                SwapDirectories(tuple(roots)),
                 direct=backend.direct,
                 file_size=self.settings.file_size,
                 stripe_size=max(self.settings.block_size, ALIGNMENT),

@@ -23,6 +23,7 @@ import shutil
 import stat
 import tempfile
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,20 @@ def check_directory(path: Path) -> Path:
             f"or choose another directory"
         )
     return path.resolve()
+
+
+@dataclass(frozen=True)
+class SwapDirectories:
+    """Directories :func:`check_directory` accepted, resolved, in order. :class:`SwapSpace` and
+    the swap engine take one in place of paths and check nothing again, so a caller that
+    checks first (to report free space, say) checks each directory once."""
+
+    paths: tuple[Path, ...]
+
+    @classmethod
+    def check(cls, paths: Iterable[Path | str]) -> SwapDirectories:
+        """Checks every directory before anything is created in any of them."""
+        return cls(tuple(check_directory(Path(p)) for p in paths))
 
 
 class SwapFile:
@@ -280,18 +295,21 @@ class SwapSpace:
 
     def __init__(
         self,
-        paths: list[Path] | tuple[Path, ...],
+        paths: list[Path] | tuple[Path, ...] | SwapDirectories,
         *,
         direct: bool,
         file_size: int = 1 << 30,
         stripe_size: int = 1 << 20,
         label: str = "",
     ) -> None:
-        if not paths:
+        if isinstance(paths, SwapDirectories):
+            roots = list(paths.paths)
+        else:
+            roots = [check_directory(Path(p)) for p in paths]
+        if not roots:
             raise NvmePathError("nvme_path lists no directory")
         if stripe_size % ALIGNMENT:
             raise ValueError(f"stripe_size must be a multiple of {ALIGNMENT}")
-        roots = [check_directory(Path(p)) for p in paths]
         #: run directories of runs that died without cleaning up, removed here
         self.reclaimed: list[Leftover] = []
         for root in roots:

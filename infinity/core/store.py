@@ -50,8 +50,7 @@ from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScal
 from infinity.training.stepping import Stepping
 from infinity.training.update_timing import UpdateTiming
 from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
-from swap.files import check_directory
-from swap.probe import choose_backend_for, make_backend
+from swap.files import SwapDirectories
 
 if TYPE_CHECKING:
     from infinity.checkpointing.checkpoint import Checkpointer
@@ -702,14 +701,15 @@ class TieredStore:
 
     def _open_engine(self) -> SwapEngine:
         config = self.config
-        paths = list(config.nvme_path)
-        if not paths:
+        given: list[Path] = list(config.nvme_path)
+        if not given:
             self._temp_dir = Path(tempfile.mkdtemp(prefix="infinity-nvme-"))
-            paths = [self._temp_dir]
+            given = [self._temp_dir]
             log.info("nvme_path not set: swapping to the temporary directory %s", self._temp_dir)
         # Unusable directories (missing, a file, read-only) are named as such before the
-        # free-space preflight, which would otherwise misreport them as full.
-        paths = [check_directory(Path(p)) for p in paths]
+        # free-space preflight, which would otherwise misreport them as full; the engine
+        # checks them no more.
+        paths = list(SwapDirectories.check(given).paths)
         label = ""
         if self.partition is not None:
             paths = self.partition.drives(paths)
@@ -721,7 +721,6 @@ class TieredStore:
         )
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
         for path in paths:
-            path = Path(path)
             if path.is_dir():
                 free = shutil.disk_usage(path).free
                 if free < per_drive:
@@ -744,20 +743,12 @@ class TieredStore:
         )
         if self._engine_overrides:
             settings = dataclasses.replace(settings, **self._engine_overrides)
-        backend = None
-        if self._backend_wrapper is not None:
-            roots = [check_directory(Path(p)) for p in paths]
-            name = choose_backend_for(settings.backend, roots)
-            backend = self._backend_wrapper(
-                make_backend(
-                    name,
-                    settings.queue_depth * len(roots),
-                    settings.thread_count,
-                    settings.close_timeout,
-                )
-            )
         return SwapEngine(
-            paths, settings, keep_files=config.keep_swap_files, backend=backend, label=label
+            SwapDirectories(tuple(paths)),  # this rank's share of the directories checked above
+            settings,
+            keep_files=config.keep_swap_files,
+            backend_wrapper=self._backend_wrapper,
+            label=label,
         )
 
     # -- parameters outside forward ---------------------------------------------------------------
