@@ -820,7 +820,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
         if rule.kind == "section":
             value = _build(f.default_factory, value, key)  # type: ignore[arg-type]
         elif rule.size and isinstance(value, (str, float)) and not isinstance(value, bool):
-            prefix = f"{cls._section}." if cls._section else ""
+            section = getattr(cls, "_section", "")  # a _Validated class's section name
+            prefix = f"{section}." if section else ""
             value = parse_size(value, name=prefix + key)
         kwargs[key] = value
     return cls(**kwargs)

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -67,10 +68,17 @@ from infinity.checkpointing.storage import (
 from infinity.core.residency import Residency as R
 from infinity.core.shards import Shard
 from infinity.errors import CheckpointError, InfinityError
-from infinity.training.optimizer import _KERNEL_KEYS, _step_shape, state_companions
+from infinity.training.optimizer import (
+    KERNEL_KEYS,
+    OffloadedOptimizer,
+    state_companions,
+    step_param_of,
+    step_shape,
+)
 
 if TYPE_CHECKING:
     from infinity.core.attached import AttachedStore
+    from infinity.core.placement import Placement
 
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,9 @@ class Checkpointer:
 
     def __init__(self, store: AttachedStore) -> None:
         self.store = store
+        placement = store.placement
+        assert placement is not None  # made by TieredStore._checkpointer, once attached
+        self.placement = placement
         #: figures of the last save / load (seconds, bytes), for tools and logs
         self.last: dict[str, float] = {}
         #: an asynchronous save under way
@@ -107,15 +118,14 @@ class Checkpointer:
                 shutil.rmtree(partial)  # a save that did not finish
             partial.mkdir()
         _barrier()
-        placement = store.placement
-        placement.gradients.finish_reductions()
+        self.placement.gradients.finish_reductions()
         # Masters are read from the host or NVMe, never from a device copy (which may be in
         # a lower precision, and whose host slot may be gone): device copies go first, and the
         # persistent ones come back after (in entry order: across ranks they are gathers).
         dropped = self._drop_device_copies("save_checkpoint()")
         files = {STATE_NAME: json.dumps(self._state(extra))}
         config = getattr(store.model, "config", None)
-        if hasattr(config, "to_json_string"):
+        if config is not None and hasattr(config, "to_json_string"):
             files["config.json"] = config.to_json_string()
         writer = InfinityStorageWriter(path, extra_files=files if coordinator else None)
         planner = _SavePlanner(store)
@@ -175,12 +185,12 @@ class Checkpointer:
             )
         dropped = [e for e in store.registry.entries if e.resident]
         for entry in dropped:
-            store.placement.drop_device(entry, force=True)
+            self.placement.drop_device(entry, force=True)
         return dropped
 
     def _restore_device_copies(self, dropped: list[Any]) -> None:
         """Persistent device copies come back (in entry order: across ranks, gathers)."""
-        placement = self.store.placement
+        placement = self.placement
         for entry in dropped:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)
@@ -258,8 +268,8 @@ class Checkpointer:
             "format": STATE_FORMAT,
             "world": _world(),
             "zero_stage": store.config.zero_stage,
-            "steps": store.steps,
-            "skipped_steps": store.skipped_steps,
+            "steps": store.stepping.steps,
+            "skipped_steps": store.stepping.skipped_steps,
             "params": {
                 e.name: {"shape": list(e.shape), "dtype": str(e.dtype)}
                 for e in store.registry.entries
@@ -321,7 +331,7 @@ class Checkpointer:
                     f"optimizer is a {type(optimizer.inner).__name__}"
                 )
             self._load_optimizer_scalars(state["optimizer"])
-        placement = store.placement
+        placement = self.placement
         placement.gradients.finish_reductions()
         # Every value is overwritten: no device copy may outlive it (the persistent ones come
         # back in planner.finish()).
@@ -393,6 +403,7 @@ class Checkpointer:
 
     def _load_optimizer_scalars(self, saved: dict) -> None:
         optimizer = self.store.optimizer
+        assert optimizer is not None  # load() checked
         inner = optimizer.inner
         groups = saved["param_groups"]
         if len(groups) != len(inner.param_groups):
@@ -402,12 +413,12 @@ class Checkpointer:
             )
         for group, saved_group in zip(inner.param_groups, groups):
             for key, value in decode(saved_group["settings"]).items():
-                if key not in _KERNEL_KEYS:  # the store's kernel choice stays
+                if key not in KERNEL_KEYS:  # the store's kernel choice stays
                     group[key] = value
         scalars = saved["scalars"]
         for shard in optimizer.shards:
             values = decode(scalars.get(shard.entry.name, {}))
-            inner.state[shard.step_param] = {
+            inner.state[step_param_of(shard)] = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()
             }
 
@@ -427,9 +438,9 @@ def _per_element(value: Any, shard: Shard) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == shard.numel and value.dim() > 0
 
 
-def _chunks(store: AttachedStore) -> list[tuple[str, Any, str | None]]:
+def _chunks(store: AttachedStore) -> list[tuple[str, Shard, str | None]]:
     """(key, shard, optimizer state key or None) for every chunk this rank holds."""
-    out = []
+    out: list[tuple[str, Shard, str | None]] = []
     optimizer = store.optimizer
     for entry in store.registry.entries:
         for shard in entry.shards:
@@ -454,7 +465,10 @@ class _SavePlanner(SavePlanner):
 
     def __init__(self, store: AttachedStore) -> None:
         self.store = store
-        self.sources: dict[tuple[str, int], tuple[Any, str | None]] = {}
+        placement = store.placement
+        assert placement is not None  # made by Checkpointer, once attached
+        self.placement = placement
+        self.sources: dict[tuple[str, int], tuple[Shard, str | None]] = {}
         #: an asynchronous save's staging queue (None: read on demand, in this thread)
         self.source: AsyncSave | None = None
 
@@ -493,7 +507,12 @@ class _SavePlanner(SavePlanner):
         companion = state_companions(shard).get(key)
         if companion is not None:
             return companion.dtype
-        return self.store.optimizer.inner.state[shard.step_param][key].dtype
+        return self._optimizer().inner.state[step_param_of(shard)][key].dtype
+
+    def _optimizer(self) -> OffloadedOptimizer:
+        optimizer = self.store.optimizer
+        assert optimizer is not None  # only then are there optimizer chunks
+        return optimizer
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = create_default_global_save_plan(all_plans)
@@ -505,21 +524,21 @@ class _SavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.read(*self.sources[(write_item.index.fqn, write_item.index.offset[0])])
+        return self.read(*self.sources[_chunk_key(write_item.index)])
 
     def stream(self, items: list[WriteItem]) -> Any:
         """(item, tensor) pairs: in plan order, or, for an asynchronous save, as the training
         thread copies the chunks out."""
         if self.source is None:
             return self._read_ahead(items)
-        by_key = {(i.index.fqn, i.index.offset[0]): i for i in items}
+        by_key = {_chunk_key(i.index): i for i in items}
         return ((by_key[key], tensor) for key, tensor in self.source.stream(set(by_key)))
 
     def _read_ahead(self, items: list[WriteItem]) -> Iterator[tuple[WriteItem, torch.Tensor]]:
         """The chunks in plan order, with the NVMe reads of the next ones (up to a third of
         the arena) under way while the writer writes this one."""
-        placement = self.store.placement
-        parts = [self._part(*self.sources[(i.index.fqn, i.index.offset[0])]) for i in items]
+        placement = self.placement
+        parts = [self._part(*self.sources[_chunk_key(i.index)]) for i in items]
         window = placement.host.arena_bytes // 3
         started: dict[int, int] = {}  # item index -> bytes whose read is under way
         ahead = 0
@@ -540,34 +559,33 @@ class _SavePlanner(SavePlanner):
                         started[ahead] = part.nbytes
                 ahead += 1
             # No copy: the writer copies the bytes into its buffers before the next read.
-            tensor = self.read(*self.sources[(item.index.fqn, item.index.offset[0])], copy=False)
+            tensor = self.read(*self.sources[_chunk_key(item.index)], copy=False)
             started.pop(i, None)
             yield item, tensor
 
-    def _part(self, shard: Shard, state_key: str | None) -> Any:
+    def _part(self, shard: Shard, state_key: str | None) -> Shard | None:
         """The shard whose bytes hold a chunk (the master, or its state's companion); None
         for state that lives in memory."""
         if state_key is None:
-            return shard if self.store.placement.nvme else None
+            return shard if self.placement.nvme else None
         return state_companions(shard).get(state_key)
 
     def read(self, shard: Shard, state_key: str | None, copy: bool = True) -> torch.Tensor:
         """This rank's chunk of ``shard`` (its master, or an optimizer state): a copy, or
         (``copy=False``) a view valid until the tiers next move something."""
-        placement = self.store.placement
-        out = self._view(placement, shard, state_key)
+        out = self._view(self.placement, shard, state_key)
         return out.clone() if copy else out
 
-    def _view(self, placement: Any, shard: Shard, state_key: str | None) -> torch.Tensor:
+    def _view(self, placement: Placement, shard: Shard, state_key: str | None) -> torch.Tensor:
         real = shard.real_numel
         if state_key is None:
             placement.ensure_host(shard)
-            return shard.host[:real]
+            return shard.host_copy()[:real]
         companion = state_companions(shard).get(state_key)
         if companion is not None:
             placement.ensure_host(companion)
-            return companion.host[:real]
-        value = self.store.optimizer.inner.state[shard.step_param][state_key]
+            return companion.host_copy()[:real]
+        value = self._optimizer().inner.state[step_param_of(shard)][state_key]
         return value.detach().reshape(-1)[:real]
 
     def lookup_object(self, index: MetadataIndex) -> Any:
@@ -583,8 +601,12 @@ class _LoadPlanner(LoadPlanner):
 
     def __init__(self, store: AttachedStore, load_optimizer: bool) -> None:
         self.store = store
+        placement = store.placement
+        assert placement is not None  # made by Checkpointer, once attached
+        self.placement = placement
         self.load_optimizer = load_optimizer
-        self.targets: dict[tuple[str, int], tuple[Any, str | None]] = {}
+        self.metadata: Metadata | None = None
+        self.targets: dict[tuple[str, int], tuple[Shard, str | None]] = {}
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.waiting: dict[tuple[str, int], int] = {}
         self.stashed: set[tuple[int, str]] = set()
@@ -592,12 +614,18 @@ class _LoadPlanner(LoadPlanner):
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
+        assert metadata is not None  # a load reads the checkpoint's metadata first
         self.metadata = metadata
+        #: what the checkpoint holds, by key (tensors only: this format has nothing else)
+        self.saved: dict[str, TensorStorageMetadata] = {}
+        for key, held in metadata.state_dict_metadata.items():
+            assert isinstance(held, TensorStorageMetadata), f"{key} is not a tensor"
+            self.saved[key] = held
 
     def create_local_plan(self) -> LoadPlan:
-        saved = self.metadata.state_dict_metadata
+        saved = self.saved
         items: list[ReadItem] = []
-        wanted: list[tuple[str, Any, str | None]] = []
+        wanted: list[tuple[str, Shard, str | None]] = []
         for entry in self.store.registry.entries:
             for shard in entry.shards:
                 if not shard.real_numel:
@@ -637,18 +665,18 @@ class _LoadPlanner(LoadPlanner):
         raise CheckpointError("this checkpoint format keeps tensors only")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        target = _chunk_key(read_item.dest_index)
         buffer = self.buffers.get(target)
         if buffer is None:
             shard, _ = self.targets[target]
-            dtype = self.metadata.state_dict_metadata[target[0]].properties.dtype
+            dtype = self.saved[target[0]].properties.dtype
             buffer = self.buffers[target] = torch.empty(shard.real_numel, dtype=dtype)
         return buffer.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
 
     def adopt(self, read_item: ReadItem, source: torch.Tensor) -> bool:
         """Takes ``source`` (the checkpoint's bytes, read for this item) as the whole of its
         destination when it is: one read, no buffer of ours and no copy into it."""
-        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        target = _chunk_key(read_item.dest_index)
         shard, _ = self.targets[target]
         if (
             self.waiting[target] != 1
@@ -661,7 +689,7 @@ class _LoadPlanner(LoadPlanner):
         return True
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        target = (read_item.dest_index.fqn, read_item.dest_index.offset[0])
+        target = _chunk_key(read_item.dest_index)
         self.waiting[target] -= 1
         if self.waiting[target]:
             return
@@ -674,7 +702,7 @@ class _LoadPlanner(LoadPlanner):
 
     def _write_master(self, shard: Shard, values: torch.Tensor) -> None:
         store = self.store
-        placement = store.placement
+        placement = self.placement
         placement.prepare_overwrite(shard)
         if shard.state is R.HOST_STORING:
             placement.reap(shard, wait=True)
@@ -687,9 +715,10 @@ class _LoadPlanner(LoadPlanner):
 
     def _write_state(self, shard: Shard, key: str, values: torch.Tensor) -> None:
         optimizer = self.store.optimizer
-        state = optimizer.inner.state.setdefault(shard.step_param, {})
+        assert optimizer is not None  # load_optimizer: there is one
+        state = optimizer.inner.state.setdefault(step_param_of(shard), {})
         # Without padding, the planner's buffer itself (ours now): no copy.
-        state[key] = shard.padded(values).view(_step_shape(shard))
+        state[key] = shard.padded(values).view(step_shape(shard))
         if optimizer.swap_state:
             # Into its companion now: per-element state is never all in memory at once.
             optimizer.stash_loaded_state(shard, keep_others=True)
@@ -700,12 +729,18 @@ class _LoadPlanner(LoadPlanner):
         if self.waiting and any(self.waiting.values()):
             left = [k for k, n in self.waiting.items() if n]
             raise CheckpointError(f"the checkpoint did not deliver {left[:3]}")
-        placement = self.store.placement
+        placement = self.placement
         for entry in self.store.registry.entries:
             placement.mark_initialised(entry)
         for entry in self.store.registry.entries:
             if entry.index in placement.persistent:
                 placement.gather(entry, hold=False)
+
+
+def _chunk_key(index: MetadataIndex) -> tuple[str, int]:
+    """A chunk's key in the planners: its checkpoint key and first element."""
+    assert index.offset is not None  # every chunk of ours has one (a flat range)
+    return index.fqn, index.offset[0]
 
 
 # -- JSON for what is not a per-element tensor -----------------------------------------------------

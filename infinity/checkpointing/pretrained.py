@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from infinity.checkpointing.state_dict import write_entry_pieces
@@ -74,7 +73,8 @@ def load_pretrained(store: AttachedStore, path: Path) -> _IncompatibleKeys:
     """See the module docstring. Returns ``(missing_keys, unexpected_keys)``."""
     from safetensors import safe_open
 
-    model: nn.Module = store.model
+    model = store.model
+    assert model is not None  # TieredStore.load_pretrained checks it is attached
     registry = store.registry
     entries = {
         name: registry.entry_of(param)

@@ -136,6 +136,7 @@ def write_entry_pieces(
     flat range, any dtype), so a caller reading from a file holds one shard's worth at a
     time."""
     placement = store.placement
+    assert placement is not None  # an attached store's parameter
     placement.drop_device(entry, force=True)
     store.before_state_change(entry.shards)  # a checkpoint being saved copies them first
     for shard in entry.shards:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -93,7 +95,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     tensor = tensor.detach().to("cpu").contiguous()
     if not tensor.numel():
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def tensor_from(
@@ -151,7 +153,7 @@ class InfinityStorageWriter(StorageWriter):
         # A planner may hand the chunks over in its own order (an asynchronous save gets them
         # as the training thread copies them out): ``stream(items)`` yields (item, tensor).
         stream = getattr(planner, "stream", None)
-        chunks = (
+        chunks: Iterable[tuple[WriteItem, Any]] = (
             stream(plan.items)
             if stream is not None
             else ((item, planner.resolve_data(item)) for item in plan.items)
@@ -223,6 +225,7 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def _index_key(index: MetadataIndex) -> str:
+    assert index.offset is not None  # every chunk has one
     return index.fqn + "@" + ",".join(str(o) for o in index.offset)
 
 
@@ -307,7 +310,7 @@ class ChunkReader:
                 f"{location['offset']}..{location['offset'] + location['length']}"
                 f", the file ends before"
             )
-        if xxhash.xxh3_64_hexdigest(memoryview(data.numpy())) != location["checksum"]:
+        if xxhash.xxh3_64_hexdigest(data.numpy().data) != location["checksum"]:
             raise CheckpointError(
                 f"{file} is corrupt: the bytes of {fqn} (offset "
                 f"{location['offset']}, {location['length']} bytes) do not "
@@ -330,7 +333,7 @@ class InfinityStorageReader(StorageReader):
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        state: dict[str, TensorStorageMetadata] = {}
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         for fqn, info in self.document["tensors"].items():
             state[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype_of(info["dtype"])),
@@ -359,7 +362,9 @@ class InfinityStorageReader(StorageReader):
         # Each chunk is read (and verified) once, in file order, the next ones in flight.
         by_chunk: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         for item in plan.items:
-            key = (item.storage_index.fqn, tuple(item.storage_index.offset))
+            offset = item.storage_index.offset
+            assert offset is not None  # every chunk has one
+            key = (item.storage_index.fqn, tuple(offset))
             by_chunk.setdefault(key, []).append(item)
         # A planner that can take a read's bytes as they are (``adopt``) is spared a copy.
         adopt = getattr(planner, "adopt", None)

@@ -48,7 +48,9 @@ class SlotArena:
         slot = self._free_slots.pop()
         ranges = _Ranges(self.slot_size)
         self._small[slot] = ranges
-        return slot * self.slot_size + ranges.take(size)
+        offset = ranges.take(size)
+        assert offset is not None  # an empty slot holds any range of at most half a slot
+        return slot * self.slot_size + offset
 
     def take_run(self, count: int) -> int | None:
         """The offset of the first free slot followed by ``count - 1`` more free ones, taking

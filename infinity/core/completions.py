@@ -100,6 +100,12 @@ class Completions:
         #: arena ranges (offset, nbytes, shard id) a timed-out read may still write into
         self.quarantine: list[tuple[int, int, str]] = []
 
+    @property
+    def _engine(self) -> SwapEngine:
+        engine = self.engine
+        assert engine is not None  # NVMe transfers, and their outcomes, need the engine
+        return engine
+
     # -- attempts -------------------------------------------------------------------------------
     def attempt(self, shard: Shard) -> None:
         """A transfer of ``shard`` is issued: a retry if its last attempt failed."""
@@ -177,6 +183,7 @@ class Completions:
         self.io_errors += 1
         self._failed[shard] = self._failed.get(shard, 0) + 1
         start, size = shard.arena_offset, align_up(max(shard.nbytes, 1))
+        assert start is not None  # a read goes into an arena slot
         if self._kernel_may_write(start, start + size):
             self.quarantine.append((start, shard.nbytes, shard.id))
             log.warning(
@@ -238,18 +245,19 @@ class Completions:
         arena = self.host.arena
         return any(
             q.op == "read" and q.buffer is arena and q.buffer_start < end and q.buffer_end > start
-            for q in self.engine.quarantined()
+            for q in self._engine.quarantined()
         )
 
     def _write_may_land_late(self, shard: Shard) -> bool:
+        assert shard.extent is not None  # it was written
         serial = shard.extent.serial
-        return any(q.op == "write" and q.extent == serial for q in self.engine.quarantined())
+        return any(q.op == "write" and q.extent == serial for q in self._engine.quarantined())
 
     def _replace_extent(self, shard: Shard) -> None:
         """Moves ``shard`` to a fresh extent: a timed-out write to the old one may still land
         and would overwrite a later write there (the engine holds the old space back)."""
         try:
-            fresh = self.engine.allocate(shard.nbytes)
+            fresh = self._engine.allocate(shard.nbytes)
         except SwapError as exc:
             log.warning(
                 "no fresh extent for shard %s after a timed-out write (%s); it keeps "
@@ -259,14 +267,15 @@ class Completions:
             )
             return
         old, shard.extent = shard.extent, fresh
-        self.engine.free(old)
+        assert old is not None  # it was written
+        self._engine.free(old)
 
     def reclaim_quarantine(self) -> None:
         """Gives back the quarantined arena ranges no timed-out read covers any more."""
         if not self.quarantine:
             return
         arena = self.host.arena
-        records = [q for q in self.engine.quarantined() if q.op == "read" and q.buffer is arena]
+        records = [q for q in self._engine.quarantined() if q.op == "read" and q.buffer is arena]
         kept = []
         for offset, nbytes, shard_id in self.quarantine:
             end = offset + align_up(max(nbytes, 1))

@@ -47,7 +47,7 @@ from infinity.core.trace import Event, TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
 from infinity.observability.timeline import Timeline
 from infinity.training.gradients import Gradients
-from swap import SwapEngine
+from swap import HostBuffer, SwapEngine
 
 if TYPE_CHECKING:
     from infinity.ranks.partition import Partition
@@ -295,6 +295,7 @@ class Placement:
         if shard.copy_event is not None:
             shard.copy_event.synchronize()
             shard.copy_event = None
+        assert shard.arena_offset is not None, f"{shard} has no arena slot"
         self.host.give_arena(shard.arena_offset, shard.nbytes)
         self.in_arena.discard(shard)
         self.doomed.discard(shard)
@@ -603,15 +604,16 @@ class Placement:
     # -- NVMe transfers -----------------------------------------------------------------------
     def store_async(self, shard: Shard) -> None:
         """Starts HOST -> NVMe (HOST -> HOST_STORING)."""
-        assert self.engine is not None and shard.host is not None
+        engine, arena = self._swap()
+        assert shard.host is not None and shard.arena_offset is not None, f"{shard} not in arena"
         if shard.extent is None:
-            shard.extent = self.engine.allocate(shard.nbytes)
+            shard.extent = engine.allocate(shard.nbytes)
         self.completions.attempt(shard)
         # The engine refuses a bad request synchronously: the state changes only once the
         # transfer exists, so a refusal leaves the shard HOST.
-        future = self.engine.write(
+        future = engine.write(
             shard.extent,
-            self.host.arena,
+            arena,
             nbytes=shard.nbytes,
             buffer_offset=shard.arena_offset,
             tag=_tag(shard),
@@ -636,10 +638,12 @@ class Placement:
         if not self._host_slot(shard, protect, horizon, strict):
             return False
         self.completions.attempt(shard)
+        engine, arena = self._swap()
+        assert shard.extent is not None and shard.arena_offset is not None  # NVME, slot taken
         try:
-            future = self.engine.read(
+            future = engine.read(
                 shard.extent,
-                self.host.arena,
+                arena,
                 nbytes=shard.nbytes,
                 buffer_offset=shard.arena_offset,
                 tag=_tag(shard),
@@ -658,10 +662,17 @@ class Placement:
             self.demand_loads += 1
         return True
 
+    def _swap(self) -> tuple[SwapEngine, HostBuffer]:
+        """The swap engine and the staging arena, which every NVMe transfer uses."""
+        engine, arena = self.engine, self.host.arena
+        assert engine is not None and arena is not None  # NVMe transfers need both
+        return engine, arena
+
     def _record_io(self, shard: Shard, op: str, prefetch: bool) -> None:
         record = self.timeline.io_started(shard.id, op, shard.nbytes, prefetch)
         shard.io_record = record
         if record is not None:
+            assert shard.pending is not None  # the transfer just started
             shard.pending.add_done_callback(lambda f: Timeline.io_finished(record, f.exception()))
 
     def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
@@ -709,7 +720,8 @@ class Placement:
         )
         completions = self.completions
         if completions.quarantine:
-            hung = [q for q in self.engine.quarantined() if q.buffer is self.host.arena]
+            engine, arena = self._swap()
+            hung = [q for q in engine.quarantined() if q.buffer is arena]
             return (
                 f"{text}: {completions.quarantined_bytes} bytes of it are quarantined behind "
                 f"reads that timed out (the drive hangs?)"
@@ -765,10 +777,12 @@ class Placement:
         HOST (dirty): written back when evicted or after the step."""
         if not self._host_slot(shard, protect=(), horizon=0.0):
             raise BudgetError(self._no_room(shard))
+        host = shard.host
+        assert host is not None  # the slot just taken
         if source is not None:
-            shard.host.copy_(source)
+            host.copy_(source)
         self.registry.set_state(shard, R.HOST)
-        return shard.host
+        return host
 
     def discard(self, shard: Shard) -> None:
         """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""
@@ -957,15 +971,17 @@ class Placement:
 
     def _assemble(
         self, flat: torch.Tensor, shard: Shard, own_input: bool = False
-    ) -> tuple[object, object]:
+    ) -> tuple[torch.cuda.Event | None, Any]:
         """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
         every rank's slice. Returns the copy's event and the collective's handle.
         ``own_input``: the collective reads a copy of the slice, not the arena slot, which may
         be evicted before it completes."""
         partition = self.partition
+        assert partition is not None and shard.piece is not None  # a slice across ranks
         start, numel = shard.piece
         out = flat[start : start + numel]
         local = shard.host
+        assert local is not None  # settled on the host
         event = None
         if local.dtype != out.dtype or (partition.on_device and local.device != out.device):
             # Compute dtype (mixed precision) and, under NCCL, on the device: a device copy.
@@ -1017,6 +1033,7 @@ class Placement:
             else:
                 self.device.usage.sub(entry.device_bytes)
         else:
+            assert entry.device_tensor is not None  # given at attach (adopt)
             self.device.empty(entry.device_tensor)
         entry.resident = False
         self.on_device.discard(entry)

@@ -166,7 +166,7 @@ class TracePrefetching:
             )
             self._prefetch(self._state_wanted(trace, position, reach), budget, strict=True)
 
-    def prefetch_ahead(self, protect: set[Shard] | frozenset = frozenset()) -> int | None:
+    def prefetch_ahead(self, protect: set[Shard] | frozenset = frozenset()) -> float | None:
         """Starts the reads the prefetch policy wants now (see :meth:`_prefetch`)."""
         trace = self.follower.trace
         if not self.nvme or trace is None:
@@ -206,10 +206,10 @@ class TracePrefetching:
     def _prefetch(
         self,
         wanted: Iterable[tuple[Shard, float]],
-        budget: int | None,
+        budget: float | None,
         strict: bool = False,
         protect: set[Shard] | frozenset = frozenset(),
-    ) -> int | None:
+    ) -> float | None:
         """Starts the reads of ``wanted`` (shard, horizon) in order, each evicting only what is
         needed after its horizon. Returns the ``prefetch_bytes`` left (``math.inf`` without a
         cap), or None once a read found no room or the cap was reached: prefetch less, never

@@ -16,11 +16,16 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from infinity.core.residency import Residency, check_transition
+
+if TYPE_CHECKING:
+    from infinity.observability.timeline import Transfer
+    from infinity.ranks.partition import Partition
+    from swap import Extent
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +66,10 @@ class Shard:
     #: byte offset of ``host`` inside the arena, when it lives there
     arena_offset: int | None = None
     #: the NVMe home
-    extent: object | None = None
+    extent: Extent | None = None
     #: an NVMe transfer in flight, and its timeline record when recording
     pending: Future[int] | None = None
-    io_record: object | None = None
+    io_record: Transfer | None = None
     #: accumulated gradient in host memory, when gradients are not swapped (else companion)
     grad: torch.Tensor | None = None
     #: squared L2 norm of the accumulated gradient (kept so clipping needs no extra pass);
@@ -78,7 +83,7 @@ class Shard:
     #: the host parameter the wrapped optimizer updates
     step_param: torch.nn.Parameter | None = None
     #: CUDA event marking the end of the last copy out of ``host`` (the slot is busy until then)
-    copy_event: object | None = None
+    copy_event: torch.cuda.Event | None = None
     version: int = 0
     #: partitioned across ranks (infinity.ranks.partition): (start, numel) of the whole piece that
     #: every rank's slice makes up; ``start``/``numel`` are then this rank's slice, padded so
@@ -90,6 +95,12 @@ class Shard:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def host_copy(self) -> torch.Tensor:
+        """The host copy, which the caller has made sure is there (``ensure_host``, a slot
+        just filled)."""
+        assert self.host is not None, f"{self} has no host copy"
+        return self.host
 
     @property
     def real_numel(self) -> int:
@@ -113,6 +124,7 @@ class Shard:
         """Sets the host copy to ``values`` (``real_numel`` elements, any dtype); padding is
         zero."""
         host = self.host
+        assert host is not None, f"{self.id} has no host copy to fill"
         if self.real is None or self.real == self.numel:
             host.copy_(values)
             return
@@ -196,7 +208,7 @@ class ShardRegistry:
         param: torch.nn.Parameter,
         max_shard_bytes: int,
         compute_dtype: torch.dtype | None = None,
-        partition: Any = None,
+        partition: Partition | None = None,
         storage_dtype: torch.dtype | None = None,
     ) -> ParamEntry:
         """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point

@@ -456,8 +456,10 @@ class TieredStore:
             # cannot make room for its other shards, so the arena holds the largest module's
             # masters twice over. Below that, updates stay in optimizer.step(), which has the
             # whole arena.
-            cost = self._host_tier.slot_cost
-            arena = self._host_tier.arena_bytes
+            host, placement = self._host_tier, self.placement
+            assert host is not None and placement is not None  # made by attach, before this
+            cost = host.slot_cost
+            arena = host.arena_bytes
             parts = 2 + (2 if config.offload_optimizer == "nvme" else 0)
             update = max(
                 parts * cost(s.nbytes)
@@ -468,7 +470,7 @@ class TieredStore:
                 sum(cost(s.nbytes) for e in entries for s in e.shards)
                 for _, _, entries in module_entries
             )
-            if arena < 4 * update or (self.placement.params_on_nvme and arena < 2 * largest):
+            if arena < 4 * update or (placement.params_on_nvme and arena < 2 * largest):
                 reasons.append(
                     f"the staging arena ({arena} bytes) is too small to update in "
                     f"backward: it needs 4 x {update} bytes (the largest update) and "
@@ -517,6 +519,8 @@ class TieredStore:
         (``LlamaRMSNorm``) are left without values, allocating nothing, until a checkpoint load
         writes them (``load_pretrained``, ``load_state_dict``)."""
         placement = self.placement
+        assert placement is not None  # made by attach, before this
+        registry = self.registry
         done: set[int] = set()
 
         def take(entry: ParamEntry) -> None:
@@ -543,7 +547,8 @@ class TieredStore:
             if not initialise or not callable(getattr(module, "reset_parameters", None)):
                 for _, param in own:
                     if param.is_meta:
-                        entry = self.registry.entry_of(param)
+                        entry = registry.entry_of(param)
+                        assert entry is not None  # every parameter of the model is registered
                         # Shape and dtype come from the device tensor adopt() gives it.
                         # (On the planner's meta device the placeholder is meta too.)
                         real = nn.Parameter(
@@ -556,7 +561,7 @@ class TieredStore:
                         )
                         for owner, owner_name in references.pop(id(param), []):
                             owner._parameters[owner_name] = real
-                        self.registry.rebind(entry, real)
+                        registry.rebind(entry, real)
                         placement.adopt(entry, self.device)
                         placement.mark_uninitialised(entry)
                         done.add(entry.index)
@@ -568,7 +573,8 @@ class TieredStore:
                 )
                 continue
             for _, param in own:
-                entry = self.registry.entry_of(param)
+                entry = registry.entry_of(param)
+                assert entry is not None  # every parameter of the model is registered
                 if param.is_meta:
                     real = nn.Parameter(
                         torch.empty(param.shape, dtype=param.dtype),
@@ -576,15 +582,17 @@ class TieredStore:
                     )
                     for owner, owner_name in references.pop(id(param), []):
                         owner._parameters[owner_name] = real
-                    self.registry.rebind(entry, real)
+                    registry.rebind(entry, real)
                 elif entry.index in done:
                     param.data = torch.empty(entry.shape, dtype=entry.dtype)
             with torch.no_grad():
                 module.reset_parameters()
             for param in module._parameters.values():
                 if param is not None:
-                    take(self.registry.entry_of(param))
-        for entry in self.registry.entries:
+                    entry = registry.entry_of(param)
+                    assert entry is not None  # every parameter of the model is registered
+                    take(entry)
+        for entry in registry.entries:
             if entry.index not in done:
                 take(entry)
 
@@ -914,15 +922,19 @@ class TieredStore:
         flat = out.view(-1)
         if entry.resident:
             placement.settle(entry)
+            assert entry.device_tensor is not None  # resident
             flat.copy_(entry.device_tensor.reshape(-1))
             return out
         for shard in entry.shards:
             placement.ensure_host(shard)
+            host = shard.host
+            assert host is not None  # ensured
             if shard.piece is None:
-                flat[shard.start : shard.start + shard.numel].copy_(shard.host)
+                flat[shard.start : shard.start + shard.numel].copy_(host)
             else:  # every rank's slice: a collective, on every rank
+                assert self.partition is not None  # only partitioned shards have pieces
                 start, numel = shard.piece
-                flat[start : start + numel].copy_(self.partition.gather_flat(shard.host, numel))
+                flat[start : start + numel].copy_(self.partition.gather_flat(host, numel))
         return out
 
     def close(self, restore_params: bool = True) -> None:
@@ -1015,6 +1027,7 @@ class TieredStore:
             torch.empty(entry.shape, dtype=entry.dtype, device="meta"),
             requires_grad=entry.param.requires_grad,
         )
+        assert self.model is not None  # closing an attached store
         for module in self.model.modules():
             for name, param in module._parameters.items():
                 if param is entry.param:

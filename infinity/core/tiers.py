@@ -16,9 +16,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
+from torch.types import Storage
 
 from infinity.core.arena import SlotArena
 from infinity.errors import BudgetError
@@ -34,12 +35,18 @@ _CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr
 )
 
 
+def _swap_memory(storage: torch.UntypedStorage, other: Storage) -> None:
+    """Swaps the memory under two storage objects; private torch API (see _CAN_SWAP_STORAGE),
+    which torch's stubs do not declare."""
+    storage._swap_data_ptr_(other)  # type: ignore[attr-defined]
+
+
 class _SlabCopy(NamedTuple):
     """A working copy whose memory is a range of the slab."""
 
     offset: int
     nbytes: int
-    own: torch.UntypedStorage  # holds the storage's own (empty) memory meanwhile
+    own: Storage  # holds the storage's own (empty) memory meanwhile
     storage: torch.UntypedStorage
 
 
@@ -121,6 +128,7 @@ class DeviceTier:
             )
             self._slab = self._slab_pool.acquire(holder="device tier")
             self._slab_ranges = RangeAllocator(self._slab.nbytes)
+        assert self._slab_ranges is not None  # made with the slab
         return self._slab_ranges.take(align_up(nbytes))
 
     def _fill_from_slab(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
@@ -131,10 +139,11 @@ class DeviceTier:
             # The free bytes are there (the budget was charged) but not in one range.
             self.slab_misses += 1
             return False
+        assert self._slab is not None  # a range of it was taken
         piece = torch._C._construct_storage_from_data_pointer(
             self._slab.address + offset, self.device, nbytes
         )
-        storage._swap_data_ptr_(piece)  # piece now holds the storage's own (empty) memory
+        _swap_memory(storage, piece)  # piece now holds the storage's own (empty) memory
         self._in_slab[storage._cdata] = _SlabCopy(offset, nbytes, piece, storage)
         return True
 
@@ -151,18 +160,21 @@ class DeviceTier:
         return offset
 
     def slab_view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        assert self._slab is not None  # a range of it was taken
         return self._slab.view(dtype, numel, offset)
 
     def slab_give(self, offset: int, nbytes: int) -> None:
+        assert self._slab_ranges is not None  # a range of it was taken
         self._slab_ranges.give(offset, align_up(nbytes))
         self.usage.sub(nbytes)
 
     def close(self) -> None:
         # Storages still pointing into the slab get their own empty memory back before it goes.
         for copy in self._in_slab.values():
-            copy.storage._swap_data_ptr_(copy.own)
+            _swap_memory(copy.storage, copy.own)
         self._in_slab.clear()
         if self._slab is not None:
+            assert self._slab_pool is not None  # made with the slab
             self._slab_pool.release(self._slab)
             self._slab_pool.close()
             self._slab = self._slab_pool = None
@@ -185,7 +197,8 @@ class DeviceTier:
         storage = tensor.untyped_storage()
         copy = self._in_slab.pop(storage._cdata, None)
         if copy is not None:
-            storage._swap_data_ptr_(copy.own)  # its own empty memory back; the range is free
+            _swap_memory(storage, copy.own)  # its own empty memory back; the range is free
+            assert self._slab_ranges is not None  # made with the slab
             self._slab_ranges.give(copy.offset, align_up(copy.nbytes))
         else:
             storage.resize_(0)
@@ -200,11 +213,13 @@ class DeviceTier:
             dst.copy_(src)
             self.copy_seconds += time.perf_counter() - started
             return None
-        with torch.cuda.stream(self.copy_stream):
+        stream = self.copy_stream
+        assert stream is not None  # made on CUDA
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            dst.record_stream(self.copy_stream)
+            dst.record_stream(stream)
             event = torch.cuda.Event()
-            event.record(self.copy_stream)
+            event.record(stream)
         return event
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -242,7 +257,9 @@ class HostTier:
             self._ranges = SlotArena(slot, max(1, arena_bytes // slot))
             self.arena_bytes = self._ranges.nbytes
             if meta:
-                self.arena = _MetaBuffer(self.arena_bytes)
+                # A stand-in with HostBuffer's view(), for the planner's simulation (whose
+                # swap engine is simulated too).
+                self.arena = cast(HostBuffer, _MetaBuffer(self.arena_bytes))
                 return
             # Not pre-faulted: the arena fills while attach frees the model's own parameter
             # memory, so faulting it all first would count both at once in the peak RSS.

@@ -235,7 +235,7 @@ class _Engine:
         self.space = _Space()
         self._free_at = {"read": 0.0, "write": 0.0}
         self._serial = 0
-        self._counts = {
+        self._counts: dict[str, Any] = {
             "bytes_read": 0,
             "bytes_written": 0,
             "read_seconds": 0.0,
@@ -420,6 +420,7 @@ def predict(
 ) -> dict[str, Any]:
     """See :meth:`TieredStore.predict`."""
     recording = recording_of(store)
+    assert store.model is not None  # recording_of checked it is attached
     config = store.config.replace(**overrides) if overrides else store.config
     return simulate(
         _clone(store.model, store.registry.entries),
@@ -465,7 +466,7 @@ def simulate(
     device = device or DeviceProfile("this machine")
     clock = _Clock()
     copy_gbps = device.link_gbps or recording.copy_gbps
-
+    host_memory = device.link_gbps is None  # a CPU device: the device tier is host memory
     engine = _Engine(clock, disk)
 
     class Simulated(TieredStore):
@@ -474,9 +475,7 @@ def simulate(
 
         def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
             return (
-                _DeviceTier(
-                    self.budgets["device"], clock, copy_gbps, host_memory=device.link_gbps is None
-                ),
+                _DeviceTier(self.budgets["device"], clock, copy_gbps, host_memory=host_memory),
                 HostTier(
                     self.budgets["host"],
                     self.budgets["arena"],
@@ -504,6 +503,7 @@ def simulate(
             write_entry_pieces(
                 sim, entry, lambda shard: torch.empty(shard.numel, dtype=shard.dtype, device="meta")
             )
+        assert sim.placement is not None  # attached with something to place
         sim.placement.drain()
         if sim.engine is not None:
             clock.wait_until(engine.idle_at())

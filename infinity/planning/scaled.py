@@ -240,10 +240,12 @@ def recording_for_scaled(
             for position in positions:
                 event = trace.events[position]
                 name = small_table[event.module][0]
+                key = _layer_key(name, containers)
+                assert key is not None  # the run's events are in its layers
                 shape.append(
                     (
                         event.kind,
-                        _layer_key(name, containers)[2],
+                        key[2],
                         tuple(
                             _relative(small_names[e], containers, container, layer)
                             for e in event.entries

@@ -368,7 +368,8 @@ def _group_timeout(group: Any) -> str:
     try:
         from torch.distributed.distributed_c10d import _get_default_group
 
-        timeout = (group or _get_default_group()).options._timeout  # type: ignore[attr-defined]
+        # ProcessGroup.options (its timeout) is not in torch's stubs
+        timeout = (group or _get_default_group()).options._timeout  # type: ignore[union-attr]
         if isinstance(timeout, datetime.timedelta):
             return f", or the process group's timeout of {timeout.total_seconds():g} s passed"
     except Exception:

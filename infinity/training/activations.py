@@ -173,7 +173,8 @@ class _WriteUse(_Use):
                 return False
             self.event = None
             extent = self.stored.res.extent
-            self.future = self.owner.engine.write(
+            assert extent is not None  # allocated before the first chunk's copy
+            self.future = self.owner._engine.write(
                 extent, self.buf, nbytes=self.nbytes, extent_offset=self.offset
             )
             self.owner.bytes_written += self.nbytes
@@ -292,6 +293,22 @@ class ActivationOffload:
         self.peak_device_total = 0
 
     # -- installation -------------------------------------------------------------------------
+
+    @property
+    def _engine(self) -> SwapEngine:
+        assert self.engine is not None  # target 'nvme' has one (checked above)
+        return self.engine
+
+    @property
+    def _stream(self) -> torch.cuda.Stream:
+        assert self.copy_stream is not None  # made on CUDA
+        return self.copy_stream
+
+    @property
+    def _pool(self) -> BufferPool:
+        assert self._staging is not None  # made for target 'nvme'
+        return self._staging
+
     def install(self, root: nn.Module) -> None:
         """Hooks on ``root`` (the saved-tensor hooks around its forward) and on every module
         (the boundaries). Registered after the store's own hooks, so a module's parameters are
@@ -427,7 +444,7 @@ class ActivationOffload:
             self._group_ids.append(group)
             self._group += 1
             if self.cuda:
-                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
             for stored in pending:
                 self._copy_out(stored)
         self._housekeeping()
@@ -443,15 +460,17 @@ class ActivationOffload:
             res.host = self._host_alloc(res.nbytes, stored)
             stored.event = self._copy(res.host, source)
         else:
-            res.extent = self.engine.allocate(res.nbytes)
+            res.extent = self._engine.allocate(res.nbytes)
             for offset in range(0, res.nbytes, self.chunk):
                 nbytes = min(self.chunk, res.nbytes - offset)
-                use = _WriteUse(self, self._take_staging(), stored, offset, nbytes)
+                buf = self._take_staging()
+                assert buf is not None  # waited for
+                use = _WriteUse(self, buf, stored, offset, nbytes)
                 use.event = self._copy(use.buf.tensor[:nbytes], source[offset : offset + nbytes])
                 self._start_use(use, res)
         if self.cuda:
             # The allocator must not hand the bytes out again before the copy has read them.
-            source.record_stream(self.copy_stream)
+            source.record_stream(self._stream)
         self._uncount(res)
 
     def _host_alloc(self, nbytes: int, stored: _Stored) -> torch.Tensor:
@@ -489,7 +508,7 @@ class ActivationOffload:
     def _take_staging(self, wait: bool = True) -> HostBuffer | None:
         self._poll_uses()
         while True:
-            buf = self._staging.try_acquire("activations")
+            buf = self._pool.try_acquire("activations")
             if buf is not None or not wait:
                 return buf
             if not self._uses:
@@ -516,7 +535,7 @@ class ActivationOffload:
             use.stored.res.uses.remove(use)
         except ValueError:
             pass
-        self._staging.release(use.buf)
+        self._pool.release(use.buf)
 
     # -- backward -------------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -538,6 +557,7 @@ class ActivationOffload:
             self._raise(stored)
         if self.cuda and stored.event is not None:
             torch.cuda.current_stream(self.device).wait_event(stored.event)
+        assert stored.back is not None  # fetched above
         view = torch.empty(0, dtype=packed.dtype, device=self.device)
         view.set_(stored.back.untyped_storage(), packed.offset, packed.size, packed.stride)
         return view
@@ -591,14 +611,15 @@ class ActivationOffload:
         stored.back = torch.empty(res.nbytes, dtype=torch.uint8, device=self.device)
         if self.cuda:
             # The new block may have been freed by kernels still queued on the compute stream.
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            stored.back.record_stream(self.copy_stream)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            stored.back.record_stream(self._stream)
         res.device_bytes = res.nbytes
         self._count_device(res.nbytes)
         self.fetched_bytes += res.nbytes
         if prefetch:
             self.prefetches += 1
         if self.target == "cpu":
+            assert res.host is not None  # offloaded to host memory
             stored.event = self._copy(stored.back, res.host)
             return True
         stored.event = None
@@ -618,9 +639,9 @@ class ActivationOffload:
                 return False
             offset, nbytes = stored.chunks_left.pop(0)
             use = _ReadUse(self, buf, stored, offset, nbytes)
-            use.future = self.engine.read(
-                stored.res.extent, buf, nbytes=nbytes, extent_offset=offset
-            )
+            extent = stored.res.extent
+            assert extent is not None  # written before
+            use.future = self._engine.read(extent, buf, nbytes=nbytes, extent_offset=offset)
             self._start_use(use, stored.res)
         return True
 
@@ -664,7 +685,7 @@ class ActivationOffload:
                 self.host_bytes -= res.nbytes
             res.host = None
         if res.extent is not None:
-            self.engine.free(res.extent)
+            self._engine.free(res.extent)
             res.extent = None
 
     # -- accounting -----------------------------------------------------------------------------

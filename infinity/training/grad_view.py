@@ -73,6 +73,7 @@ class GradView(torch.Tensor):
     ) -> GradView:
         """The gradient of ``entry``; with ``shard``, of that one shard, as the wrapped
         optimizer's per-shard parameter (a host tensor of ``shape``) sees it."""
+        assert entry.device_tensor is not None  # given at attach (adopt)
         if shard is None:
             shape, device = entry.shape, entry.device_tensor.device
         else:
@@ -94,8 +95,9 @@ class GradView(torch.Tensor):
     ) -> Any:
         return intercepted(func, args, kwargs, _handle)
 
+    # torch calls it with the op first (its documented protocol); its stub leaves ``func`` out
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         # Reached only by ops torch runs below its Python API: answer from the values.
@@ -166,7 +168,8 @@ class GradView(torch.Tensor):
             entry, value.detach().to(device="cpu", dtype=entry.dtype), same_gradient=True
         )
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    # torch's own Tensor.__repr__ has this signature, but mypy reads it as incompatible
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return repr(self.materialize())
 
 
@@ -306,10 +309,11 @@ def _scale(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
             return NotImplemented
         other = args[1]
         if foreach and isinstance(other, (list, tuple)):
-            factors = [_factor(v) for v in other]
+            given = [_factor(v) for v in other]
         else:
-            factors = [_factor(other)] * len(tensors)
-        if any(f is None for f in factors) or len(factors) != len(tensors):
+            given = [_factor(other)] * len(tensors)
+        factors = [f for f in given if f is not None]
+        if len(factors) != len(given) or len(factors) != len(tensors):
             return NotImplemented
         if _SCALES[name]:
             if any(f == 0.0 for f in factors):

@@ -10,6 +10,7 @@ the training thread.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable
@@ -104,12 +105,13 @@ class Gradients:
             if shard.piece is not None and reduce:
                 # Averaged over the ranks in the background (overlap_comm); accumulated once
                 # the reduction completes, in the order the reductions started.
+                assert self.partition is not None  # only partitioned shards have pieces
                 start, numel = shard.piece
                 self.partition.start_reduce(
                     flat[start : start + numel],
                     shard.numel,
                     shard.dtype,
-                    lambda piece, shard=shard: self._accumulate_grad(shard, piece, scale),
+                    functools.partial(self._accumulate_grad, shard, scale=scale),
                 )
                 continue
             self._accumulate_grad(shard, self._own_part(flat, shard), scale)
@@ -140,11 +142,13 @@ class Gradients:
                 # keep it instead of copying it (the hook drops param.grad right after).
                 self._hold_grad(shard, piece)
             elif shard.grad is None:
-                self._hold_grad(shard, self.host.scratch(shard.numel, shard.dtype))
-                self.device.copy_out(shard.grad, piece)
+                held = self.host.scratch(shard.numel, shard.dtype)
+                self._hold_grad(shard, held)
+                self.device.copy_out(held, piece)
             else:
                 shard.grad.add_(self._on_host(piece, shard.grad.dtype))
             target = shard.grad
+            assert target is not None  # held above
         else:
             target = self._grad_companion_for_write(shard)
             if target is None:
@@ -198,6 +202,7 @@ class Gradients:
                     local.copy_(self._grad_for_read(shard))
                     if shard.grad_scale != 1.0:
                         local.mul_(shard.grad_scale)
+                assert self.partition is not None  # only partitioned shards have pieces
                 start, numel = shard.piece
                 flat[start : start + numel].copy_(self.partition.gather_flat(local, numel))
                 continue
@@ -247,6 +252,7 @@ class Gradients:
             return shard.grad
         holder = shard.companions[GRAD_KEY]
         self._slots.ensure_host(holder)
+        assert holder.host is not None  # ensured
         return holder.host
 
     def _grad_for_write(self, shard: Shard) -> torch.Tensor:

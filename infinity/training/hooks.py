@@ -71,7 +71,9 @@ class HookSet:
         module_entries: list[tuple[nn.Module, list[ParamEntry]]],
     ) -> None:
         self.store = store
-        self.placement = store.placement
+        placement = store.placement
+        assert placement is not None  # installed by attach, after the placement is made
+        self.placement = placement
         self.root = root
         self.modules = _with_subtrees(store.registry, root, module_entries)
         self.handles: list[Any] = []

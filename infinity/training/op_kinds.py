@@ -17,7 +17,7 @@ an in-place method ends in ``_`` (``add_``, ``_foreach_mul_``), augmented assign
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -266,7 +266,7 @@ class Snapshot(Tensor):
         result = func(*args, **kwargs)
         return mark_snapshots(result, sources, sources[0]._infinity_source if sources else "")
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return run_plain(Tensor.__reduce_ex__, (self.as_subclass(Tensor), protocol), {})
 
 

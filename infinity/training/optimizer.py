@@ -111,21 +111,22 @@ class OffloadedOptimizer(Optimizer):
                     # Some optimizers (Adagrad) create state in their constructor with
                     # full_like(param): a zero-stride view has the right shape and costs nothing,
                     # while full_like of it still allocates a real, dense tensor.
-                    shape = _step_shape(shard)
-                    shard.step_param = torch.nn.Parameter(
+                    shape = step_shape(shard)
+                    step_param = torch.nn.Parameter(
                         torch.zeros((), dtype=shard.dtype, device=device).expand(shape),
                         requires_grad=entry.requires_grad,
                     )
-                    params.append(shard.step_param)
+                    shard.step_param = step_param
+                    params.append(step_param)
                     shards.append(shard)
             settings = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": params, **settings})
         inner = _construct_like(optimizer, groups, store.config.fused_optimizer)
         _migrate_state(optimizer, inner, registry)
         for shard in shards:
-            shard.step_param.data = _empty(shard, device)
+            step_param_of(shard).data = _empty(shard, device)
         kernels = [
-            {k: group[k] for k in _KERNEL_KEYS if k in group} for group in optimizer.param_groups
+            {k: group[k] for k in KERNEL_KEYS if k in group} for group in optimizer.param_groups
         ]
         return cls(store, inner, shards, kernels)
 
@@ -165,8 +166,8 @@ class OffloadedOptimizer(Optimizer):
         self.store.before_state_change(tile)  # a checkpoint being saved copies them first
         bound: list[tuple[Shard, dict[str, Shard]]] = []
         for shard in tile:
-            view = shard.host.view(_step_shape(shard))
-            param = shard.step_param
+            view = shard.host_copy().view(step_shape(shard))
+            param = step_param_of(shard)
             param.data = view
             grad = placement.gradients.grad_view(shard)
             if grad is not None:
@@ -178,7 +179,7 @@ class OffloadedOptimizer(Optimizer):
             if companions:
                 state = self.inner.state[param]
                 for key, companion in companions.items():
-                    state[key] = companion.host.view(_step_shape(shard))
+                    state[key] = companion.host_copy().view(step_shape(shard))
             bound.append((shard, companions))
         started = time.perf_counter()
         try:
@@ -189,7 +190,7 @@ class OffloadedOptimizer(Optimizer):
             self.updated_elements += sum(shard.numel for shard in tile)
             changed = []
             for shard, companions in bound:
-                param = shard.step_param
+                param = step_param_of(shard)
                 if self.swap_state:
                     changed += self._stash_state(shard, companions)
                 param.grad = None
@@ -200,7 +201,7 @@ class OffloadedOptimizer(Optimizer):
         """Moves the step parameter's per-element state tensors into companions (one per
         state key, each the size of the shard) and leaves empty placeholders in the optimizer;
         scalars such as ``step`` stay in memory."""
-        state = self.inner.state.get(shard.step_param)
+        state = self.inner.state.get(step_param_of(shard))
         if not state:
             return []
         placement = self.placement
@@ -213,7 +214,7 @@ class OffloadedOptimizer(Optimizer):
                 companion = placement.companion(shard, OPTIM_PREFIX + key, shard.numel, value.dtype)
                 placement.fill(companion)
                 placement.pin(companion)  # the rest of this tile must not evict it
-            view = companion.host.view(value.shape)
+            view = companion.host_copy().view(value.shape)
             if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
                 view.copy_(value)  # new state, or the optimizer replaced the tensor
             state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
@@ -276,15 +277,16 @@ class OffloadedOptimizer(Optimizer):
         merged: dict[str, Any] = {}
         for shard in shards:
             companions = state_companions(shard) if self.swap_state else {}
-            for key, value in self.inner.state.get(shard.step_param, {}).items():
+            for key, value in self.inner.state.get(step_param_of(shard), {}).items():
                 if key in companions:
                     companion = companions[key]
                     placement.ensure_host(companion)  # read back from NVMe if it is there
                     # A copy now: the next read may reuse this slot.
-                    value = companion.host.view(_step_shape(shard)).clone()
-                if isinstance(value, torch.Tensor) and value.shape == _step_shape(shard):
+                    value = companion.host_copy().view(step_shape(shard)).clone()
+                if isinstance(value, torch.Tensor) and value.shape == step_shape(shard):
                     flat = value.detach().reshape(-1)
                     if shard.piece is not None:  # every rank's slice (a collective)
+                        assert placement.partition is not None  # pieces exist across ranks
                         flat = placement.partition.gather_flat(flat, shard.piece[1])
                     pieces.setdefault(key, []).append(flat)
                     merged.setdefault(key, None)  # keeps the optimizer's key order
@@ -310,7 +312,7 @@ class OffloadedOptimizer(Optimizer):
                 f"built over the same parameters"
             )
         entries = self._entries()
-        saved_index = {}  # user index here -> index in the state dict
+        saved_index: dict[int, int] = {}  # user index here -> index in the state dict
         for saved, ids in zip(saved_groups, own_groups):
             saved_index.update(zip(ids, saved["params"]))
         inner_index = {id(shard.step_param): k for k, shard in enumerate(self.shards)}
@@ -324,7 +326,7 @@ class OffloadedOptimizer(Optimizer):
         inner_groups = []
         for saved, group in zip(saved_groups, self.inner.param_groups):
             settings = {k: v for k, v in saved.items() if k != "params"}
-            settings.update({k: group[k] for k in _KERNEL_KEYS if k in group})
+            settings.update({k: group[k] for k in KERNEL_KEYS if k in group})
             inner_groups.append(
                 {**settings, "params": [inner_index[id(p)] for p in group["params"]]}
             )
@@ -342,10 +344,10 @@ class OffloadedOptimizer(Optimizer):
         (unless ``keep_others``: a checkpoint load brings one key at a time)."""
         placement = self.placement
         registry = self.store.registry
-        state = self.inner.state.get(shard.step_param, {})
+        state = self.inner.state.get(step_param_of(shard), {})
         loaded = set()
         for key, value in list(state.items()):
-            if not isinstance(value, torch.Tensor) or value.shape != _step_shape(shard):
+            if not isinstance(value, torch.Tensor) or value.shape != step_shape(shard):
                 continue
             kind = OPTIM_PREFIX + key
             companion = shard.companions.get(kind)
@@ -356,7 +358,7 @@ class OffloadedOptimizer(Optimizer):
                 placement.fill(companion, value.reshape(-1))
             else:
                 placement.prepare_overwrite(companion)
-                companion.host.copy_(value.reshape(-1))
+                companion.host_copy().copy_(value.reshape(-1))
                 if companion.state is not R.HOST:
                     registry.set_state(companion, R.HOST)
             companion.version += 1
@@ -380,7 +382,8 @@ class OffloadedOptimizer(Optimizer):
 def _construct_like(
     optimizer: Optimizer, groups: list[dict[str, Any]], allow_fused: bool
 ) -> Optimizer:
-    cls = type(optimizer)
+    # The user's optimizer class: its constructor's arguments are its own, not Optimizer's.
+    cls: Callable[..., Optimizer] = type(optimizer)
     defaults = dict(optimizer.defaults)
     if (
         allow_fused
@@ -414,7 +417,7 @@ def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> b
 
 OPTIM_PREFIX = "optim:"
 #: param-group keys that choose an update kernel, not the optimisation
-_KERNEL_KEYS = ("fused", "foreach")
+KERNEL_KEYS = ("fused", "foreach")
 
 
 def state_companions(shard: Shard) -> dict[str, Shard]:
@@ -426,7 +429,14 @@ def state_companions(shard: Shard) -> dict[str, Shard]:
     }
 
 
-def _step_shape(shard: Shard) -> torch.Size:
+def step_param_of(shard: Shard) -> torch.nn.Parameter:
+    """The step parameter of a shard the optimizer updates (made by ``wrap``)."""
+    param = shard.step_param
+    assert param is not None, f"{shard} is not one the optimizer updates"
+    return param
+
+
+def step_shape(shard: Shard) -> torch.Size:
     """A whole parameter keeps its shape (optimizers like Adafactor depend on it); a piece of
     one is a flat range."""
     entry = shard.entry
@@ -442,7 +452,7 @@ def _split_state(state: dict[str, Any], entry: ParamEntry, shard: Shard) -> dict
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.shape == entry.shape:
             piece = shard.padded(shard.part_of(value.detach().reshape(-1)).to("cpu"))
-            moved[key] = piece.clone().view(_step_shape(shard))
+            moved[key] = piece.clone().view(step_shape(shard))
         elif isinstance(value, torch.Tensor):
             moved[key] = value.detach().to("cpu").clone()
         else:
@@ -458,4 +468,4 @@ def _migrate_state(optimizer: Optimizer, inner: Optimizer, registry: ShardRegist
         if entry is None or not state:
             continue
         for shard in entry.shards:
-            inner.state[shard.step_param] = _split_state(state, entry, shard)
+            inner.state[step_param_of(shard)] = _split_state(state, entry, shard)

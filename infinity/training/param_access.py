@@ -94,6 +94,13 @@ class _ReadParameter(torch.autograd.Function):
         return grad, None
 
 
+class _ParamAlias(torch.Tensor):
+    """The base of each ParamAccess's alias class (``p.data``, ``p.detach()``): an alias
+    knows the parameter it stays tied to."""
+
+    _infinity_entry: ParamEntry
+
+
 class ParamAccess:
     """The store's side of every operation on an attached parameter outside the hooks."""
 
@@ -111,12 +118,12 @@ class ParamAccess:
         self.closed = False
         self._warned_consumed = False
         #: ``p.data`` and ``p.detach()``: an alias that stays tied to the parameter
-        self.alias_class: type = self._new_alias_class(self)
+        self.alias_class: type[_ParamAlias] = self._new_alias_class(self)
         #: the alias class and the attached parameters' classes
         self._own_types: set[type] = {self.alias_class}
 
     @staticmethod
-    def _new_alias_class(access: ParamAccess) -> type:
+    def _new_alias_class(access: ParamAccess) -> type[_ParamAlias]:
         def alias_function(
             cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
         ) -> Any:
@@ -124,12 +131,12 @@ class ParamAccess:
 
         return type(
             "OffloadedTensor",
-            (torch.Tensor,),
+            (_ParamAlias,),
             {
                 "__torch_function__": classmethod(alias_function),
                 "__module__": __name__,
                 "__reduce_ex__": lambda t, protocol: access._reduce(t, protocol),
-                "__deepcopy__": lambda t, memo: access._values(access._entry_of(t)),
+                "__deepcopy__": lambda t, memo: access._values(access._attached(t)),
             },
         )
 
@@ -187,7 +194,7 @@ class ParamAccess:
 
             def deepcopy(param: nn.Parameter, memo: dict) -> nn.Parameter:
                 # A copy is an ordinary parameter of the original class, with the values now.
-                entry = access._entry_of(param)
+                entry = access._attached(param)
                 copy = cls(access._values(entry), requires_grad=param.requires_grad)
                 memo[id(param)] = copy
                 return copy
@@ -221,8 +228,11 @@ class ParamAccess:
             return self._set_data(args[0], args[1])
         if name in ("data.__get__", "detach") and len(args) == 1 and not kwargs:
             return self._alias(args[0], func(*args))
-        found = [(t, self._entry_of(t)) for t in tensors_in(args, kwargs) if self._ours(t)]
-        found = [(t, e) for t, e in found if e is not None]
+        found: list[tuple[torch.Tensor, ParamEntry]] = []
+        for tensor in tensors_in(args, kwargs):
+            entry = self._entry_of(tensor) if self._ours(tensor) else None
+            if entry is not None:
+                found.append((tensor, entry))
         for target in written(func, name, args, kwargs):
             entry = self._entry_of(target) if self._ours(target) else None
             if entry is not None:
@@ -254,6 +264,12 @@ class ParamAccess:
             return tensor._infinity_entry
         return self.registry.entry_of(tensor)
 
+    def _attached(self, tensor: torch.Tensor) -> ParamEntry:
+        """The entry of an attached parameter or an alias of one."""
+        entry = self._entry_of(tensor)
+        assert entry is not None, "not an attached parameter"
+        return entry
+
     @staticmethod
     def _live(entry: ParamEntry) -> bool:
         """In use on the device (a forward, a backward, ``gathered``): operations run there."""
@@ -279,11 +295,13 @@ class ParamAccess:
     # -- reads ------------------------------------------------------------------------------------
     def _values(self, entry: ParamEntry) -> torch.Tensor:
         """The parameter's current values as a new tensor on its device, in its dtype."""
+        device_tensor = entry.device_tensor
+        assert device_tensor is not None  # given at attach (adopt)
         if entry.resident:
             self.placement.settle(entry)  # a look-ahead's all-gathers may be under way
-            return entry.device_tensor.clone()
+            return device_tensor.clone()
         host = self.store.materialize(entry)
-        return host.to(device=entry.device_tensor.device, dtype=entry.compute_dtype)
+        return host.to(device=device_tensor.device, dtype=entry.compute_dtype)
 
     def _read(self, tensor: torch.Tensor, entry: ParamEntry, display: bool = False) -> torch.Tensor:
         if tensor is entry.param and tensor.requires_grad:
@@ -295,13 +313,13 @@ class ParamAccess:
 
     def _alias(self, source: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
         alias = plain.as_subclass(self.alias_class)
-        alias._infinity_entry = self._entry_of(source)
+        alias._infinity_entry = self._attached(source)
         return alias
 
     def _reduce(self, tensor: torch.Tensor, protocol: int, cls: type | None = None) -> Any:
         """Pickling (``torch.save`` of a parameter or alias) saves the values, as an object of
         the original class."""
-        values = self._values(self._entry_of(tensor))
+        values = self._values(self._attached(tensor))
         if cls is not None:
             values = cls(values, requires_grad=tensor.requires_grad)
         return values.__reduce_ex__(protocol)
@@ -323,11 +341,12 @@ class ParamAccess:
         if entry is not None and any(placement.gradients.has_grad(s) for s in entry.shards):
             return GradView(self, entry)
         stepping = self.store.stepping
-        consumed = entry is not None and entry.index in stepping.updated_in_backward
-        if consumed:
-            stepping.loop_acted(f"p.grad of {entry.name} read", grads=True)
+        if entry is None or entry.index not in stepping.updated_in_backward:
+            return param.grad
+        # Consumed by its update in backward:
+        stepping.loop_acted(f"p.grad of {entry.name} read", grads=True)
         timing = self.store.update_timing
-        if consumed and not self._warned_consumed and timing is not None and not timing.auto:
+        if not self._warned_consumed and timing is not None and not timing.auto:
             self._warned_consumed = True
             log.warning(
                 "p.grad of %s is None: step_in_backward=True applied each gradient in "
@@ -338,7 +357,7 @@ class ParamAccess:
         return param.grad
 
     def _set_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
-        entry = self._entry_of(param)
+        entry = self._attached(param)
         if isinstance(value, GradView) and value.entry is entry:
             value.check_current()
             return  # p.grad = p.grad
@@ -362,8 +381,8 @@ class ParamAccess:
         self.store.stepping.loop_acted("the loop used p.grad (clipping, norms?)", grads=True)
 
     def _set_data(self, target: torch.Tensor, value: Any) -> None:
-        entry = self._entry_of(target)
-        assert entry is not None  # only attached parameters and their aliases come here
+        entry = self._attached(target)
+        assert entry.device_tensor is not None  # given at attach (adopt)
         if (
             isinstance(value, torch.Tensor)
             and value.shape == entry.shape
@@ -453,6 +472,7 @@ class ParamAccess:
         param = entry.param
         current = param.data
         device = entry.device_tensor
+        assert device is not None  # given at attach (adopt)
         if _same_storage(current, device):
             return current.detach().to("cpu", copy=True)
         param.data = device  # shares the device storage again

@@ -12,6 +12,7 @@ section of ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Set
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from infinity.core.placement import Placement
     from infinity.training.optimizer import OffloadedOptimizer
     from infinity.training.update_timing import UpdateTiming
+
+log = logging.getLogger(__name__)
 
 
 class Stepping:
@@ -166,11 +169,12 @@ class Stepping:
             except BaseException as exc:
                 updated_now = sum(1 for s in todo if s.id in done)
                 left = len(todo) - updated_now
-                exc.add_note(
+                _add_note(
+                    exc,
                     f"optimizer.step() stopped after updating {updated_now} of {len(todo)} "
                     f"shards. Once the cause is fixed, optimizer.step() finishes this step for "
                     f"the other {left} (same clipping factor); optimizer.zero_grad() or a new "
-                    f"forward abandons it, leaving the model partly updated."
+                    f"forward abandons it, leaving the model partly updated.",
                 )
                 raise
             finally:
@@ -235,10 +239,11 @@ class Stepping:
                     if isinstance(exc, BudgetError) and timing is not None and timing.auto:
                         self._update_left_to_step(timing, entry, todo, done, exc)
                         return
-                    exc.add_note(
+                    _add_note(
+                        exc,
                         f"the update of {entry.name} in backward stopped after "
                         f"{len(done)} of its {len(todo)} shards; optimizer.step() "
-                        f"updates the others, optimizer.zero_grad() abandons them"
+                        f"updates the others, optimizer.zero_grad() abandons them",
                     )
                     raise
         for shard in todo:
@@ -341,7 +346,8 @@ class Stepping:
         ahead_bytes = 0  # their size
         i = 0
         while i < len(todo):
-            tile, used = [], 0
+            tile: list[Shard] = []
+            used = 0
             while i < len(todo) and (
                 not tile or (used + size(todo[i]) <= tile_limit and ready(todo[i]))
             ):
@@ -397,3 +403,12 @@ class Stepping:
             if not store.pipeline_step:
                 for part in [*tile, *changed]:
                     placement.reap(part, wait=True)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; Python 3.10 has no notes, so there the note is logged."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+    else:
+        log.error("%s", note)
