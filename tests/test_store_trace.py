@@ -188,7 +188,7 @@ def test_residency_machine_always_reads_back_the_last_write(tmp_path_factory, op
             entry = entries[index]
             if op == "gather":
                 if not placement.device.fits(entry.nbytes) and not entry.resident:
-                    placement._make_device_room(entry)
+                    placement.copies._make_device_room(entry)
                 placement.gather(entry)
                 assert torch.equal(entry.param.data, reference[index])
                 placement.release(entry)

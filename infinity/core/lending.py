@@ -1,5 +1,6 @@
-"""Device copies without copies, on a CPU device: the part of
-:class:`~infinity.core.placement.Placement` that serves inference's gathers from host memory.
+"""Device copies without copies, on a CPU device: the part of the device copies
+(:class:`~infinity.core.device_copies.DeviceCopies`) that serves inference's gathers from host
+memory.
 
 On a CPU device the device tier is host memory too, so a gather's copy is a memcpy on the cores
 that compute. Without autograd (inference) a gather lends the host copy itself when the
@@ -9,9 +10,9 @@ reusable slab (:meth:`HostLending.stage`) rather than a fresh allocation. With a
 gather copies: weights saved for backward must outlive an arena slot.
 
 :class:`HostLending` keeps its own count of lent gathers; the state of a lent or staged copy is
-the entry's (``ParamEntry.placeholder`` and ``slab_offset``). What it needs of the placement
-(host copies settled, the device-copy helper) is :class:`DeviceCopies`. Everything runs on the
-training thread.
+the entry's (``ParamEntry.placeholder`` and ``slab_offset``). It is a part of the device copies
+(:mod:`infinity.core.device_copies`); what it needs of them (host copies settled, the copy
+helper) is :class:`CopiesToDevice`. Everything runs on the training thread.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
     from infinity.ranks.partition import Partition
 
 
-class DeviceCopies(Protocol):
-    """What lending needs of the placement."""
+class CopiesToDevice(Protocol):
+    """What lending needs of the device copies it is a part of."""
 
     @property
     def on_device(self) -> set[ParamEntry]: ...
@@ -60,7 +61,7 @@ class HostLending:
 
     def __init__(
         self,
-        copies: DeviceCopies,
+        copies: CopiesToDevice,
         registry: ShardRegistry,
         device: DeviceTier,
         host: HostTier,

@@ -10,13 +10,16 @@ the candidates and the furthest-needed ones are dropped (clean host copies) or w
 (dirty ones). Prefetch may only evict what is needed later than the thing it fetches, so it never
 pushes out what the next module needs and never over-commits the arena.
 
-The placement owns four parts, each an object with its own state in its own module, which
-reaches the placement only through a protocol of what it needs:
+The placement keeps the host side (arena slots, eviction, NVMe transfers, companions) and owns
+four parts, each an object with its own state in its own module, which reaches the placement
+only through a protocol of what it needs:
 
+* ``copies`` (:mod:`infinity.core.device_copies`): the entries' device copies (gathers, holds,
+  drops), with their own part ``lending`` (:mod:`infinity.core.lending`): device copies that
+  are host copies, on a CPU device;
 * ``completions`` (:mod:`infinity.core.completions`): applying transfer outcomes, retries,
   quarantine, the I/O counters;
 * ``prefetching`` (:mod:`infinity.core.prefetching`): trace-driven reads and write-backs ahead;
-* ``lending`` (:mod:`infinity.core.lending`): device copies that are host copies (a CPU device);
 * ``gradients`` (:mod:`infinity.training.gradients`): the gradient path and ``p.grad``.
 
 Thread safety: everything here belongs to the training thread. Only the counters (plain ints)
@@ -30,16 +33,15 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from infinity.core.completions import MAX_RETRIES, Completions, retryable
+from infinity.core.device_copies import DeviceCopies
 from infinity.core.lending import HostLending
 from infinity.core.policies import EvictionPolicy, PrefetchPolicy
 from infinity.core.prefetching import TracePrefetching
-from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
-from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.residency import Residency as R
 from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
@@ -128,9 +130,6 @@ class Placement:
         self.in_arena: set[Shard] = set()
         #: shards whose host copies are in use right now (the optimizer's current tile)
         self.pinned: set[Shard] = set()
-        self.on_device: set[ParamEntry] = set()
-        self.last_used: dict[int, int] = {}
-        self.clock = 0
         self.prefetched_loads = 0
         #: reads the optimizer step started for its next tile
         self.read_ahead_loads = 0
@@ -152,22 +151,21 @@ class Placement:
         self.masters_due = False
         #: write-backs eviction had to start during forward/backward
         self.forced_pass_writes = 0
-        #: entry index -> all-gathers a look-ahead left under way for its device copy
-        self.assembling: dict[int, list] = {}
-        self.assembled_ahead = 0
         #: the outcomes of NVMe transfers: reaping, retries, quarantine, I/O counters
         self.completions = Completions(
             self, registry, host, engine, self.timeline, settings.max_retries
         )
-        #: device copies that are the host copy itself, or a range of the device slab (a CPU
-        #: device, without autograd)
-        self.lending = HostLending(
+        #: the entries' device copies (gathers, holds, drops, room on the device)
+        self.copies = DeviceCopies(
             self,
             registry,
             device,
             host,
+            follower,
+            eviction,
             partition=partition,
             persistent=settings.persistent,
+            assemble_ahead=settings.assemble_ahead,
         )
         #: reads and write-backs ahead of need, driven by the trace
         self.prefetching = TracePrefetching(
@@ -276,7 +274,7 @@ class Placement:
     ) -> bool:
         """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
         self.completions.reclaim_quarantine()
-        offset = self.lending.after_previous(shard)
+        offset = self.copies.lending.after_previous(shard)
         if offset is None:
             offset = self.host.take_arena(shard.nbytes)
         if offset is None:
@@ -418,7 +416,7 @@ class Placement:
             key=_registry_order,
         )
         return self.eviction.order(
-            candidates, next_use, lambda s: self.last_used.get(s.entry.index, -1)
+            candidates, next_use, lambda s: self.copies.last_used.get(s.entry.index, -1)
         )
 
     def _make_arena_room(
@@ -793,289 +791,37 @@ class Placement:
             self.free_slot(shard)
         self.registry.set_state(shard, R.EMPTY)
 
-    # -- device copies ------------------------------------------------------------------------
+    # -- device copies (infinity.core.device_copies) -------------------------------------------
     def gather(self, entry: ParamEntry, hold: bool = True, lend: bool = False) -> None:
-        """Makes the parameter's device copy resident (filling its storage from the host
-        masters) and takes a hold on it. ``lend`` (the caller runs without autograd): where the
-        host copy can serve as the device copy (see :meth:`HostLending.can_lend`), use it
-        instead of copying."""
-        self.clock += 1
-        self.last_used[entry.index] = self.clock
-        self.settle(entry)
-        lending = self.lending
-        lend = lend and lending.can_lend(entry)
-        if entry.placeholder is not None and not lend:
-            self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
-        if not entry.resident:
-            self._make_device_room(entry)
-            if not (lend and (lending.lend(entry) or lending.stage(entry))):
-                self._fill_device(entry)
-        if hold:
-            entry.holds += 1
-
-    def settle(self, entry: ParamEntry) -> None:
-        """Completes the all-gathers a look-ahead started for ``entry``'s device copy (across
-        ranks); before that its bytes are not all there."""
-        pending = self.assembling.pop(entry.index, None)
-        if pending:
-            for handle in pending:
-                handle.wait()
-
-    def assemble_ahead(self) -> None:
-        """ZeRO stage 3 across ranks, after a module's gathers: starts the all-gathers of the
-        next module's parameters (the trace's next event), so they run while this module
-        computes. Only into free device room, never evicting: every rank then decides the same,
-        which a collective needs. Its slices are read from NVMe first where they are not on the
-        host yet (the trace-driven prefetch started those reads further ahead)."""
-        partition = self.partition
-        if (
-            partition is None
-            or partition.stage < 3
-            or not self.settings.assemble_ahead
-            or self.follower.trace is None
-        ):
-            return
-        upcoming = self.follower.upcoming(1)
-        if not upcoming:
-            return
-        for index in upcoming[0].entries:
-            entry = self.registry.entries[index]
-            if entry.resident or index in self.uninitialised:
-                continue
-            if not self.device.fits(entry.device_bytes):
-                return
-            self._fill_device(entry, defer=True)
-            self.assembled_ahead += 1
-
-    def _start_reads(self, entry: ParamEntry) -> None:
-        """Starts every read of the entry's shards the arena allows at once, so they overlap."""
-        if self.nvme:
-            for shard in entry.shards:
-                self.reap(shard)
-                if shard.state is R.NVME:
-                    self.load_async(shard, protect=entry.shards, horizon=0.5)
-
-    def shards_on_host(
-        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None = None
-    ) -> Iterator[Shard]:
-        """Starts the reads of the entry's shards now (so they overlap, and overlap what the
-        caller does before taking the first shard), then yields each shard in turn once its
-        host copy is valid and settled (no write under way), protecting the shards still to
-        come. ``before_read(shard)`` runs first for a shard not on the host yet."""
-        self._start_reads(entry)
-        return self._settled_in_turn(entry, before_read)
-
-    def _settled_in_turn(
-        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None
-    ) -> Iterator[Shard]:
-        waiting = list(entry.shards)
-        for shard in entry.shards:
-            if before_read is not None and not shard.state.on_host:
-                before_read(shard)
-            self.ensure_host(shard, protect=waiting)
-            waiting.remove(shard)
-            if shard.state is R.HOST_STORING:
-                self.reap(shard, wait=True)
-            yield shard
-
-    def copy_to_device(
-        self,
-        entry: ParamEntry,
-        copy: Callable[[Shard], torch.cuda.Event | None],
-        undo: Callable[[], None],
-        *,
-        prepare: Callable[[], None] | None = None,
-        before_read: Callable[[Shard], None] | None = None,
-        complete: Callable[[], None] | None = None,
-    ) -> None:
-        """Makes ``entry``'s device copy from its host copies: starts their reads, runs
-        ``prepare`` (the destination's bytes), then, shard by shard as each host copy is
-        settled (see :meth:`shards_on_host`), ``copy`` (which returns the copy's event or None)
-        and marks the shard on the device (the next shard's read may evict its host copy);
-        ``complete`` runs once all are copied. If anything fails the device copy is incomplete
-        and none of it counts: the shards copied so far go back to their host/NVMe states, the
-        copies are waited for and ``undo`` frees the destination. Otherwise the entry is
-        resident once its copies are ordered before the compute stream's next use."""
-        shards = self.shards_on_host(entry, before_read)
-        if prepare is not None:
-            prepare()
-        events: list[torch.cuda.Event | None] = []
-        moved: list[Shard] = []
-        try:
-            with torch.no_grad():
-                for shard in shards:
-                    event = copy(shard)
-                    shard.copy_event = event
-                    events.append(event)
-                    self.registry.set_state(shard, _TO_DEVICE[shard.state])
-                    moved.append(shard)
-                if complete is not None:
-                    complete()
-        except BaseException:
-            for shard in moved:
-                self.registry.set_state(shard, _FROM_DEVICE[shard.state])
-            for event in events:
-                if event is not None:
-                    event.synchronize()
-            undo()
-            raise
-        for event in events:
-            self.device.wait(event)
-        self.mark_resident(entry)
-
-    def mark_resident(self, entry: ParamEntry) -> None:
-        """``entry``'s device copy holds its values."""
-        entry.resident = True
-        self.on_device.add(entry)
-
-    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
-        """Fills the entry's device copy from its host masters (across ranks: assembled from
-        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
-        tensor = entry.device_tensor
-        assert tensor is not None  # given at attach (adopt)
-        flat = tensor.view(-1)  # the storage that fill() gives its bytes
-        assembling: list[Any] = []  # all-gathers under way (several ranks)
-
-        def before_read(shard: Shard) -> None:
-            if assembling and not defer:
-                # Its read may evict the slices the all-gathers under way read.
-                for pending in assembling:
-                    pending.wait()
-                assembling.clear()
-
-        def copy(shard: Shard) -> torch.cuda.Event | None:
-            if shard.piece is None:
-                assert shard.host is not None  # settled on the host
-                return self.device.copy_in(
-                    flat[shard.start : shard.start + shard.numel], shard.host
-                )
-            event, pending = self._assemble(flat, shard, own_input=defer)
-            assembling.append(pending)
-            return event
-
-        def complete() -> None:
-            if defer:
-                self.assembling[entry.index] = assembling
-            else:
-                for pending in assembling:
-                    pending.wait()
-
-        self.copy_to_device(
-            entry,
-            copy,
-            undo=lambda: self.device.empty(tensor),
-            prepare=lambda: self.device.fill(tensor),
-            before_read=before_read,
-            complete=complete,
-        )
-
-    def _assemble(
-        self, flat: torch.Tensor, shard: Shard, own_input: bool = False
-    ) -> tuple[torch.cuda.Event | None, Any]:
-        """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
-        every rank's slice. Returns the copy's event and the collective's handle.
-        ``own_input``: the collective reads a copy of the slice, not the arena slot, which may
-        be evicted before it completes."""
-        partition = self.partition
-        assert partition is not None and shard.piece is not None  # a slice across ranks
-        start, numel = shard.piece
-        out = flat[start : start + numel]
-        local = shard.host
-        assert local is not None  # settled on the host
-        event = None
-        if local.dtype != out.dtype or (partition.on_device and local.device != out.device):
-            # Compute dtype (mixed precision) and, under NCCL, on the device: a device copy.
-            staged = torch.empty(
-                shard.numel, dtype=out.dtype, device=out.device if partition.on_device else "cpu"
-            )
-            event = self.device.copy_in(staged, local)
-            self.device.wait(event)
-            local = staged
-        elif own_input:
-            local = local.clone()
-        elif not partition.on_device and out.device.type != "cpu":
-            raise RuntimeError(
-                "a gloo process group cannot gather into device memory: use "
-                "the nccl backend with CUDA"
-            )
-        return event, partition.gather_into(out, local)
+        """Makes the entry's device copy resident and takes a hold on it; see
+        :meth:`DeviceCopies.gather`."""
+        self.copies.gather(entry, hold, lend)
 
     def release(self, entry: ParamEntry) -> None:
-        """Drops a hold. The device copy stays cached until eviction needs its bytes."""
-        if entry.holds <= 0:
-            raise RuntimeError(f"release of {entry.name} without a matching gather")
-        entry.holds -= 1
-        if self.partition is not None and not entry.holds:
-            # Across ranks a gather is a collective, so whether a copy is cached must be the
-            # same on every rank; eviction under arena pressure is not (it follows each rank's
-            # I/O). So the gathered copy goes when its last use does (ZeRO-3's reshard after
-            # forward: backward gathers again), unless it is persistent.
-            self.drop_device(entry)
+        """Drops a hold; see :meth:`DeviceCopies.release`."""
+        self.copies.release(entry)
 
     def drop_device(self, entry: ParamEntry, force: bool = False) -> None:
-        """Frees the device copy's bytes. The parameter keeps its tensor and storage object,
-        with the storage shrunk to zero bytes: views of it that autograd saved in forward
-        (``weight.t()`` in a linear layer) see the values again once the next gather refills
-        the same storage, instead of keeping a stale copy alive."""
-        if not entry.resident or (entry.index in self.persistent and not force):
-            return
-        self.settle(entry)
-        if entry.holds:
-            raise RuntimeError(f"{entry.name} is in use on the device")
-        placeholder = entry.placeholder
-        if placeholder is not None:  # lent, or staged: give the parameter its own back
-            entry.device_tensor, entry.placeholder = placeholder, None
-            with torch._C.DisableTorchFunctionSubclass():
-                entry.param.data = placeholder
-            if entry.slab_offset is not None:
-                self.device.slab_give(entry.slab_offset, entry.device_bytes)
-                entry.slab_offset = None
-            else:
-                self.device.usage.sub(entry.device_bytes)
-        else:
-            assert entry.device_tensor is not None  # given at attach (adopt)
-            self.device.empty(entry.device_tensor)
-        entry.resident = False
-        self.on_device.discard(entry)
-        for shard in entry.shards:
-            self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+        """Frees the entry's device copy; see :meth:`DeviceCopies.drop_device`."""
+        self.copies.drop_device(entry, force)
+
+    def settle(self, entry: ParamEntry) -> None:
+        """Completes the all-gathers under way for the entry's device copy."""
+        self.copies.settle(entry)
+
+    def assemble_ahead(self) -> None:
+        """Starts the next module's all-gathers (ZeRO stage 3 across ranks); see
+        :meth:`DeviceCopies.assemble_ahead`."""
+        self.copies.assemble_ahead()
 
     def adopt(self, entry: ParamEntry, device: torch.device) -> None:
-        """Gives the parameter its device tensor (real shape, compute dtype, empty storage).
-        The parameter shares that storage: gathers fill it, drops empty it."""
-        tensor = torch.empty(entry.shape, dtype=entry.compute_dtype, device=device)
-        tensor.untyped_storage().resize_(0)
-        entry.device_tensor = tensor
-        with torch._C.DisableTorchFunctionSubclass():
-            entry.param.data = tensor
+        """Gives the parameter its (empty) device tensor; see :meth:`DeviceCopies.adopt`."""
+        self.copies.adopt(entry, device)
 
-    def _make_device_room(self, entry: ParamEntry) -> None:
-        if self.device.fits(entry.device_bytes):
-            return
-        trace = self.follower.trace
-        position = self.follower.position
-        next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
-        candidates = sorted(
-            (
-                e
-                for e in self.on_device
-                if e.holds == 0 and e is not entry and e.index not in self.persistent
-            ),
-            key=lambda e: e.index,
-        )
-        for victim in self.eviction.order(
-            candidates, next_use, lambda e: self.last_used.get(e.index, -1)
-        ):
-            self.drop_device(victim)
-            if self.device.fits(entry.device_bytes):
-                return
-        held = sorted((e for e in self.on_device if e.holds), key=lambda e: -e.nbytes)
-        raise BudgetError(
-            f"device budget of {self.device.budget} bytes cannot hold {entry.name} "
-            f"({entry.device_bytes} bytes) next to the {len(held)} parameters in use "
-            f"({self.device.usage.current} bytes, largest: "
-            f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget"
-        )
+    @property
+    def lending(self) -> HostLending:
+        """The device copies' lent and staged copies (a CPU device, without autograd)."""
+        return self.copies.lending
 
     # -- self-check -----------------------------------------------------------------------------
     def audit(self) -> list[str]:

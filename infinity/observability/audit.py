@@ -65,9 +65,10 @@ def audit(placement: Any) -> list[str]:
         if start < end:
             problems.append(f"arena ranges of {a} and {b} overlap")
     resident = {e for e in placement.registry.entries if e.resident}
-    if resident != placement.on_device:
+    on_device = placement.copies.on_device
+    if resident != on_device:
         problems.append("the entries marked resident are not the ones listed on the device")
-    device_bytes = sum(e.device_bytes for e in placement.on_device)
+    device_bytes = sum(e.device_bytes for e in on_device)
     for name, tier, expected in (
         ("device", placement.device, device_bytes),
         ("host", placement.host, host_bytes),

@@ -123,5 +123,5 @@ def _comm_stats(store: AttachedStore) -> dict[str, Any] | None:
         "reduce_seconds": stats.reduce_seconds,
         "collectives": stats.collectives,
         # device copies whose all-gathers started while the module before computed
-        "assembled_ahead": store.placement.assembled_ahead if store.placement else 0,
+        "assembled_ahead": store.placement.copies.assembled_ahead if store.placement else 0,
     }
