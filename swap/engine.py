@@ -94,6 +94,12 @@ def chain_length(settings: EngineSettings, max_chain: int) -> int:
 _open_engines: weakref.WeakSet[SwapEngine] = weakref.WeakSet()
 
 
+def open_engines() -> list[SwapEngine]:
+    """The engines of this process not yet closed (a cleanup on the way out that cannot wait
+    for them to close, such as a SIGTERM handler, removes their files itself)."""
+    return list(_open_engines)
+
+
 def _forget_engines_in_child() -> None:
     """A forked child inherits the parent's engines (their fds and io_uring ring) but owns none
     of them: closing them at its exit would unlink the parent's swap files and tear down the

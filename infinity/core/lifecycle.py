@@ -185,11 +185,9 @@ def remove_swap_files() -> int:
         if store.temp_dir is not None and not store.config.keep_swap_files:
             temp_dirs.append(store.temp_dir)
     try:  # engines of stores dropped without close(): still open, files still on disk
-        from swap import engine as engine_module
+        from swap.engine import open_engines
 
-        engines += [
-            e for e in list(getattr(engine_module, "_open_engines", ())) if e not in engines
-        ]
+        engines += [e for e in open_engines() if e not in engines]
     except Exception:
         pass
     for engine in engines:
