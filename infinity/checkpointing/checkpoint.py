@@ -142,7 +142,7 @@ class Checkpointer:
                     source[1] is not None or source[0].state is not R.DEVICE_NVME
                 ),
             )
-            planner.source = pending
+            planner.stream_from(pending)
             group = self._checkpoint_group()
 
             def write() -> None:
@@ -513,6 +513,10 @@ class _SavePlanner(SavePlanner):
         optimizer = self.store.optimizer
         assert optimizer is not None  # only then are there optimizer chunks
         return optimizer
+
+    def stream_from(self, source: AsyncSave) -> None:
+        """An asynchronous save: the writer gets the chunks as ``source`` copies them out."""
+        self.source = source
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = create_default_global_save_plan(all_plans)

@@ -470,6 +470,10 @@ def simulate(
     engine = _Engine(clock, disk)
 
     class Simulated(TieredStore):
+        def __init__(self, config: OffloadConfig) -> None:
+            super().__init__(config)
+            self.device = torch.device("meta")  # tensors that hold no bytes
+
         def _open_engine(self) -> Any:
             return engine
 
@@ -486,7 +490,6 @@ def simulate(
             )
 
     sim = Simulated(config)
-    sim.device = torch.device("meta")
     optimizer = None
     if recording.training and recording.optimizer_class is not None:
         optimizer = recording.optimizer_class(
