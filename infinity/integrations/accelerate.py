@@ -181,7 +181,7 @@ def store_of_model(accelerator: accelerate.Accelerator, model: nn.Module) -> Tie
 def _store_of_optimizer(optimizer: Any) -> TieredStore | None:
     """The store of an attached optimizer (or of accelerate's wrapper around one)."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    if isinstance(inner, OffloadedOptimizer):
+    if isinstance(inner, OffloadedOptimizer) and isinstance(inner.store, TieredStore):
         return inner.store
     return None
 

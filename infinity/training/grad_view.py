@@ -77,6 +77,7 @@ class GradView(torch.Tensor):
         if shard is None:
             shape, device = entry.shape, entry.device_tensor.device
         else:
+            assert shard.step_param is not None  # made when the optimizer is wrapped
             shape, device = shape or torch.Size([shard.numel]), shard.step_param.device
         # The master dtype: the store keeps gradients in it (fp32 under bf16/fp16 compute, as
         # autocast's gradients are), so norms and clipping keep their precision.

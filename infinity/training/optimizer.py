@@ -84,7 +84,7 @@ class OffloadedOptimizer(Optimizer):
         self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
         #: between steps, p.grad of a step parameter is its shard's gradient (clipping over
         #: param_groups, as Lightning does)
-        self.step_params = StepParams(store, shards, _step_shape)
+        self.step_params = StepParams(store, shards, step_shape)
 
     @classmethod
     def wrap(cls, store: AttachedStore, optimizer: Optimizer) -> OffloadedOptimizer:

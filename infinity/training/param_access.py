@@ -513,6 +513,7 @@ def _refuse_conversion(entry: ParamEntry, value: Any) -> None:
     decides them instead of the general in-place refusal."""
     if not isinstance(value, torch.Tensor) or value.shape != entry.shape:
         return
+    assert entry.device_tensor is not None  # given at attach (adopt)
     device = entry.device_tensor.device
     if value.dtype != entry.compute_dtype:
         raise ParameterAccessError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,12 +25,18 @@ from infinity.core.shards import Shard
 from infinity.training.grad_view import GradView
 from infinity.training.op_kinds import name_of, run_plain
 
+if TYPE_CHECKING:
+    from infinity.core.attached import AttachedStore
+
 
 class StepParams:
     """The step parameters' idle class (``p.grad`` answers), and the switch to plain for updates."""
 
     def __init__(
-        self, store: Any, shards: Iterable[Shard], shape_of: Callable[[Shard], torch.Size]
+        self,
+        store: AttachedStore,
+        shards: Iterable[Shard],
+        shape_of: Callable[[Shard], torch.Size],
     ) -> None:
         self.store = store
         #: a shard's step shape (the bound step parameter's)
@@ -76,9 +82,10 @@ class StepParams:
     def _handle(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if args and name_of(func) == "grad.__get__":
             shard = self._shard_of.get(id(args[0]))
-            access = self.store.access
+            access, placement = self.store.access, self.store.placement
             if shard is not None and access is not None and not access.closed:
-                if self.store.placement.has_grad(shard):
+                assert placement is not None  # made before any access
+                if placement.gradients.has_grad(shard):
                     return GradView(access, shard.entry, shard, self._shape_of(shard))
                 return None
         return run_plain(func, args, kwargs)
