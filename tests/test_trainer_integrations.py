@@ -43,6 +43,7 @@ def _available(name: str) -> bool:
 
 PEFT = _available("peft")
 LIGHTNING = _available("pytorch_lightning")
+TRL = _available("trl")
 WORLD = 2
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +61,8 @@ def _on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     results["hf_resumed"] = runs.hf_run(
         "infinity", root_path / "hf-resumed", nvme, resume=root_path / "hf" / "checkpoint-4"
     )
+    results["s2s_plain"] = runs.seq2seq_run("plain", root_path / "s2s-plain")
+    results["s2s"] = runs.seq2seq_run("infinity", root_path / "s2s", nvme)
     results["acc_plain"] = runs.accelerate_run("plain", root_path / "acc-plain")
     results["acc"] = runs.accelerate_run("infinity", root_path / "acc", nvme)
     if PEFT:
@@ -157,6 +160,24 @@ def test_trainer_across_ranks_follows_ddp(ranks):
         _close(plain["eval_loss"], attached["eval_loss"], f"rank {rank} eval_loss")
         _same_params(plain["params"], attached["params"], f"rank {rank}")
     _ranks_agree(ranks, "hf")
+
+
+def _seq2seq_follows(plain: dict, attached: dict, what: str) -> None:
+    assert len(attached["loss"]) == 6 and len(attached["eval_loss"]) == 2
+    _close(plain["loss"], attached["loss"], f"{what} loss")
+    _close(plain["grad_norm"], attached["grad_norm"], f"{what} grad_norm")
+    _close(plain["eval_loss"], attached["eval_loss"], f"{what} eval_loss")
+    _same_params(plain["params"], attached["params"], what)
+    # predict_with_generate: the same tokens generated (a few steps in, greedy)
+    assert np.array_equal(np.asarray(plain["generated"]), np.asarray(attached["generated"])), what
+
+
+def test_seq2seq_trainer_across_ranks_follows_ddp_and_generates_the_same(ranks):
+    """Seq2SeqTrainer's generation across ranks runs with synced_gpus on the store (each
+    forward is collective), so ranks that finish early keep stepping with the others."""
+    for rank in range(WORLD):
+        _seq2seq_follows(ranks[rank]["s2s_plain"], ranks[rank]["s2s"], f"rank {rank}")
+    _ranks_agree(ranks, "s2s")
 
 
 def test_trainer_checkpoints_are_the_stores_and_resume_bit_exactly(ranks):
@@ -267,6 +288,41 @@ def test_trainer_in_one_process_follows_trainer(tmp_path):
     _close(plain["grad_norm"], attached["grad_norm"], "grad_norm")
     _close(plain["eval_loss"], attached["eval_loss"], "eval_loss")
     _same_params(plain["params"], attached["params"], "one process")
+
+
+def test_seq2seq_trainer_in_one_process_follows_seq2seq_trainer(tmp_path):
+    plain = runs.seq2seq_run("plain", tmp_path / "plain")
+    attached = runs.seq2seq_run("infinity", tmp_path / "attached", tmp_path / "nvme")
+    _seq2seq_follows(plain, attached, "one process")
+
+
+@pytest.mark.skipif(not TRL, reason="trl is not installed")
+def test_trl_sft_trainer_with_the_store_follows_sft_trainer(tmp_path):
+    plain = runs.sft_run("plain", tmp_path / "plain")
+    attached = runs.sft_run("infinity", tmp_path / "attached", tmp_path / "nvme")
+    assert len(attached["loss"]) == 6
+    assert max(plain["grad_norm"]) > runs.CLIP  # clipping is at work
+    _close(plain["loss"], attached["loss"], "loss")
+    _close(plain["grad_norm"], attached["grad_norm"], "grad_norm")
+    _same_params(plain["params"], attached["params"], "one process")
+
+
+@pytest.mark.skipif(not TRL, reason="trl is not installed")
+def test_sft_config_s_default_bf16_is_refused_naming_the_class_and_the_fix(tmp_path):
+    """SFTConfig turns bf16 on unless told otherwise: the refusal says how, on that class."""
+    import trl
+
+    from infinity.integrations.hf import with_store
+
+    arguments = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert arguments.bf16
+    with pytest.raises(ConfigError, match=r"SFTConfig\(bf16=True\).*pass bf16=False to SFTConfig"):
+        with_store(trl.SFTTrainer)(
+            model=runs.llama(),
+            args=arguments,
+            processing_class=runs.tokenizer(),
+            offload_config=infinity.OffloadConfig(),
+        )
 
 
 def test_accelerate_in_one_process_follows_accelerate(tmp_path):

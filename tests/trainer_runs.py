@@ -95,7 +95,10 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------
-def trainer_arguments(out: Path, steps: int, batch: int, **changes: Any) -> Any:
+def trainer_arguments(
+    out: Path, steps: int, batch: int, arguments_class: Any = None, **changes: Any
+) -> Any:
+    """The runs' TrainingArguments (or ``arguments_class``: a subclass's, such as SFTConfig)."""
     import transformers
 
     settings: dict[str, Any] = dict(
@@ -119,7 +122,7 @@ def trainer_arguments(out: Path, steps: int, batch: int, **changes: Any) -> Any:
         dataloader_num_workers=0,
     )
     settings.update(changes)
-    return transformers.TrainingArguments(**settings)
+    return (arguments_class or transformers.TrainingArguments)(**settings)
 
 
 def hf_run(
@@ -231,6 +234,144 @@ def hf_lora_run(out: Path, nvme: Path) -> dict[str, Any]:
         "saved": sorted(p.name for p in (out / "adapter").iterdir()),
         "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     }
+
+
+# -- Trainer subclasses: Seq2SeqTrainer, TRL's SFTTrainer ------------------------------------------
+def t5() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Each counting sequence's first half as the source, its second half as the target."""
+
+    def __init__(self, count: int, seed: int = 1) -> None:
+        self.tokens = sequences(count, seed)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        half = CONTEXT // 2
+        return {"input_ids": self.tokens[index][:half], "labels": self.tokens[index][half:]}
+
+
+def seq2seq_run(kind: str, out: Path, nvme: Path | None = None) -> dict[str, Any]:
+    """Seq2SeqTrainer ("plain", DDP across ranks) or InfinitySeq2SeqTrainer on an attached T5:
+    6 steps, evaluated twice and then predicting with generate (across ranks every rank runs
+    the same forwards: synced_gpus). Returns losses, grad norms, evaluation losses, the
+    generated tokens and the final parameters."""
+    import transformers
+
+    from infinity.integrations.hf import InfinitySeq2SeqTrainer
+
+    model = t5()
+    optimizer = fused_adamw(model.parameters())
+    store = None
+    trainer_class: Any = transformers.Seq2SeqTrainer
+    if kind == "infinity":
+        assert nvme is not None
+        store = infinity.TieredStore(store_config(nvme))
+        model, optimizer = store.attach(model, optimizer)
+        trainer_class = InfinitySeq2SeqTrainer
+    arguments = trainer_arguments(
+        out,
+        6,
+        2,
+        transformers.Seq2SeqTrainingArguments,
+        eval_steps=3,
+        save_strategy="no",
+        predict_with_generate=True,
+        generation_max_length=CONTEXT // 2,
+    )
+    trainer = trainer_class(
+        model=model,
+        args=arguments,
+        train_dataset=Pairs(64),
+        eval_dataset=Pairs(8, seed=2),
+        optimizers=(optimizer, None),
+    )
+    try:
+        trainer.train()
+        predicted = trainer.predict(Pairs(4, seed=3)).predictions
+        history = trainer.state.log_history
+        return {
+            "loss": [e["loss"] for e in history if "loss" in e],
+            "grad_norm": [e["grad_norm"] for e in history if "loss" in e],
+            "eval_loss": [e["eval_loss"] for e in history if "eval_loss" in e],
+            "generated": torch.as_tensor(predicted),
+            "params": parameters(model),
+        }
+    finally:
+        if store is not None:
+            store.close()
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer over the counting vocabulary, built here (SFTTrainer wants a
+    processing class, and tests download nothing)."""
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    words = Tokenizer(WordLevel({str(i): i for i in range(VOCAB)}, unk_token="3"))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="0", bos_token="1", eos_token="2", unk_token="3"
+    )
+
+
+def sft_run(kind: str, out: Path, nvme: Path | None = None) -> dict[str, Any]:
+    """TRL's SFTTrainer as it is ("plain") or with_store(SFTTrainer) on an attached Llama, on
+    pre-tokenized counting sequences, 6 steps. SFTConfig turns bf16 on by default; the store's
+    precision decides instead, so both runs set it off."""
+    import datasets
+    import trl
+
+    from infinity.integrations.hf import with_store
+
+    model = llama()
+    optimizer = fused_adamw(model.parameters())
+    store = None
+    trainer_class: Any = trl.SFTTrainer
+    if kind == "infinity":
+        assert nvme is not None
+        store = infinity.TieredStore(store_config(nvme))
+        model, optimizer = store.attach(model, optimizer)
+        trainer_class = with_store(trl.SFTTrainer)
+    arguments = trainer_arguments(
+        out, 6, 2, trl.SFTConfig, eval_strategy="no", save_strategy="no", bf16=False
+    )
+    trainer = trainer_class(
+        model=model,
+        args=arguments,
+        train_dataset=datasets.Dataset.from_dict({"input_ids": sequences(64).tolist()}),
+        processing_class=tokenizer(),
+        optimizers=(optimizer, None),
+    )
+    try:
+        trainer.train()
+        history = trainer.state.log_history
+        return {
+            "loss": [e["loss"] for e in history if "loss" in e],
+            "grad_norm": [e["grad_norm"] for e in history if "loss" in e],
+            "params": parameters(model),
+        }
+    finally:
+        if store is not None:
+            store.close()
 
 
 # -- accelerate ------------------------------------------------------------------------------------

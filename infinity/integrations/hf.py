@@ -269,10 +269,14 @@ def _refuse_arguments(args: Any, given: dict[str, Any]) -> None:
         if getattr(args, name, False)
     ]
     if precision:
+        # Named as the user wrote them: TRL's SFTConfig turns bf16 on by default, so the
+        # way out must be spelled on that class, not on TrainingArguments.
+        settings = ", ".join(f"{n}=True" for n in precision)
+        off = ", ".join(f"{n}=False" for n in precision)
         raise ConfigError(
-            f"{FRAMEWORK}: TrainingArguments({', '.join(f'{n}=True' for n in precision)}) would "
-            f"add accelerate's autocast and loss scaling on top of the store's own precision: "
-            f"leave them off and set OffloadConfig.precision instead (e.g. "
+            f"{FRAMEWORK}: {type(args).__name__}({settings}) would add accelerate's autocast "
+            f"and loss scaling on top of the store's own precision: pass {off} to "
+            f"{type(args).__name__} and set OffloadConfig.precision instead (e.g. "
             f"precision=infinity.PrecisionConfig(dtype='bf16'))"
         )
     if getattr(args, "deepspeed", None):
