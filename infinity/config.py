@@ -478,6 +478,23 @@ class BatchConfig(_Validated):
 
 _SIZE_FIX = "use a byte count such as 1073741824 or, in JSON, '1GiB'"
 
+#: the swap buffer size without a host budget, and the largest one derived from a budget
+DEFAULT_BUFFER_SIZE = 64 << 20
+#: the smallest buffer size derived from a host budget (a request per MiB keeps a drive busy)
+MIN_DERIVED_BUFFER_SIZE = 1 << 20
+
+
+def derived_buffer_size(host_budget: int | None) -> int:
+    """``buffer_size=None``: 64 MiB; under a host budget a 64th of it rounded down to a power
+    of two within 1-64 MiB (and at most an eighth of it), so that the arena holds several
+    updates' parts however small the budget."""
+    if host_budget is None:
+        return DEFAULT_BUFFER_SIZE
+    size = 1 << (max(host_budget // 64, 1).bit_length() - 1)
+    size = min(DEFAULT_BUFFER_SIZE, max(MIN_DERIVED_BUFFER_SIZE, size))
+    eighth = 1 << (max(host_budget // 8, 1).bit_length() - 1)
+    return max(ALIGNMENT, min(size, eighth))
+
 
 @dataclass(frozen=True)
 class OffloadConfig(_Validated):
@@ -508,18 +525,34 @@ class OffloadConfig(_Validated):
         offloaded params/state, plus preallocation slack.
     buffer_count: pinned swap buffers in the pool (>= 1; the store needs >= 2 to overlap I/O
         with compute, 1 works but serialises it and is logged).
-    buffer_size: bytes per swap buffer (>= 4096; the pool rounds up to 4096).
+    buffer_size: bytes per swap buffer (>= 4096; the pool rounds up to 4096), which is also
+        the largest shard a parameter is cut into; None (default): 64 MiB, or with a host_budget
+        a 64th of it rounded down to a power of two within 1-64 MiB, so that a small budget
+        still holds enough buffers to update in backward.
         Memory: buffer_count x buffer_size bytes of host RAM, page-locked when pin_memory is set
-        (default 5 x 64 MiB = 320 MiB).
+        (default 5 x 64 MiB = 320 MiB); under a host_budget the staging arena is whatever the
+        budget leaves (see host_budget), never less than this.
     pin_memory: page-lock host buffers so device copies are asynchronous and faster. Pinned RAM
         cannot be swapped by the OS and counts against memlock/container limits.
     max_in_cpu: bytes of host RAM the staging arena may grow to as a cache in front of the
         drives, when larger than buffer_count x buffer_size (0, the default: the swap buffers
         are the cache). Memory: up to this much host RAM, never more than the offloaded state.
     device_budget: bytes of device memory the runtime may use for params, prefetch and
-        buffers; None = derived from free memory by the store and reported.
-    host_budget: bytes of host RAM the runtime may use (swap buffers, caches, CPU-offloaded
-        state); None = derived by the store and reported.
+        buffers; None = derived by the store and reported: on CUDA half the free memory (at
+        most every parameter), on a CPU device (which is host RAM) a working set of the next
+        modules' parameters, twice over, next to the shared and persistent ones (under a
+        host_budget at most a quarter of it, and part of it). An explicit device_budget on a
+        CPU device is host RAM on top of host_budget.
+    host_budget: bytes of host RAM the runtime may use; None = derived by the store and
+        reported. With it set, the process's peak RSS stays within the process's own memory
+        (interpreter, torch, the model's module objects, measured at attach) + host_budget +
+        saved activations (unless offloaded) + what an explicit CPU device_budget or the
+        buffers asked for add: ``stats()['rss_bound']``. It holds the staging arena (all of
+        the budget the other parts leave: a cache in front of the drives), CPU-offloaded
+        parameters, a CPU device's derived working copies, and a reserve for the store's
+        transients (the largest parameter's gradient buffers, the first step's optimizer
+        state, a checkpoint's write buffers); with offload_activations='cpu' the arena is the
+        swap buffers and the rest is the activations'.
     prefetch_depth: modules fetched ahead of the one computing (0 = no prefetch). Without
         autograd (inference) the whole arena is read ahead instead, into the next forward.
         Memory: the params of that many modules on the device and in flight.
@@ -564,6 +597,14 @@ class OffloadConfig(_Validated):
         reduce_bucket_size bytes of them under way) instead of completing each at once.
     reduce_bucket_size: bytes of gradient reductions under way at once with overlap_comm.
         Memory: up to this much host (or, with NCCL, device) memory for gradients in flight.
+    restore_params: what ``close()`` hands back to the model as ordinary tensors (a call may
+        say otherwise: ``close(restore_params=...)``). 'auto' (default): every parameter when
+        their bytes fit in host_budget (without one: in half the memory available), else none
+        (a model larger than RAM cannot be handed back whole): they are left on the meta
+        device, with a warning saying where their values are (the last checkpoint, the kept
+        swap files, or nowhere). True: every parameter, refused before anything is torn down
+        when they do not fit in host_budget. False: none, all left on the meta device.
+        Memory: the parameters' bytes in their own dtype, as the arena is given back.
     checkpoint_staging: bytes of chunks an asynchronous checkpoint save keeps copied out of
         the tiers, waiting for its writer. Memory: up to this much host RAM, plus the chunks a
         step copies out before it changes them (one tile).
@@ -585,10 +626,14 @@ class OffloadConfig(_Validated):
         default=5,
         metadata=_rule(kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"),
     )
-    buffer_size: int = field(
-        default=64 << 20,
+    buffer_size: int | None = field(
+        default=None,
         metadata=_rule(
-            kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"
+            kind="int",
+            lo=ALIGNMENT,
+            optional=True,
+            size=True,
+            fix="use at least 4096 bytes, e.g. '64MiB', or null to derive it",
         ),
     )
     pin_memory: bool = field(default=True, metadata=_rule(kind="bool"))
@@ -630,6 +675,7 @@ class OffloadConfig(_Validated):
         default=64 << 20,
         metadata=_rule(kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"),
     )
+    restore_params: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     checkpoint_staging: int = field(
         default=64 << 20,
         metadata=_rule(
@@ -717,9 +763,16 @@ class OffloadConfig(_Validated):
         """The native format, JSON-serialisable (paths as strings); from_dict inverts it."""
         return _as_dict(self)
 
+    def swap_buffer_size(self) -> int:
+        """Bytes per swap buffer: ``buffer_size`` (rounded up to 4096), or the size derived
+        from the host budget (see ``buffer_size``)."""
+        if self.buffer_size is not None:
+            return -(-self.buffer_size // ALIGNMENT) * ALIGNMENT
+        return derived_buffer_size(self.host_budget)
+
     def swap_buffer_bytes(self) -> int:
         """Host RAM taken by the swap buffer pool (page-locked when pin_memory)."""
-        return self.buffer_count * self.buffer_size
+        return self.buffer_count * self.swap_buffer_size()
 
     def describe(self) -> str:
         """A short multi-line summary for logs and demos."""
@@ -757,7 +810,7 @@ class OffloadConfig(_Validated):
         if offloading:
             lines.append(
                 f"  swap buffers      {self.buffer_count} x "
-                f"{format_size(self.buffer_size)} = "
+                f"{format_size(self.swap_buffer_size())} = "
                 f"{format_size(self.swap_buffer_bytes())} host RAM"
                 f"{' (pinned)' if self.pin_memory else ''}"
             )

@@ -11,6 +11,7 @@ from swap.buffers import (
     advise_huge_pages,
     align_up,
     huge_pages_on_request,
+    release_pages,
 )
 from swap.engine import EngineSettings, SwapEngine, TransferFuture
 from swap.errors import (
@@ -66,4 +67,5 @@ __all__ = [
     "huge_pages_on_request",
     "make_backend",
     "probe_direct_io",
+    "release_pages",
 ]

@@ -117,6 +117,33 @@ def advise_huge_pages(address: int, length: int) -> bool:
     return _madvise(start, stop - start, _MADV_HUGEPAGE) == 0
 
 
+_MADV_DONTNEED = 4
+_release: Any = None
+
+
+def release_pages(address: int, length: int) -> bool:
+    """Hands the whole pages of ``[address, address + length)`` back to the system (madvise
+    MADV_DONTNEED): they stop counting in the process's RSS and read as zeros when touched
+    again. For private anonymous memory only (not page-locked). False where unsupported."""
+    global _release
+    if _release is None:
+        name = ctypes.util.find_library("c")
+        if not name:
+            _release = False
+        else:
+            function = ctypes.CDLL(name, use_errno=True).madvise
+            function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            function.restype = ctypes.c_int
+            _release = function
+    if _release is False:
+        return False
+    start = -(-address // ALIGNMENT) * ALIGNMENT
+    stop = (address + length) // ALIGNMENT * ALIGNMENT
+    if stop <= start:
+        return False
+    return _release(start, stop - start, _MADV_DONTNEED) == 0
+
+
 def _allocate(
     total: int, pin: bool, prefault: bool = True
 ) -> tuple[np.ndarray, torch.Tensor, object]:

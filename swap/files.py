@@ -231,6 +231,11 @@ class RangeAllocator:
     def free_bytes(self) -> int:
         return sum(self.lengths)
 
+    @property
+    def largest_free(self) -> int:
+        """The longest free range: the most one ``take`` can have."""
+        return max(self.lengths, default=0)
+
 
 class _DriveSpace:
     """The run directory on one drive and its swap files."""

@@ -47,7 +47,11 @@ def test_defaults() -> None:
     c = OffloadConfig()
     assert (c.device, c.offload_param, c.offload_optimizer) == ("auto", "nvme", "none")
     assert c.nvme_path == ()
-    assert (c.buffer_count, c.buffer_size, c.pin_memory) == (5, 64 << 20, True)
+    assert (c.buffer_count, c.buffer_size, c.pin_memory) == (5, None, True)
+    assert c.swap_buffer_size() == 64 << 20  # derived: 64 MiB without a host budget
+    assert c.replace(host_budget=1 << 30).swap_buffer_size() == 16 << 20  # a 64th of it
+    assert c.replace(host_budget=64 << 20).swap_buffer_size() == 1 << 20  # at least 1 MiB
+    assert c.restore_params == "auto"
     assert c.max_in_cpu == 0  # the swap buffers are the whole host footprint by default
     assert c.device_budget is None and c.host_budget is None and c.prefetch_bytes is None
     assert (c.prefetch_depth, c.param_persistence_threshold, c.gradient_clipping) == (2, 0, 0.0)
@@ -538,7 +542,7 @@ def test_seed_zero2_cpu(caplog: pytest.LogCaptureFixture) -> None:
     assert c.pin_memory is True and c.gradient_clipping == 1.0
     assert c.precision == PrecisionConfig("fp16", 0.0, 16, 1000, 2, 1.0)
     assert c.batch == BatchConfig(32, 4, 8)
-    assert c.buffer_size == 64 << 20  # the ignored offload_param section changes nothing
+    assert c.buffer_size is None  # the ignored offload_param section changes nothing
     line = only_one(caplog, "other than offloading")
     assert line.endswith("ignored: optimizer, scheduler, wall_clock_breakdown")
     line = only_one(caplog, "DeepSpeed ignores offload_param below stage 3 too")

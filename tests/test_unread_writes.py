@@ -68,6 +68,7 @@ def test_updates_in_optimizer_step_write_nothing_they_do_not_read(tmp_path):
             buffer_size=1 << 18,
             buffer_count=8,
             host_budget=2 << 20,
+            device_budget=2 << 20,  # outside the host budget: an arena of all 2 MiB
         )
     )
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -27,6 +27,10 @@ class SlotArena:
     def nbytes(self) -> int:
         return self.slot_size * self.count
 
+    def free_slot_offsets(self) -> list[int]:
+        """Byte offsets of the slots nothing is placed in."""
+        return [slot * self.slot_size for slot in self._free_slots]
+
     def whole(self, size: int) -> bool:
         return 2 * size > self.slot_size
 
@@ -71,16 +75,19 @@ class SlotArena:
         self._free_slots.remove(slot)
         return True
 
-    def give(self, offset: int, nbytes: int) -> None:
+    def give(self, offset: int, nbytes: int) -> int | None:
+        """Frees a range; returns the offset of its slot when the slot is now wholly free."""
         size = align_up(max(nbytes, 1))
         slot, within = divmod(offset, self.slot_size)
         if self.whole(size):
             if within or slot in self._free_slots or slot in self._small:
                 raise RuntimeError(f"bad release of slot {slot}")
             self._free_slots.append(slot)
-            return
+            return slot * self.slot_size
         ranges = self._small[slot]
         ranges.give(within, size)
         if ranges.free_bytes == self.slot_size:
             del self._small[slot]
             self._free_slots.append(slot)
+            return slot * self.slot_size
+        return None

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from infinity.config import OffloadConfig
+    from infinity.core.budgets import MemoryPlan
     from infinity.core.placement import Placement
     from infinity.core.shards import ParamEntry, Shard, ShardRegistry
     from infinity.core.trace import TraceFollower
@@ -88,6 +89,9 @@ class AttachedStore(Protocol):
 
     @property
     def budgets(self) -> dict[str, int]: ...
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None: ...
 
     @property
     def master_tier(self) -> str: ...

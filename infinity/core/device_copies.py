@@ -352,7 +352,9 @@ class DeviceCopies:
             entry.param.data = tensor
 
     def _make_device_room(self, entry: ParamEntry) -> None:
-        if self.device.fits(entry.device_bytes):
+        """Evicts cached device copies, in policy order, until ``entry``'s copy has room: on a
+        CPU device one free range of the slab, not only free bytes (see DeviceTier.has_room)."""
+        if self.device.has_room(entry.device_bytes):
             return
         trace = self.follower.trace
         position = self.follower.position
@@ -369,8 +371,10 @@ class DeviceCopies:
             candidates, next_use, lambda e: self.last_used.get(e.index, -1)
         ):
             self.drop_device(victim)
-            if self.device.fits(entry.device_bytes):
+            if self.device.has_room(entry.device_bytes):
                 return
+        if self.device.fits(entry.device_bytes):
+            return  # the bytes are free but scattered between copies in use: fresh memory
         held = sorted((e for e in self.on_device if e.holds), key=lambda e: -e.nbytes)
         raise BudgetError(
             f"device budget of {self.device.budget} bytes cannot hold {entry.name} "

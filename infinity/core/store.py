@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import logging
 import shutil
 import tempfile
@@ -25,21 +26,35 @@ from torch import nn
 from infinity.checkpointing.state_dict import install_state_dict_hooks, write_entry
 from infinity.config import OffloadConfig
 from infinity.core import lifecycle
+from infinity.core.budgets import (
+    CHECKPOINT_WRITE_BYTES,
+    MemoryPlan,
+    UpdateRoom,
+    host_budget_for_updates,
+    largest_slot_for_updates,
+    plan_memory,
+    slot_size,
+    update_room,
+    update_room_at,
+)
 from infinity.core.memory import (
     HeapWatch,
     bound_heap_retention,
     host_tensor_bytes,
     huge_page_allocations,
+    peak_resident_bytes,
     resident_bytes,
+    warm_runtime,
 )
 from infinity.core.placement import Placement, PlacementSettings
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, Shard, ShardKind, ShardRegistry
+from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.observability.reporting import MemoryFigures, store_stats
+from infinity.observability.saved_activations import SavedActivationMeter
 from infinity.observability.timeline import Timeline
 from infinity.ranks.ddp_guard import DDPGuard
 from infinity.ranks.partition import Partition
@@ -123,6 +138,16 @@ class TieredStore:
         self.optimizer: OffloadedOptimizer | None = None
         self.model: nn.Module | None = None
         self.budgets: dict[str, int] = {}
+        #: how the store divides its memory, and the terms of the RSS bound (infinity.core.budgets)
+        self.memory_plan: MemoryPlan | None = None
+        #: the process's RSS at attach without the model's parameters (the bound's fixed part)
+        self._process_bytes = 0
+        #: saved activations held in host memory, counted for the bound (a CPU device)
+        self.activation_meter: SavedActivationMeter | None = None
+        #: the last checkpoint saved (its path, and the steps done then), for close's warning
+        self._last_checkpoint: tuple[Path, int] | None = None
+        #: close's 'auto' found the parameters too large to give back: (bytes, room, what)
+        self._declined_restore: tuple[int, int, str] | None = None
         self._temp_dir: Path | None = None
         self._handles: list[Any] = []
         self._nvme_peak = 0
@@ -328,18 +353,22 @@ class TieredStore:
             # An explicit host budget asks for bounded memory: freed temporaries must go back to
             # the system (costs page faults on large allocations; see infinity.core.memory).
             bound_heap_retention()
-            # The process without the model: what stays when the store holds the parameters.
-            model_bytes = sum(
-                p.numel() * p.element_size()
-                for p in model.parameters()
-                if p.device.type == "cpu" and not p.is_meta
-            )
-            process_bytes = max(resident_bytes() - model_bytes, 0)
+            warm_runtime()  # its memory is the process's own, measured next
+        # The process without the model: what stays when the store holds the parameters.
+        model_bytes = sum(
+            p.numel() * p.element_size()
+            for p in model.parameters()
+            if p.device.type == "cpu" and not p.is_meta
+        )
+        self._process_bytes = process_bytes = max(resident_bytes() - model_bytes, 0)
+        slot = slot_size(config)
+        if self.partition is not None and config.buffer_size is None:
+            slot = self.partition.min_across(slot)  # the shards must be cut alike on every rank
         for name, param in model.named_parameters():
             self.registry.add_param(
                 name,
                 param,
-                max_shard_bytes=config.buffer_size,
+                max_shard_bytes=slot,
                 compute_dtype=self.compute_dtype,
                 partition=self.partition,
                 storage_dtype=self.storage_dtype,
@@ -358,7 +387,7 @@ class TieredStore:
             if entries:
                 module_entries.append((module_name or type(module).__name__, module, entries))
         total = sum(e.nbytes for e in self.registry.entries)
-        self._set_budgets(total, module_entries)
+        self._plan_memory(module_entries, slot)
         self.model = model
         device_tier, self._host_tier = self._make_tiers()
         if nvme:
@@ -410,21 +439,25 @@ class TieredStore:
             self.budgets["device"],
             self.budgets["host"],
         )
+        plan = self.memory_plan
+        assert plan is not None
         if config.host_budget is not None:
-            # The line: the process without the model, the budgets, and autograd's transient
-            # pair of largest-parameter buffers in backward.
-            largest = max(e.nbytes for e in self.registry.entries)
-            limit = process_bytes + self.budgets["host"] + self.budgets["device"] + 2 * largest
-            # Less a margin: RSS is sampled where the heap grows, and may pass it in between.
-            self._heap_watch = HeapWatch(limit - min(2 * largest, limit // 32))
+            # The line: the RSS bound without the saved activations (infinity.core.budgets),
+            # less the transients, which come on top of whatever the heap keeps, and less a
+            # margin: RSS is sampled where the heap grows, and may pass the line in between.
+            limit = plan.static_bound(process_bytes)
+            transients = plan.transient_reserved + plan.transient_outside
+            self._heap_watch = HeapWatch(limit - transients - limit // 64)
             log.info(
-                "heap reuse after the first step while RSS < %d bytes (process %d + host %d "
-                "+ device %d + 2 x %d, less a margin)",
-                self._heap_watch.limit,
+                "RSS bound %d bytes: process %d + host_budget %d + device outside it %d + "
+                "transients outside it %d, plus saved activations (measured: "
+                "stats()['rss_bound']); heap reuse after the first step while RSS < %d",
+                limit,
                 process_bytes,
-                self.budgets["host"],
-                self.budgets["device"],
-                largest,
+                plan.host,
+                plan.device_outside_host,
+                plan.transient_outside,
+                self._heap_watch.limit,
             )
         self.hooks = HookSet(self, model, [(m, e) for _, m, e in module_entries])
         self.hooks.install()
@@ -434,20 +467,28 @@ class TieredStore:
         self._handles.append(DDPGuard(model))  # an error, not a crash, if DDP wraps it
         if optimizer is not None:
             self.optimizer = OffloadedOptimizer.wrap(self, optimizer)
+            reasons, sizing = self._against_updates_in_backward(module_entries)
             self.update_timing = UpdateTiming(
-                config.step_in_backward,
-                self._against_updates_in_backward(module_entries),
-                self.placement,
+                config.step_in_backward, reasons, self.placement, warn=sizing
             )
         # Last: from here on every operation on a parameter goes through the store.
         self.access = ParamAccess(self)
         self.access.install()
         self._attach_activations(model)  # its hooks run after the store's, which gather
+        if self.activations is None and self.device.type == "cpu":
+            # Saved activations are host memory outside the budgets here: counted for the bound.
+            placement = self.placement
+            self.activation_meter = SavedActivationMeter(
+                lambda a: placement.device.holds_address(a) or placement.host.holds_address(a)
+            )
+            self.activation_meter.install(model)
 
-    def _against_updates_in_backward(self, module_entries: list) -> list[str]:
-        """What in the config keeps ``step_in_backward='auto'`` from updating in backward."""
+    def _against_updates_in_backward(self, module_entries: list) -> tuple[list[str], bool]:
+        """What in the config keeps ``step_in_backward='auto'`` from updating in backward, each
+        with the way to lift it; and whether one is the arena's size (a sizing, not a choice)."""
         config = self.config
         reasons = []
+        sizing = False
         if self.engine is not None:
             # An update in backward needs its master, gradient and (Adam's two) moments in the
             # arena next to what backward holds, and the pipeline's three stages (update, read
@@ -458,33 +499,83 @@ class TieredStore:
             # whole arena.
             host, placement = self._host_tier, self.placement
             assert host is not None and placement is not None  # made by attach, before this
-            cost = host.slot_cost
-            arena = host.arena_bytes
-            parts = 2 + (2 if config.offload_optimizer == "nvme" else 0)
-            update = max(
-                parts * cost(s.nbytes)
-                for s in self.registry.shards.values()
-                if s.kind is ShardKind.PARAM
+            modules = [(name, entries) for name, _, entries in module_entries]
+            params_on_nvme = placement.params_on_nvme
+            state_on_nvme = config.offload_optimizer == "nvme"
+            room = update_room(
+                host.arena_bytes,
+                host.slot_size,
+                self.registry.shards.values(),
+                modules,
+                params_on_nvme=params_on_nvme,
+                state_on_nvme=state_on_nvme,
             )
-            largest = max(
-                sum(cost(s.nbytes) for e in entries for s in e.shards)
-                for _, _, entries in module_entries
-            )
-            if arena < 4 * update or (placement.params_on_nvme and arena < 2 * largest):
-                reasons.append(
-                    f"the staging arena ({arena} bytes) is too small to update in "
-                    f"backward: it needs 4 x {update} bytes (the largest update) and "
-                    f"2 x {largest} (the largest module's masters)"
-                )
+            if not room.fits:
+                reasons.append(self._arena_too_small(room, modules, params_on_nvme, state_on_nvme))
+                sizing = True
         if config.gradient_clipping:
             reasons.append(
-                f"gradient_clipping={config.gradient_clipping:g} needs every gradient's norm first"
+                f"gradient_clipping={config.gradient_clipping:g} needs every gradient's norm "
+                f"first: set gradient_clipping=0 to update in backward"
             )
         if self.scaler is not None:
-            reasons.append("fp16 loss scaling must see every gradient before it can skip a step")
+            reasons.append(
+                "fp16 loss scaling must see every gradient before it can skip a step: use "
+                "precision.dtype='bf16' to update in backward"
+            )
         if self.partition is not None:
             reasons.append("several ranks: updates in backward are one rank's only")
-        return reasons
+        return reasons, sizing
+
+    def _arena_too_small(
+        self, room: UpdateRoom, modules: list, params_on_nvme: bool, state_on_nvme: bool
+    ) -> str:
+        """Why the arena keeps updates out of backward, and the ways out: the host budget whose
+        arena (what it leaves, with the buffer size and device tier it derives) has the room,
+        or smaller buffers (the shards are cut to them)."""
+        plan = self.memory_plan
+        assert plan is not None
+        config = self.config
+        entries = self.registry.entries
+        shards = list(self.registry.shards.values())
+        state_parts = 2 if state_on_nvme else 0
+
+        def needed_at(slot: int) -> int:
+            return update_room_at(
+                slot, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+            )
+
+        def plan_at(host_budget: int) -> MemoryPlan:
+            changed = config.replace(host_budget=host_budget)
+            return plan_memory(
+                changed,
+                entries,
+                shards,
+                modules,
+                slot=slot_size(changed),
+                device_kind=self._device_kind(),
+                params_stay_on_device=self._params_stay_on_device,
+                master_tier=self.master_tier,
+                cuda_free=lambda: torch.cuda.mem_get_info(self.device)[0],
+            )
+
+        ways = []
+        if config.offload_activations != "cpu":
+            start = max(plan.host, room.arena) + room.needed - room.arena
+            ways.append(
+                f"raise host_budget to >= {host_budget_for_updates(start, plan_at, needed_at)}"
+            )
+        slot = largest_slot_for_updates(
+            room.arena, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+        )
+        if slot is not None and slot < plan.slot:
+            ways.append(f"set buffer_size <= {slot}")
+        return (
+            f"the staging arena ({room.arena} bytes in buffers of {plan.slot}) is too small to "
+            f"update in backward: it needs {room.needed} bytes, 4 x {room.update} (the "
+            f"largest update's parts) and 2 x {room.module_masters} (the largest module's "
+            f"masters): " + (" or ".join(ways) or "raise host_budget")
+        )
 
     def _attach_activations(self, model: nn.Module) -> None:
         """Creates the activation offload (``offload_activations``) and hooks it on ``model``."""
@@ -500,15 +591,18 @@ class TieredStore:
     def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
         """The device and host tiers under the budgets (the planner's simulation makes its own,
         holding no bytes)."""
+        plan = self.memory_plan
+        assert plan is not None
         return (
-            DeviceTier(self.device, self.budgets["device"]),
-            HostTier(
-                self.budgets["host"],
-                self.budgets["arena"],
-                self.config.pin_memory,
-                slot_size=self.config.buffer_size,
-            ),
+            DeviceTier(self.device, plan.device, copies=len(self.registry.entries)),
+            HostTier(plan.host_tier, plan.arena, self.config.pin_memory, slot_size=plan.slot),
         )
+
+    def _device_kind(self) -> str:
+        """What the device's budget is derived from: "cpu" (host memory), "cuda" (its own
+        memory) or "other" (every parameter fits); the planner's simulation says what it
+        simulates."""
+        return self.device.type if self.device.type in ("cpu", "cuda") else "other"
 
     def _initialise(self, model: nn.Module, initialise: bool = True) -> None:
         """Moves every parameter's values into the store and leaves a placeholder behind.
@@ -596,115 +690,37 @@ class TieredStore:
             if entry.index not in done:
                 take(entry)
 
-    def _set_budgets(self, total: int, module_entries: list) -> None:
+    def _plan_memory(self, module_entries: list, slot: int) -> None:
+        """The budgets (infinity.core.budgets), logged."""
         config = self.config
-        largest_name, _, largest = max(
-            module_entries, key=lambda m: sum(e.device_bytes for e in m[2])
+        plan = plan_memory(
+            config,
+            self.registry.entries,
+            list(self.registry.shards.values()),
+            [(name, entries) for name, _, entries in module_entries],
+            slot=slot,
+            device_kind=self._device_kind(),
+            params_stay_on_device=self._params_stay_on_device,
+            master_tier=self.master_tier,
+            cuda_free=lambda: torch.cuda.mem_get_info(self.device)[0],
+            agree=self.partition.min_across if self.partition is not None else None,
         )
-        largest_bytes = sum(e.device_bytes for e in largest)
-        device_total = sum(e.device_bytes for e in self.registry.entries)
-        if config.device_budget is not None:
-            device_budget = config.device_budget
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            device_budget = min(device_total, int(free * 0.5))
-        else:
-            device_budget = device_total
-        if self.partition is not None and config.device_budget is None:
-            # Every rank must make the same device-tier decisions: their gathers are collectives.
-            device_budget = self.partition.min_across(device_budget)
-        if self._params_stay_on_device:
-            if config.device_budget is not None and device_budget < device_total:
-                raise BudgetError(
-                    f"offload_param='none' keeps every parameter on the device "
-                    f"({device_total} bytes) but device_budget is {device_budget}: raise "
-                    f"device_budget to at least {device_total}, or set offload_param to 'cpu' "
-                    f"or 'nvme' so parameters leave the device between uses"
-                )
-            device_budget = device_total
-        persistent = sum(
-            e.device_bytes
-            for e in self.registry.entries
-            if self._params_stay_on_device or e.numel <= config.param_persistence_threshold
-        )
-        if device_budget < largest_bytes + persistent and not self._params_stay_on_device:
-            extra = (
-                f" next to {persistent} bytes of persistent parameters "
-                f"(param_persistence_threshold)"
-                if persistent
-                else ""
-            )
-            raise BudgetError(
-                f"device_budget of {device_budget} bytes cannot hold module '{largest_name}', "
-                f"whose parameters take {largest_bytes} bytes and must be on the device together "
-                f"while it runs{extra}: set device_budget to at least "
-                f"{largest_bytes + persistent}"
-            )
-        params_nvme = self.master_tier == "nvme"
-        optim_nvme = config.offload_optimizer == "nvme"
-        needed = 0
-        slot = align_up(config.buffer_size)
-
-        def slot_cost(nbytes: int) -> int:  # as the slot arena will place it
-            size = align_up(max(nbytes, 1))
-            return slot if 2 * size > slot else size
-
-        shard_bytes = sum(slot_cost(s.nbytes) for s in self.registry.shards.values())
-        resident = 0 if params_nvme else total  # host tensors outside the arena
-        if params_nvme or optim_nvme:
-            # What the arena would need to cache everything: masters, gradients and (estimated:
-            # two moments, as Adam keeps) optimizer state, in slot bytes, plus one slot for the
-            # gaps that packing small shards into shared slots leaves.
-            needed = (
-                (shard_bytes if params_nvme else 0) + (3 * shard_bytes if optim_nvme else 0) + slot
-            )
-            # The swap buffers, or a larger cache of up to max_in_cpu bytes in front of the
-            # drives, but never more than caching everything needs.
-            pool = max(
-                config.buffer_count * align_up(config.buffer_size), min(config.max_in_cpu, needed)
-            )
-            host_budget = (
-                config.host_budget
-                if config.host_budget is not None
-                else resident + min(pool, needed)
-            )
-            arena = min(pool, host_budget - resident, needed)
-            if arena < min(align_up(config.buffer_size), needed):
-                raise BudgetError(
-                    f"host_budget of {host_budget} bytes leaves {max(arena, 0)} bytes for swap "
-                    f"buffers, less than one buffer ({config.buffer_size} bytes): raise "
-                    f"host_budget or lower buffer_size"
-                )
-        else:
-            arena = 0
-            host_budget = config.host_budget if config.host_budget is not None else total
-        if resident > host_budget:
-            if self._params_stay_on_device:
-                raise BudgetError(
-                    f"offload_param='none' with offload_optimizer='cpu' keeps every "
-                    f"parameter's master copy in host memory ({total} bytes) but host_budget "
-                    f"is {host_budget}: raise host_budget or use offload_optimizer='nvme' "
-                    f"(the masters go with the optimizer state)"
-                )
-            raise BudgetError(
-                f"offload_param='cpu' keeps every parameter in host memory ({total} bytes) "
-                f"but host_budget is {host_budget}: raise host_budget or use "
-                f"offload_param='nvme'"
-            )
-        self.budgets = {
-            "device": device_budget,
-            "host": host_budget,
-            "arena": arena,
-            "params": total,
-        }
+        self.memory_plan = plan
+        self.budgets = plan.budgets()
         #: the arena holds every offloaded byte: updated shards may stay dirty until evicted
-        self._cached_all = bool(arena) and arena >= needed
+        self._cached_all = plan.cached_all
         log.info(
-            "budgets: device %d bytes%s, host %d bytes (params %d bytes)",
-            device_budget,
-            "" if config.device_budget is not None else " (derived)",
-            host_budget,
-            total,
+            "budgets: device %d bytes%s, host %d bytes (arena %d in slots of %d, transients "
+            "%d; params %d bytes)",
+            plan.device,
+            " (derived, part of the host budget)"
+            if plan.device_in_host
+            else ("" if config.device_budget is not None else " (derived)"),
+            plan.host,
+            plan.arena,
+            plan.slot,
+            plan.transient_reserved,
+            plan.params,
         )
 
     def _open_engine(self) -> SwapEngine:
@@ -804,7 +820,10 @@ class TieredStore:
         started and training goes on; the checkpoint is still exactly the state at the call (what a
         step would change is copied out first): see :mod:`infinity.checkpointing.async_save`."""
         self.stepping.loop_acted("save_checkpoint()")
+        if self._heap_watch is not None:
+            self._heap_watch.make_room(CHECKPOINT_WRITE_BYTES)
         self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
+        self._last_checkpoint = (Path(path), self.steps)
 
     def wait_for_checkpoint(self) -> None:
         """Completes a save started with ``async_save=True`` (copying out what is left of the
@@ -870,7 +889,9 @@ class TieredStore:
             # Expected to stay in the heap: the device tier's copies (host memory without a
             # GPU) and a few gradients and autograd temporaries of the largest parameter.
             largest = max(e.nbytes for e in self.registry.entries)
-            device = self.budgets["device"] if self.device.type == "cpu" else 0
+            plan = self.memory_plan
+            assert plan is not None  # made by attach
+            device = plan.device if self.device.type == "cpu" and not plan.device_in_host else 0
             # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
             # state and gradients in host tensors) exists only now; the line moves up by it.
             gradients = self.placement.gradients if self.placement is not None else None
@@ -899,6 +920,30 @@ class TieredStore:
         engine = self.engine  # read once: close() may clear it from the training thread
         return engine.space.allocated_bytes if engine is not None else 0
 
+    def rss_bound(self) -> dict[str, int] | None:
+        """The bound on the process's peak RSS and its terms (see infinity.core.budgets), with
+        the saved activations' peak as measured so far and the process's own peak (VmHWM);
+        None before attach."""
+        plan = self.memory_plan
+        if plan is None:
+            return None
+        activations = 0
+        if self.device.type == "cpu":
+            if self.activation_meter is not None:
+                activations = self.activation_meter.peak_bytes
+            elif self.activations is not None:
+                activations = self.activations.peak_device
+        static = plan.static_bound(self._process_bytes)
+        return {
+            "process": self._process_bytes,
+            "host_budget": plan.host,
+            "device_outside_host": plan.device_outside_host,
+            "transient_outside_host": plan.transient_outside,
+            "activations": activations,
+            "bound": static + activations,
+            "peak": peak_resident_bytes(),
+        }
+
     def stats(self) -> dict[str, Any]:
         """Bytes per tier (current and peak), I/O totals and timings, steps; see
         :func:`infinity.observability.reporting.store_stats` for each key."""
@@ -910,6 +955,7 @@ class TieredStore:
                 nvme_peak=self._nvme_peak,
                 rss_peak=self._rss_peak,
                 heap_reuse=bool(self._heap_watch and self._heap_watch.active),
+                rss_bound=self.rss_bound(),
             ),
         )
 
@@ -937,15 +983,27 @@ class TieredStore:
                 flat[start : start + numel].copy_(self.partition.gather_flat(host, numel))
         return out
 
-    def close(self, restore_params: bool = True) -> None:
-        """Waits for transfers, gives the parameters their values back as ordinary tensors on
-        the store's device (``restore_params``), removes hooks, swap files and buffers.
+    def close(self, restore_params: bool | str | Iterable[Any] | None = None) -> None:
+        """Waits for transfers, gives parameters their values back as ordinary tensors on the
+        store's device, removes hooks, swap files and buffers.
+
+        ``restore_params`` says which (None: the config's ``restore_params``, 'auto' by
+        default): True every parameter, False none, 'auto' every parameter when their bytes fit
+        in host_budget (without one, in half the memory available) and none otherwise, or
+        parameters, modules or parameter names: only those. Parameters not given back are left
+        on the meta device; with 'auto' declining, a warning says where their values are (the
+        last checkpoint, kept swap files, or nowhere). True with parameters larger than
+        host_budget is refused before anything is torn down (BudgetError): the store stays
+        usable, to save a checkpoint or close with another choice. The values are read back
+        while the staging arena's memory is handed back, so close's peak stays about the larger
+        of the two, not their sum.
 
         Everything is released even when I/O fails; the first failure (a parameter that could
         not be read back, kept swap files that could not be brought up to date) is raised
         afterwards."""
         if self._closed:
             return
+        selection = self._restore_selection(restore_params)
         if (
             self._checkpoints is not None
             and self._checkpoints.pending is not None
@@ -953,18 +1011,98 @@ class TieredStore:
         ):
             self._checkpoints.wait()  # a save under way needs the tiers until it is done
         try:
-            failure = self._teardown(restore_params)
+            failure = self._teardown(selection)
         finally:
             self._closed = True
         if failure is not None:
             raise failure
 
-    def _teardown(self, restore: bool) -> BaseException | None:
-        """Releases everything; returns the first I/O failure met on the way, if any."""
+    def _restore_selection(self, choice: bool | str | Iterable[Any] | None) -> set[int]:
+        """The indices of the entries ``close`` gives back (see ``close``)."""
+        if choice is None:
+            choice = self.config.restore_params
+        placement = self.placement
+        if placement is None:
+            return set()  # nothing was taken over (or attach failed before): nothing to give
+        entries = [e for e in self.registry.entries if e.index not in placement.uninitialised]
+        if isinstance(choice, bool) or choice == "auto":
+            nbytes = sum(e.numel * (e.given_dtype or e.dtype).itemsize for e in entries)
+            room, where = self._restore_room()
+            fits = nbytes <= room
+            if self.partition is not None and not self.partition.failed:
+                fits = bool(self.partition.min_across(int(fits)))  # every rank alike
+            if choice is True and not fits and self.config.host_budget is not None:
+                raise BudgetError(
+                    f"close(restore_params=True) would hand back {nbytes} bytes of parameters, "
+                    f"more than {where} ({room} bytes): close(restore_params=False) leaves them "
+                    f"on the meta device (save a checkpoint first to keep their values), or "
+                    f"pass the parameters or modules to hand back"
+                )
+            if choice is False or not fits:
+                if choice == "auto" and entries:
+                    self._declined_restore = (nbytes, room, where)
+                return set()
+            return {e.index for e in entries}
+        if isinstance(choice, (str, nn.Module, torch.Tensor)):
+            choice = [choice]
+        if not isinstance(choice, Iterable):
+            raise ConfigError(
+                f"restore_params={choice!r} is invalid: expected True, False, 'auto', or "
+                f"parameters, modules or parameter names of the attached model"
+            )
+        assert self.model is not None
+        names = dict(self.model.named_parameters(remove_duplicate=False))
+        chosen: set[int] = set()
+        for item in choice:
+            params: list[torch.Tensor]
+            if isinstance(item, str):
+                param = names.get(item)
+                if param is None:
+                    close = difflib.get_close_matches(item, list(names), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ConfigError(
+                        f"restore_params: {item!r} is not a parameter of the attached model{hint}"
+                    )
+                params = [param]
+            elif isinstance(item, nn.Module):
+                params = list(item.parameters())
+            elif isinstance(item, torch.Tensor):
+                params = [item]
+            else:
+                raise ConfigError(
+                    f"restore_params: {item!r} is not a parameter, a module or a parameter name"
+                )
+            for tensor in params:
+                entry = self.registry.entry_of(tensor)
+                if entry is None:
+                    raise ConfigError(
+                        f"restore_params: a parameter of shape {tuple(tensor.shape)} is not "
+                        f"attached to this store"
+                    )
+                if entry.index not in placement.uninitialised:
+                    chosen.add(entry.index)
+        return chosen
+
+    def _restore_room(self) -> tuple[int, str]:
+        """The bytes of parameters 'auto' hands back at close, and what bounds them."""
+        plan = self.memory_plan
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return free + (plan.device if plan is not None else 0), "the device's free memory"
+        if self.config.host_budget is not None:
+            return self.config.host_budget, "host_budget"
+        tiers = (plan.arena + plan.device) if plan is not None else 0
+        return psutil.virtual_memory().available // 2 + tiers, "half the memory available"
+
+    def _teardown(self, restore: bool | set[int]) -> BaseException | None:
+        """Releases everything; returns the first I/O failure met on the way, if any.
+        ``restore``: the indices of the entries to give back (True: all)."""
         placement = self.placement
         failure: BaseException | None = None
         if self.partition is not None and self.partition.failed:
             restore = False  # gathering the values would wait for ranks that are gone
+        if restore is True:
+            restore = {e.index for e in self.registry.entries}
         try:
             if placement is not None:
                 if self.config.keep_swap_files:
@@ -978,18 +1116,11 @@ class TieredStore:
                 placement.lending.return_lent()  # before the parameters get their values back
                 if self.access is not None:
                     self.access.remove()  # the parameters are plain again
-                if restore:
-                    for entry in self.registry.entries:
-                        if entry.index in placement.uninitialised:
-                            self._back_to_meta(entry)
-                        elif entry.shards and entry.shards[0].state is not R.EMPTY:
-                            try:
-                                entry.param.data = self.materialize(entry).to(
-                                    self.device, entry.given_dtype or entry.dtype
-                                )
-                            except Exception as exc:
-                                log.error("close: %s could not be restored: %s", entry.name, exc)
-                                failure = failure or exc
+                if self.activation_meter is not None:
+                    self.activation_meter.remove()
+                if self._heap_watch is not None:
+                    self._heap_watch.stop()  # before the parameters' memory is allocated
+                failure = self._restore(restore or set()) or failure
         finally:
             if self.activations is not None:
                 self.activations.close()  # before the engine its transfers use
@@ -1009,6 +1140,7 @@ class TieredStore:
             if placement is not None:
                 placement.lending.return_lent()  # they would view the host memory closed next
                 placement.device.close()
+                self._forget_host_memory()
             if self._host_tier is not None:
                 self._host_tier.close()
             if self._temp_dir is not None:
@@ -1020,18 +1152,117 @@ class TieredStore:
             lifecycle.unregister(self)  # its files are gone; releases the model
         return failure
 
-    def _back_to_meta(self, entry: ParamEntry) -> None:
-        """A parameter that never got values goes back to the meta device at close, as it came:
-        honest about having none, and no empty storage left behind."""
-        meta = nn.Parameter(
-            torch.empty(entry.shape, dtype=entry.dtype, device="meta"),
-            requires_grad=entry.param.requires_grad,
+    def _restore(self, chosen: set[int]) -> BaseException | None:
+        """Gives the ``chosen`` entries their values back and leaves the other initialised
+        ones on the meta device. The device tier goes first (its copies are never newer than
+        the masters), then what will not be read again (optimizer state, gradients, the masters
+        not given back: kept swap files were flushed already); each entry's slots are freed once
+        it has its values, and the arena's free slots hand their pages back as they go."""
+        placement = self.placement
+        assert placement is not None
+        failure: BaseException | None = None
+        for entry in list(placement.copies.on_device):
+            entry.holds = 0  # the passes that held it are over
+            placement.drop_device(entry, force=True)
+        placement.device.close()
+        entries = self.registry.entries
+        adopted = [e for e in entries if e.device_tensor is not None]
+        restoring = [
+            e
+            for e in adopted
+            if e.index in chosen
+            and e.index not in placement.uninitialised
+            and e.shards
+            and e.shards[0].state is not R.EMPTY
+        ]
+        keep = {e.index for e in restoring}
+        for shard in self.registry.shards.values():
+            for companion in shard.companions.values():
+                placement.discard(companion)
+            if shard.entry.index not in keep:
+                placement.discard(shard)
+        placement.host.release_free_pages()
+        if self.partition is None:
+            # Those already in the arena first: their slots free the room the others' reads
+            # need. (Across ranks each read is a collective: the same order everywhere.)
+            restoring.sort(key=lambda e: not all(s.state.on_host for s in e.shards))
+        restored: set[int] = set()
+        for entry in restoring:
+            try:
+                entry.param.data = self.materialize(entry).to(
+                    self.device, entry.given_dtype or entry.dtype
+                )
+                restored.add(entry.index)
+            except Exception as exc:
+                log.error("close: %s could not be restored: %s", entry.name, exc)
+                failure = failure or exc
+            for shard in entry.shards:
+                placement.discard(shard)
+        self._leave_on_meta([e for e in adopted if e.index not in restored])
+        declined = self._declined_restore
+        if declined is not None:
+            nbytes, room, where = declined
+            log.warning(
+                "close: the parameters (%d bytes) are more than %s (%d bytes) leaves to hand "
+                "them back, so restore_params='auto' left them on the meta device. Their "
+                "values are %s",
+                nbytes,
+                where,
+                room,
+                self._where_values_are(),
+            )
+        return failure
+
+    def _where_values_are(self) -> str:
+        """For close's warning: where the values not given back can be found."""
+        if self._last_checkpoint is not None:
+            path, steps = self._last_checkpoint
+            later = self.steps - steps
+            return (
+                f"in the checkpoint {path}, saved after step {steps}"
+                + (f" ({later} later step(s) are not in it)" if later else "")
+                + ": attach a new store and load_checkpoint() it"
+            )
+        if self.config.keep_swap_files:
+            return "in the kept swap files (keep_swap_files)"
+        return (
+            "discarded: call store.save_checkpoint(path) before close(), or pass "
+            "close(restore_params=...) the parameters or modules to hand back"
         )
-        assert self.model is not None  # closing an attached store
+
+    def _forget_host_memory(self) -> None:
+        """Drops every view of the staging arena the store made (host copies, optimizer state
+        bound to it), so that closing the host tier unmaps it now rather than when the store
+        object goes."""
+        host = self._host_tier
+        for shard in self.registry.shards.values():
+            for part in [shard, *shard.companions.values()]:
+                part.host = None
+                part.arena_offset = None
+                part.grad = None
+        optimizer = self.optimizer
+        if optimizer is not None and host is not None:
+            for state in optimizer.inner.state.values():
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor) and host.holds_address(value.data_ptr()):
+                        state[key] = torch.empty(0, dtype=value.dtype)
+
+    def _leave_on_meta(self, entries: list[ParamEntry]) -> None:
+        """Parameters not given back at close (never initialised, or not chosen) go to the meta
+        device: honest about having no values, and no empty storage left behind."""
+        if not entries or self.model is None:
+            return
+        meta = {
+            id(e.param): nn.Parameter(
+                torch.empty(e.shape, dtype=e.given_dtype or e.dtype, device="meta"),
+                requires_grad=e.param.requires_grad,
+            )
+            for e in entries
+        }
         for module in self.model.modules():
             for name, param in module._parameters.items():
-                if param is entry.param:
-                    module._parameters[name] = meta
+                if param is not None and id(param) in meta:
+                    module._parameters[name] = meta[id(param)]
 
     def __enter__(self) -> TieredStore:
         return self

@@ -23,7 +23,7 @@ from torch.types import Storage
 
 from infinity.core.arena import SlotArena
 from infinity.errors import BudgetError
-from swap import BufferPool, HostBuffer, advise_huge_pages, align_up
+from swap import ALIGNMENT, BufferPool, HostBuffer, advise_huge_pages, align_up, release_pages
 from swap.files import RangeAllocator
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,13 @@ class TierUsage:
 class DeviceTier:
     """Working copies on ``device`` under ``budget`` bytes."""
 
-    def __init__(self, device: torch.device, budget: int) -> None:
+    def __init__(self, device: torch.device, budget: int, copies: int = 0) -> None:
+        """``copies``: how many working copies there may be (the parameters), each of which
+        takes a 4096-aligned range of the slab: its alignment is room beside the budget's bytes,
+        so that a budget of every parameter's bytes holds every copy."""
         self.device = device
         self.budget = budget
+        self.slab_bytes = align_up(max(budget, 1)) + ALIGNMENT * copies
         self.usage = TierUsage()
         self.cuda = device.type == "cuda"
         #: whether working copies are host memory (a CPU device): a gradient computed there
@@ -94,6 +98,26 @@ class DeviceTier:
 
     def fits(self, nbytes: int) -> bool:
         return self.usage.current + nbytes <= self.budget
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` fits the budget and, on a CPU device, one free range of
+        the slab: with the bytes free but scattered it would take fresh memory beyond the
+        slab (a miss), which the budget then no longer bounds."""
+        if not self.fits(nbytes):
+            return False
+        if self._slab_ranges is None or not self.uses_slab:
+            return True
+        return self._slab_ranges.largest_free >= align_up(nbytes)
+
+    @property
+    def uses_slab(self) -> bool:
+        """Whether working copies are ranges of the slab (a CPU device)."""
+        return self.device.type == "cpu" and _CAN_SWAP_STORAGE
+
+    def holds_address(self, address: int) -> bool:
+        """Whether ``address`` lies in the slab (a CPU device's working copies)."""
+        slab = self._slab
+        return slab is not None and slab.address <= address < slab.address + slab.nbytes
 
     def fill(self, tensor: torch.Tensor) -> None:
         """Gives ``tensor``'s (empty) storage its bytes, within the budget. On a CPU device the
@@ -121,7 +145,7 @@ class DeviceTier:
         if self._slab is None:
             self._slab_pool = BufferPool(
                 1,
-                align_up(max(self.budget, 1)),
+                self.slab_bytes,
                 pin_memory=False,
                 name="device slab",
                 prefault=False,
@@ -132,7 +156,7 @@ class DeviceTier:
         return self._slab_ranges.take(align_up(nbytes))
 
     def _fill_from_slab(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
-        if self.device.type != "cpu" or not _CAN_SWAP_STORAGE or not nbytes:
+        if not self.uses_slab or not nbytes:
             return False
         offset = self._slab_range(nbytes)
         if offset is None:
@@ -252,6 +276,8 @@ class HostTier:
         self.arena: HostBuffer | None = None
         self._ranges: SlotArena | None = None
         self.arena_bytes = 0
+        #: slots that become free hand their pages back (release_free_pages: at close)
+        self.releasing = False
         if arena_bytes:
             slot = min(align_up(slot_size or arena_bytes), align_up(arena_bytes))
             self._ranges = SlotArena(slot, max(1, arena_bytes // slot))
@@ -313,12 +339,38 @@ class HostTier:
         size = align_up(max(nbytes, 1))
         with self.lock:
             assert self._ranges is not None
-            self._ranges.give(offset, size)
+            freed = self._ranges.give(offset, size)
             self.usage.sub(size)
+            if freed is not None and self.releasing and isinstance(self.arena, HostBuffer):
+                release_pages(self.arena.address + freed, self._ranges.slot_size)
 
     def arena_view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         assert self.arena is not None
         return self.arena.view(dtype, numel, offset)
+
+    def holds_address(self, address: int) -> bool:
+        """Whether ``address`` lies in the arena."""
+        arena = self.arena
+        return (
+            isinstance(arena, HostBuffer)
+            and arena.address <= address < arena.address + arena.nbytes
+        )
+
+    def release_free_pages(self) -> int:
+        """Hands the pages of every free slot back to the system, and from now on those of each
+        slot as it becomes free (they are faulted again by their next use), so that the arena's
+        RSS is what it holds: for close, which gives the parameters back while the arena
+        empties. Not for page-locked memory. Returns the bytes released now."""
+        arena = self.arena
+        if self.pin or self._ranges is None or not isinstance(arena, HostBuffer):
+            return 0
+        released = 0
+        with self.lock:
+            self.releasing = True
+            for offset in self._ranges.free_slot_offsets():
+                if release_pages(arena.address + offset, self._ranges.slot_size):
+                    released += self._ranges.slot_size
+        return released
 
     # -- standalone host tensors (CPU-offloaded shards) ---------------------------------------
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

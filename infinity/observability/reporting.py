@@ -24,6 +24,9 @@ class MemoryFigures:
     rss_peak: int
     #: freed heap blocks are reused (a host budget left room for it; infinity.core.memory)
     heap_reuse: bool
+    #: the bound on the process's peak RSS and its terms (TieredStore.rss_bound; None before
+    #: attach)
+    rss_bound: dict[str, int] | None = None
 
 
 def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
@@ -72,6 +75,8 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         "steps": store.stepping.steps,
         # where optimizer updates run now (step_in_backward; 'auto' settles after one step)
         "update_mode": store.update_timing.mode.value if store.update_timing else None,
+        # why updates run in optimizer.step(), each with the way to lift it ([] in backward)
+        "update_mode_reasons": list(store.update_timing.reasons) if store.update_timing else [],
         "prefetched_loads": placement.prefetched_loads if placement else 0,
         "demand_loads": placement.demand_loads if placement else 0,
         "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,
@@ -82,6 +87,9 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         "grad_bytes": placement.gradients.grad_bytes if placement else 0,
         "pinned_bytes": placement.host.pinned_bytes if placement else 0,
         "rss_peak_bytes": memory.rss_peak,
+        # the bound on the process's peak RSS and its terms, beside that peak (None before
+        # attach; infinity.core.budgets)
+        "rss_bound": memory.rss_bound,
         # freed heap blocks reused (a host budget left room for it; infinity.core.memory)
         "heap_reuse": memory.heap_reuse,
         # torch's large CPU blocks fault 2 MiB pages (THP_MEM_ALLOC_ENABLE; infinity.core.memory)

@@ -46,7 +46,8 @@ from infinity.core.shards import ParamEntry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace
 from infinity.errors import BudgetError, InfinityError
-from swap import EngineStats
+from swap import EngineStats, align_up
+from swap.files import RangeAllocator
 
 if TYPE_CHECKING:
     from infinity.core.attached import AttachedStore
@@ -289,11 +290,46 @@ class _Engine:
 class _DeviceTier(DeviceTier):
     """The device tier on the meta device; a copy takes simulated time."""
 
-    def __init__(self, budget: int, clock: _Clock, copy_gbps: float, host_memory: bool) -> None:
-        super().__init__(torch.device("meta"), budget)
+    def __init__(
+        self, budget: int, clock: _Clock, copy_gbps: float, host_memory: bool, copies: int
+    ) -> None:
+        super().__init__(torch.device("meta"), budget, copies)
         self.clock = clock
         self.copy_gbps = copy_gbps
         self.host_memory = host_memory  # a CPU device: gradients are host tensors already
+        #: storage -> its slab range (a CPU device's copies)
+        self._simulated: dict[int, int] = {}
+
+    # A CPU device's copies are ranges of a slab (DeviceTier.fill): the same ranges here,
+    # holding no bytes, so that eviction makes room where the real tier would.
+    @property
+    def uses_slab(self) -> bool:
+        return self.host_memory
+
+    def _slab_range(self, nbytes: int) -> int | None:
+        if self._slab_ranges is None:
+            self._slab_ranges = RangeAllocator(self.slab_bytes)
+        return self._slab_ranges.take(align_up(nbytes))
+
+    def _fill_from_slab(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        if not self.uses_slab or not nbytes:
+            return False
+        offset = self._slab_range(nbytes)
+        if offset is None:
+            self.slab_misses += 1
+            return False
+        storage.resize_(nbytes)  # meta: no memory
+        self._simulated[storage._cdata] = offset
+        return True
+
+    def empty(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        offset = self._simulated.pop(storage._cdata, None)
+        if offset is not None:
+            assert self._slab_ranges is not None
+            self._slab_ranges.give(offset, align_up(storage.nbytes()))
+        storage.resize_(0)
+        self.usage.sub(tensor.numel() * tensor.element_size())
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
@@ -467,6 +503,7 @@ def simulate(
     clock = _Clock()
     copy_gbps = device.link_gbps or recording.copy_gbps
     host_memory = device.link_gbps is None  # a CPU device: the device tier is host memory
+    simulated_cpu = cpu_memory and host_memory
     engine = _Engine(clock, disk)
 
     class Simulated(TieredStore):
@@ -478,16 +515,23 @@ def simulate(
             return engine
 
         def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
+            plan = self.memory_plan
+            assert plan is not None
             return (
-                _DeviceTier(self.budgets["device"], clock, copy_gbps, host_memory=host_memory),
-                HostTier(
-                    self.budgets["host"],
-                    self.budgets["arena"],
-                    False,
-                    slot_size=self.config.buffer_size,
-                    meta=True,
+                _DeviceTier(
+                    plan.device,
+                    clock,
+                    copy_gbps,
+                    host_memory=host_memory,
+                    copies=len(self.registry.entries),
                 ),
+                HostTier(plan.host_tier, plan.arena, False, slot_size=plan.slot, meta=True),
             )
+
+        def _device_kind(self) -> str:
+            # The budgets the simulated device would get: a CPU device's derive from host
+            # memory; a GPU profile's are every parameter unless device_budget says.
+            return "cpu" if simulated_cpu else "other"
 
     sim = Simulated(config)
     optimizer = None

@@ -771,9 +771,11 @@ def offload_for_store(
     room = None
     if config.host_budget is not None:
         room = config.host_budget
-        if placement is not None:  # what the arena and host-held parameters leave
+        plan = store.memory_plan
+        if placement is not None and plan is not None:
+            # what the arena, host-held parameters and a CPU device leave
             held = 0 if store.master_tier == "nvme" else store.budgets["params"]
-            room = store.budgets["host"] - store.budgets["arena"] - held
+            room = plan.host_tier - store.budgets["arena"] - held
         if room <= 0:
             raise BudgetError(
                 f"offload_activations='{config.offload_activations}' needs host memory, "
@@ -801,7 +803,7 @@ def offload_for_store(
         prefetch_bytes=config.prefetch_bytes,
         param_storages=params,
         device_bytes=device_bytes,
-        staging_bytes=min(16 << 20, max(1 << 20, config.buffer_size)),
+        staging_bytes=min(16 << 20, max(1 << 20, config.swap_buffer_size())),
     )
     offload.install(model)
     return offload

@@ -98,12 +98,20 @@ class UpdateTiming:
     """
 
     def __init__(
-        self, setting: bool | str, reasons_against: list[str], placement: Placement
+        self,
+        setting: bool | str,
+        reasons_against: list[str],
+        placement: Placement,
+        warn: bool = False,
     ) -> None:
         """``reasons_against``: why the config keeps 'auto' from updating in backward (empty:
-        it may)."""
+        it may), each with the way to lift it; ``warn``: one of them is a sizing the user may
+        not know costs every step's gradients a write and a read (logged as a warning)."""
         self.auto = setting == "auto"
         self.placement = placement
+        #: why updates run in optimizer.step() now, each with the way to lift it (empty in
+        #: backward, or while the first step is watched); stats()['update_mode_reasons']
+        self.reasons: list[str] = []
         if setting is True:
             mode = UpdateMode.IN_BACKWARD
         elif self.auto and not reasons_against:
@@ -111,10 +119,14 @@ class UpdateTiming:
         else:
             mode = UpdateMode.IN_STEP
             if self.auto:
-                log.info(
+                self.reasons = list(reasons_against)
+                log.log(
+                    logging.WARNING if warn else logging.INFO,
                     "step_in_backward='auto': updates run in optimizer.step() (%s)",
                     "; ".join(reasons_against),
                 )
+            else:
+                self.reasons = ["step_in_backward=False: set it to 'auto' or True"]
         self._set(mode)
         self._backwards_at_step = 0
         #: the window is open (a gradient arrived since the last step): its hyper-parameters
@@ -146,6 +158,7 @@ class UpdateTiming:
             what,
             cost,
         )
+        self.reasons = [f"{what} after updates had moved into backward"]
         self._set(UpdateMode.IN_STEP)
 
     # -- what the loop does ---------------------------------------------------------------------
@@ -160,6 +173,10 @@ class UpdateTiming:
                 "gradients across optimizer.step() (no zero_grad before this backward), "
                 "which plain PyTorch adds to the next ones"
             )
+            self.reasons = [
+                "the loop keeps gradients across optimizer.step() (no zero_grad() before the "
+                "next backward): clear them after each step"
+            ]
             self._set(UpdateMode.IN_STEP)
             self._confirming = False
             return
@@ -209,6 +226,7 @@ class UpdateTiming:
             name,
             why,
         )
+        self.reasons = [f"the update of {name} in backward found no room ({why})"]
         self._set(UpdateMode.IN_STEP)
 
     def second_backward_message(self, name: str) -> str:
@@ -230,6 +248,10 @@ class UpdateTiming:
 
     def refused_second_backward(self) -> None:
         if self.auto:
+            self.reasons = [
+                "a second backward before optimizer.step() (gradient accumulation, a second "
+                "loss): set step_in_backward=False for this loop"
+            ]
             self._set(UpdateMode.IN_STEP)
 
     # -- the step -------------------------------------------------------------------------------
@@ -251,6 +273,10 @@ class UpdateTiming:
                     "the first step's backward and optimizer.step() the loop did: %s",
                     "; ".join(against),
                 )
+                self.reasons = [
+                    f"between the first step's backward and optimizer.step() the loop did: {act}"
+                    for act in against
+                ]
                 self._next = UpdateMode.IN_STEP
             else:
                 log.info(
