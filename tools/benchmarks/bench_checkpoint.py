@@ -33,8 +33,32 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.config import parse_size
 from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
-from tools.benchmarks.bench_scale import add_scale_arguments
+
+
+def add_scale_arguments(parser: argparse.ArgumentParser, steps_help: str = "") -> None:
+    """The scale model (an MLP of ``--params`` in ``Linear(--width)`` layers) and its budgets."""
+    parser.add_argument(
+        "--params",
+        type=lambda v: int(float(v.rstrip("Mm")) * 1e6),
+        default=500_000_000,
+        help="parameter count, e.g. 500M",
+    )
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help=steps_help or None)
+    parser.add_argument(
+        "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=2 << 30
+    )
+    parser.add_argument(
+        "--device-budget", type=lambda v: parse_size(v, name="--device-budget"), default=256 << 20
+    )
+    parser.add_argument(
+        "--buffer-size", type=lambda v: parse_size(v, name="--buffer-size"), default=64 << 20
+    )
+    parser.add_argument("--nvme-path", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
 
 
 class RssWatch:

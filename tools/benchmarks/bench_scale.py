@@ -1,195 +1,270 @@
-"""Scale benchmark: a model whose fp32 training state is several times the host budget.
+"""Scale benchmark: a GPT whose fp32 training state is several times the host budget and the
+machine's memory, trained with the plain loop.
 
-Builds an MLP on the meta device (so the model never exists in host memory whole), attaches it
-with parameters, gradients and Adam state on NVMe under a host budget, trains a few steps, and
-prints the training state's size, the budgets and the process's peak RSS against
-host budget + device budget (the device tier is host memory on a machine without a GPU) + a
-fixed overhead: the Python process with torch loaded and initialised, measured before the model
-is built, plus two of the largest parameter's size for the transient buffers autograd makes in
-backward (a weight's gradient and the input gradient being computed next to it) before the store
-moves them away. Neither term grows with the number of layers.
+Builds the GPT on the meta device (so the model never exists in host memory whole; default
+width 2560, 32 layers, vocab 8192: 2.56 B parameters counting the tied head twice, 38 GiB of
+fp32 training state with AdamW), attaches it with parameters and optimizer state on NVMe under a
+host budget (default 4 GiB) and nothing else set, and trains ``--steps`` steps of
+``loss.backward(); optimizer.step(); optimizer.zero_grad()`` at batch 1 x 128.
 
-Each step prints its seconds per phase, the bytes it read and wrote and the share of each phase the
-disk was busy; at the end, the step against its floor as ``tools.benchmarks.bench_budget`` computes
-it (max(compute + device copies, the step's bytes at the disk's combined read+write GB/s), the
-compute timed on one layer in memory and multiplied by the layers).
+Before anything it checks the swap directory's free space and refuses when the state does not
+fit. Each step prints its seconds, the bytes it read and wrote, its I/O floor (those bytes at the
+swap engine's combined read+write GB/s, measured on the same directory in the same run, after
+the training), the process's peak RSS in the step (VmHWM, reset per phase) against the host
+budget and the store's bound (``stats()['rss_bound']``), and where updates ran. Then the peak per
+phase: attach, each step, an optional checkpoint save (``--save``: the checkpoint needs 12 bytes
+per parameter more on the disk), and close.
 
-    python -m tools.benchmarks.bench_scale [--params 500M --host-budget 2GiB --steps 3]
+    python -m tools.benchmarks.bench_scale [--width 2560 --layers 32 --host-budget 4GiB
+        --steps 4 --nvme-path DIR --save --json out.json]
+    python -m tools.benchmarks.bench_scale --width 768 --layers 12 --host-budget 512MiB  # 0.1 B
 
-Run it in the background: the default moves tens of GB through the disk.
+Run it in the background: the default moves about 80 GB through the disk per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import psutil
 import torch
-from torch import nn
 
 import infinity
 from infinity.config import parse_size
-from infinity.core.memory import huge_page_allocations, peak_resident_bytes
-from tools.benchmarks.bench_budget import PHASES, instrumented_steps, summarise
-from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
+from infinity.core.memory import huge_page_allocations, peak_resident_bytes, warm_runtime
+from tools.benchmarks.bench_overlap import engine_bandwidth
+from tools.common.tiny_gpt import GPTConfig, TinyGPT
+
+GIB = 1 << 30
+#: bytes per parameter on the swap directory: fp32 masters, gradients and two Adam moments
+STATE_BYTES_PER_PARAM = 16
+#: a checkpoint's bytes per parameter: masters and two moments
+CHECKPOINT_BYTES_PER_PARAM = 12
+#: what the engine's bandwidth pass writes next to the state
+BANDWIDTH_PASS_BYTES = 2 << 30
 
 
-def peak_rss() -> int:
-    return peak_resident_bytes()
+def reset_peak() -> None:
+    """VmHWM starts again from the RSS now (per-phase peaks); a no-op where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
-def layer_compute_seconds(width: int, batch: int, repeats: int = 5) -> float:
-    """Seconds of one Linear(width) layer's forward, backward and AdamW update in memory
-    (the median of ``repeats``): the floor's compute is this times the layers."""
-    layer = nn.Linear(width, width)
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-5)
-    x = torch.randn(batch, width)
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        layer(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - started)
-    del layer, optimizer
-    return sorted(times[1:])[repeats // 2]
+def needed_disk(params: int, save: bool) -> int:
+    per_param = STATE_BYTES_PER_PARAM + (CHECKPOINT_BYTES_PER_PARAM if save else 0)
+    return int(params * per_param * 1.02) + BANDWIDTH_PASS_BYTES
 
 
-def add_scale_arguments(parser: argparse.ArgumentParser, steps_help: str = "") -> None:
-    """The scale model and its budgets (shared with the checkpoint benchmark)."""
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=2560)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument(
-        "--params",
-        type=lambda v: int(float(v.rstrip("Mm")) * 1e6),
-        default=500_000_000,
-        help="parameter count, e.g. 500M",
-    )
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3, help=steps_help or None)
-    parser.add_argument(
-        "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=2 << 30
-    )
-    parser.add_argument(
-        "--device-budget", type=lambda v: parse_size(v, name="--device-budget"), default=256 << 20
-    )
-    parser.add_argument(
-        "--buffer-size", type=lambda v: parse_size(v, name="--buffer-size"), default=64 << 20
+        "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=4 * GIB
     )
     parser.add_argument("--nvme-path", type=Path, default=None)
+    parser.add_argument(
+        "--save", action="store_true", help="save a checkpoint after the steps (needs the disk)"
+    )
     parser.add_argument("--json", type=Path, default=None)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_scale_arguments(parser)
-    args = parser.parse_args(argv)
-    root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-scale-"))
-    # As a process started with THP_MEM_ALLOC_ENABLE=1 (docs/tuning.md): the warm-up below
-    # makes CPU tensors, after which torch no longer reads the setting.
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="  %(name)s: %(message)s")
+    # As a process started with THP_MEM_ALLOC_ENABLE=1 (docs/tuning.md), before any CPU tensor.
     huge_page_allocations()
-    # Python + torch with its runtime initialised (thread pools, kernels), before any model
-    # exists: what every training process pays whatever its model.
-    warm = nn.Linear(64, 64)
-    warm(torch.randn(4, 64)).sum().backward()
-    torch.optim.AdamW(warm.parameters()).step()  # the optimizer machinery loads on first use
-    del warm
-    overhead = psutil.Process().memory_info().rss
-    layers = max(1, round(args.params / (args.width * args.width + args.width)))
+    gpt = GPTConfig(
+        vocab_size=args.vocab,
+        context=args.context,
+        layers=args.layers,
+        width=args.width,
+        heads=max(1, args.width // 128),
+    )
     with torch.device("meta"):  # materialised by attach, one module at a time
-        model = mlp(layers, args.width)
+        model = TinyGPT(gpt)
     params = sum(p.numel() for p in model.parameters())
-    state = params * 16  # fp32 params + grads + two Adam moments
+    parent = args.nvme_path or Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    needed = needed_disk(params, args.save)
+    if free < needed:
+        print(
+            f"refused: the {params / 1e9:.2f} B-param model needs {needed / 1e9:.1f} GB free on "
+            f"{parent} (training state {STATE_BYTES_PER_PARAM} B/param"
+            f"{', a checkpoint 12 B/param' if args.save else ''}, and the bandwidth pass), "
+            f"which has {free / 1e9:.1f} GB: free space, pass --nvme-path on a larger drive, "
+            f"or fewer --layers"
+        )
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="infinity-bench-scale-", dir=parent))
+    try:
+        result = run(args, model, params, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Path) -> dict:
+    warm_runtime()  # what any training process pays, before the store measures the process
+    swap = root / "swap"
+    swap.mkdir()
+    budget = args.host_budget
     print(
-        f"model: {layers} x Linear({args.width}) = {params / 1e6:.0f} M params; fp32 training "
-        f"state {state / 2**30:.2f} GiB = {state / args.host_budget:.1f}x the host budget "
-        f"of {args.host_budget / 2**30:.2f} GiB"
+        f"model: GPT width {args.width}, {args.layers} layers, vocab {args.vocab}: "
+        f"{params / 1e9:.3f} B params ({(params + args.vocab * args.width) / 1e9:.2f} B "
+        f"counting the tied head twice); fp32 training state with AdamW "
+        f"{params * STATE_BYTES_PER_PARAM / GIB:.1f} GiB = "
+        f"{params * STATE_BYTES_PER_PARAM / budget:.1f}x the host budget of "
+        f"{budget / GIB:.2f} GiB; batch {args.batch} x {args.context}",
+        flush=True,
     )
     config = infinity.OffloadConfig(
-        offload_param="nvme",
-        offload_optimizer="nvme",
-        nvme_path=(root,),
-        buffer_size=args.buffer_size,
-        buffer_count=max(4, args.host_budget // args.buffer_size),
-        host_budget=args.host_budget,
-        device_budget=args.device_budget,
+        offload_param="nvme", offload_optimizer="nvme", nvme_path=(swap,), host_budget=budget
     )
+    peaks: dict[str, int] = {}
+    reset_peak()
     store = infinity.TieredStore(config)
     started = time.perf_counter()
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    assert optimizer is not None
     attach_s = time.perf_counter() - started
-    print(f"attached in {attach_s:.1f} s; peak RSS so far {peak_rss() / 2**30:.2f} GiB")
-    measured = []
+    peaks["attach"] = peak_resident_bytes()
+    stats = store.stats()
+    budgets = stats["budgets"]
+    print(
+        f"attached in {attach_s:.1f} s: device tier {budgets['device'] / GIB:.2f} GiB "
+        f"({'part of the host budget' if budgets['device_in_host'] else 'outside it'}), arena "
+        f"{budgets['arena'] / GIB:.2f} GiB in buffers of {budgets['slot'] >> 20} MiB, transient "
+        f"reserve {budgets['transient_reserved'] / GIB:.2f} GiB; peak RSS "
+        f"{peaks['attach'] / GIB:.2f} GiB",
+        flush=True,
+    )
+    generator = torch.Generator().manual_seed(0)
+    steps: list[dict[str, Any]] = []
+    print(f"{'step':>4} {'s':>7} {'read GB':>8} {'written GB':>10} {'peak RSS GiB':>12}  update")
     for step in range(args.steps):
-        measured += instrumented_steps(
-            model, optimizer, store, 1, args.batch, args.width, seed=step
-        )
-        last = measured[-1]
-        phases = "/".join(f"{last['phase_s'][p]:.1f}" for p in PHASES)
-        busy = "/".join(f"{last['busy_s'][p] / max(last['phase_s'][p], 1e-9):.0%}" for p in PHASES)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator)
+        before = store.stats()
+        reset_peak()
+        started = time.perf_counter()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds = time.perf_counter() - started
+        peak = peak_resident_bytes()
+        after = store.stats()
+        record = {
+            "step_s": seconds,
+            "bytes_read": after["bytes_read"] - before["bytes_read"],
+            "bytes_written": after["bytes_written"] - before["bytes_written"],
+            "peak_rss": peak,
+            "update_mode": after["update_mode"],
+            "update_mode_reasons": after["update_mode_reasons"],
+            "loss": loss.item(),
+            "slab_misses": after["device_slab_misses"],
+        }
+        steps.append(record)
+        peaks[f"step {step}"] = peak
         print(
-            f"step {step + 1}: {last['step_s']:.1f} s ({phases} forward/backward/step), read "
-            f"{last['bytes_read'] / 1e9:.2f} GB, written {last['bytes_written'] / 1e9:.2f} GB, "
-            f"disk busy {busy}, peak RSS {peak_rss() / 2**30:.2f} GiB",
+            f"{step:>4} {seconds:>7.1f} {record['bytes_read'] / 1e9:>8.2f} "
+            f"{record['bytes_written'] / 1e9:>10.2f} {peak / GIB:>12.2f}  "
+            f"{record['update_mode']}"
+            + (
+                f" ({'; '.join(record['update_mode_reasons'])})"
+                if record["update_mode_reasons"]
+                else ""
+            ),
             flush=True,
         )
-    times = [m["step_s"] for m in measured]
-    stats = store.stats()
-    store.close(restore_params=False)
-    peak = peak_rss()  # before the disk measurement's own buffers
-    disk = engine_bandwidth(root, 1 << 30, config, combined=True)
-    compute_s = layers * layer_compute_seconds(args.width, args.batch)
-    steady = measured[1:] or measured  # the first step creates the optimizer state
-    summary = summarise(steady, compute_s, disk["combined"])
+    save_s = None
+    if args.save:
+        reset_peak()
+        started = time.perf_counter()
+        store.save_checkpoint(root / "checkpoint")
+        save_s = time.perf_counter() - started
+        peaks["save"] = peak_resident_bytes()
+        shutil.rmtree(root / "checkpoint", ignore_errors=True)
+    final = store.stats()
+    bound = final["rss_bound"]
+    reset_peak()
+    started = time.perf_counter()
+    store.close()  # restore_params='auto': a model larger than the budget stays on meta
+    close_s = time.perf_counter() - started
+    peaks["close"] = peak_resident_bytes()
+    disk = engine_bandwidth(swap, BANDWIDTH_PASS_BYTES // 2, config, combined=True)
+    combined = disk["combined"]
+    peak = max(peaks.values())
     print(
-        f"floor {summary['floor_s']:.2f} s ({summary['bound']}: compute {compute_s:.2f} "
-        f"(one layer timed in memory, x {layers}) + device copies {summary['copy_s']:.2f}, "
-        f"I/O {summary['io_s']:.2f} for {summary['bytes_read'] / 1e9:.2f} GB in + "
-        f"{summary['bytes_written'] / 1e9:.2f} GB out at {disk['combined'] / 1e9:.2f} GB/s "
-        f"combined); step {summary['step_s']:.2f} s (median of steps 2-{len(measured)}) = "
-        f"{summary['vs_floor']:.2f}x the floor"
+        f"\nswap engine on {swap.parent}: combined read+write {combined / 1e9:.2f} GB/s "
+        f"(write {disk['write'] / 1e9:.2f}, read {disk['read'] / 1e9:.2f})"
     )
-    transient = 2 * args.width * args.width * 4
-    limit = args.host_budget + args.device_budget + overhead + transient
-    result = {
+    print(
+        f"{'step':>4} {'s':>7} {'moved GB':>9} {'I/O floor s':>11} {'x floor':>7} "
+        f"{'peak RSS GiB':>12} {'vs budget':>9}  update"
+    )
+    for index, record in enumerate(steps):
+        moved = record["bytes_read"] + record["bytes_written"]
+        floor = moved / combined
+        record["io_floor_s"] = floor
+        record["vs_floor"] = record["step_s"] / floor if floor else None
+        print(
+            f"{index:>4} {record['step_s']:>7.1f} {moved / 1e9:>9.2f} {floor:>11.1f} "
+            f"{record['step_s'] / floor:>7.2f} {record['peak_rss'] / GIB:>12.2f} "
+            f"{record['peak_rss'] / budget:>8.2f}x  {record['update_mode']}"
+        )
+    print(
+        "peak RSS per phase (GiB): "
+        + ", ".join(f"{name} {value / GIB:.2f}" for name, value in peaks.items())
+        + (f"; save took {save_s:.1f} s" if save_s is not None else "")
+        + f"; close took {close_s:.1f} s"
+    )
+    print(
+        f"bound {bound['bound'] / GIB:.2f} GiB = process {bound['process'] / GIB:.2f} "
+        f"(interpreter, torch, the module objects, at attach) + host_budget "
+        f"{bound['host_budget'] / GIB:.2f} "
+        f"+ device outside it {bound['device_outside_host'] / GIB:.2f} + transients outside it "
+        f"{bound['transient_outside_host'] / GIB:.2f} + saved activations "
+        f"{bound['activations'] / GIB:.2f}: peak {peak / GIB:.2f} GiB, "
+        f"{'within' if peak <= bound['bound'] else 'OVER'}; slab misses "
+        f"{final['device_slab_misses']}"
+    )
+    steady = steps[1:] or steps
+    ratios = sorted(r["vs_floor"] for r in steady if r["vs_floor"])
+    median = ratios[len(ratios) // 2] if ratios else None
+    return {
         "params": params,
-        "training_state_bytes": state,
-        "host_budget": args.host_budget,
-        "device_budget": args.device_budget,
-        "fixed_overhead_rss": overhead,
-        "transient_bytes": transient,
-        "peak_rss": peak,
-        "limit": limit,
-        "within_limit": peak <= limit,
+        "width": args.width,
+        "layers": args.layers,
+        "host_budget": budget,
+        "budgets": budgets,
         "attach_s": attach_s,
-        "step_s": times,
-        "steps": measured,
-        "floor": summary,
-        "peak_bytes": stats["peak_bytes"],
-        "bytes_read": stats["bytes_read"],
-        "bytes_written": stats["bytes_written"],
+        "steps": steps,
+        "peaks": peaks,
+        "peak_rss": peak,
+        "rss_bound": bound,
+        "disk": disk,
+        "median_vs_floor": median,
+        "save_s": save_s,
+        "close_s": close_s,
     }
-    print(
-        f"peak RSS {peak / 2**30:.2f} GiB vs host budget {args.host_budget / 2**30:.2f} "
-        f"+ device budget {args.device_budget / 2**30:.2f} + fixed overhead "
-        f"{overhead / 2**30:.2f} (process) + {transient / 2**30:.2f} (backward buffers) = "
-        f"{limit / 2**30:.2f} GiB: "
-        f"{'within' if result['within_limit'] else 'OVER'}"
-    )
-    peaks = {tier: stats["peak_bytes"][tier] / 2**30 for tier in ("host", "device", "nvme")}
-    print(
-        f"host tier peak {peaks['host']:.2f} GiB, device tier peak {peaks['device']:.2f} GiB, "
-        f"NVMe {peaks['nvme']:.2f} GiB"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    if args.nvme_path is None:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":
