@@ -3,6 +3,7 @@
 With an explicit ``host_budget`` H the store promises that the process's peak RSS stays within
 
     bound = process + H + device outside H + transients outside H + saved activations
+            (+ with offload_optimizer='cpu', the optimizer state and gradients in host tensors)
 
 * **process**: the process without the store's bytes, measured at attach with torch's runtime
   initialised (interpreter, torch, the model's module objects, the loop's own data);

@@ -933,14 +933,23 @@ class TieredStore:
                 activations = self.activation_meter.peak_bytes
             elif self.activations is not None:
                 activations = self.activations.peak_device
+        # offload_optimizer='cpu': the optimizer state and the gradients are host tensors that
+        # host_budget does not cap (as they would be without the store)
+        outside = 0
+        optimizer, placement = self.optimizer, self.placement
+        if optimizer is not None and placement is not None and not optimizer.swap_state:
+            outside = host_tensor_bytes(optimizer.inner.state)
+            if not placement.gradients.grads_on_nvme:
+                outside += placement.gradients.grad_peak
         static = plan.static_bound(self._process_bytes)
         return {
             "process": self._process_bytes,
             "host_budget": plan.host,
             "device_outside_host": plan.device_outside_host,
             "transient_outside_host": plan.transient_outside,
+            "optimizer_outside_host": outside,
             "activations": activations,
-            "bound": static + activations,
+            "bound": static + outside + activations,
             "peak": peak_resident_bytes(),
         }
 
