@@ -10,16 +10,18 @@ host budget (default 4 GiB) and nothing else set, and trains ``--steps`` steps o
 Before anything it checks the swap directory's free space and refuses when the state does not
 fit. Each step prints its seconds, the bytes it read and wrote, its I/O floor (those bytes at the
 swap engine's combined read+write GB/s, measured on the same directory in the same run, after
-the training), the process's peak RSS in the step (VmHWM, reset per phase) against the host
-budget and the store's bound (``stats()['rss_bound']``), and where updates ran. Then the peak per
-phase: attach, each step, an optional checkpoint save (``--save``: the checkpoint needs 12 bytes
-per parameter more on the disk), and close.
+the training), the seconds the training thread waited for the disk (near 0 where the cores
+bind the step), the process's peak RSS in the step (VmHWM, reset per phase) against the host
+budget and the store's bound (``stats()['rss_bound']``), and where the step's updates ran. Then
+the peak per phase: attach, each step, an optional checkpoint save (``--save``: the checkpoint
+needs 12 bytes per parameter more on the disk), and close.
 
     python -m tools.benchmarks.bench_scale [--width 2560 --layers 32 --host-budget 4GiB
         --steps 4 --nvme-path DIR --save --json out.json]
     python -m tools.benchmarks.bench_scale --width 768 --layers 12 --host-budget 512MiB  # 0.1 B
 
-Run it in the background: the default moves about 80 GB through the disk per step.
+Run it in the background: the default moves about 70 GB through the disk per step and needs
+43 GB free (75 GB with ``--save``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ GIB = 1 << 30
 STATE_BYTES_PER_PARAM = 16
 #: a checkpoint's bytes per parameter: masters and two moments
 CHECKPOINT_BYTES_PER_PARAM = 12
+#: stats()["update_mode"] at a step's start, as where that step's updates ran
+UPDATE_MODE_NAMES = {"watching the first step": "in optimizer.step() (watched)"}
 #: what the engine's bandwidth pass writes next to the state
 BANDWIDTH_PASS_BYTES = 2 << 30
 
@@ -175,8 +179,12 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
             "step_s": seconds,
             "bytes_read": after["bytes_read"] - before["bytes_read"],
             "bytes_written": after["bytes_written"] - before["bytes_written"],
+            # the training thread waiting for the disk: near 0 when the cores bind the step
+            "stall_s": after["stall_seconds"] - before["stall_seconds"],
             "peak_rss": peak,
-            "update_mode": after["update_mode"],
+            # where this step's updates ran: the mode at its start ('auto' watches the first
+            # step with its updates in optimizer.step())
+            "update_mode": UPDATE_MODE_NAMES.get(before["update_mode"], before["update_mode"]),
             "update_mode_reasons": after["update_mode_reasons"],
             "loss": loss.item(),
             "slab_misses": after["device_slab_misses"],
@@ -218,7 +226,7 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
     )
     print(
         f"{'step':>4} {'s':>7} {'moved GB':>9} {'I/O floor s':>11} {'x floor':>7} "
-        f"{'peak RSS GiB':>12} {'vs budget':>9}  update"
+        f"{'stall s':>7} {'peak RSS GiB':>12} {'vs budget':>9}  update"
     )
     for index, record in enumerate(steps):
         moved = record["bytes_read"] + record["bytes_written"]
@@ -227,7 +235,8 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
         record["vs_floor"] = record["step_s"] / floor if floor else None
         print(
             f"{index:>4} {record['step_s']:>7.1f} {moved / 1e9:>9.2f} {floor:>11.1f} "
-            f"{record['step_s'] / floor:>7.2f} {record['peak_rss'] / GIB:>12.2f} "
+            f"{record['step_s'] / floor:>7.2f} {record['stall_s']:>7.1f} "
+            f"{record['peak_rss'] / GIB:>12.2f} "
             f"{record['peak_rss'] / budget:>8.2f}x  {record['update_mode']}"
         )
     print(
