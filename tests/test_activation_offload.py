@@ -293,6 +293,7 @@ def test_host_budget_too_small_for_cpu_activations(tmp_path):
             offload_param="cpu",
             offload_activations="cpu",
             host_budget=params + 100_000,
+            device_budget=params,  # host RAM on top of host_budget, which it leaves alone
         )
     )
     attached, _ = store.attach(model)

@@ -103,14 +103,16 @@ class DeviceFloor:
         return " next to " + " and ".join(parts) if parts else ""
 
 
-def device_floor(modules: Modules, persistent: set[int]) -> DeviceFloor:
+def device_floor(modules: Modules, persistent: set[int], training: bool = True) -> DeviceFloor:
+    """See :class:`DeviceFloor`. Without training (no optimizer: inference) nothing is held
+    through a backward, so shared parameters are only their modules'."""
     owners: dict[int, int] = {}
     by_index: dict[int, ParamEntry] = {}
     for _, entries in modules:
         for entry in entries:
             owners[entry.index] = owners.get(entry.index, 0) + 1
             by_index[entry.index] = entry
-    shared = {i for i, count in owners.items() if count > 1 and i not in persistent}
+    shared = {i for i, count in owners.items() if training and count > 1 and i not in persistent}
     persistent_bytes = sum(by_index[i].device_bytes for i in persistent if i in by_index)
     best: DeviceFloor | None = None
     for name, entries in modules:
@@ -218,12 +220,14 @@ def plan_memory(
     device_kind: str,
     params_stay_on_device: bool,
     master_tier: str,
+    training: bool = True,
     cuda_free: Callable[[], int] = lambda: 0,
     agree: Callable[[int], int] | None = None,
 ) -> MemoryPlan:
     """The budgets for ``config`` and these parameters. ``device_kind``: "cpu" (the device is
     host memory), "cuda" (its own memory, ``cuda_free`` bytes free) or "other" (the planner's
-    simulation of a device it has no figures for: every parameter fits). ``agree``: across ranks,
+    simulation of a device it has no figures for: every parameter fits). ``training``: an
+    optimizer is attached (backward holds shared parameters). ``agree``: across ranks,
     the minimum of a value over every rank (their device tiers must decide alike)."""
     total = sum(e.nbytes for e in entries)
     device_total = sum(e.device_bytes for e in entries)
@@ -232,7 +236,7 @@ def plan_memory(
         for e in entries
         if params_stay_on_device or e.numel <= config.param_persistence_threshold
     }
-    floor = device_floor(modules, persistent)
+    floor = device_floor(modules, persistent, training)
     host_budget: int | None = config.host_budget
     device_in_host = False
     if config.device_budget is not None:
@@ -460,7 +464,45 @@ def host_budget_for_updates(
     return budget
 
 
+def arena_reason(
+    room: UpdateRoom,
+    plan: MemoryPlan,
+    entries: Sequence[ParamEntry],
+    modules: Modules,
+    *,
+    params_on_nvme: bool,
+    state_parts: int,
+    plan_at: Callable[[int], MemoryPlan] | None,
+) -> str:
+    """Why an arena keeps updates out of backward, and the ways out: the host budget whose
+    arena has the room (``plan_at(budget)``: the plan a budget gets, its derived buffer size and
+    device tier included; None where the arena does not follow the budget), and the largest
+    ``buffer_size`` with which this arena has it."""
+
+    def needed_at(slot: int) -> int:
+        return update_room_at(
+            slot, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+        )
+
+    ways = []
+    if plan_at is not None:
+        start = max(plan.host, room.arena) + room.needed - room.arena
+        ways.append(f"raise host_budget to >= {host_budget_for_updates(start, plan_at, needed_at)}")
+    slot = largest_slot_for_updates(
+        room.arena, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+    )
+    if slot is not None and slot < plan.slot:
+        ways.append(f"set buffer_size <= {slot}")
+    return (
+        f"the staging arena ({room.arena} bytes in buffers of {plan.slot}) is too small to "
+        f"update in backward: it needs {room.needed} bytes, 4 x {room.update} (the largest "
+        f"update's parts) and 2 x {room.module_masters} (the largest module's masters): "
+        + (" or ".join(ways) or "raise host_budget")
+    )
+
+
 __all__ = [
+    "arena_reason",
     "DeviceFloor",
     "host_budget_for_updates",
     "update_room_at",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import logging
 import shutil
 import tempfile
@@ -25,17 +24,15 @@ from torch import nn
 
 from infinity.checkpointing.state_dict import install_state_dict_hooks, write_entry
 from infinity.config import OffloadConfig
-from infinity.core import lifecycle
+from infinity.core import handback, lifecycle
 from infinity.core.budgets import (
     CHECKPOINT_WRITE_BYTES,
     MemoryPlan,
     UpdateRoom,
-    host_budget_for_updates,
-    largest_slot_for_updates,
+    arena_reason,
     plan_memory,
     slot_size,
     update_room,
-    update_room_at,
 )
 from infinity.core.memory import (
     HeapWatch,
@@ -48,11 +45,10 @@ from infinity.core.memory import (
 )
 from infinity.core.placement import Placement, PlacementSettings
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
-from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
-from infinity.errors import AttachError, BudgetError, ConfigError
+from infinity.errors import AttachError, ConfigError
 from infinity.observability.reporting import MemoryFigures, store_stats
 from infinity.observability.saved_activations import SavedActivationMeter
 from infinity.observability.timeline import Timeline
@@ -147,7 +143,7 @@ class TieredStore:
         #: the last checkpoint saved (its path, and the steps done then), for close's warning
         self._last_checkpoint: tuple[Path, int] | None = None
         #: close's 'auto' found the parameters too large to give back: (bytes, room, what)
-        self._declined_restore: tuple[int, int, str] | None = None
+        self._declined_restore: handback.Declined | None = None
         self._temp_dir: Path | None = None
         self._handles: list[Any] = []
         self._nvme_peak = 0
@@ -387,7 +383,7 @@ class TieredStore:
             if entries:
                 module_entries.append((module_name or type(module).__name__, module, entries))
         total = sum(e.nbytes for e in self.registry.entries)
-        self._plan_memory(module_entries, slot)
+        self._plan_memory(module_entries, slot, training=optimizer is not None)
         self.model = model
         device_tier, self._host_tier = self._make_tiers()
         if nvme:
@@ -530,51 +526,37 @@ class TieredStore:
     def _arena_too_small(
         self, room: UpdateRoom, modules: list, params_on_nvme: bool, state_on_nvme: bool
     ) -> str:
-        """Why the arena keeps updates out of backward, and the ways out: the host budget whose
-        arena (what it leaves, with the buffer size and device tier it derives) has the room,
-        or smaller buffers (the shards are cut to them)."""
+        """Why the arena keeps updates out of backward, and the ways out (infinity.core.budgets:
+        the host budget whose arena has the room, smaller buffers)."""
         plan = self.memory_plan
         assert plan is not None
         config = self.config
-        entries = self.registry.entries
         shards = list(self.registry.shards.values())
-        state_parts = 2 if state_on_nvme else 0
-
-        def needed_at(slot: int) -> int:
-            return update_room_at(
-                slot, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
-            )
 
         def plan_at(host_budget: int) -> MemoryPlan:
             changed = config.replace(host_budget=host_budget)
             return plan_memory(
                 changed,
-                entries,
+                self.registry.entries,
                 shards,
                 modules,
                 slot=slot_size(changed),
                 device_kind=self._device_kind(),
                 params_stay_on_device=self._params_stay_on_device,
                 master_tier=self.master_tier,
+                training=True,
                 cuda_free=lambda: torch.cuda.mem_get_info(self.device)[0],
             )
 
-        ways = []
-        if config.offload_activations != "cpu":
-            start = max(plan.host, room.arena) + room.needed - room.arena
-            ways.append(
-                f"raise host_budget to >= {host_budget_for_updates(start, plan_at, needed_at)}"
-            )
-        slot = largest_slot_for_updates(
-            room.arena, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
-        )
-        if slot is not None and slot < plan.slot:
-            ways.append(f"set buffer_size <= {slot}")
-        return (
-            f"the staging arena ({room.arena} bytes in buffers of {plan.slot}) is too small to "
-            f"update in backward: it needs {room.needed} bytes, 4 x {room.update} (the "
-            f"largest update's parts) and 2 x {room.module_masters} (the largest module's "
-            f"masters): " + (" or ".join(ways) or "raise host_budget")
+        return arena_reason(
+            room,
+            plan,
+            self.registry.entries,
+            modules,
+            params_on_nvme=params_on_nvme,
+            state_parts=2 if state_on_nvme else 0,
+            # With activations in host memory the arena is the swap buffers, not what H leaves.
+            plan_at=plan_at if config.offload_activations != "cpu" else None,
         )
 
     def _attach_activations(self, model: nn.Module) -> None:
@@ -690,7 +672,7 @@ class TieredStore:
             if entry.index not in done:
                 take(entry)
 
-    def _plan_memory(self, module_entries: list, slot: int) -> None:
+    def _plan_memory(self, module_entries: list, slot: int, training: bool) -> None:
         """The budgets (infinity.core.budgets), logged."""
         config = self.config
         plan = plan_memory(
@@ -702,6 +684,7 @@ class TieredStore:
             device_kind=self._device_kind(),
             params_stay_on_device=self._params_stay_on_device,
             master_tier=self.master_tier,
+            training=training,
             cuda_free=lambda: torch.cuda.mem_get_info(self.device)[0],
             agree=self.partition.min_across if self.partition is not None else None,
         )
@@ -1028,68 +1011,19 @@ class TieredStore:
 
     def _restore_selection(self, choice: bool | str | Iterable[Any] | None) -> set[int]:
         """The indices of the entries ``close`` gives back (see ``close``)."""
-        if choice is None:
-            choice = self.config.restore_params
         placement = self.placement
-        if placement is None:
+        if placement is None or self.model is None:
             return set()  # nothing was taken over (or attach failed before): nothing to give
-        entries = [e for e in self.registry.entries if e.index not in placement.uninitialised]
-        if isinstance(choice, bool) or choice == "auto":
-            nbytes = sum(e.numel * (e.given_dtype or e.dtype).itemsize for e in entries)
-            room, where = self._restore_room()
-            fits = nbytes <= room
-            if self.partition is not None and not self.partition.failed:
-                fits = bool(self.partition.min_across(int(fits)))  # every rank alike
-            if choice is True and not fits and self.config.host_budget is not None:
-                raise BudgetError(
-                    f"close(restore_params=True) would hand back {nbytes} bytes of parameters, "
-                    f"more than {where} ({room} bytes): close(restore_params=False) leaves them "
-                    f"on the meta device (save a checkpoint first to keep their values), or "
-                    f"pass the parameters or modules to hand back"
-                )
-            if choice is False or not fits:
-                if choice == "auto" and entries:
-                    self._declined_restore = (nbytes, room, where)
-                return set()
-            return {e.index for e in entries}
-        if isinstance(choice, (str, nn.Module, torch.Tensor)):
-            choice = [choice]
-        if not isinstance(choice, Iterable):
-            raise ConfigError(
-                f"restore_params={choice!r} is invalid: expected True, False, 'auto', or "
-                f"parameters, modules or parameter names of the attached model"
-            )
-        assert self.model is not None
-        names = dict(self.model.named_parameters(remove_duplicate=False))
-        chosen: set[int] = set()
-        for item in choice:
-            params: list[torch.Tensor]
-            if isinstance(item, str):
-                param = names.get(item)
-                if param is None:
-                    close = difflib.get_close_matches(item, list(names), n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
-                    raise ConfigError(
-                        f"restore_params: {item!r} is not a parameter of the attached model{hint}"
-                    )
-                params = [param]
-            elif isinstance(item, nn.Module):
-                params = list(item.parameters())
-            elif isinstance(item, torch.Tensor):
-                params = [item]
-            else:
-                raise ConfigError(
-                    f"restore_params: {item!r} is not a parameter, a module or a parameter name"
-                )
-            for tensor in params:
-                entry = self.registry.entry_of(tensor)
-                if entry is None:
-                    raise ConfigError(
-                        f"restore_params: a parameter of shape {tuple(tensor.shape)} is not "
-                        f"attached to this store"
-                    )
-                if entry.index not in placement.uninitialised:
-                    chosen.add(entry.index)
+        partition = self.partition
+        chosen, self._declined_restore = handback.choose(
+            self.config.restore_params if choice is None else choice,
+            registry=self.registry,
+            uninitialised=placement.uninitialised,
+            model=self.model,
+            room=self._restore_room,
+            refuse_too_large=self.config.host_budget is not None,
+            agree=partition.min_across if partition is not None and not partition.failed else None,
+        )
         return chosen
 
     def _restore_room(self) -> tuple[int, str]:
@@ -1149,7 +1083,9 @@ class TieredStore:
             if placement is not None:
                 placement.lending.return_lent()  # they would view the host memory closed next
                 placement.device.close()
-                self._forget_host_memory()
+                if self._host_tier is not None:
+                    state = self.optimizer.inner.state.values() if self.optimizer else ()
+                    handback.forget_host_views(self.registry, state, self._host_tier)
             if self._host_tier is not None:
                 self._host_tier.close()
             if self._temp_dir is not None:
@@ -1162,116 +1098,33 @@ class TieredStore:
         return failure
 
     def _restore(self, chosen: set[int]) -> BaseException | None:
-        """Gives the ``chosen`` entries their values back and leaves the other initialised
-        ones on the meta device. The device tier goes first (its copies are never newer than
-        the masters), then what will not be read again (optimizer state, gradients, the masters
-        not given back: kept swap files were flushed already); each entry's slots are freed once
-        it has its values, and the arena's free slots hand their pages back as they go."""
+        """Gives the ``chosen`` entries their values back, the others initialised go to the
+        meta device (infinity.core.handback); returns the first failure."""
         placement = self.placement
-        assert placement is not None
-        failure: BaseException | None = None
-        for entry in list(placement.copies.on_device):
-            entry.holds = 0  # the passes that held it are over
-            placement.drop_device(entry, force=True)
-        placement.device.close()
-        entries = self.registry.entries
-        adopted = [e for e in entries if e.device_tensor is not None]
-        restoring = [
-            e
-            for e in adopted
-            if e.index in chosen
-            and e.index not in placement.uninitialised
-            and e.shards
-            and e.shards[0].state is not R.EMPTY
-        ]
-        keep = {e.index for e in restoring}
-        for shard in self.registry.shards.values():
-            for companion in shard.companions.values():
-                placement.discard(companion)
-            if shard.entry.index not in keep:
-                placement.discard(shard)
-        placement.host.release_free_pages()
-        if self.partition is None:
-            # Those already in the arena first: their slots free the room the others' reads
-            # need. (Across ranks each read is a collective: the same order everywhere.)
-            restoring.sort(key=lambda e: not all(s.state.on_host for s in e.shards))
-        restored: set[int] = set()
-        for entry in restoring:
-            try:
-                entry.param.data = self.materialize(entry).to(
-                    self.device, entry.given_dtype or entry.dtype
-                )
-                restored.add(entry.index)
-            except Exception as exc:
-                log.error("close: %s could not be restored: %s", entry.name, exc)
-                failure = failure or exc
-            for shard in entry.shards:
-                placement.discard(shard)
-        self._leave_on_meta([e for e in adopted if e.index not in restored])
+        assert placement is not None and self.model is not None
+        left, failure = handback.hand_back(
+            chosen,
+            registry=self.registry,
+            placement=placement,
+            device=self.device,
+            materialize=self.materialize,
+            same_order_everywhere=self.partition is not None,
+        )
+        handback.leave_on_meta(self.model, left)
         declined = self._declined_restore
         if declined is not None:
-            nbytes, room, where = declined
             log.warning(
                 "close: the parameters (%d bytes) are more than %s (%d bytes) leaves to hand "
                 "them back, so restore_params='auto' left them on the meta device. Their "
                 "values are %s",
-                nbytes,
-                where,
-                room,
-                self._where_values_are(),
+                declined.nbytes,
+                declined.what,
+                declined.room,
+                handback.where_values_are(
+                    self._last_checkpoint, self.steps, self.config.keep_swap_files
+                ),
             )
         return failure
-
-    def _where_values_are(self) -> str:
-        """For close's warning: where the values not given back can be found."""
-        if self._last_checkpoint is not None:
-            path, steps = self._last_checkpoint
-            later = self.steps - steps
-            return (
-                f"in the checkpoint {path}, saved after step {steps}"
-                + (f" ({later} later step(s) are not in it)" if later else "")
-                + ": attach a new store and load_checkpoint() it"
-            )
-        if self.config.keep_swap_files:
-            return "in the kept swap files (keep_swap_files)"
-        return (
-            "discarded: call store.save_checkpoint(path) before close(), or pass "
-            "close(restore_params=...) the parameters or modules to hand back"
-        )
-
-    def _forget_host_memory(self) -> None:
-        """Drops every view of the staging arena the store made (host copies, optimizer state
-        bound to it), so that closing the host tier unmaps it now rather than when the store
-        object goes."""
-        host = self._host_tier
-        for shard in self.registry.shards.values():
-            for part in [shard, *shard.companions.values()]:
-                part.host = None
-                part.arena_offset = None
-                part.grad = None
-        optimizer = self.optimizer
-        if optimizer is not None and host is not None:
-            for state in optimizer.inner.state.values():
-                for key, value in list(state.items()):
-                    if isinstance(value, torch.Tensor) and host.holds_address(value.data_ptr()):
-                        state[key] = torch.empty(0, dtype=value.dtype)
-
-    def _leave_on_meta(self, entries: list[ParamEntry]) -> None:
-        """Parameters not given back at close (never initialised, or not chosen) go to the meta
-        device: honest about having no values, and no empty storage left behind."""
-        if not entries or self.model is None:
-            return
-        meta = {
-            id(e.param): nn.Parameter(
-                torch.empty(e.shape, dtype=e.given_dtype or e.dtype, device="meta"),
-                requires_grad=e.param.requires_grad,
-            )
-            for e in entries
-        }
-        for module in self.model.modules():
-            for name, param in module._parameters.items():
-                if param is not None and id(param) in meta:
-                    module._parameters[name] = meta[id(param)]
 
     def __enter__(self) -> TieredStore:
         return self
