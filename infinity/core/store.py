@@ -475,7 +475,8 @@ class TieredStore:
             # Saved activations are host memory outside the budgets here: counted for the bound.
             placement = self.placement
             self.activation_meter = SavedActivationMeter(
-                lambda a: placement.device.holds_address(a) or placement.host.holds_address(a)
+                lambda a: placement.device.holds_address(a) or placement.host.holds_address(a),
+                self.access.saved,
             )
             self.activation_meter.install(model)
 

@@ -6,7 +6,8 @@ bound (:mod:`infinity.core.budgets`) adds their peak as measured here. A saved-t
 around the model's forward counts each saved storage once while autograd holds it: views of one
 storage (``q``, ``k``, ``v`` split from one output) count once, parameters and the store's own
 memory (the device tier's copies, the arena) not at all. The hooks change nothing: pack keeps the
-tensor itself, unpack gives it back.
+tensor itself, unpack gives it back; an attached parameter's values are given back as backward
+would have read them without the hooks (ParamAccess.saved).
 
 ``offload_activations='cpu'`` or ``'nvme'`` count their own (``stats()['activations']``).
 """
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from infinity.training.param_access import SavedParameter
 
 
 class _Held:
@@ -38,10 +41,17 @@ class _Held:
 class SavedActivationMeter:
     """Current and peak bytes of the activations autograd holds for backward."""
 
-    def __init__(self, store_owns: Callable[[int], bool]) -> None:
+    def __init__(
+        self,
+        store_owns: Callable[[int], bool],
+        saved_parameter: Callable[[torch.Tensor], SavedParameter | None],
+    ) -> None:
         """``store_owns(address)``: whether a storage at that address is the store's (the device
-        tier's copies, the arena), which the tiers count already."""
+        tier's copies, the arena), which the tiers count already. ``saved_parameter``: what to
+        keep of an attached parameter (ParamAccess.saved), whose values backward must get back
+        rather than autograd's plain tensor over its storage."""
         self._store_owns = store_owns
+        self._saved_parameter = saved_parameter
         self._lock = threading.Lock()  # autograd may free saved tensors on its own threads
         self._refs: dict[int, list[int]] = {}  # storage address -> [references, bytes]
         self.current_bytes = 0
@@ -86,6 +96,9 @@ class SavedActivationMeter:
             hooks.__exit__(None, None, None)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        kept = self._saved_parameter(tensor)
+        if kept is not None:
+            return kept
         if (
             isinstance(tensor, nn.Parameter)
             or isinstance(tensor._base, nn.Parameter)
@@ -120,6 +133,8 @@ class SavedActivationMeter:
 
 
 def _unpack(held: Any) -> torch.Tensor:
+    if isinstance(held, SavedParameter):
+        return held.unpack()
     return held.tensor if isinstance(held, _Held) else held
 
 

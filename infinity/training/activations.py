@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from infinity.errors import BudgetError, InfinityError
+from infinity.training.param_access import SavedParameter
 from swap import BufferPool, Extent, HostBuffer, SwapEngine, align_up
 
 if TYPE_CHECKING:
@@ -222,6 +223,7 @@ class ActivationOffload:
         prefetch_depth: int,
         prefetch_bytes: int | None,
         param_storages: Callable[[], Iterable[torch.Tensor]],
+        saved_parameter: Callable[[torch.Tensor], Any] = lambda tensor: None,
         device_bytes: Callable[[], int] = lambda: 0,
         min_bytes: int = MIN_BYTES,
         staging_bytes: int = STAGING_BYTES,
@@ -232,6 +234,8 @@ class ActivationOffload:
         top of it). They are counted here, not in the host tier, whose bytes are the arena's
         and the parameters' (placement's arithmetic and audit rely on that).
         ``param_storages``: the tensors whose storages are parameters (never offloaded).
+        ``saved_parameter``: what to keep of an attached parameter autograd saves, an object
+        whose ``unpack()`` gives backward its values (ParamAccess.saved), or None.
         ``device_bytes``: the device tier's bytes now, sampled with the activations' own for
         the combined peak."""
         if target not in ("cpu", "nvme"):
@@ -248,6 +252,7 @@ class ActivationOffload:
         self.prefetch_bytes = prefetch_bytes
         self.min_bytes = min_bytes
         self._param_storages = param_storages
+        self._saved_parameter = saved_parameter
         self._tier_bytes = device_bytes
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.handles: list[Any] = []
@@ -394,6 +399,9 @@ class ActivationOffload:
 
     # -- pack / boundary (forward) --------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
+        kept = self._saved_parameter(tensor)
+        if kept is not None:
+            return kept
         if not self._offloadable(tensor):
             return tensor
         storage = tensor.untyped_storage()
@@ -539,6 +547,8 @@ class ActivationOffload:
 
     # -- backward -------------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, SavedParameter):
+            return packed.unpack()
         if not isinstance(packed, _Packed):
             return packed
         stored = packed.stored
@@ -802,6 +812,7 @@ def offload_for_store(
         prefetch_depth=config.prefetch_depth,
         prefetch_bytes=config.prefetch_bytes,
         param_storages=params,
+        saved_parameter=store.access.saved if store.access is not None else lambda tensor: None,
         device_bytes=device_bytes,
         staging_bytes=min(16 << 20, max(1 << 20, config.swap_buffer_size())),
     )

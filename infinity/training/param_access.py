@@ -94,6 +94,20 @@ class _ReadParameter(torch.autograd.Function):
         return grad, None
 
 
+class SavedParameter:
+    """An attached parameter as a saved-tensors hook keeps it for backward (pack), and what
+    backward gets back (unpack): see :meth:`ParamAccess.saved`."""
+
+    __slots__ = ("access", "param")
+
+    def __init__(self, access: ParamAccess, param: torch.Tensor) -> None:
+        self.access = access
+        self.param = param
+
+    def unpack(self) -> torch.Tensor:
+        return self.access.values_for_backward(self.param)
+
+
 class _ParamAlias(torch.Tensor):
     """The base of each ParamAccess's alias class (``p.data``, ``p.detach()``): an alias
     knows the parameter it stays tied to."""
@@ -291,6 +305,31 @@ class ParamAccess:
             f"to the store (and NVMe) on exit. (An optimizer stepping it was built after "
             f"attach: build it first and pass it to store.attach(model, optimizer).)"
         )
+
+    # -- saved for backward -----------------------------------------------------------------------
+    def saved(self, tensor: torch.Tensor) -> SavedParameter | None:
+        """What a saved-tensors hook (the activation offload, the saved-activation meter) keeps
+        of ``tensor`` when it is an attached parameter; None for any other tensor.
+
+        Under such hooks autograd gives backward a plain tensor over the saved one's storage,
+        not the parameter. A parameter's storage is empty between uses, and only its own
+        module's backward fills it again: a parameter saved outside its module's hooks (TRL's
+        fused LM head hands ``lm_head.weight`` to an autograd Function of its own) would be
+        read empty. Its values are given instead (:meth:`values_for_backward`)."""
+        if not self._ours(tensor) or isinstance(tensor, self.alias_class):
+            return None
+        if self.registry.entry_of(tensor) is None:
+            return None
+        return SavedParameter(self, tensor)
+
+    def values_for_backward(self, param: torch.Tensor) -> torch.Tensor:
+        """A saved parameter's values for the backward node that saved it: the parameter
+        itself while its module's backward holds it on the device, else its current values."""
+        entry = self._attached(param)
+        if self._live(entry):
+            return param
+        with torch.no_grad():
+            return self._values(entry)
 
     # -- reads ------------------------------------------------------------------------------------
     def _values(self, entry: ParamEntry) -> torch.Tensor:
