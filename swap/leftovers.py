@@ -10,6 +10,16 @@ touched, and two runs reclaiming at once cannot both take one directory.
 Only directories that are certainly ours are candidates: named with the run-directory prefix,
 a real directory (not a symlink), owned by this user, holding a regular lock file. A directory
 kept on purpose (``keep_swap_files``) gets a ``kept`` marker at close and is left alone.
+
+Runs start side by side (the ranks of a job, all restarted at once by ``torchrun``), each
+reclaiming while the others create their directories, so:
+
+* the lock file gets its name only once it is locked: a reclaimer never finds a new run's lock
+  free in the instant between its creation and its ``flock``;
+* a forked child (a DataLoader worker) shares its parent's lock, and would keep a dead run's
+  directory locked for as long as it lingers: children close their copy at fork (the parent
+  keeps the lock);
+* a reclaimer that takes a lock whose directory another reclaimer has just removed moves on.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import os
 import shutil
 import stat
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: the lock file inside every run directory, held while the run lives
 LOCK_NAME = "owner.lock"
+#: the lock file's name while it is created, before it is locked (never a candidate's)
+_NEW_LOCK_NAME = "owner.lock.new"
 #: the marker of a run directory kept on purpose at close (``keep_swap_files``)
 KEPT_NAME = "kept"
 
@@ -47,9 +60,18 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_NAME
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd: int | None = os.open(self.path, flags, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
+        new = run_dir / _NEW_LOCK_NAME
+        self._fd: int | None = os.open(new, flags, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(self._fd, f"{os.getpid()}\n".encode())
+            # Named a lock file only now that it is held: see the module docstring.
+            os.rename(new, self.path)
+        except OSError:
+            os.close(self._fd)
+            self._fd = None
+            raise
+        _held.add(self)
 
     def close(self, keep: bool) -> None:
         """Releases the lock; ``keep`` marks the directory as kept, so no run reclaims it."""
@@ -62,6 +84,27 @@ class RunLock:
         finally:
             os.close(self._fd)
             self._fd = None
+            _held.discard(self)
+
+    def forget_in_child(self) -> None:
+        """In a forked child: closes the child's copy of the descriptor without unlocking (the
+        lock belongs to the open file, which the parent still holds)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+#: the locks this process holds, closed in forked children
+_held: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _forget_locks_in_child() -> None:
+    for lock in list(_held):
+        lock.forget_in_child()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 def find_leftovers(root: Path, prefix: str) -> list[Leftover]:
@@ -151,6 +194,15 @@ def _take_lock(run_dir: Path) -> int | None:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return None
         raise
+    # Another reclaimer may have held it, removed the directory and let go since it was opened:
+    # the lock taken is then an unlinked file's.
+    try:
+        still_there = os.path.samestat(os.fstat(fd), os.lstat(run_dir / LOCK_NAME))
+    except OSError:
+        still_there = False
+    if not still_there:
+        os.close(fd)
+        return None
     return fd
 
 
