@@ -48,7 +48,7 @@ from infinity.core.policies import BeladyEviction, LookaheadPrefetch
 from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
-from infinity.errors import AttachError, ConfigError
+from infinity.errors import AttachError, CheckpointError, ConfigError
 from infinity.observability.reporting import MemoryFigures, store_stats
 from infinity.observability.saved_activations import SavedActivationMeter
 from infinity.observability.timeline import Timeline
@@ -831,7 +831,28 @@ class TieredStore:
         """Restores what :meth:`save_checkpoint` wrote (after ``attach``, on every rank
         together; any number of ranks, whatever the saving run had) and returns its
         ``extra``."""
+        if path is None:
+            raise CheckpointError(
+                "load_checkpoint(None): no checkpoint given. latest_checkpoint() returns None "
+                "when its directory holds no complete checkpoint (the first start of a job): "
+                "load only when it found one (if latest is not None: ...)"
+            )
         return self._checkpointer("load_checkpoint").load(Path(path))
+
+    @staticmethod
+    def latest_checkpoint(directory: str | Path) -> Path | None:
+        """The newest complete checkpoint directly under ``directory`` (the one a restarted job
+        resumes from): a checkpoint :meth:`save_checkpoint` finished, every rank's files and
+        the metadata written, with the most steps done. Saves that did not finish (a rank
+        killed during one leaves ``<path>.partial``) and incomplete directories are passed
+        over, each logged with the reason. None when there is none: ``directory`` missing,
+        empty, or holding only unfinished saves (the first start of a job). Raises
+        CheckpointError when ``directory`` is a file, a checkpoint itself, or unreadable.
+        Under torch.distributed, rank 0 decides for all: call it on every rank. See
+        :mod:`infinity.checkpointing.latest`."""
+        from infinity.checkpointing.latest import latest_checkpoint
+
+        return latest_checkpoint(Path(directory))
 
     def _checkpointer(self, what: str) -> Any:
         if self._closed:
