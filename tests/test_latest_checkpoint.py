@@ -2,7 +2,8 @@
 done, not the last name in order); saves that did not finish (a process killed during an
 asynchronous save) and checkpoints missing a file are passed over and logged; a missing or
 empty directory gives None, a wrong one a clear error; across ranks every rank gets rank 0's
-answer (its errors too), and a checkpoint saved by one process resumes on two."""
+answer (its errors too), a checkpoint saved by one process resumes on two, and a torchrun
+launch whose restarts would rendezvous on its shared store is warned about."""
 
 from __future__ import annotations
 
@@ -129,7 +130,20 @@ def test_an_async_save_killed_half_way_is_never_taken(tmp_path, caplog):
         assert store.steps == 1
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _resume_latest_on_ranks(rank: int, world: int, checkpoints: str, not_a_dir: str) -> dict:
+    # As torchrun --max-restarts 2 launches its workers by default: on the store it shares.
+    os.environ.update(TORCHELASTIC_MAX_RESTARTS="2", TORCHELASTIC_USE_AGENT_STORE="True")
+    records = _Records()
+    logging.getLogger("infinity.checkpointing.latest").addHandler(records)
     found = infinity.TieredStore.latest_checkpoint(checkpoints)
     try:
         infinity.TieredStore.latest_checkpoint(not_a_dir)
@@ -141,7 +155,13 @@ def _resume_latest_on_ranks(rank: int, world: int, checkpoints: str, not_a_dir: 
         model, _ = store.attach(model, fused_adamw(model.parameters()))
         extra = store.load_checkpoint(found)
         state = {k: v.clone() for k, v in model.state_dict().items()}
-    return {"found": str(found), "error": error, "extra": extra, "state": state}
+    return {
+        "found": str(found),
+        "error": error,
+        "extra": extra,
+        "state": state,
+        "warnings": records.messages,
+    }
 
 
 def test_across_ranks_all_take_rank_0s_answer_and_one_process_resumes_on_two(tmp_path):
@@ -157,3 +177,7 @@ def test_across_ranks_all_take_rank_0s_answer_and_one_process_resumes_on_two(tmp
         assert result["extra"] == {"step": 2}
         for key, value in saved["step-2"].items():
             assert torch.equal(torch.as_tensor(result["state"][key]), value), key
+    # Rank 0 warned, once, that restarts need a store of their own.
+    (warning,) = results[0]["warnings"]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning and "2 restart(s)" in warning
+    assert results[1]["warnings"] == []

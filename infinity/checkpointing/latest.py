@@ -23,6 +23,12 @@ complete checkpoint and counts as any other.
 Across ranks (``torch.distributed`` initialised) rank 0 looks and tells the others, so every
 rank loads the same checkpoint whatever its own view of a shared file system: it is then a
 collective, called on every rank.
+
+Under ``torchrun --max-restarts N`` the restarted ranks must rendezvous on a store of their own:
+on the store torchrun shares with the workers by default they can read the dead attempt's
+addresses, and ``init_process_group`` fails ("Gloo connectFullMesh failed ... Connection
+refused" with gloo and torch 2.13 here; pytorch/pytorch#135712 for NCCL). A warning says so
+when the launch allows restarts on the shared store.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
     itself, unreadable). See the module docstring."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return _newest(directory)
+    if dist.get_rank() == 0:
+        _check_restarts_rendezvous()
     answer: list[tuple[str, str | None] | None] = [None]
     if dist.get_rank() == 0:
         try:
@@ -73,6 +81,32 @@ def latest_checkpoint(directory: Path) -> Path | None:
     if kind == "error":
         raise CheckpointError(f"{value} (seen by rank 0)")
     return None if value is None else Path(value)
+
+
+def _check_restarts_rendezvous() -> None:
+    """Warns (once) when torchrun allows restarts but the workers' process group lives on the
+    store torchrun shares with them: see the module docstring."""
+    global _warned_shared_store
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if (
+        restarts > 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and not _warned_shared_store
+    ):
+        _warned_shared_store = True
+        log.warning(
+            "torchrun allows %d restart(s), but the ranks' process group is on the store "
+            "torchrun shares with them: restarted ranks may read the dead attempt's addresses "
+            "and fail in init_process_group. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "in the environment",
+            restarts,
+        )
+
+
+_warned_shared_store = False
 
 
 def _newest(directory: Path) -> Path | None:
