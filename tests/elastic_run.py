@@ -1,8 +1,9 @@
 """One rank of the elastic test's job (tests/test_elastic.py), launched by torchrun: the
 README's elastic recipe on a small GPT with dropout, parameters and Adam state on NVMe, a
 DistributedSampler over a fixed data set, an LR scheduler, and an asynchronous checkpoint every
---every steps. With --kill-rank/--kill-step that rank SIGKILLs itself at that step (between
-forward and backward) in the job's first attempt only. Each rank writes what the test checks
+--every steps. With --kill-rank/--kill-step that rank SIGKILLs itself at that step in the job's
+first attempt only: between forward and backward, or, at a step that saves a checkpoint, from
+its writer thread half-way through writing it. Each rank writes what the test checks
 into --out: its final parameters, where it resumed from, and what nvme_path held at the end."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 import infinity
+import infinity.checkpointing.storage
 from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
 MODEL = GPTConfig(vocab_size=64, context=16, layers=4, width=32, heads=4, dropout=0.1)
@@ -78,7 +80,10 @@ def main() -> None:
         start, resumed_from = position["step"], latest.name
 
     for step in range(start, args.steps):
+        dies_now = attempt == 0 and rank == args.kill_rank and step == args.kill_step
         if step and step % args.every == 0:
+            if dies_now:
+                _die_while_writing()
             store.save_checkpoint(
                 args.checkpoints / f"step-{step}",
                 extra={"step": step, "scheduler": scheduler.state_dict()},
@@ -89,7 +94,7 @@ def main() -> None:
         indices = list(sampler)[batch * BATCH : (batch + 1) * BATCH]
         sequences = data[indices]
         loss = model(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
-        if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+        if dies_now:
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
         optimizer.step()
@@ -114,6 +119,21 @@ def main() -> None:
     }
     (args.out / f"rank-{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def _die_while_writing() -> None:
+    """SIGKILL from the checkpoint's writer thread at its third chunk: a rank killed while its
+    part of a checkpoint is half written."""
+    real = infinity.checkpointing.storage.tensor_bytes
+    chunks = [0]
+
+    def dying(tensor: torch.Tensor) -> memoryview:
+        chunks[0] += 1
+        if chunks[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(tensor)
+
+    infinity.checkpointing.storage.tensor_bytes = dying
 
 
 if __name__ == "__main__":
