@@ -81,7 +81,7 @@ def main() -> None:
 
     for step in range(start, args.steps):
         dies_now = attempt == 0 and rank == args.kill_rank and step == args.kill_step
-        if step and step % args.every == 0:
+        if step > start and step % args.every == 0:  # not the one just loaded again
             if dies_now:
                 _die_while_writing()
             store.save_checkpoint(
