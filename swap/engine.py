@@ -56,8 +56,8 @@ from swap.integrity import Chunk, Integrity
 from swap.probe import choose_backend_for, make_backend
 from swap.settings import EngineSettings
 from swap.stats import EngineStats, StatsRecorder
-from swap.timeouts import TimeoutsMixin
-from swap.transfer import Chain, Piece, Quarantined, Transfer, TransferFuture
+from swap.timeouts import Quarantine, Watchdog, cannot_start, request_timed_out
+from swap.transfer import Chain, Piece, Quarantined, Transfer, TransferFuture, cut_into_pieces
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,6 @@ __all__ = ["EngineSettings", "SwapEngine", "TransferFuture"]
 
 SIDECAR_NAME = "integrity.json"
 
-
-_STOP = object()
 
 #: Bytes each drive's queue slots hold together once enough is queued. Requests complete on
 #: Python threads, which wait for the GIL behind a training thread running Python for up to a
@@ -119,7 +117,7 @@ def _close_open_engines() -> None:
             log.exception("closing a swap engine at exit failed")
 
 
-class SwapEngine(TimeoutsMixin):
+class SwapEngine:
     """Swap files under ``paths`` plus a backend; see the module docstring."""
 
     def __init__(
@@ -190,16 +188,16 @@ class SwapEngine(TimeoutsMixin):
         self._inflight = 0  # requests in flight, zombies included: they hold backend slots
         self._zombies = 0
         self._hashing = 0  # chunks queued for or being hashed: their transfers are not done
-        self._hash_jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        #: chunks to hash, then None: the hasher thread ends
+        self._hash_jobs: queue.SimpleQueue[tuple[Transfer, Chunk] | None] = queue.SimpleQueue()
         self._hash_cpu = 0.0  # the hasher thread's CPU seconds
         self._flying: set[Piece] = set()  # in flight and not timed out
-        self._quarantine: dict[Piece, Quarantined] = {}
-        self._extent_zombies: dict[int, int] = {}  # extent serial -> zombie requests on it
-        self._deferred_free: dict[int, Extent] = {}  # freed while a zombie may still write it
+        self._quarantine = Quarantine()
         self._active: set[Transfer] = set()
         self._local = threading.local()
         self._closed = False
-        self._resolve: queue.SimpleQueue[object] = queue.SimpleQueue()
+        #: finished transfers whose futures the dispatcher resolves, then None: it ends
+        self._resolve: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="swap-callbacks", daemon=True
         )
@@ -208,7 +206,11 @@ class SwapEngine(TimeoutsMixin):
         if self._integrity is not None:
             self._hasher = threading.Thread(target=self._hash_loop, name="swap-hash", daemon=True)
             self._hasher.start()
-        self._start_watchdog()
+        self._watchdog: Watchdog | None = None
+        if self.settings.request_timeout is not None:
+            self._watchdog = Watchdog(
+                self._lock, self.settings.request_timeout, self._expire_overdue_locked
+            )
         _open_engines.add(self)
         log.info(
             "swap engine: backend=%s block_size=%d queue_depth=%d dirs=%s verify=%s "
@@ -229,19 +231,12 @@ class SwapEngine(TimeoutsMixin):
         """Returns the extent's space. While a timed-out request may still write into it, the
         space is held back (and freed when that request completes, or with the files)."""
         with self._lock:
-            if extent.serial in self._deferred_free:
+            if self._quarantine.was_freed(extent):
                 raise ValueError(f"double free: extent #{extent.serial} was freed already")
-            if self._extent_zombies.get(extent.serial):
-                self._deferred_free[extent.serial] = extent
-                log.warning(
-                    "extent #%d freed while a request that timed out may still write to "
-                    "it; its space is held back until that request completes",
-                    extent.serial,
-                )
-                extent = None
-        if extent is not None:
-            self.space.free(extent)
-        if self._integrity is not None and extent is not None:
+            if self._quarantine.hold_back(extent):
+                return
+        self.space.free(extent)
+        if self._integrity is not None:
             self._integrity.forget(extent)
 
     # -- transfers --------------------------------------------------------------------------
@@ -314,7 +309,7 @@ class SwapEngine(TimeoutsMixin):
                 f"extent's {extent.nbytes} bytes"
             )
         self.space.check_extent(extent)
-        if extent.serial in self._deferred_free:
+        if self._quarantine.was_freed(extent):
             raise ValueError(f"extent #{extent.serial} ({extent.nbytes} bytes) was freed")
         padded = align_up(nbytes)
         if buffer_offset + padded > buffer.nbytes:
@@ -343,7 +338,14 @@ class SwapEngine(TimeoutsMixin):
         pieces, covered = (
             ([], [])
             if refused
-            else self._pieces(transfer, extent, extent_offset, buffer_offset, padded)
+            else cut_into_pieces(
+                transfer,
+                extent_offset,
+                buffer_offset,
+                padded,
+                self.settings.block_size,
+                self.settings.chunk_size,
+            )
         )
         chunks = covered if op is Op.WRITE else []
         try:
@@ -384,56 +386,6 @@ class SwapEngine(TimeoutsMixin):
                 self._finish_locked(transfer)
             if self._zombies:
                 self._fail_stalled_locked()
-
-    def _pieces(
-        self,
-        transfer: Transfer,
-        extent: Extent,
-        extent_offset: int,
-        buffer_offset: int,
-        padded: int,
-    ) -> tuple[list[Piece], list[Chunk]]:
-        """Requests of at most block_size bytes, cut on the block_size grid of the extent, and
-        the integrity chunks the transfer covers entirely; each request is tagged with the
-        chunk it is part of. ``transfer.chunk_left`` counts the bytes each chunk awaits."""
-        block = self.settings.block_size
-        size = self.settings.chunk_size
-        base = transfer.buffer.address
-        check = transfer.check
-        chunks: dict[int, Chunk] = {}
-        pieces = []
-        for file, file_offset, ext_offset, length in extent.locate(extent_offset, padded):
-            done = 0
-            while done < length:
-                at = ext_offset + done
-                take = min(block - at % block, length - done)
-                chunk = None
-                index = at // size
-                if check is not None and check.first <= index < check.stop:
-                    chunk = chunks.get(index)
-                    if chunk is None:  # its first byte: where a mismatch is reported
-                        start = index * size
-                        chunk = chunks[index] = Chunk(
-                            index,
-                            buffer_offset + (start - extent_offset),
-                            min(size, extent.nbytes - start),
-                            file.path,
-                            file_offset + done - (at - start),
-                        )
-                        transfer.chunk_left[index] = 0
-                    transfer.chunk_left[index] += take
-                pieces.append(
-                    Piece(
-                        transfer,
-                        file,
-                        file_offset + done,
-                        base + buffer_offset + (at - extent_offset),
-                        take,
-                        chunk,
-                    )
-                )
-                done += take
-        return pieces, list(chunks.values())
 
     def _pump(self) -> None:
         # A completion that arrives while this thread is already pumping (a backend that finished
@@ -628,7 +580,7 @@ class SwapEngine(TimeoutsMixin):
             return freed
         self._flying.discard(piece)
         if isinstance(error, BackendAbandonedError):
-            self._abandon_locked(piece)
+            self._quarantine.abandon(piece)
         transfer.outstanding -= 1
         if error is None and piece.chunk is not None and transfer.op is Op.READ:
             self._chunk_bytes_arrived_locked(transfer, piece.chunk, result)
@@ -671,11 +623,13 @@ class SwapEngine(TimeoutsMixin):
         assert integrity is not None
         while True:
             job = self._hash_jobs.get()
-            if job is _STOP:
+            if job is None:
                 return
-            transfer, chunk = job  # type: ignore[misc]
+            transfer, chunk = job
             started = time.thread_time()
+            failure: BaseException | None
             try:
+                assert transfer.check is not None  # only checked transfers queue chunks
                 failure = integrity.chunk_done(transfer.check, chunk, transfer.buffer.array)
             except Exception as exc:
                 failure = exc
@@ -697,11 +651,14 @@ class SwapEngine(TimeoutsMixin):
             return
         transfer.done = True
         self._active.discard(transfer)
-        if transfer.check is not None and transfer.check.write:
+        check = transfer.check
+        if check is not None and check.write:
+            integrity = self._integrity
+            assert integrity is not None  # checks are made by it
             if transfer.error is None:
-                self._integrity.commit(transfer.check)
+                integrity.commit(check)
             else:
-                self._integrity.write_failed(transfer.check, transfer.error)
+                integrity.write_failed(check, transfer.error)
         self._stats.transfer_finished(transfer.op.value, 0 if transfer.error else transfer.nbytes)
         transfer.event.set()
         self._resolve.put(transfer)
@@ -712,17 +669,92 @@ class SwapEngine(TimeoutsMixin):
 
     def _dispatch(self) -> None:
         while True:
-            item = self._resolve.get()
-            if item is _STOP:
+            transfer = self._resolve.get()
+            if transfer is None:
                 return
-            transfer: Transfer = item  # type: ignore[assignment]
             # Future runs (and logs the failures of) its callbacks itself; nothing escapes here.
             if transfer.error is not None:
                 Future.set_exception(transfer.future, transfer.error)
             else:
                 Future.set_result(transfer.future, transfer.nbytes)
 
-    # -- timeouts and quarantine ------------------------------------------------------------
+    # -- timeouts and quarantine (swap.timeouts) -------------------------------------------
+    def _expire_overdue_locked(self, now: float) -> float | None:
+        """The watchdog's call: fails the transfers of the requests in flight for
+        ``request_timeout`` or longer at ``now``; returns when the oldest request left in
+        flight started."""
+        timeout = self.settings.request_timeout
+        assert timeout is not None  # the watchdog runs only with one
+        expired = [p for p in self._flying if now - p.started >= timeout]
+        for piece in expired:
+            self._expire_locked(piece, timeout)
+        if expired:
+            self._fail_stalled_locked()
+        return min((p.started for p in self._flying), default=None)
+
+    def _expire_locked(self, piece: Piece, timeout: float) -> None:
+        """``piece`` timed out: it still holds its queue slot (the kernel has it), its chain's
+        slot counts as stalled, and its memory and space are quarantined."""
+        piece.timed_out = True
+        self._flying.discard(piece)
+        self._zombies += 1
+        chain = piece.chain
+        if chain is not None and not chain.stalled:
+            chain.stalled = True
+            self._stalled += 1
+            self._drive_stalled[chain.drive] += 1
+        piece.transfer.outstanding -= 1
+        record = self._quarantine.hold(piece)
+        self._stats.note_timeout()
+        self._fail_transfer_locked(piece.transfer, request_timed_out(piece, timeout, record))
+
+    def _fail_transfer_locked(self, transfer: Transfer, error: BaseException) -> None:
+        """Fails ``transfer`` now: its queued requests are dropped at once (no slot may ever
+        free up to pop them) and it finishes when its requests still in flight complete."""
+        if transfer.error is None and not transfer.done:
+            transfer.error = error
+            self._stats.note_error()
+        if transfer.queued:
+            for drive_queue in self._queues:
+                kept = [p for p in drive_queue if p.transfer is not transfer]
+                if len(kept) != len(drive_queue):
+                    drive_queue.clear()
+                    drive_queue.extend(kept)
+            self._queued -= transfer.queued
+            transfer.queued = 0
+        self._finish_locked(transfer)
+        self._notify_if_drained_locked()
+
+    def _fail_stalled_locked(self) -> None:
+        """Fails the queued transfers of a drive whose every slot is held by a hung request:
+        nothing would ever start them, so waiting would be a hang."""
+        timeout = self.settings.request_timeout
+        assert timeout is not None  # requests time out only with one
+        stalled_all = self._stalled >= self.window
+        for drive, drive_queue in enumerate(self._queues):
+            stalled = self._drive_stalled[drive]
+            if not drive_queue or not (stalled_all or stalled >= self.drive_depth):
+                continue
+            for transfer in list(dict.fromkeys(p.transfer for p in drive_queue)):
+                piece = next(p for p in drive_queue if p.transfer is transfer)
+                hung = stalled or self._stalled
+                self._fail_transfer_locked(transfer, cannot_start(transfer, piece, hung, timeout))
+
+    def _zombie_done_locked(self, piece: Piece, error: BaseException | None) -> None:
+        """A request that timed out completed after all (or was abandoned by the backend)."""
+        self._zombies -= 1
+        extent = self._quarantine.completed(piece, error)
+        if extent is not None and not self._closed:
+            self.space.free(extent)
+            if self._integrity is not None:
+                self._integrity.forget(extent)
+
+    def quarantined(self) -> list[Quarantined]:
+        """Requests that timed out and have not completed: their buffer ranges must not be
+        reused, and their extents' space is held back."""
+        with self._lock:
+            return self._quarantine.records()
+
     # -- reporting and teardown -------------------------------------------------------------
     def stats(self) -> EngineStats:
         integrity = self._integrity
@@ -772,19 +804,20 @@ class SwapEngine(TimeoutsMixin):
                     drive_queue.clear()
                 self._queued = 0
                 self._fail_active_locked()
-            self._stop_watchdog_locked()
-        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            if self._watchdog is not None:
+                self._watchdog.stop_locked()
+        if self._watchdog is not None:
             self._watchdog.join(5.0)
         self.backend.close()
         with self._lock:
             # A backend that never resolves a request (closed or not) must not leave a transfer
             # pending forever, nor its memory unreferenced while the kernel may still use it.
-            for piece in list(self._flying) + list(self._quarantine):
-                self._abandon_locked(piece)
+            for piece in list(self._flying) + self._quarantine.pieces():
+                self._quarantine.abandon(piece)
             self._flying.clear()
             self._fail_active_locked()
         if self._hasher is not None:
-            self._hash_jobs.put(_STOP)  # after every queued chunk: their transfers finish first
+            self._hash_jobs.put(None)  # after every queued chunk: their transfers finish first
             if self._hasher is not threading.current_thread():
                 self._hasher.join(max(1.0, deadline - time.monotonic()))
         if self.keep_files and self._integrity is not None:
@@ -794,7 +827,7 @@ class SwapEngine(TimeoutsMixin):
                 except OSError as exc:
                     log.warning("could not write the integrity sidecar in %s: %s", run_dir, exc)
         self.space.close(keep=self.keep_files)
-        self._resolve.put(_STOP)
+        self._resolve.put(None)
         if self._dispatcher is not threading.current_thread():
             self._dispatcher.join(max(1.0, deadline - time.monotonic()))
 

@@ -10,8 +10,10 @@ holds the space back until the request completes. A request that completes after
 quarantine; one the backend abandons at close leaves its buffer referenced in ``_abandoned`` for
 the life of the process, so the kernel never writes into memory that was freed or reused.
 
-Lives in a mixin so the engine module stays about moving bytes; it uses the engine's lock and
-counters directly.
+Two objects the engine owns: a :class:`Watchdog`, the thread that has the engine expire overdue
+requests, and a :class:`Quarantine`, which keeps the records, the held-back extents and the
+abandoned buffers. Neither touches the engine's request accounting (queue slots, transfers):
+the engine keeps that, and tells them what happened.
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from swap.backends.base import BackendAbandonedError
 from swap.errors import TransferTimeoutError
+from swap.files import Extent
 from swap.transfer import Piece, Quarantined, Transfer
-
-if TYPE_CHECKING:
-    from swap.engine import SwapEngine
 
 log = logging.getLogger("swap.engine")
 
@@ -34,160 +34,96 @@ log = logging.getLogger("swap.engine")
 _abandoned: list[Quarantined] = []
 
 
-class TimeoutsMixin:
-    """The watchdog thread and the quarantine bookkeeping of :class:`SwapEngine`."""
+class Watchdog:
+    """A thread that calls ``expire(now)`` under ``lock`` until stopped. ``expire`` fails the
+    requests in flight since ``now - timeout`` or earlier, and returns when the oldest request
+    left in flight started (None when there is none); the watchdog sleeps until that one is due.
 
-    def _start_watchdog(self: SwapEngine) -> None:
-        self._watch = threading.Condition(self._lock)
-        self._watch_stop = False
-        self._watchdog: threading.Thread | None = None
-        if self.settings.request_timeout is not None:
-            # Its own thread, not the dispatcher: a callback blocking on a hung transfer would
-            # otherwise stop the very thread that is to time it out.
-            self._watchdog = threading.Thread(
-                target=self._watch_requests, name="swap-watchdog", daemon=True
-            )
-            self._watchdog.start()
+    Its own thread, not the engine's dispatcher: a callback blocking on a hung transfer would
+    otherwise stop the very thread that is to time it out."""
 
-    def _stop_watchdog_locked(self: SwapEngine) -> None:
-        self._watch_stop = True
-        self._watch.notify_all()
+    def __init__(
+        self, lock: threading.Lock, timeout: float, expire: Callable[[float], float | None]
+    ) -> None:
+        self._wake = threading.Condition(lock)
+        self._timeout = timeout
+        self._expire = expire
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="swap-watchdog", daemon=True)
+        self._thread.start()
 
-    def _watch_requests(self: SwapEngine) -> None:
-        timeout = self.settings.request_timeout
-        assert timeout is not None
-        with self._lock:
-            while not self._watch_stop:
+    def _run(self) -> None:
+        with self._wake:
+            while not self._stopped:
                 now = time.monotonic()
-                expired = [p for p in self._flying if now - p.started >= timeout]
-                for piece in expired:
-                    self._expire_locked(piece, timeout)
-                if expired:
-                    self._fail_stalled_locked()
-                oldest = min((p.started for p in self._flying), default=None)
+                oldest = self._expire(now)
                 # Idle, it wakes every timeout/2: a request submitted meanwhile is then seen
                 # long before its deadline, so submits never need to wake it.
-                wait = timeout / 2 if oldest is None else max(oldest + timeout - now, 0.001)
-                self._watch.wait(wait)
+                if oldest is None:
+                    wait = self._timeout / 2
+                else:
+                    wait = max(oldest + self._timeout - now, 0.001)
+                self._wake.wait(wait)
 
-    def _expire_locked(self: SwapEngine, piece: Piece, timeout: float) -> None:
-        transfer = piece.transfer
-        piece.timed_out = True
-        self._flying.discard(piece)
-        self._zombies += 1
-        chain = piece.chain
-        if chain is not None and not chain.stalled:
-            chain.stalled = True
-            self._stalled += 1
-            self._drive_stalled[chain.drive] += 1
-        transfer.outstanding -= 1
-        start = piece.address - transfer.buffer.address
-        record = Quarantined(
-            transfer.op.value,
-            piece.file.path,
-            piece.offset,
-            piece.length,
-            transfer.extent.serial,
-            transfer.buffer,
-            start,
-            start + piece.length,
-        )
-        self._quarantine[piece] = record
-        serial = transfer.extent.serial
-        self._extent_zombies[serial] = self._extent_zombies.get(serial, 0) + 1
-        self._stats.note_timeout()
-        message = (
-            f"{transfer.op.value} of {piece.length} bytes at offset {piece.offset} in "
-            f"{piece.file.path} did not complete within request_timeout={timeout:g} s "
-            f"(device hung or overloaded); the transfer of {transfer.nbytes} bytes fails. "
-            f"The request may still complete in the kernel, so its buffer range "
-            f"[{start}, {start + piece.length}) of buffer #{transfer.buffer.index} and the "
-            f"extent's space are quarantined: do not reuse that buffer range "
-            f"(SwapEngine.quarantined() lists it)"
-        )
-        log.error("swap engine: %s", message)
-        error = TransferTimeoutError(
-            message, path=piece.file.path, offset=piece.offset, timeout=timeout
-        )
-        error.quarantine = record  # the caller can wait for record.released before reusing
-        self._fail_transfer_locked(transfer, error)
+    def stop_locked(self) -> None:
+        """Asks the thread to end; the caller holds the lock given at construction."""
+        self._stopped = True
+        self._wake.notify_all()
 
-    def _fail_transfer_locked(self: SwapEngine, transfer: Transfer, error: BaseException) -> None:
-        """Fails ``transfer`` now: its queued requests are dropped at once (no slot may ever
-        free up to pop them) and it finishes when its requests still in flight complete."""
-        if transfer.error is None and not transfer.done:
-            transfer.error = error
-            self._stats.note_error()
-        if transfer.queued:
-            for drive_queue in self._queues:
-                kept = [p for p in drive_queue if p.transfer is not transfer]
-                if len(kept) != len(drive_queue):
-                    drive_queue.clear()
-                    drive_queue.extend(kept)
-            self._queued -= transfer.queued
-            transfer.queued = 0
-        self._finish_locked(transfer)
-        self._notify_if_drained_locked()
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
-    def _fail_stalled_locked(self: SwapEngine) -> None:
-        """Fails the queued transfers of a drive whose every slot is held by a hung request:
-        nothing would ever start them, so waiting would be a hang."""
-        stalled_all = self._stalled >= self.window
-        for drive, drive_queue in enumerate(self._queues):
-            stalled = self._drive_stalled[drive]
-            if not drive_queue or not (stalled_all or stalled >= self.drive_depth):
-                continue
-            for transfer in list(dict.fromkeys(p.transfer for p in drive_queue)):
-                piece = next(p for p in drive_queue if p.transfer is transfer)
-                self._fail_transfer_locked(
-                    transfer,
-                    TransferTimeoutError(
-                        f"{transfer.op.value} of {transfer.nbytes} bytes at offset "
-                        f"{piece.offset} in {piece.file.path} cannot start: all "
-                        f"{stalled or self._stalled} request "
-                        f"slots are held by requests that exceeded request_timeout="
-                        f"{self.settings.request_timeout:g} s (device hung)",
-                        path=piece.file.path,
-                        offset=piece.offset,
-                        timeout=self.settings.request_timeout,
-                    ),
-                )
 
-    def _zombie_done_locked(self: SwapEngine, piece: Piece, error: BaseException | None) -> None:
-        """A request that timed out completed after all: its slot and quarantine are released,
-        unless the backend only gave up on it (then it may still run)."""
-        self._zombies -= 1
+class Quarantine:
+    """The requests that timed out and may still run in the kernel: a record of each (its
+    buffer range must not be reused until ``record.released``), and the space of extents freed
+    while one of them may still write there, held back until the last of those completes.
+    Every method is called with the engine's lock held."""
+
+    def __init__(self) -> None:
+        self._records: dict[Piece, Quarantined] = {}
+        self._per_extent: dict[int, int] = {}  # extent serial -> timed-out requests on it
+        self._held_back: dict[int, Extent] = {}  # freed while such a request may write to it
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def records(self) -> list[Quarantined]:
+        return list(self._records.values())
+
+    def pieces(self) -> list[Piece]:
+        return list(self._records)
+
+    def hold(self, piece: Piece) -> Quarantined:
+        """``piece`` timed out: its buffer range and its extent's space are held from now on."""
+        record = self._records[piece] = _record(piece)
+        serial = piece.transfer.extent.serial
+        self._per_extent[serial] = self._per_extent.get(serial, 0) + 1
+        return record
+
+    def completed(self, piece: Piece, error: BaseException | None) -> Extent | None:
+        """A request that timed out completed after all: its record is released, unless the
+        backend only gave up on it (then it may still run, and its buffer stays referenced).
+        Returns the extent whose space may now be freed, if it was freed meanwhile."""
         if isinstance(error, BackendAbandonedError):
-            self._abandon_locked(piece)
+            self.abandon(piece)
         else:
-            record = self._quarantine.pop(piece, None)
+            record = self._records.pop(piece, None)
             if record is not None:
                 record.released.set()
         serial = piece.transfer.extent.serial
-        left = self._extent_zombies.get(serial, 1) - 1
+        left = self._per_extent.get(serial, 1) - 1
         if left:
-            self._extent_zombies[serial] = left
-            return
-        self._extent_zombies.pop(serial, None)
-        extent = self._deferred_free.pop(serial, None)
-        if extent is not None and not self._closed:
-            self.space.free(extent)
-            if self._integrity is not None:
-                self._integrity.forget(extent)
+            self._per_extent[serial] = left
+            return None
+        self._per_extent.pop(serial, None)
+        return self._held_back.pop(serial, None)
 
-    def _abandon_locked(self: SwapEngine, piece: Piece) -> None:
-        transfer = piece.transfer
-        start = piece.address - transfer.buffer.address
-        record = self._quarantine.pop(piece, None) or Quarantined(
-            transfer.op.value,
-            piece.file.path,
-            piece.offset,
-            piece.length,
-            transfer.extent.serial,
-            transfer.buffer,
-            start,
-            start + piece.length,
-        )
+    def abandon(self, piece: Piece) -> None:
+        """The backend stopped waiting for ``piece``, which may still run: its buffer stays
+        referenced for the life of the process."""
+        record = self._records.pop(piece, None) or _record(piece)
         _abandoned.append(record)
         log.error(
             "swap engine: abandoned %s: the kernel may still complete it, so its buffer "
@@ -195,8 +131,69 @@ class TimeoutsMixin:
             record.describe(),
         )
 
-    def quarantined(self: SwapEngine) -> list[Quarantined]:
-        """Requests that timed out and have not completed: their buffer ranges must not be
-        reused, and their extents' space is held back."""
-        with self._lock:
-            return list(self._quarantine.values())
+    def was_freed(self, extent: Extent) -> bool:
+        """Whether ``extent`` was freed and its space is still held back."""
+        return extent.serial in self._held_back
+
+    def hold_back(self, extent: Extent) -> bool:
+        """At its free: keeps ``extent``'s space while a request that timed out may still write
+        into it (``completed`` hands it back). True when it did."""
+        if not self._per_extent.get(extent.serial):
+            return False
+        self._held_back[extent.serial] = extent
+        log.warning(
+            "extent #%d freed while a request that timed out may still write to it; its "
+            "space is held back until that request completes",
+            extent.serial,
+        )
+        return True
+
+
+def _record(piece: Piece) -> Quarantined:
+    transfer = piece.transfer
+    start = piece.address - transfer.buffer.address
+    return Quarantined(
+        transfer.op.value,
+        piece.file.path,
+        piece.offset,
+        piece.length,
+        transfer.extent.serial,
+        transfer.buffer,
+        start,
+        start + piece.length,
+    )
+
+
+def request_timed_out(piece: Piece, timeout: float, record: Quarantined) -> TransferTimeoutError:
+    """The error of the transfer of ``piece``, a request that timed out (logged here)."""
+    transfer = piece.transfer
+    message = (
+        f"{transfer.op.value} of {piece.length} bytes at offset {piece.offset} in "
+        f"{piece.file.path} did not complete within request_timeout={timeout:g} s "
+        f"(device hung or overloaded); the transfer of {transfer.nbytes} bytes fails. "
+        f"The request may still complete in the kernel, so its buffer range "
+        f"[{record.buffer_start}, {record.buffer_end}) of buffer #{transfer.buffer.index} and "
+        f"the extent's space are quarantined: do not reuse that buffer range "
+        f"(SwapEngine.quarantined() lists it)"
+    )
+    log.error("swap engine: %s", message)
+    error = TransferTimeoutError(
+        message, path=piece.file.path, offset=piece.offset, timeout=timeout
+    )
+    error.quarantine = record  # the caller can wait for record.released before reusing
+    return error
+
+
+def cannot_start(
+    transfer: Transfer, piece: Piece, hung: int, timeout: float
+) -> TransferTimeoutError:
+    """The error of a queued ``transfer`` (``piece`` its first queued request) on a drive whose
+    ``hung`` request slots are all held by requests that timed out."""
+    return TransferTimeoutError(
+        f"{transfer.op.value} of {transfer.nbytes} bytes at offset {piece.offset} in "
+        f"{piece.file.path} cannot start: all {hung} request slots are held by requests "
+        f"that exceeded request_timeout={timeout:g} s (device hung)",
+        path=piece.file.path,
+        offset=piece.offset,
+        timeout=timeout,
+    )

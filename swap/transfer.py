@@ -1,4 +1,5 @@
-"""The engine's bookkeeping objects: transfers, their futures, requests and quarantine records."""
+"""The engine's bookkeeping objects: transfers, their futures, requests (and the cutting of a
+transfer into them) and quarantine records."""
 
 from __future__ import annotations
 
@@ -114,6 +115,58 @@ class Piece:
             and other.offset == self.offset + self.length
             and other.address == self.address + self.length
         )
+
+
+def cut_into_pieces(
+    transfer: Transfer,
+    extent_offset: int,
+    buffer_offset: int,
+    padded: int,
+    block: int,
+    size: int,
+) -> tuple[list[Piece], list[Chunk]]:
+    """The requests of ``padded`` bytes of ``transfer`` from ``extent_offset`` of its extent
+    and ``buffer_offset`` of its buffer: at most ``block`` bytes each, cut on the ``block``-byte
+    grid of the extent; and the integrity chunks (of ``size`` bytes) the transfer covers
+    entirely. Each request is tagged with the chunk it is part of; ``transfer.chunk_left``
+    counts the bytes each chunk awaits."""
+    extent = transfer.extent
+    base = transfer.buffer.address
+    check = transfer.check
+    chunks: dict[int, Chunk] = {}
+    pieces = []
+    for file, file_offset, ext_offset, length in extent.locate(extent_offset, padded):
+        done = 0
+        while done < length:
+            at = ext_offset + done
+            take = min(block - at % block, length - done)
+            chunk = None
+            index = at // size
+            if check is not None and check.first <= index < check.stop:
+                chunk = chunks.get(index)
+                if chunk is None:  # its first byte: where a mismatch is reported
+                    start = index * size
+                    chunk = chunks[index] = Chunk(
+                        index,
+                        buffer_offset + (start - extent_offset),
+                        min(size, extent.nbytes - start),
+                        file.path,
+                        file_offset + done - (at - start),
+                    )
+                    transfer.chunk_left[index] = 0
+                transfer.chunk_left[index] += take
+            pieces.append(
+                Piece(
+                    transfer,
+                    file,
+                    file_offset + done,
+                    base + buffer_offset + (at - extent_offset),
+                    take,
+                    chunk,
+                )
+            )
+            done += take
+    return pieces, list(chunks.values())
 
 
 @dataclass(frozen=True)
