@@ -203,14 +203,15 @@ class BufferPool:
                 name,
             )
         total = self.buffer_size * buffer_count
-        self._array, self._tensor, self._owner = _allocate(total, self.pinned, prefault)
-        if self._array.ctypes.data % ALIGNMENT:
+        # The buffers' views keep the memory alive; ``_owner`` frees it at close.
+        array, tensor, self._owner = _allocate(total, self.pinned, prefault)
+        if array.ctypes.data % ALIGNMENT:
             raise RuntimeError("pool allocation is not page aligned")
         self._buffers = [
             HostBuffer(
                 i,
-                self._array[i * self.buffer_size : (i + 1) * self.buffer_size],
-                self._tensor[i * self.buffer_size : (i + 1) * self.buffer_size],
+                array[i * self.buffer_size : (i + 1) * self.buffer_size],
+                tensor[i * self.buffer_size : (i + 1) * self.buffer_size],
                 self,
             )
             for i in range(buffer_count)
@@ -291,7 +292,6 @@ class BufferPool:
             self._closed = True
             self._cond.notify_all()
         self._buffers.clear()
-        self._array = self._tensor = None  # type: ignore[assignment]
         owner, self._owner = self._owner, None
         if isinstance(owner, mmap.mmap):
             try:

@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from swap.backends.base import IOBackend, IORequest, Op, resolve
+from swap.backends.base import IOBackend, IORequest, Op, outcome_of, resolve
 from swap.buffers import ALIGNMENT
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class FaultInjectingBackend(IOBackend):
             try:
                 inner = self.inner.submit(request)
             except Exception as exc:
-                resolve(future, None, exc)
+                resolve(future, exc)
                 continue
             inner.add_done_callback(functools.partial(_chain, outer=future))
 
@@ -276,14 +276,11 @@ class FaultInjectingBackend(IOBackend):
         # ECANCELED, not an abandoned request whose buffer must stay quarantined.
         for future, _request in hung:
             resolve(
-                future,
-                None,
-                OSError(errno.ECANCELED, "the backend was closed; injected hang released"),
+                future, OSError(errno.ECANCELED, "the backend was closed; injected hang released")
             )
         for _, _, future, _request in delayed:
             resolve(
                 future,
-                None,
                 OSError(errno.ECANCELED, "the backend was closed while the request was delayed"),
             )
         if self._timer_thread is not None and self._timer_thread is not threading.current_thread():
@@ -302,10 +299,9 @@ def _failed(error: BaseException) -> Future[int]:
 
 def _chain(inner: Future[int], outer: Future[int]) -> None:
     if inner.cancelled():
-        resolve(outer, None, OSError(errno.ECANCELED, "the inner backend cancelled the request"))
+        resolve(outer, OSError(errno.ECANCELED, "the inner backend cancelled the request"))
     else:
-        error = inner.exception()
-        resolve(outer, None if error is not None else inner.result(), error)
+        resolve(outer, outcome_of(inner))
 
 
 def _check_kind(kind: str) -> None:

@@ -25,7 +25,7 @@ from swap import (
     choose_backend,
     make_backend,
 )
-from swap.backends.base import IOBackend, IORequest, Op, resolve
+from swap.backends.base import IOBackend, IORequest, Op, outcome_of, resolve
 from swap.backends.threads import ThreadBackend
 from swap.faults import KINDS
 from tests.conftest import REAL_BACKENDS, contents, fill, random_bytes
@@ -228,9 +228,7 @@ class HeldRead(IOBackend):
     def release(self) -> None:
         for future, request in self.held:
             self.inner.submit(request).add_done_callback(
-                lambda done, outer=future: resolve(
-                    outer, None if done.exception() else done.result(), done.exception()
-                )
+                lambda done, outer=future: resolve(outer, outcome_of(done))
             )
 
     def close(self) -> None:

@@ -197,19 +197,17 @@ def outcome_of(future: Future[int]) -> Outcome:
 def resolve_outcomes(futures: Sequence[Future[int]], outcomes: Sequence[Outcome]) -> None:
     """Sets each future's outcome (see :func:`resolve`)."""
     for future, outcome in zip(futures, outcomes):
-        if isinstance(outcome, BaseException):
-            resolve(future, 0, outcome)
-        else:
-            resolve(future, outcome, None)
+        resolve(future, outcome)
 
 
-def resolve(future: Future[int], result: int | None, error: BaseException | None) -> None:
-    """Sets a request's outcome unless it already has one (close failed it after its timeout,
-    or a fault wrapper settled it): the first outcome wins and a late one is dropped."""
+def resolve(future: Future[int], outcome: Outcome) -> None:
+    """Sets a request's outcome (bytes moved, or the exception it failed with) unless it already
+    has one (close failed it after its timeout, or a fault wrapper settled it): the first
+    outcome wins and a late one is dropped."""
     try:
-        if error is None:
-            future.set_result(result)
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
         else:
-            future.set_exception(error)
+            future.set_result(outcome)
     except InvalidStateError:
         pass

@@ -42,7 +42,6 @@ from swap.backends.base import (
 
 log = logging.getLogger(__name__)
 
-_NOTHING = object()
 #: requests one system call may move together (well below IOV_MAX)
 _MAX_RUN = 16
 
@@ -106,12 +105,12 @@ class ThreadBackend(IOBackend):
         self._work.put(chain)
 
     def _worker(self) -> None:
-        ahead: object = _NOTHING
+        ahead: list[_Chain | None] = []  # an item taken from the queue, not run yet
         while True:
-            item = self._work.get() if ahead is _NOTHING else ahead
+            item = ahead.pop() if ahead else self._work.get()
             if item is None:
                 return
-            run, ahead = self._gather_run(item)  # type: ignore[arg-type]
+            run, ahead = self._gather_run(item)
             with self._lock:
                 # A request abandoned by a close that timed out must not run: its descriptor may
                 # be closed by now and the number reused by an unrelated file.
@@ -139,35 +138,36 @@ class ThreadBackend(IOBackend):
                 if chain in mine:
                     _report(chain, outcomes[at : at + count])
                 at += count
-            if ahead is _NOTHING:
+            if not ahead:
                 # Reporting usually submitted the next requests: take them now, while this
                 # thread holds the GIL, instead of handing the interpreter to another worker.
                 try:
-                    ahead = self._work.get_nowait()
+                    ahead.append(self._work.get_nowait())
                 except queue.Empty:
                     pass
 
-    def _gather_run(self, item: _Chain) -> tuple[list[_Chain], object]:
+    def _gather_run(self, item: _Chain) -> tuple[list[_Chain], list[_Chain | None]]:
         """The chain ``item`` and the queued chains that continue it in the same file (same
         direction, each starting where the last ends), up to ``_MAX_RUN`` requests: one system
         call moves them all, so the worker takes the GIL back once for the run instead of once
-        per request. Returns the run and the first queued item that does not continue it."""
+        per request. Returns the run and the first queued item that does not continue it, if
+        one was taken."""
         run = [item]
         count = len(item.requests)
         while count < _MAX_RUN:
             try:
                 following = self._work.get_nowait()
             except queue.Empty:
-                return run, _NOTHING
+                return run, []
             if (
                 following is None
                 or count + len(following.requests) > _MAX_RUN
                 or not continues(run[-1].requests[-1], following.requests[0])
             ):
-                return run, following
+                return run, [following]
             run.append(following)
             count += len(following.requests)
-        return run, _NOTHING
+        return run, []
 
     def _run_batch(self, requests: list[IORequest]) -> int:
         """Moves a run of contiguous requests with one system call; returns the bytes moved."""

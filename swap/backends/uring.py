@@ -51,6 +51,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from typing import Any
 
 from swap.backends.base import (
     BackendAbandonedError,
@@ -233,7 +234,7 @@ class UringBackend(IOBackend):
             chain = _Chain(requests, done, self._next_id, units)
             # Before any slot is taken: if this raises, the ring is as it was.
             chain.iovecs = [self._iovec(_spans(unit)) for unit in units]
-            sqes: list[object] = []
+            sqes: list[Any] = []  # liburing's SQEs (the package declares no types)
             try:
                 self._chains.add(chain)
                 for unit, iovec in zip(units, chain.iovecs):
