@@ -506,7 +506,9 @@ class _SavePlanner(SavePlanner):
     def _state_dtype(self, shard: Shard, key: str) -> torch.dtype:
         companion = state_companions(shard).get(key)
         if companion is not None:
-            return companion.dtype
+            # State kept in fewer bytes is saved as its fp32 values: the checkpoint loads into
+            # the plain optimizer, and into a store that keeps it otherwise.
+            return self._optimizer().state_dtype(companion)
         return self._optimizer().inner.state[step_param_of(shard)][key].dtype
 
     def _optimizer(self) -> OffloadedOptimizer:
@@ -588,6 +590,9 @@ class _SavePlanner(SavePlanner):
         companion = state_companions(shard).get(state_key)
         if companion is not None:
             placement.ensure_host(companion)
+            if companion.encoding is not None:
+                values = self._optimizer().state_values(shard, state_key, companion)
+                return values.reshape(-1)[:real]
             return companion.host_copy()[:real]
         value = self._optimizer().inner.state[step_param_of(shard)][state_key]
         return value.detach().reshape(-1)[:real]

@@ -34,6 +34,7 @@ from typing import Any
 from infinity.config import DEFAULT_BUFFER_SIZE
 from infinity.core.shards import ParamEntry, Shard, ShardKind
 from infinity.errors import BudgetError
+from infinity.training.state_codecs import stored_nbytes
 from swap import align_up
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ def slot_size(config: Any) -> int:
     """The swap buffer (and arena slot) size: ``buffer_size``, or the one derived from the host
     budget (``OffloadConfig.swap_buffer_size``)."""
     return int(config.swap_buffer_size())
+
+
+def state_part_bytes(nbytes: int, state_dtype: str) -> int:
+    """Bytes of one per-element optimizer state tensor of a shard of ``nbytes`` fp32 bytes, as
+    ``precision.optimizer_state_dtype`` stores it (an estimate before the optimizer made it)."""
+    return stored_nbytes(state_dtype, nbytes // 4) if state_dtype != "fp32" else nbytes
 
 
 def slot_cost(slot: int) -> Callable[[int], int]:
@@ -279,10 +286,16 @@ def plan_memory(
     if params_nvme or optim_nvme:
         cost = slot_cost(slot)
         shard_bytes = sum(cost(s.nbytes) for s in shards)
+        state_dtype = config.precision.optimizer_state_dtype
+        state_bytes = sum(cost(state_part_bytes(s.nbytes, state_dtype)) for s in shards)
         # What the arena would need to cache everything: masters, gradients and (estimated: two
         # moments, as Adam keeps) optimizer state, in slot bytes, plus one slot for the gaps
         # that packing small shards into shared slots leaves.
-        needed = (shard_bytes if params_nvme else 0) + (3 * shard_bytes if optim_nvme else 0) + slot
+        needed = (
+            (shard_bytes if params_nvme else 0)
+            + (shard_bytes + 2 * state_bytes if optim_nvme else 0)
+            + slot
+        )
         # The swap buffers, or a larger cache of up to max_in_cpu bytes in front of the drives,
         # but never more than caching everything needs.
         pool = max(config.buffer_count * slot, min(config.max_in_cpu, needed))
@@ -340,16 +353,16 @@ def plan_memory(
 
 
 # -- updates in backward ---------------------------------------------------------------------------
-def update_part_bytes(shard: Shard, state_on_nvme: bool) -> list[int]:
+def update_part_bytes(shard: Shard, state_on_nvme: bool, state_dtype: str = "fp32") -> list[int]:
     """Bytes of each part an update of ``shard`` in backward needs in the arena: its master,
     its gradient (a parked gradient takes a companion's room) and, with the optimizer state on
     NVMe, each state companion: as they are once made, estimated before that as Adam's two
-    moments in the master's dtype. Counted part by part, so that state kept in fewer bytes
-    needs less room."""
+    moments as ``state_dtype`` stores them. Counted part by part, so that state kept in fewer
+    bytes needs less room."""
     parts = [shard.nbytes, shard.nbytes]
     if state_on_nvme:
         state = [c.nbytes for kind, c in shard.companions.items() if kind.startswith("optim")]
-        parts += state or [shard.nbytes, shard.nbytes]
+        parts += state or 2 * [state_part_bytes(shard.nbytes, state_dtype)]
     return parts
 
 
@@ -381,10 +394,11 @@ def update_room(
     *,
     params_on_nvme: bool,
     state_on_nvme: bool,
+    state_dtype: str = "fp32",
 ) -> UpdateRoom:
     cost = slot_cost(slot)
     update = max(
-        sum(cost(b) for b in update_part_bytes(s, state_on_nvme))
+        sum(cost(b) for b in update_part_bytes(s, state_on_nvme, state_dtype))
         for s in shards
         if s.kind is ShardKind.PARAM
     )
@@ -403,6 +417,7 @@ def update_room_at(
     *,
     params_on_nvme: bool,
     state_parts: int,
+    state_dtype: str = "fp32",
 ) -> int:
     """The arena bytes updates in backward need (:class:`UpdateRoom`'s rule) with the
     parameters cut into shards of at most ``slot`` bytes and placed in slots of that size."""
@@ -412,7 +427,11 @@ def update_room_at(
         full, rest = divmod(nbytes, slot)
         return [slot] * full + ([rest] if rest else [])
 
-    update = max((2 + state_parts) * cost(min(e.nbytes, slot)) for e in entries)
+    def update_of(nbytes: int) -> int:
+        state = state_parts * cost(state_part_bytes(nbytes, state_dtype))
+        return 2 * cost(nbytes) + state
+
+    update = max(update_of(min(e.nbytes, slot)) for e in entries)
     masters = (
         max(sum(cost(p) for e in module for p in pieces(e.nbytes)) for _, module in modules)
         if params_on_nvme
@@ -428,6 +447,7 @@ def largest_slot_for_updates(
     *,
     params_on_nvme: bool,
     state_parts: int,
+    state_dtype: str = "fp32",
 ) -> int | None:
     """The largest power-of-two ``buffer_size`` with which an arena of ``arena`` bytes would
     have room to update in backward, or None below 64 KiB."""
@@ -435,7 +455,12 @@ def largest_slot_for_updates(
     while slot >= 64 << 10:
         arena_slots = arena // slot * slot
         needed = update_room_at(
-            slot, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+            slot,
+            entries,
+            modules,
+            params_on_nvme=params_on_nvme,
+            state_parts=state_parts,
+            state_dtype=state_dtype,
         )
         if arena_slots >= needed:
             return slot
@@ -473,6 +498,7 @@ def arena_reason(
     params_on_nvme: bool,
     state_parts: int,
     plan_at: Callable[[int], MemoryPlan] | None,
+    state_dtype: str = "fp32",
 ) -> str:
     """Why an arena keeps updates out of backward, and the ways out: the host budget whose
     arena has the room (``plan_at(budget)``: the plan a budget gets, its derived buffer size and
@@ -481,7 +507,12 @@ def arena_reason(
 
     def needed_at(slot: int) -> int:
         return update_room_at(
-            slot, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+            slot,
+            entries,
+            modules,
+            params_on_nvme=params_on_nvme,
+            state_parts=state_parts,
+            state_dtype=state_dtype,
         )
 
     ways = []
@@ -489,7 +520,12 @@ def arena_reason(
         start = max(plan.host, room.arena) + room.needed - room.arena
         ways.append(f"raise host_budget to >= {host_budget_for_updates(start, plan_at, needed_at)}")
     slot = largest_slot_for_updates(
-        room.arena, entries, modules, params_on_nvme=params_on_nvme, state_parts=state_parts
+        room.arena,
+        entries,
+        modules,
+        params_on_nvme=params_on_nvme,
+        state_parts=state_parts,
+        state_dtype=state_dtype,
     )
     if slot is not None and slot < plan.slot:
         ways.append(f"set buffer_size <= {slot}")

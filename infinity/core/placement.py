@@ -86,6 +86,28 @@ class PlacementSettings:
     assemble_ahead: bool = True
 
 
+@dataclass
+class CompressedTraffic:
+    """Bytes the swap files moved for optimizer state kept in fewer bytes (``Shard.encoding``),
+    beside what the same transfers would have moved in fp32: ``stats()['compression']``."""
+
+    state_read: int = 0
+    state_read_as_fp32: int = 0
+    state_written: int = 0
+    state_written_as_fp32: int = 0
+
+    def count(self, shard: Shard, write: bool) -> None:
+        if shard.encoding is None:
+            return
+        values = next(s for s in shard.entry.shards if s.start == shard.start).numel
+        if write:
+            self.state_written += shard.nbytes
+            self.state_written_as_fp32 += 4 * values
+        else:
+            self.state_read += shard.nbytes
+            self.state_read_as_fp32 += 4 * values
+
+
 def _tag(shard: Shard) -> list:
     """The identity a shard's bytes are written and read under: a read of another shard's or
     another version's bytes fails verification instead of being trained on."""
@@ -146,6 +168,8 @@ class Placement:
         #: arena shards written back to free their room (see :meth:`_make_arena_room`): once
         #: clean, they are the first to go
         self.doomed: set[Shard] = set()
+        #: bytes moved for shards kept in fewer bytes, and what they would have taken
+        self.compressed = CompressedTraffic()
         self._in_pass = False  # between the first forward hook and optimizer.step()
         #: a training pass began and its step has not finished: the step needs the masters
         self.masters_due = False
@@ -618,6 +642,7 @@ class Placement:
         )
         self.registry.set_state(shard, R.HOST_STORING)
         shard.pending = future
+        self.compressed.count(shard, write=True)
         self._record_io(shard, "write", prefetch=False)
 
     def load_async(
@@ -651,6 +676,7 @@ class Placement:
             raise
         self.registry.set_state(shard, R.NVME_LOADING)
         shard.pending = future
+        self.compressed.count(shard, write=False)
         self._record_io(shard, "read", prefetch=prefetch)
         if prefetch:
             self.prefetched_loads += 1
@@ -752,9 +778,16 @@ class Placement:
         self.registry.set_state(shard, R.HOST)
 
     # -- companions (gradients and optimizer state beside a param shard) --------------------
-    def companion(self, shard: Shard, key: str, numel: int, dtype: torch.dtype) -> Shard:
+    def companion(
+        self,
+        shard: Shard,
+        key: str,
+        numel: int,
+        dtype: torch.dtype,
+        encoding: str | None = None,
+    ) -> Shard:
         """``shard``'s companion under ``key`` (``GRAD_KEY``, or ``"optim:<state key>"``),
-        made EMPTY on first use."""
+        made EMPTY on first use (``encoding``: see ``Shard.encoding``)."""
         found = shard.companions.get(key)
         if found is None:
             kind = ShardKind.GRAD if key == GRAD_KEY else ShardKind.OPTIM
@@ -766,6 +799,7 @@ class Placement:
                 dtype,
                 kind=kind,
                 companion_key=key,
+                encoding=encoding,
             )
             shard.companions[key] = found
         return found

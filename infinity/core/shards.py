@@ -60,6 +60,10 @@ class Shard:
     #: a companion's key in its param shard's ``companions`` (``GRAD_KEY``, or
     #: ``"optim:<state key>"``); None for a param shard
     companion_key: str | None = None
+    #: an optimizer-state companion kept in fewer bytes than the state it holds: the codec's
+    #: name (``precision.optimizer_state_dtype``; infinity.training.state_codecs); None: the
+    #: values as they are
+    encoding: str | None = None
     state: Residency = Residency.EMPTY
     #: the host copy (a view into the staging arena, or a standalone host tensor)
     host: torch.Tensor | None = None

@@ -32,6 +32,7 @@ from infinity.core.budgets import (
     arena_reason,
     plan_memory,
     slot_size,
+    state_part_bytes,
     update_room,
 )
 from infinity.core.memory import (
@@ -506,6 +507,7 @@ class TieredStore:
                 modules,
                 params_on_nvme=params_on_nvme,
                 state_on_nvme=state_on_nvme,
+                state_dtype=config.precision.optimizer_state_dtype,
             )
             if not room.fits:
                 reasons.append(self._arena_too_small(room, modules, params_on_nvme, state_on_nvme))
@@ -558,6 +560,7 @@ class TieredStore:
             state_parts=2 if state_on_nvme else 0,
             # With activations in host memory the arena is the swap buffers, not what H leaves.
             plan_at=plan_at if config.offload_activations != "cpu" else None,
+            state_dtype=config.precision.optimizer_state_dtype,
         )
 
     def _attach_activations(self, model: nn.Module) -> None:
@@ -723,9 +726,13 @@ class TieredStore:
             paths = self.partition.drives(paths)
             label = f"rank{self.partition.rank}-"
         stripe = config.aio.block_size
-        shard_bytes = sum(align_up(s.nbytes) for s in self.registry.shards.values())
+        shards = self.registry.shards.values()
+        shard_bytes = sum(align_up(s.nbytes) for s in shards)
+        state_dtype = config.precision.optimizer_state_dtype
+        state_bytes = sum(align_up(state_part_bytes(s.nbytes, state_dtype)) for s in shards)
+        # Masters; gradients and (as Adam keeps) two moments of optimizer state.
         needed = (shard_bytes if self.master_tier == "nvme" else 0) + (
-            3 * shard_bytes if config.offload_optimizer == "nvme" else 0
+            shard_bytes + 2 * state_bytes if config.offload_optimizer == "nvme" else 0
         )
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096
         for path in paths:

@@ -110,8 +110,23 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         # all-gathers (its slices) and reductions (whole gradients), and the seconds the
         # training thread waited for them
         "comm": _comm_stats(store),
+        # optimizer state kept in fewer bytes (precision.optimizer_state_dtype): the bytes its
+        # transfers moved, and what they would have moved in fp32
+        "compression": _compression_stats(store),
         # saved activations moved off the device (offload_activations; None when 'none')
         "activations": store.activations.stats() if store.activations is not None else None,
+    }
+
+
+def _compression_stats(store: AttachedStore) -> dict[str, Any]:
+    placement = store.placement
+    moved = placement.compressed if placement is not None else None
+    return {
+        "optimizer_state_dtype": store.config.precision.optimizer_state_dtype,
+        "state_read": moved.state_read if moved else 0,
+        "state_read_as_fp32": moved.state_read_as_fp32 if moved else 0,
+        "state_written": moved.state_written if moved else 0,
+        "state_written_as_fp32": moved.state_written_as_fp32 if moved else 0,
     }
 
 

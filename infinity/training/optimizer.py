@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from infinity.core.residency import Residency as R
 from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.errors import AttachError
+from infinity.training.state_codecs import StateCodec, codec_for
 from infinity.training.step_params import StepParams
 
 if TYPE_CHECKING:
@@ -68,6 +69,14 @@ class OffloadedOptimizer(Optimizer):
         self.param_groups = inner.param_groups
         #: per-element optimizer state lives in NVMe-backed companions, not in memory
         self.swap_state = store.config.offload_optimizer == "nvme"
+        #: how fp32 per-element state is stored in its companions (None: as it is;
+        #: precision.optimizer_state_dtype, infinity.training.state_codecs)
+        self.codec: StateCodec | None = (
+            codec_for(store.config.precision.optimizer_state_dtype) if self.swap_state else None
+        )
+        #: with a codec, the most elements the inner optimizer updates at once: the largest
+        #: shard's, so that the decoded state is a transient of two of the largest shard
+        self._group_numel = max((s.numel for s in shards), default=0)
         #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
         self._host_device = "meta" if placement.host.meta else "cpu"
         #: the inner optimizer's own time and the elements it updated; the steps' time less
@@ -162,8 +171,30 @@ class OffloadedOptimizer(Optimizer):
         """Runs the inner optimizer over ``tile``, whose host copies, gradients and (when
         swapped) optimizer-state companions are on the host. Returns the optimizer-state
         companions it filled or changed, for the caller to write back."""
-        placement = self.placement
         self.store.before_state_change(tile)  # a checkpoint being saved copies them first
+        changed: list[Shard] = []
+        for group in self._groups(tile):
+            changed += self._update(group, grad_multiplier)
+        return changed
+
+    def _groups(self, tile: list[Shard]) -> list[list[Shard]]:
+        """The tile as the groups the inner optimizer updates at once: the whole of it, or with
+        a codec consecutive shards of at most the largest shard's elements (their state is
+        decoded for the update: see ``_group_numel``)."""
+        if self.codec is None:
+            return [tile]
+        groups: list[list[Shard]] = []
+        numel = 0
+        for shard in tile:
+            if not groups or numel + shard.numel > self._group_numel:
+                groups.append([])
+                numel = 0
+            groups[-1].append(shard)
+            numel += shard.numel
+        return groups
+
+    def _update(self, tile: list[Shard], grad_multiplier: float) -> list[Shard]:
+        placement = self.placement
         bound: list[tuple[Shard, dict[str, Shard]]] = []
         for shard in tile:
             view = shard.host_copy().view(step_shape(shard))
@@ -179,7 +210,7 @@ class OffloadedOptimizer(Optimizer):
             if companions:
                 state = self.inner.state[param]
                 for key, companion in companions.items():
-                    state[key] = companion.host_copy().view(step_shape(shard))
+                    state[key] = self.state_values(shard, key, companion)
             bound.append((shard, companions))
         started = time.perf_counter()
         try:
@@ -211,17 +242,51 @@ class OffloadedOptimizer(Optimizer):
                 continue
             companion = companions.get(key)
             if companion is None:
-                companion = placement.companion(shard, OPTIM_PREFIX + key, shard.numel, value.dtype)
+                companion = self._new_companion(shard, key, value)
                 placement.fill(companion)
                 placement.pin(companion)  # the rest of this tile must not evict it
-            view = companion.host_copy().view(value.shape)
-            if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
-                view.copy_(value)  # new state, or the optimizer replaced the tensor
+            if companion.encoding is not None:
+                self._encode(companion, key, value)
+            else:
+                view = companion.host_copy().view(value.shape)
+                if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
+                    view.copy_(value)  # new state, or the optimizer replaced the tensor
             state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
             if companion.state is not R.HOST:
                 self.store.registry.set_state(companion, R.HOST)
             changed.append(companion)
         return changed
+
+    def _new_companion(self, shard: Shard, key: str, value: torch.Tensor) -> Shard:
+        """The companion that will hold ``shard``'s state ``key`` (whose values are like
+        ``value``): in the codec's bytes for fp32 state, else as it is."""
+        codec = self.codec
+        kind = OPTIM_PREFIX + key
+        if codec is not None and value.dtype == torch.float32:
+            numel, dtype = codec.stored(shard.numel)
+            return self.placement.companion(shard, kind, numel, dtype, encoding=codec.name)
+        return self.placement.companion(shard, kind, shard.numel, value.dtype)
+
+    def _encode(self, companion: Shard, key: str, value: torch.Tensor) -> None:
+        codec = self.codec
+        assert codec is not None and companion.encoding == codec.name  # made by this store
+        codec.encode(value.detach().reshape(-1).float(), companion.host_copy(), key)
+
+    def state_values(self, shard: Shard, key: str, companion: Shard) -> torch.Tensor:
+        """The values of ``shard``'s state ``key`` that ``companion`` (on the host) holds, in
+        the shard's step shape: its host copy itself, or (kept in fewer bytes) decoded into a
+        new fp32 tensor."""
+        stored = companion.host_copy()
+        if companion.encoding is None:
+            return stored.view(step_shape(shard))
+        codec = self.codec
+        assert codec is not None and companion.encoding == codec.name  # made by this store
+        return codec.decode(stored, shard.numel, key).view(step_shape(shard))
+
+    @staticmethod
+    def state_dtype(companion: Shard) -> torch.dtype:
+        """The dtype of the state values ``companion`` holds (fp32 when kept in fewer bytes)."""
+        return torch.float32 if companion.encoding is not None else companion.dtype
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.store.stepping.abandon_unfinished()  # with its gradients
@@ -281,8 +346,10 @@ class OffloadedOptimizer(Optimizer):
                 if key in companions:
                     companion = companions[key]
                     placement.ensure_host(companion)  # read back from NVMe if it is there
-                    # A copy now: the next read may reuse this slot.
-                    value = companion.host_copy().view(step_shape(shard)).clone()
+                    # A copy now: the next read may reuse this slot (decoded values are one).
+                    value = self.state_values(shard, key, companion)
+                    if companion.encoding is None:
+                        value = value.clone()
                 if isinstance(value, torch.Tensor) and value.shape == step_shape(shard):
                     flat = value.detach().reshape(-1)
                     if shard.piece is not None:  # every rank's slice (a collective)
@@ -351,16 +418,20 @@ class OffloadedOptimizer(Optimizer):
                 continue
             kind = OPTIM_PREFIX + key
             companion = shard.companions.get(kind)
-            if companion is not None:
+            if companion is None:
+                companion = self._new_companion(shard, key, value)
+            if companion.encoding is None:
                 value = value.to(companion.dtype)
-            if companion is None or companion.state is R.EMPTY:
-                companion = placement.companion(shard, kind, shard.numel, value.dtype)
-                placement.fill(companion, value.reshape(-1))
+            if companion.state is R.EMPTY:
+                placement.fill(companion)
             else:
                 placement.prepare_overwrite(companion)
-                companion.host_copy().copy_(value.reshape(-1))
                 if companion.state is not R.HOST:
                     registry.set_state(companion, R.HOST)
+            if companion.encoding is not None:
+                self._encode(companion, key, value)
+            else:
+                companion.host_copy().copy_(value.reshape(-1))
             companion.version += 1
             state[key] = torch.empty(0, dtype=value.dtype, device=self._host_device)
             loaded.add(kind)

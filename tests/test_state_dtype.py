@@ -1,0 +1,205 @@
+"""Optimizer state kept in fewer bytes (``precision.optimizer_state_dtype``): the codecs' error
+bounds, fp32 bit-exact against plain PyTorch, the bytes each step moves, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import infinity
+from infinity import ConfigError, OffloadConfig, TieredStore
+from infinity.training.state_codecs import INT8_BLOCK, Bf16Codec, Int8Codec
+from tests.store_helpers import assert_equivalent, compare, fused_adamw, make_model, train
+from tools.common.tiny_gpt import GPTConfig
+
+MODEL = GPTConfig(vocab_size=64, context=16, layers=4, width=64, heads=4)
+
+
+def state_config(tmp_path, dtype: str, **extra) -> OffloadConfig:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return OffloadConfig(
+        device="cpu",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=str(tmp_path),
+        buffer_size=1 << 16,
+        precision=infinity.PrecisionConfig(optimizer_state_dtype=dtype),
+        **extra,
+    )
+
+
+def spread(n: int, seed: int = 0) -> torch.Tensor:
+    """Values over seven orders of magnitude, both signs, some zeros, a partial last block."""
+    generator = torch.Generator().manual_seed(seed)
+    magnitude = torch.logspace(-7, 0, n)[torch.randperm(n, generator=generator)]
+    values = torch.randn(n, generator=generator) * magnitude
+    values[::97] = 0
+    return values
+
+
+def round_trip(codec, values: torch.Tensor, key: str) -> torch.Tensor:
+    numel, dtype = codec.stored(values.numel())
+    stored = torch.empty(numel, dtype=dtype)
+    codec.encode(values, stored, key)
+    return codec.decode(stored, values.numel(), key)
+
+
+def block_max(values: torch.Tensor) -> torch.Tensor:
+    """Each element's block's largest magnitude."""
+    n = values.numel()
+    padded = torch.nn.functional.pad(values.abs(), (0, -n % INT8_BLOCK))
+    return padded.view(-1, INT8_BLOCK).amax(1).repeat_interleave(INT8_BLOCK)[:n]
+
+
+def test_int8_momentum_round_trip_is_within_a_code_step_per_block():
+    values = spread(5 * INT8_BLOCK + 123)
+    decoded = round_trip(Int8Codec(), values, "exp_avg")
+    largest = block_max(values)
+    coded = values.abs() >= largest * 2.0**-15  # the 16 octaves below each block's largest
+    error = (decoded - values).abs()
+    # One code step: an eighth of the value, at the bottom of an octave.
+    assert (error[coded] <= values.abs()[coded] / 8 + 1e-30).all()
+    # Smaller values are zero or the smallest level, never more than that level.
+    assert (decoded[~coded].abs() <= largest[~coded] * 2.0**-15 * 1.25).all()
+    assert (decoded[values == 0] == 0).all()
+    assert (decoded * values >= 0).all()  # signs kept
+
+
+def test_int8_second_moment_round_trip_never_decodes_a_nonzero_value_as_zero():
+    values = spread(5 * INT8_BLOCK + 123).square()
+    values[7] = 1e-30  # far below the 32 octaves the codes cover
+    decoded = round_trip(Int8Codec(), values, "exp_avg_sq")
+    largest = block_max(values)
+    coded = values >= largest * 2.0**-31
+    assert (((decoded - values).abs() <= values / 8)[coded]).all()
+    nonzero = values > 0
+    assert (decoded[nonzero] > 0).all()
+    assert decoded[7] >= values[7]  # too small for the scale: the smallest level, not zero
+    assert (decoded[~nonzero] == 0).all()
+
+
+def test_bf16_round_trip_is_within_one_bf16_step():
+    values = spread(3 * INT8_BLOCK)
+    decoded = round_trip(Bf16Codec(), values, "exp_avg")
+    assert ((decoded - values).abs() <= values.abs() * 2.0**-7).all()
+    assert (decoded[values == 0] == 0).all()
+
+
+@pytest.mark.parametrize("codec", [Bf16Codec(), Int8Codec()], ids=["bf16", "int8"])
+def test_a_second_moment_still_decays_through_the_codec(codec):
+    """Rounded to nearest, v * 0.999 would stay v in bf16 (and in 8-bit codes) for ever:
+    stochastic rounding decays it as fp32 does, in expectation."""
+    value = torch.full((64, INT8_BLOCK), 1.0)
+    value[:, 0] = 2.0  # each block's largest stays put: the others move relative to it
+    for _ in range(500):
+        value[:, 1:] *= 0.999
+        value = round_trip(codec, value.view(-1), "exp_avg_sq").view(64, INT8_BLOCK)
+    # Each value wanders (a code step is 6-12% of it), their mean follows fp32's.
+    decayed = value[:, 1:].mean().item()
+    assert decayed == pytest.approx(0.999**500, rel=0.03)
+
+
+def test_fp32_state_on_nvme_is_bit_exact_against_plain_pytorch(tmp_path):
+    result = compare(
+        make_model(MODEL),
+        4,
+        {
+            "device": "cpu",
+            "offload_param": "nvme",
+            "offload_optimizer": "nvme",
+            "buffer_size": 1 << 16,
+            "precision": infinity.PrecisionConfig(optimizer_state_dtype="fp32"),
+        },
+        tmp_path=tmp_path,
+        config=MODEL,
+    )
+    assert_equivalent(*result[:4], loss_tol=0.0)
+    assert result[4]["compression"]["state_read"] == 0
+
+
+def test_fewer_state_bytes_read_and_written_per_step(tmp_path):
+    """The same loop with each dtype: the state's transfers shrink by its bytes per element,
+    and so do the step's bytes (the masters and gradients move as before)."""
+    moved = {}
+    for dtype in ("fp32", "bf16", "int8"):
+        model = make_model(MODEL)
+        store = TieredStore(state_config(tmp_path / dtype, dtype))
+        model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+        train(model, optimizer, 3, config=MODEL)
+        stats = store.stats()
+        moved[dtype] = (stats["bytes_read"], stats["bytes_written"], stats["compression"])
+        store.close(restore_params=False)
+    fp32_read, fp32_written, _ = moved["fp32"]
+    for dtype, per_element in (("bf16", 2), ("int8", 1 + 4 / INT8_BLOCK)):
+        read, written, state = moved[dtype]
+        assert state["state_read"] > 0 and state["state_written"] > 0
+        assert state["state_read"] == pytest.approx(
+            state["state_read_as_fp32"] * per_element / 4, rel=0.01
+        )
+        assert state["state_written"] == pytest.approx(
+            state["state_written_as_fp32"] * per_element / 4, rel=0.01
+        )
+        # What the state saved is about what the step saved: the rest moves alike, but for
+        # what the arena's room freed by smaller state keeps cached.
+        saved_read = state["state_read_as_fp32"] - state["state_read"]
+        saved_written = state["state_written_as_fp32"] - state["state_written"]
+        assert fp32_read - read == pytest.approx(saved_read, rel=0.25)
+        assert fp32_written - written == pytest.approx(saved_written, rel=0.25)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_checkpoint_of_compressed_state_saves_its_values_and_loads_back(dtype, tmp_path):
+    model = make_model(MODEL)
+    store = TieredStore(state_config(tmp_path / "a", dtype))
+    model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+    train(model, optimizer, 3, config=MODEL)
+    before = optimizer.state_dict()
+    store.save_checkpoint(tmp_path / "checkpoint")
+    after_save = train(model, optimizer, 2, config=MODEL, seed=5)
+    store.close(restore_params=False)
+
+    # The same dtype: the values come back as they were (encoding decoded values is exact).
+    again = make_model(MODEL, seed=9)
+    store = TieredStore(state_config(tmp_path / "b", dtype))
+    again, again_optimizer = store.attach(again, fused_adamw(again.parameters()))
+    store.load_checkpoint(tmp_path / "checkpoint")
+    loaded = again_optimizer.state_dict()
+    for index, state in before["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(loaded["state"][index][key], state[key], rtol=0, atol=0)
+    resumed = train(again, again_optimizer, 2, config=MODEL, seed=5)
+    assert resumed == pytest.approx(after_save, rel=1e-3)
+    store.close(restore_params=False)
+
+    # The checkpoint holds fp32 values: a store keeping fp32 state loads the same state, and
+    # the plain optimizer takes it from there.
+    plain_model = make_model(MODEL, seed=9)
+    store = TieredStore(state_config(tmp_path / "c", "fp32"))
+    plain_model, fp32_optimizer = store.attach(plain_model, fused_adamw(plain_model.parameters()))
+    store.load_checkpoint(tmp_path / "checkpoint")
+    as_fp32 = fp32_optimizer.state_dict()
+    for index, state in before["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert as_fp32["state"][index][key].dtype == torch.float32
+            torch.testing.assert_close(as_fp32["state"][index][key], state[key], rtol=0, atol=0)
+    store.close()
+    plain = fused_adamw(plain_model.parameters())
+    plain.load_state_dict(copy.deepcopy(as_fp32))
+    assert train(plain_model, plain, 2, config=MODEL, seed=5) == pytest.approx(after_save, rel=1e-3)
+
+
+def test_compressed_state_with_the_state_in_memory_is_refused():
+    with pytest.raises(ConfigError, match="offload_optimizer='nvme'") as info:
+        OffloadConfig(
+            offload_optimizer="cpu",
+            precision=infinity.PrecisionConfig(optimizer_state_dtype="int8"),
+        )
+    assert info.value.field == "precision.optimizer_state_dtype"
+    with pytest.raises(ConfigError, match="'fp32', 'bf16', 'int8'"):
+        OffloadConfig.from_dict(
+            {"offload_optimizer": "nvme", "precision": {"optimizer_state_dtype": "int4"}}
+        )
+    with pytest.raises(ConfigError, match="did you mean 'optimizer_state_dtype'"):
+        OffloadConfig.from_dict({"precision": {"optimizer_state_dtyp": "bf16"}})
