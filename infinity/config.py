@@ -400,12 +400,18 @@ class PrecisionConfig(_Validated):
     loss_scale_window: overflow-free steps before the dynamic scale is doubled (>= 1).
     hysteresis: overflows tolerated before the dynamic scale is halved (>= 1).
     min_loss_scale: floor of the dynamic scale (> 0).
-    storage_dtype: dtype offloaded parameters are kept in between uses (host cache, swap
+    storage_dtype: dtype offloaded parameters are read in between uses (host cache, swap
         files), converted to the compute dtype on their way to the device: ``auto`` (the
-        masters': the model's, fp32 under mixed precision) or ``fp32``/``bf16``/``fp16``. For
-        inference only (a store attached without an optimizer): ``bf16`` halves the bytes each
-        forward reads from NVMe, at bf16's precision of the weights. Memory: 2 bytes/param for
-        bf16/fp16 wherever the params live between uses.
+        masters': the model's, fp32 under mixed precision) or ``fp32``/``bf16``/``fp16``. In
+        inference (a store attached without an optimizer) the weights are kept in that dtype
+        only: ``bf16`` halves the bytes each forward reads from NVMe, at bf16's precision of
+        the weights. In training (with an optimizer; ``offload_param='nvme'`` and
+        ``precision.dtype`` the same dtype) the fp32 masters stay for the updates and a compute
+        copy of each in that dtype is kept beside it on NVMe, which forward and backward read
+        instead of the master (half the bytes), and which the step writes as it updates the
+        master; training is bit for bit that of ``precision.dtype`` alone. Memory: 2
+        bytes/param for bf16/fp16 wherever the params live between uses; in training 2
+        bytes/param more on disk, and written per step.
     optimizer_state_dtype: how per-element optimizer state (Adam's two moments) is stored
         between steps: ``fp32`` (default: as the optimizer keeps it, bit-exact against plain
         PyTorch), ``bf16`` (rounded stochastically) or ``int8`` (blockwise: an 8-bit code per

@@ -194,15 +194,17 @@ def test_bf16_storage_gives_the_bf16_weights_output() -> None:
     assert 0 < half_read <= forwards * bf16_weights + arena < full_read
 
 
-def test_bf16_storage_refused_with_an_optimizer() -> None:
+def test_bf16_storage_with_an_optimizer_needs_the_masters_on_nvme() -> None:
+    """With an optimizer, storage_dtype is that of compute copies kept beside the masters on
+    NVMe (tests/test_compute_copies.py): refused where the masters are not there."""
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters())
     config = infinity.OffloadConfig(
-        device="cpu", offload_param="nvme", precision=infinity.PrecisionConfig(storage_dtype="bf16")
+        device="cpu", offload_param="cpu", precision=infinity.PrecisionConfig(storage_dtype="bf16")
     )
     with (
         infinity.TieredStore(config) as store,
-        pytest.raises(AttachError, match="storage_dtype='bf16'.*inference"),
+        pytest.raises(AttachError, match="storage_dtype='bf16' with an optimizer.*'nvme'"),
     ):
         store.attach(model, optimizer)
 

@@ -721,6 +721,7 @@ class _LoadPlanner(LoadPlanner):
         shard.version += 1
         if placement.nvme:
             placement.store_async(shard)
+            placement.refresh_compute_copy(shard, write_back=True)
 
     def _write_state(self, shard: Shard, key: str, values: torch.Tensor) -> None:
         optimizer = self.store.optimizer

@@ -151,6 +151,7 @@ def write_entry_pieces(
         shard.version += 1
         if placement.nvme:
             placement.store_async(shard)
+            placement.refresh_compute_copy(shard, write_back=True)
     placement.mark_initialised(entry)
     if entry.index in placement.persistent:
         placement.gather(entry, hold=False)

@@ -68,6 +68,18 @@ def state_part_bytes(nbytes: int, state_dtype: str) -> int:
     return stored_nbytes(state_dtype, nbytes // 4) if state_dtype != "fp32" else nbytes
 
 
+def compute_copy_bytes(shard: Shard) -> int:
+    """Bytes of ``shard``'s compute copy (precision.storage_dtype with an optimizer: 2-byte
+    copies of floating-point masters of 4 bytes), 0 where it keeps none."""
+    dtype = shard.dtype
+    return shard.nbytes // 2 if dtype.is_floating_point and dtype.itemsize == 4 else 0
+
+
+def compute_copies_kept(config: Any, training: bool, params_on_nvme: bool) -> bool:
+    """Whether the store keeps compute copies beside the masters (see ``compute_copy_bytes``)."""
+    return training and params_on_nvme and config.precision.storage_dtype in ("bf16", "fp16")
+
+
 def slot_cost(slot: int) -> Callable[[int], int]:
     """Arena bytes a range takes in slots of ``slot`` bytes (a whole slot when over half of
     one, as :class:`infinity.core.arena.SlotArena` places it)."""
@@ -288,11 +300,16 @@ def plan_memory(
         shard_bytes = sum(cost(s.nbytes) for s in shards)
         state_dtype = config.precision.optimizer_state_dtype
         state_bytes = sum(cost(state_part_bytes(s.nbytes, state_dtype)) for s in shards)
-        # What the arena would need to cache everything: masters, gradients and (estimated: two
-        # moments, as Adam keeps) optimizer state, in slot bytes, plus one slot for the gaps
-        # that packing small shards into shared slots leaves.
+        compute_bytes = (
+            sum(cost(compute_copy_bytes(s)) for s in shards)
+            if compute_copies_kept(config, training, params_nvme)
+            else 0
+        )
+        # What the arena would need to cache everything: masters (and their compute copies),
+        # gradients and (estimated: two moments, as Adam keeps) optimizer state, in slot bytes,
+        # plus one slot for the gaps that packing small shards into shared slots leaves.
         needed = (
-            (shard_bytes if params_nvme else 0)
+            (shard_bytes + compute_bytes if params_nvme else 0)
             + (shard_bytes + 2 * state_bytes if optim_nvme else 0)
             + slot
         )
@@ -353,13 +370,17 @@ def plan_memory(
 
 
 # -- updates in backward ---------------------------------------------------------------------------
-def update_part_bytes(shard: Shard, state_on_nvme: bool, state_dtype: str = "fp32") -> list[int]:
+def update_part_bytes(
+    shard: Shard, state_on_nvme: bool, state_dtype: str = "fp32", compute_copies: bool = False
+) -> list[int]:
     """Bytes of each part an update of ``shard`` in backward needs in the arena: its master,
-    its gradient (a parked gradient takes a companion's room) and, with the optimizer state on
-    NVMe, each state companion: as they are once made, estimated before that as Adam's two
-    moments as ``state_dtype`` stores them. Counted part by part, so that state kept in fewer
-    bytes needs less room."""
+    its gradient (a parked gradient takes a companion's room), with compute copies the one it
+    writes and, with the optimizer state on NVMe, each state companion: as they are once
+    made, estimated before that as Adam's two moments as ``state_dtype`` stores them. Counted
+    part by part, so that state kept in fewer bytes needs less room."""
     parts = [shard.nbytes, shard.nbytes]
+    if compute_copies and compute_copy_bytes(shard):
+        parts.append(compute_copy_bytes(shard))
     if state_on_nvme:
         state = [c.nbytes for kind, c in shard.companions.items() if kind.startswith("optim")]
         parts += state or 2 * [state_part_bytes(shard.nbytes, state_dtype)]
@@ -395,10 +416,11 @@ def update_room(
     params_on_nvme: bool,
     state_on_nvme: bool,
     state_dtype: str = "fp32",
+    compute_copies: bool = False,
 ) -> UpdateRoom:
     cost = slot_cost(slot)
     update = max(
-        sum(cost(b) for b in update_part_bytes(s, state_on_nvme, state_dtype))
+        sum(cost(b) for b in update_part_bytes(s, state_on_nvme, state_dtype, compute_copies))
         for s in shards
         if s.kind is ShardKind.PARAM
     )
@@ -418,6 +440,7 @@ def update_room_at(
     params_on_nvme: bool,
     state_parts: int,
     state_dtype: str = "fp32",
+    compute_copies: bool = False,
 ) -> int:
     """The arena bytes updates in backward need (:class:`UpdateRoom`'s rule) with the
     parameters cut into shards of at most ``slot`` bytes and placed in slots of that size."""
@@ -429,7 +452,8 @@ def update_room_at(
 
     def update_of(nbytes: int) -> int:
         state = state_parts * cost(state_part_bytes(nbytes, state_dtype))
-        return 2 * cost(nbytes) + state
+        compute = cost(nbytes // 2) if compute_copies else 0
+        return 2 * cost(nbytes) + state + compute
 
     update = max(update_of(min(e.nbytes, slot)) for e in entries)
     masters = (
@@ -448,6 +472,7 @@ def largest_slot_for_updates(
     params_on_nvme: bool,
     state_parts: int,
     state_dtype: str = "fp32",
+    compute_copies: bool = False,
 ) -> int | None:
     """The largest power-of-two ``buffer_size`` with which an arena of ``arena`` bytes would
     have room to update in backward, or None below 64 KiB."""
@@ -461,6 +486,7 @@ def largest_slot_for_updates(
             params_on_nvme=params_on_nvme,
             state_parts=state_parts,
             state_dtype=state_dtype,
+            compute_copies=compute_copies,
         )
         if arena_slots >= needed:
             return slot
@@ -499,6 +525,7 @@ def arena_reason(
     state_parts: int,
     plan_at: Callable[[int], MemoryPlan] | None,
     state_dtype: str = "fp32",
+    compute_copies: bool = False,
 ) -> str:
     """Why an arena keeps updates out of backward, and the ways out: the host budget whose
     arena has the room (``plan_at(budget)``: the plan a budget gets, its derived buffer size and
@@ -513,6 +540,7 @@ def arena_reason(
             params_on_nvme=params_on_nvme,
             state_parts=state_parts,
             state_dtype=state_dtype,
+            compute_copies=compute_copies,
         )
 
     ways = []
@@ -526,6 +554,7 @@ def arena_reason(
         params_on_nvme=params_on_nvme,
         state_parts=state_parts,
         state_dtype=state_dtype,
+        compute_copies=compute_copies,
     )
     if slot is not None and slot < plan.slot:
         ways.append(f"set buffer_size <= {slot}")

@@ -52,6 +52,8 @@ class HostCopies(Protocol):
 
     def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None: ...
 
+    def gather_source(self, shard: Shard, backward: bool | None = None) -> Shard: ...
+
 
 class DeviceCopies:
     """The device copies of one placement's entries (see the module docstring)."""
@@ -147,43 +149,53 @@ class DeviceCopies:
             self._fill_device(entry, defer=True)
             self.assembled_ahead += 1
 
-    def _start_reads(self, entry: ParamEntry) -> None:
-        """Starts every read of the entry's shards the arena allows at once, so they overlap."""
+    def _start_reads(self, sources: list[Shard]) -> None:
+        """Starts every read of ``sources`` the arena allows at once, so they overlap."""
         host = self._host
         if host.nvme:
-            for shard in entry.shards:
-                host.reap(shard)
-                if shard.state is R.NVME:
-                    host.load_async(shard, protect=entry.shards, horizon=0.5)
+            for source in sources:
+                host.reap(source)
+                if source.state is R.NVME:
+                    host.load_async(source, protect=sources, horizon=0.5)
 
     def shards_on_host(
-        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None = None
-    ) -> Iterator[Shard]:
-        """Starts the reads of the entry's shards now (so they overlap, and overlap what the
-        caller does before taking the first shard), then yields each shard in turn once its
-        host copy is valid and settled (no write under way), protecting the shards still to
-        come. ``before_read(shard)`` runs first for a shard not on the host yet."""
-        self._start_reads(entry)
-        return self._settled_in_turn(entry, before_read)
+        self,
+        entry: ParamEntry,
+        before_read: Callable[[Shard], None] | None = None,
+        masters: bool = False,
+    ) -> Iterator[tuple[Shard, Shard]]:
+        """Starts the reads of what the entry's shards are gathered from now (each master, or
+        its compute copy: see ``Placement.gather_source``) so they overlap, and overlap what
+        the caller does before taking the first, then yields each (shard, source) in turn once
+        the source's host copy is valid and settled (no write under way), protecting those
+        still to come. ``before_read(shard)`` runs first for a source not on the host yet;
+        ``masters``: the masters themselves (a copy lent by the host copy)."""
+        host = self._host
+        sources = [shard if masters else host.gather_source(shard) for shard in entry.shards]
+        self._start_reads(sources)
+        return self._settled_in_turn(entry, sources, before_read)
 
     def _settled_in_turn(
-        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None
-    ) -> Iterator[Shard]:
+        self,
+        entry: ParamEntry,
+        sources: list[Shard],
+        before_read: Callable[[Shard], None] | None,
+    ) -> Iterator[tuple[Shard, Shard]]:
         host = self._host
-        waiting = list(entry.shards)
-        for shard in entry.shards:
-            if before_read is not None and not shard.state.on_host:
+        waiting = list(sources)
+        for shard, source in zip(entry.shards, sources):
+            if before_read is not None and not source.state.on_host:
                 before_read(shard)
-            host.ensure_host(shard, protect=waiting)
-            waiting.remove(shard)
-            if shard.state is R.HOST_STORING:
-                host.reap(shard, wait=True)
-            yield shard
+            host.ensure_host(source, protect=waiting)
+            waiting.remove(source)
+            if source.state is R.HOST_STORING:
+                host.reap(source, wait=True)
+            yield shard, source
 
     def copy_to_device(
         self,
         entry: ParamEntry,
-        copy: Callable[[Shard], torch.cuda.Event | None],
+        copy: Callable[[Shard, torch.Tensor], torch.cuda.Event | None],
         undo: Callable[[], None],
         *,
         prepare: Callable[[], None] | None = None,
@@ -192,8 +204,9 @@ class DeviceCopies:
     ) -> None:
         """Makes ``entry``'s device copy from its host copies: starts their reads, runs
         ``prepare`` (the destination's bytes), then, shard by shard as each host copy is
-        settled (see :meth:`shards_on_host`), ``copy`` (which returns the copy's event or None)
-        and marks the shard on the device (the next shard's read may evict its host copy);
+        settled (see :meth:`shards_on_host`), ``copy(shard, host)`` from the host copy of what
+        it is gathered from (which returns the copy's event or None) and marks the shard on the
+        device (the next shard's read may evict its host copy);
         ``complete`` runs once all are copied. If anything fails the device copy is incomplete
         and none of it counts: the shards copied so far go back to their host/NVMe states, the
         copies are waited for and ``undo`` frees the destination. Otherwise the entry is
@@ -205,10 +218,11 @@ class DeviceCopies:
         moved: list[Shard] = []
         try:
             with torch.no_grad():
-                for shard in shards:
-                    event = copy(shard)
-                    shard.copy_event = event
+                for shard, source in shards:
+                    event = copy(shard, source.host_copy())
+                    source.copy_event = event  # its slot is busy until the copy is done
                     events.append(event)
+                    # Gathered from its compute copy, the master stays on NVMe (DEVICE_NVME).
                     self.registry.set_state(shard, _TO_DEVICE[shard.state])
                     moved.append(shard)
                 if complete is not None:
@@ -245,12 +259,9 @@ class DeviceCopies:
                     pending.wait()
                 assembling.clear()
 
-        def copy(shard: Shard) -> torch.cuda.Event | None:
+        def copy(shard: Shard, host: torch.Tensor) -> torch.cuda.Event | None:
             if shard.piece is None:
-                assert shard.host is not None  # settled on the host
-                return self.device.copy_in(
-                    flat[shard.start : shard.start + shard.numel], shard.host
-                )
+                return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
             event, pending = self._assemble(flat, shard, own_input=defer)
             assembling.append(pending)
             return event

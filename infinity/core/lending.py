@@ -37,13 +37,16 @@ class CopiesToDevice(Protocol):
     def on_device(self) -> set[ParamEntry]: ...
 
     def shards_on_host(
-        self, entry: ParamEntry, before_read: Callable[[Shard], None] | None = None
-    ) -> Iterator[Shard]: ...
+        self,
+        entry: ParamEntry,
+        before_read: Callable[[Shard], None] | None = None,
+        masters: bool = False,
+    ) -> Iterator[tuple[Shard, Shard]]: ...
 
     def copy_to_device(
         self,
         entry: ParamEntry,
-        copy: Callable[[Shard], torch.cuda.Event | None],
+        copy: Callable[[Shard, torch.Tensor], torch.cuda.Event | None],
         undo: Callable[[], None],
         *,
         prepare: Callable[[], None] | None = None,
@@ -129,7 +132,7 @@ class HostLending:
         one drops the device copy first. False (nothing lent) when the shards did not land in
         one range of the arena."""
         shards = entry.shards
-        for _shard in self._copies.shards_on_host(entry):
+        for _ in self._copies.shards_on_host(entry, masters=True):
             pass  # each host copy valid and settled, in turn
         if not self._contiguous(entry):
             return False
@@ -163,9 +166,8 @@ class HostLending:
             return False
         flat = self.device.slab_view(offset, entry.compute_dtype, entry.numel)
 
-        def copy(shard: Shard) -> torch.cuda.Event | None:
-            assert shard.host is not None  # settled on the host
-            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], shard.host)
+        def copy(shard: Shard, host: torch.Tensor) -> torch.cuda.Event | None:
+            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
 
         self._copies.copy_to_device(
             entry, copy, undo=lambda: self.device.slab_give(offset, entry.device_bytes)

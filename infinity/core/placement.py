@@ -43,9 +43,16 @@ from infinity.core.lending import HostLending
 from infinity.core.policies import EvictionPolicy, PrefetchPolicy
 from infinity.core.prefetching import TracePrefetching
 from infinity.core.residency import Residency as R
-from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind, ShardRegistry
+from infinity.core.shards import (
+    COMPUTE_KEY,
+    GRAD_KEY,
+    ParamEntry,
+    Shard,
+    ShardKind,
+    ShardRegistry,
+)
 from infinity.core.tiers import DeviceTier, HostTier
-from infinity.core.trace import Event, TraceFollower
+from infinity.core.trace import BACKWARD, Event, TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
 from infinity.observability.timeline import Timeline
 from infinity.training.gradients import Gradients
@@ -84,28 +91,43 @@ class PlacementSettings:
     max_retries: int = MAX_RETRIES
     #: start the next module's all-gathers while this one computes (stage 3 across ranks)
     assemble_ahead: bool = True
+    #: param shards keep a copy of their values in this dtype beside their masters on NVMe,
+    #: which gathers read instead of the master (precision.storage_dtype with an optimizer:
+    #: half the bytes); None: gathers read the masters
+    compute_copy_dtype: torch.dtype | None = None
 
 
 @dataclass
 class CompressedTraffic:
-    """Bytes the swap files moved for optimizer state kept in fewer bytes (``Shard.encoding``),
-    beside what the same transfers would have moved in fp32: ``stats()['compression']``."""
+    """Bytes the swap files moved for shards kept in fewer bytes, beside what moving their
+    values as they are would have taken: optimizer state (``Shard.encoding``) against fp32, and
+    compute copies, read instead of their masters and written beside them:
+    ``stats()['compression']``."""
 
     state_read: int = 0
     state_read_as_fp32: int = 0
     state_written: int = 0
     state_written_as_fp32: int = 0
+    compute_read: int = 0
+    compute_read_as_masters: int = 0
+    compute_written: int = 0
 
     def count(self, shard: Shard, write: bool) -> None:
-        if shard.encoding is None:
+        if shard.encoding is None and shard.kind is not ShardKind.COMPUTE:
             return
-        values = next(s for s in shard.entry.shards if s.start == shard.start).numel
-        if write:
+        master = next(s for s in shard.entry.shards if s.start == shard.start)
+        if shard.kind is ShardKind.COMPUTE:
+            if write:
+                self.compute_written += shard.nbytes
+            else:
+                self.compute_read += shard.nbytes
+                self.compute_read_as_masters += master.nbytes
+        elif write:
             self.state_written += shard.nbytes
-            self.state_written_as_fp32 += 4 * values
+            self.state_written_as_fp32 += 4 * master.numel
         else:
             self.state_read += shard.nbytes
-            self.state_read_as_fp32 += 4 * values
+            self.state_read_as_fp32 += 4 * master.numel
 
 
 def _tag(shard: Shard) -> list:
@@ -170,6 +192,9 @@ class Placement:
         self.doomed: set[Shard] = set()
         #: bytes moved for shards kept in fewer bytes, and what they would have taken
         self.compressed = CompressedTraffic()
+        #: the last module event was a backward one (gathers for an update in backward read
+        #: the master, which the update needs anyway)
+        self._in_backward = False
         self._in_pass = False  # between the first forward hook and optimizer.step()
         #: a training pass began and its step has not finished: the step needs the masters
         self.masters_due = False
@@ -269,6 +294,7 @@ class Placement:
         """A module is about to run (forward or backward): the trace follower observes it,
         the timeline records it, and reads and write-backs ahead of need start."""
         self.follower.observe(event, busy=self.busy_seconds)
+        self._in_backward = event.kind == BACKWARD
         if self.timeline.enabled:
             names = self.settings.module_names
             self.timeline.event(
@@ -287,6 +313,7 @@ class Placement:
                 shard.fill_from(piece)
                 self.registry.set_state(shard, R.HOST)
                 self.store_async(shard)
+                self.refresh_compute_copy(shard, write_back=True)
             else:
                 shard.host = self.host.allocate(shard.numel, shard.dtype)
                 shard.fill_from(piece)
@@ -372,7 +399,9 @@ class Placement:
 
     def _next_use(self):
         """Events until a shard is needed again, or None without a trace. Companions (grads,
-        optimizer state) are needed by the step, after the iteration's last event."""
+        optimizer state) are needed by the step, after the iteration's last event. A master
+        whose compute copy is current is needed by its update only (gathers read the copy),
+        and a compute copy by the gathers before its update rewrites it."""
         trace = self.follower.trace
         if trace is None:
             return None
@@ -391,6 +420,18 @@ class Placement:
         def next_use(shard: Shard) -> float:
             index = shard.entry.index
             update = last_backward.get(index)
+            trainable = shard.entry.param.requires_grad
+            if shard.kind is ShardKind.COMPUTE:
+                use = trace.next_use(index, position)
+                master = next(s for s in shard.entry.shards if s.start == shard.start)
+                if shard.version != master.version:
+                    return end + full  # stale: never read again
+                if masters_due and trainable and index not in stepped:
+                    # Its update rewrites it: the gathers after that do not read these bytes.
+                    rewrite = update - position if update is not None else end
+                    if use >= rewrite:
+                        return end + full
+                return use
             # Updated in backward once its gradient is complete: after the entry's last
             # backward event, and autograd may complete it only after the next module's event
             # has fired. Until then the update is imminent, master and state alike (ranked a
@@ -409,6 +450,14 @@ class Placement:
                     return update - position + 0.5
                 return end + full if index in stepped else end + in_step * index
             use = trace.next_use(index, position)
+            if self.compute_copy(shard) is not None:
+                # Gathers read the compute copy: the master is next needed by its update.
+                if not trainable:
+                    return end + full
+                if update is not None:
+                    ahead = update - position + 0.5
+                    return ahead + full if index in stepped or ahead < 0 else ahead
+                return end + in_step * index + (full if index in stepped else 0)
             if masters_due and use >= end - 0.5:
                 # Next used in the next iteration: after this iteration's step, and before it
                 # when the step updates the master (needed there, however far the use is).
@@ -565,6 +614,8 @@ class Placement:
     def _step_will_update(self, shard: Shard) -> bool:
         """Whether this iteration's step has still to update ``shard`` (a trainable master or
         a companion of an entry it has not reached yet)."""
+        if shard.kind is ShardKind.COMPUTE:
+            return False  # the step writes it, never reads it
         return shard.entry.index not in self.stepped and (
             shard.kind is not ShardKind.PARAM or shard.entry.param.requires_grad
         )
@@ -790,7 +841,9 @@ class Placement:
         made EMPTY on first use (``encoding``: see ``Shard.encoding``)."""
         found = shard.companions.get(key)
         if found is None:
-            kind = ShardKind.GRAD if key == GRAD_KEY else ShardKind.OPTIM
+            kind = {GRAD_KEY: ShardKind.GRAD, COMPUTE_KEY: ShardKind.COMPUTE}.get(
+                key, ShardKind.OPTIM
+            )
             found = Shard(
                 f"{shard.id}@{key}",
                 shard.entry,
@@ -815,6 +868,75 @@ class Placement:
             host.copy_(source)
         self.registry.set_state(shard, R.HOST)
         return host
+
+    # -- compute copies (precision.storage_dtype with an optimizer) -----------------------------
+    def has_compute_copy(self, shard: Shard) -> bool:
+        """Whether ``shard`` (a param shard) keeps a compute copy: masters on NVMe in a dtype
+        larger than the copies' (floating point)."""
+        dtype = self.settings.compute_copy_dtype
+        return (
+            dtype is not None
+            and self.nvme
+            and shard.kind is ShardKind.PARAM
+            and shard.dtype.is_floating_point
+            and dtype.itemsize < shard.dtype.itemsize
+        )
+
+    def compute_copy(self, shard: Shard) -> Shard | None:
+        """``shard``'s compute copy when it holds the master's current values, else None."""
+        compute = shard.companions.get(COMPUTE_KEY)
+        if compute is None or compute.state is R.EMPTY or compute.version != shard.version:
+            return None
+        return compute
+
+    def refresh_compute_copy(
+        self, shard: Shard, write_back: bool, protect: Iterable[Shard] = ()
+    ) -> Shard | None:
+        """After ``shard``'s master got new values on the host, its compute copy gets them too
+        (cast), at the master's version; ``write_back``: its NVMe write starts now, else it is
+        dirty until the step's write-behind or an eviction writes it. Returns the compute copy;
+        None without one, or where the arena had no room for it: it is then out of date, and
+        gathers read the master until its next update."""
+        if not self.has_compute_copy(shard):
+            return None
+        dtype = self.settings.compute_copy_dtype
+        assert dtype is not None  # has_compute_copy
+        compute = self.companion(shard, COMPUTE_KEY, shard.numel, dtype)
+        keep = {shard, *protect}
+        if compute.state is R.EMPTY:
+            if not self._host_slot(compute, protect=keep, horizon=0.0):
+                return None
+            self.registry.set_state(compute, R.HOST)
+        else:
+            try:
+                self.prepare_overwrite(compute, protect=keep)
+            except BudgetError:
+                return None
+            if compute.state is R.HOST_STORING:
+                self.reap(compute, wait=True)
+            if compute.state is not R.HOST:
+                self.registry.set_state(compute, R.HOST)
+        compute.host_copy().copy_(shard.host_copy())
+        compute.version = shard.version
+        if write_back:
+            self.store_async(compute)
+        return compute
+
+    def gather_source(self, shard: Shard, backward: bool | None = None) -> Shard:
+        """What a gather of ``shard`` reads: its compute copy (half the bytes) where it is
+        current, unless the master is on the host already (or its read is under way), or an
+        update in backward will need the master right after a backward gather (one read
+        serves both). ``backward``: whether the gather is a backward one (None: the last
+        module event's kind, for a gather now)."""
+        if shard.state is not R.NVME:
+            return shard
+        compute = self.compute_copy(shard)
+        if compute is None:
+            return shard
+        backward = self._in_backward if backward is None else backward
+        if backward and self.update_in_backward and shard.entry.param.requires_grad:
+            return shard
+        return compute
 
     def discard(self, shard: Shard) -> None:
         """Drops a companion's contents (a consumed gradient); keeps its NVMe extent for reuse."""

@@ -21,7 +21,7 @@ from infinity.core.policies import PrefetchPolicy
 from infinity.core.residency import Residency as R
 from infinity.core.shards import Shard, ShardKind, ShardRegistry
 from infinity.core.tiers import HostTier
-from infinity.core.trace import FORWARD, Event, Trace, TraceFollower
+from infinity.core.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
 from infinity.training.optimizer import state_companions
 
 
@@ -57,6 +57,8 @@ class ReadsAndWrites(Protocol):
     def clean_ahead(
         self, reserve: int, protect: Iterable[Shard] = (), horizon: float = 0.0
     ) -> None: ...
+
+    def gather_source(self, shard: Shard, backward: bool | None = None) -> Shard: ...
 
 
 class TracePrefetching:
@@ -148,8 +150,11 @@ class TracePrefetching:
         # The event's own shards are gathered right after this: their next use counted from
         # past the event is an iteration away, so without protection a prefetch would evict
         # them first, and the gather would read them again.
+        placement = self._placement
         current = {
-            shard for index in event.entries for shard in self.registry.entries[index].shards
+            placement.gather_source(shard)
+            for index in event.entries
+            for shard in self.registry.entries[index].shards
         }
         budget = self.prefetch_ahead(protect=current)
         if budget is not None and self._placement.update_in_backward:
@@ -181,12 +186,15 @@ class TracePrefetching:
             # Only shards still on NVMe: the window ahead is mostly read already (with
             # streaming inference, the whole trace is walked at every event).
             for index in self.policy.wanted(self.follower):
-                horizon = None
+                use = trace.next_use(index, position)
+                if use == math.inf:
+                    continue
+                # What the gather at that use reads: the master, or its compute copy.
+                backward = trace.events[int(position + use) % len(trace)].kind == BACKWARD
                 for shard in entries[index].shards:
-                    if shard.state is R.NVME:
-                        if horizon is None:
-                            horizon = trace.next_use(index, position) + 0.5
-                        yield shard, horizon
+                    source = self._placement.gather_source(shard, backward)
+                    if source.state is R.NVME:
+                        yield source, use + 0.5
 
         return self._prefetch(wanted(), budget, protect=protect)
 
@@ -243,7 +251,7 @@ class TracePrefetching:
                 continue
             for shard in self.registry.entries[index].shards:
                 for companion in shard.companions.values():
-                    if companion.kind is ShardKind.GRAD:
+                    if companion.kind in (ShardKind.GRAD, ShardKind.COMPUTE):
                         continue
                     window -= self.host.slot_cost(companion.nbytes)
                     if window < 0:

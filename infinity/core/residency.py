@@ -95,6 +95,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
         {
             R.NVME_LOADING,  # start reading into a host slot
             R.EMPTY,  # discard (a gradient after the step, zero_grad)
+            R.DEVICE_NVME,  # gather from its compute copy: the master stays on NVMe
         }
     ),
     R.NVME_LOADING: frozenset(
@@ -144,8 +145,9 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
 }
 
 
-#: a device copy made (a valid host copy becomes shared with the device) and dropped
-ON_TO_DEVICE = {R.HOST: R.DEVICE_HOST, R.HOST_NVME: R.DEVICE_HOST_NVME}
+#: a device copy made (a valid host copy becomes shared with the device, or, on NVMe only, the
+#: master's compute copy was read instead: precision.storage_dtype with an optimizer) and dropped
+ON_TO_DEVICE = {R.HOST: R.DEVICE_HOST, R.HOST_NVME: R.DEVICE_HOST_NVME, R.NVME: R.DEVICE_NVME}
 OFF_THE_DEVICE = {R.DEVICE_HOST: R.HOST, R.DEVICE_HOST_NVME: R.HOST_NVME, R.DEVICE_NVME: R.NVME}
 
 

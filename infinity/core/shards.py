@@ -39,10 +39,15 @@ class ShardKind(Enum):
     GRAD = "grad"
     #: one of a param shard's optimizer state tensors, kept beside it (a companion)
     OPTIM = "optim"
+    #: a param shard's values in a smaller dtype, which gathers read instead of the master
+    #: (precision.storage_dtype with an optimizer), kept beside it (a companion)
+    COMPUTE = "compute"
 
 
 #: the key of a param shard's gradient companion in ``Shard.companions``
 GRAD_KEY = "grad"
+#: the key of a param shard's compute copy in ``Shard.companions``
+COMPUTE_KEY = "compute"
 
 
 @dataclass(eq=False)
@@ -57,8 +62,8 @@ class Shard:
     numel: int
     dtype: torch.dtype
     kind: ShardKind = ShardKind.PARAM
-    #: a companion's key in its param shard's ``companions`` (``GRAD_KEY``, or
-    #: ``"optim:<state key>"``); None for a param shard
+    #: a companion's key in its param shard's ``companions`` (``GRAD_KEY``, ``COMPUTE_KEY``,
+    #: or ``"optim:<state key>"``); None for a param shard
     companion_key: str | None = None
     #: an optimizer-state companion kept in fewer bytes than the state it holds: the codec's
     #: name (``precision.optimizer_state_dtype``; infinity.training.state_codecs); None: the

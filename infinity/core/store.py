@@ -30,6 +30,7 @@ from infinity.core.budgets import (
     MemoryPlan,
     UpdateRoom,
     arena_reason,
+    compute_copy_bytes,
     plan_memory,
     slot_size,
     state_part_bytes,
@@ -154,6 +155,9 @@ class TieredStore:
         precision = self.config.precision
         self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
         self.storage_dtype = STORAGE_DTYPES[precision.storage_dtype]
+        #: with an optimizer, storage_dtype is that of the compute copies gathers read, kept
+        #: beside the masters on NVMe (infinity.core.placement); None: gathers read the masters
+        self._compute_copy_dtype: torch.dtype | None = None
         self.scaler = LossScaler(precision) if precision.dtype == "fp16" else None
         #: transfers, waits and compute spans, recorded while ``timeline.enabled``
         self.timeline = Timeline()
@@ -264,14 +268,34 @@ class TieredStore:
                 f"the model (a torch.nn.Module) and then its optimizer"
             )
         self._check_optimizer(model, optimizer)
+        storage = self.config.precision.storage_dtype
         if self.storage_dtype is not None and optimizer is not None:
-            raise AttachError(
-                f"precision.storage_dtype={self.config.precision.storage_dtype!r} keeps the "
-                f"weights in that dtype between uses, which is for inference: an optimizer's "
-                f"updates need the masters' precision. Attach without an optimizer, or leave "
-                f"storage_dtype 'auto' (mixed precision: precision.dtype)"
-            )
+            # Training: the masters keep their precision for the updates, and a compute copy
+            # in storage_dtype beside each on NVMe is what gathers read.
+            if self.compute_dtype != self.storage_dtype:
+                raise AttachError(
+                    f"precision.storage_dtype={storage!r} with an optimizer keeps a copy of "
+                    f"each parameter in {storage} beside its master on NVMe for forward and "
+                    f"backward to compute with, which they do only under precision.dtype="
+                    f"{storage!r} (it is {self.config.precision.dtype!r}): set precision.dtype="
+                    f"{storage!r} too, or leave storage_dtype 'auto'"
+                )
+            if self.config.offload_param != "nvme":
+                raise AttachError(
+                    f"precision.storage_dtype={storage!r} with an optimizer keeps a copy of "
+                    f"each parameter in {storage} beside its master on NVMe, which forward and "
+                    f"backward read instead (half the bytes), but offload_param="
+                    f"{self.config.offload_param!r} keeps no masters on NVMe: set "
+                    f"offload_param='nvme', or leave storage_dtype 'auto'"
+                )
+            self._compute_copy_dtype = self.storage_dtype
+            self.storage_dtype = None  # the masters stay as they are
         self.partition = Partition.join(process_group, self.config, self.device)
+        if self._compute_copy_dtype is not None and self.partition is not None:
+            raise AttachError(
+                f"precision.storage_dtype={storage!r} with an optimizer (compute copies on "
+                f"NVMe) is for one process: across ranks leave storage_dtype 'auto'"
+            )
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
                 raise AttachError(
@@ -408,6 +432,7 @@ class TieredStore:
             # checks use them.
             track_grad_norms=self.scaler is not None or config.gradient_clipping > 0,
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+            compute_copy_dtype=self._compute_copy_dtype,
         )
         self.placement = Placement(
             self.registry,
@@ -508,6 +533,7 @@ class TieredStore:
                 params_on_nvme=params_on_nvme,
                 state_on_nvme=state_on_nvme,
                 state_dtype=config.precision.optimizer_state_dtype,
+                compute_copies=self._compute_copy_dtype is not None,
             )
             if not room.fits:
                 reasons.append(self._arena_too_small(room, modules, params_on_nvme, state_on_nvme))
@@ -561,6 +587,7 @@ class TieredStore:
             # With activations in host memory the arena is the swap buffers, not what H leaves.
             plan_at=plan_at if config.offload_activations != "cpu" else None,
             state_dtype=config.precision.optimizer_state_dtype,
+            compute_copies=self._compute_copy_dtype is not None,
         )
 
     def _attach_activations(self, model: nn.Module) -> None:
@@ -730,8 +757,14 @@ class TieredStore:
         shard_bytes = sum(align_up(s.nbytes) for s in shards)
         state_dtype = config.precision.optimizer_state_dtype
         state_bytes = sum(align_up(state_part_bytes(s.nbytes, state_dtype)) for s in shards)
-        # Masters; gradients and (as Adam keeps) two moments of optimizer state.
-        needed = (shard_bytes if self.master_tier == "nvme" else 0) + (
+        compute_bytes = (
+            sum(align_up(max(compute_copy_bytes(s), 1)) for s in shards)
+            if self._compute_copy_dtype is not None
+            else 0
+        )
+        # Masters (and their compute copies); gradients and (as Adam keeps) two moments of
+        # optimizer state.
+        needed = (shard_bytes + compute_bytes if self.master_tier == "nvme" else 0) + (
             shard_bytes + 2 * state_bytes if config.offload_optimizer == "nvme" else 0
         )
         per_drive = needed // len(paths) + stripe * 2 + len(self.registry.shards) * 4096

@@ -110,8 +110,9 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         # all-gathers (its slices) and reductions (whole gradients), and the seconds the
         # training thread waited for them
         "comm": _comm_stats(store),
-        # optimizer state kept in fewer bytes (precision.optimizer_state_dtype): the bytes its
-        # transfers moved, and what they would have moved in fp32
+        # parameters and optimizer state kept in fewer bytes (precision.storage_dtype with an
+        # optimizer, precision.optimizer_state_dtype): the bytes their transfers moved, and
+        # what moving the values as they are would have taken
         "compression": _compression_stats(store),
         # saved activations moved off the device (offload_activations; None when 'none')
         "activations": store.activations.stats() if store.activations is not None else None,
@@ -127,6 +128,12 @@ def _compression_stats(store: AttachedStore) -> dict[str, Any]:
         "state_read_as_fp32": moved.state_read_as_fp32 if moved else 0,
         "state_written": moved.state_written if moved else 0,
         "state_written_as_fp32": moved.state_written_as_fp32 if moved else 0,
+        # compute copies (precision.storage_dtype with an optimizer): read by gathers instead
+        # of their masters, and written beside them
+        "compute_copies": bool(placement and placement.settings.compute_copy_dtype),
+        "compute_read": moved.compute_read if moved else 0,
+        "compute_read_as_masters": moved.compute_read_as_masters if moved else 0,
+        "compute_written": moved.compute_written if moved else 0,
     }
 
 

@@ -302,6 +302,8 @@ class Stepping:
 
         def size(shard: Shard) -> int:
             total = sum(cost(p.nbytes) for p in parts(shard))
+            if placement.has_compute_copy(shard):
+                total += cost(shard.nbytes // 2)  # its compute copy, written after the update
             if optimizer.swap_state and not state_companions(shard):
                 # First step: the optimizer creates its state in ordinary memory before it moves
                 # to companions; a tile of one keeps that transient to one shard's worth.
@@ -344,6 +346,7 @@ class Stepping:
 
         ahead = 0  # todo[i:ahead] have their reads started
         ahead_bytes = 0  # their size
+        written: list[Shard] = []  # the tile's compute copies, made from its updated masters
         i = 0
         while i < len(todo):
             tile: list[Shard] = []
@@ -380,14 +383,20 @@ class Stepping:
                 ahead += 1
             with placement.pinned_while(protect):
                 changed = optimizer.update(tile, multiplier)
-            store.watch_heap()
-            for shard in tile:
-                store.registry.set_state(shard, R.HOST)
-                shard.version += 1
-                placement.mark_stepped(shard.entry)
-                done.add(shard.id)
-                if placement.gradients.grads_on_nvme:
-                    placement.gradients.drop_grad(shard)
+                store.watch_heap()
+                for shard in tile:
+                    store.registry.set_state(shard, R.HOST)
+                    shard.version += 1
+                    placement.mark_stepped(shard.entry)
+                    done.add(shard.id)
+                    if placement.gradients.grads_on_nvme:
+                        placement.gradients.drop_grad(shard)
+                for shard in tile:
+                    # The next gathers read it: dirty, written back behind like the state.
+                    compute = placement.refresh_compute_copy(shard, write_back=False)
+                    if compute is not None:
+                        placement.pin(compute)
+                        written.append(compute)
             for companion in changed:
                 companion.version += 1
             if placement.settings.write_behind:
@@ -401,8 +410,9 @@ class Stepping:
                 )
                 placement.clean_ahead(missing, protect=protect | upcoming, horizon=after_step)
             if not store.pipeline_step:
-                for part in [*tile, *changed]:
+                for part in [*tile, *changed, *written]:
                     placement.reap(part, wait=True)
+            written.clear()
 
 
 def _add_note(exc: BaseException, note: str) -> None:
