@@ -16,8 +16,22 @@ budget and the store's bound (``stats()['rss_bound']``), and where the step's up
 the peak per phase: attach, each step, an optional checkpoint save (``--save``: the checkpoint
 needs 12 bytes per parameter more on the disk), and close.
 
+Fewer bytes per step: ``--bf16`` computes in bf16 (fp32 masters), ``--compute-copies`` (with
+it) keeps bf16 compute copies of the masters on NVMe for forward and backward to read
+(``precision.storage_dtype``), ``--state-dtype bf16|int8`` keeps Adam's moments in fewer bytes
+(``precision.optimizer_state_dtype``); each step prints what they saved in bytes read and
+written (``stats()['compression']``).
+
+The step is also held against its compute floor, measured in the same run: plain PyTorch
+forward, backward and AdamW step (under bf16 autocast with ``--bf16``) in memory, of the GPT at
+full width with one layer and with two, in a child process; the floor is the one-layer time
+plus the other layers at the two-layer time's difference. Each step prints its ratio to the
+compute floor, to the I/O floor and to the larger of the two. The load average is printed at
+the start and the end (other work on the machine's cores moves both the step and the floor).
+
     python -m tools.benchmarks.bench_scale [--width 2560 --layers 32 --host-budget 4GiB
         --steps 4 --nvme-path DIR --save --json out.json]
+    python -m tools.benchmarks.bench_scale --bf16 --compute-copies --state-dtype bf16
     python -m tools.benchmarks.bench_scale --width 768 --layers 12 --host-budget 512MiB  # 0.1 B
 
 Run it in the background: the default moves about 70 GB through the disk per step and needs
@@ -29,7 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,18 +58,32 @@ import torch
 import infinity
 from infinity.config import parse_size
 from infinity.core.memory import huge_page_allocations, peak_resident_bytes, warm_runtime
+from infinity.training.state_codecs import stored_nbytes
 from tools.benchmarks.bench_overlap import engine_bandwidth
 from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
 GIB = 1 << 30
-#: bytes per parameter on the swap directory: fp32 masters, gradients and two Adam moments
-STATE_BYTES_PER_PARAM = 16
 #: a checkpoint's bytes per parameter: masters and two moments
 CHECKPOINT_BYTES_PER_PARAM = 12
 #: stats()["update_mode"] at a step's start, as where that step's updates ran
 UPDATE_MODE_NAMES = {"watching the first step": "in optimizer.step() (watched)"}
 #: what the engine's bandwidth pass writes next to the state
 BANDWIDTH_PASS_BYTES = 2 << 30
+
+
+def saved_bytes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """Bytes compute copies and compressed optimizer state saved between two
+    ``stats()['compression']``: reads and writes saved (negative: added)."""
+
+    def delta(key: str) -> int:
+        return int(after[key] - before[key])
+
+    return {
+        "state read saved": delta("state_read_as_fp32") - delta("state_read"),
+        "state written saved": delta("state_written_as_fp32") - delta("state_written"),
+        "compute-copy reads saved": delta("compute_read_as_masters") - delta("compute_read"),
+        "compute-copy writes saved": -delta("compute_written"),
+    }
 
 
 def reset_peak() -> None:
@@ -63,8 +95,15 @@ def reset_peak() -> None:
         pass
 
 
-def needed_disk(params: int, save: bool) -> int:
-    per_param = STATE_BYTES_PER_PARAM + (CHECKPOINT_BYTES_PER_PARAM if save else 0)
+def state_bytes_per_param(args: argparse.Namespace) -> float:
+    """Bytes per parameter on the swap directory: fp32 masters and gradients, two Adam moments
+    as ``--state-dtype`` keeps them, and bf16 compute copies with ``--compute-copies``."""
+    moments = 2 * stored_nbytes(args.state_dtype, 1 << 20) / (1 << 20)
+    return 8 + moments + (2 if args.compute_copies else 0)
+
+
+def needed_disk(params: int, args: argparse.Namespace) -> int:
+    per_param = state_bytes_per_param(args) + (CHECKPOINT_BYTES_PER_PARAM if args.save else 0)
     return int(params * per_param * 1.02) + BANDWIDTH_PASS_BYTES
 
 
@@ -84,32 +123,104 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--save", action="store_true", help="save a checkpoint after the steps (needs the disk)"
     )
     parser.add_argument("--json", type=Path, default=None)
-    return parser.parse_args(argv)
+    parser.add_argument("--bf16", action="store_true", help="compute in bf16 (fp32 masters)")
+    parser.add_argument(
+        "--compute-copies",
+        action="store_true",
+        help="bf16 compute copies of the masters on NVMe (implies --bf16)",
+    )
+    parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32")
+    parser.add_argument(
+        "--compute-floor",
+        action="store_true",
+        help="(the child process) time plain PyTorch steps of 1 and 2 layers; print JSON",
+    )
+    args = parser.parse_args(argv)
+    args.bf16 = args.bf16 or args.compute_copies
+    return args
+
+
+def gpt_config(args: argparse.Namespace, layers: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=args.vocab,
+        context=args.context,
+        layers=layers,
+        width=args.width,
+        heads=max(1, args.width // 128),
+    )
+
+
+def plain_step_seconds(args: argparse.Namespace, layers: int, repeats: int = 3) -> float:
+    """Median seconds of plain PyTorch forward, backward and fused AdamW step of the GPT with
+    ``layers`` layers in memory (under bf16 autocast with ``--bf16``), after one untimed."""
+    torch.manual_seed(0)
+    model = TinyGPT(gpt_config(args, layers))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(repeats + 1):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator)
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def compute_floor(args: argparse.Namespace) -> dict[str, float]:
+    """The compute floor of a step of the whole GPT (see the module docstring), measured in a
+    child process: its memory stays out of this one's peaks."""
+    command = [
+        sys.executable,
+        "-m",
+        "tools.benchmarks.bench_scale",
+        "--compute-floor",
+        f"--width={args.width}",
+        f"--vocab={args.vocab}",
+        f"--context={args.context}",
+        f"--batch={args.batch}",
+    ] + (["--bf16"] if args.bf16 else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    one, two = json.loads(done.stdout.strip().splitlines()[-1])
+    per_layer = max(two - one, 0.0)
+    return {
+        "one_layer_s": one,
+        "two_layers_s": two,
+        "per_layer_s": per_layer,
+        "floor_s": one + (args.layers - 1) * per_layer,
+    }
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compute_floor:
+        print(json.dumps([plain_step_seconds(args, 1), plain_step_seconds(args, 2)]))
+        return 0
     logging.basicConfig(level=logging.WARNING, format="  %(name)s: %(message)s")
     # As a process started with THP_MEM_ALLOC_ENABLE=1 (docs/tuning.md), before any CPU tensor.
     huge_page_allocations()
-    gpt = GPTConfig(
-        vocab_size=args.vocab,
-        context=args.context,
-        layers=args.layers,
-        width=args.width,
-        heads=max(1, args.width // 128),
-    )
     with torch.device("meta"):  # materialised by attach, one module at a time
-        model = TinyGPT(gpt)
+        model = TinyGPT(gpt_config(args, args.layers))
     params = sum(p.numel() for p in model.parameters())
     parent = args.nvme_path or Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(parent).free
-    needed = needed_disk(params, args.save)
+    needed = needed_disk(params, args)
     if free < needed:
         print(
             f"refused: the {params / 1e9:.2f} B-param model needs {needed / 1e9:.1f} GB free on "
-            f"{parent} (training state {STATE_BYTES_PER_PARAM} B/param"
+            f"{parent} (training state {state_bytes_per_param(args):g} B/param"
             f"{', a checkpoint 12 B/param' if args.save else ''}, and the bandwidth pass), "
             f"which has {free / 1e9:.1f} GB: free space, pass --nvme-path on a larger drive, "
             f"or fewer --layers"
@@ -130,17 +241,28 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
     swap = root / "swap"
     swap.mkdir()
     budget = args.host_budget
+    state = params * state_bytes_per_param(args)
+    copies = "bf16 compute copies, " if args.compute_copies else ""
     print(
         f"model: GPT width {args.width}, {args.layers} layers, vocab {args.vocab}: "
         f"{params / 1e9:.3f} B params ({(params + args.vocab * args.width) / 1e9:.2f} B "
-        f"counting the tied head twice); fp32 training state with AdamW "
-        f"{params * STATE_BYTES_PER_PARAM / GIB:.1f} GiB = "
-        f"{params * STATE_BYTES_PER_PARAM / budget:.1f}x the host budget of "
-        f"{budget / GIB:.2f} GiB; batch {args.batch} x {args.context}",
+        f"counting the tied head twice); training state with AdamW on NVMe "
+        f"{state / GIB:.1f} GiB = {state / budget:.1f}x the host budget of "
+        f"{budget / GIB:.2f} GiB; batch {args.batch} x {args.context}; compute "
+        f"{'bf16' if args.bf16 else 'fp32'}, {copies}"
+        f"Adam state {args.state_dtype}; load average {load_average()}",
         flush=True,
     )
     config = infinity.OffloadConfig(
-        offload_param="nvme", offload_optimizer="nvme", nvme_path=(swap,), host_budget=budget
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(swap,),
+        host_budget=budget,
+        precision=infinity.PrecisionConfig(
+            dtype="bf16" if args.bf16 else "fp32",
+            storage_dtype="bf16" if args.compute_copies else "auto",
+            optimizer_state_dtype=args.state_dtype,
+        ),
     )
     peaks: dict[str, int] = {}
     reset_peak()
@@ -188,6 +310,8 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
             "update_mode_reasons": after["update_mode_reasons"],
             "loss": loss.item(),
             "slab_misses": after["device_slab_misses"],
+            # what compute copies and compressed state saved this step (stats()['compression'])
+            "saved": saved_bytes(before["compression"], after["compression"]),
         }
         steps.append(record)
         peaks[f"step {step}"] = peak
@@ -220,25 +344,47 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
     disk = engine_bandwidth(swap, BANDWIDTH_PASS_BYTES // 2, config, combined=True)
     combined = disk["combined"]
     peak = max(peaks.values())
+    floor_compute = compute_floor(args)
+    compute_s = floor_compute["floor_s"]
     print(
         f"\nswap engine on {swap.parent}: combined read+write {combined / 1e9:.2f} GB/s "
         f"(write {disk['write'] / 1e9:.2f}, read {disk['read'] / 1e9:.2f})"
     )
     print(
-        f"{'step':>4} {'s':>7} {'moved GB':>9} {'I/O floor s':>11} {'x floor':>7} "
-        f"{'stall s':>7} {'peak RSS GiB':>12} {'vs budget':>9}  update"
+        f"compute floor {compute_s:.1f} s: plain PyTorch forward + backward + AdamW in memory"
+        f"{' (bf16 autocast)' if args.bf16 else ''}, 1 layer {floor_compute['one_layer_s']:.2f} "
+        f"s, 2 layers {floor_compute['two_layers_s']:.2f} s, so {args.layers} layers "
+        f"{floor_compute['one_layer_s']:.2f} + {args.layers - 1} x "
+        f"{floor_compute['per_layer_s']:.2f} s; load average {load_average()}"
+    )
+    print(
+        f"{'step':>4} {'s':>7} {'moved GB':>9} {'I/O floor s':>11} {'x I/O':>6} "
+        f"{'x compute':>9} {'x max':>6} {'stall s':>7} {'peak RSS GiB':>12} {'vs budget':>9}  "
+        f"update"
     )
     for index, record in enumerate(steps):
         moved = record["bytes_read"] + record["bytes_written"]
         floor = moved / combined
         record["io_floor_s"] = floor
+        record["compute_floor_s"] = compute_s
         record["vs_floor"] = record["step_s"] / floor if floor else None
+        record["vs_compute_floor"] = record["step_s"] / compute_s if compute_s else None
+        both = max(floor, compute_s)
+        record["vs_max_floor"] = record["step_s"] / both if both else None
         print(
             f"{index:>4} {record['step_s']:>7.1f} {moved / 1e9:>9.2f} {floor:>11.1f} "
-            f"{record['step_s'] / floor:>7.2f} {record['stall_s']:>7.1f} "
+            f"{record['step_s'] / floor:>6.2f} {record['step_s'] / compute_s:>9.2f} "
+            f"{record['step_s'] / both:>6.2f} {record['stall_s']:>7.1f} "
             f"{record['peak_rss'] / GIB:>12.2f} "
             f"{record['peak_rss'] / budget:>8.2f}x  {record['update_mode']}"
         )
+    for index, record in enumerate(steps):
+        saved = record["saved"]
+        if any(saved.values()):
+            print(
+                f"step {index} saved: "
+                + "; ".join(f"{what} {value / 1e9:+.2f} GB" for what, value in saved.items())
+            )
     print(
         "peak RSS per phase (GiB): "
         + ", ".join(f"{name} {value / GIB:.2f}" for name, value in peaks.items())
@@ -258,7 +404,21 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
     steady = steps[1:] or steps
     ratios = sorted(r["vs_floor"] for r in steady if r["vs_floor"])
     median = ratios[len(ratios) // 2] if ratios else None
+    median_step = statistics.median(r["step_s"] for r in steady)
+    median_max = statistics.median(r["vs_max_floor"] for r in steady if r["vs_max_floor"])
+    print(
+        f"steady steps: median {median_step:.1f} s, {median or 0:.2f}x the I/O floor, "
+        f"{median_step / compute_s:.2f}x the compute floor, {median_max:.2f}x the larger"
+    )
     return {
+        "precision": {
+            "bf16": args.bf16,
+            "compute_copies": args.compute_copies,
+            "state_dtype": args.state_dtype,
+        },
+        "compute_floor": floor_compute,
+        "median_step_s": median_step,
+        "median_vs_max_floor": median_max,
         "params": params,
         "width": args.width,
         "layers": args.layers,
