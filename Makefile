@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dist demo-trainer test bench bench-full bench-scale bench-dist bench-checkpoint \
+.PHONY: demo demo-dist demo-trainer test lint bench bench-full bench-scale bench-dist bench-checkpoint \
 	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer gpu-check soak \
 	venv clean
 
@@ -31,8 +31,15 @@ demo-dist: $(STAMP)
 demo-trainer: $(STAMP)
 	$(PY) -m tools.commands.demo_dist --trainer
 
-test: $(STAMP)
+# Lint, format and types first (ruff and mypy at constraints.txt's versions, configured in
+# pyproject.toml), then the suite: .ci/run calls this on a clean clone.
+test: lint
 	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # Speed and memory targets are checked here, against baselines measured in the same run (fio,
 # plain PyTorch), never by timed assertions in the tests.
