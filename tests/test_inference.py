@@ -200,7 +200,9 @@ def test_bf16_storage_with_an_optimizer_needs_the_masters_on_nvme() -> None:
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters())
     config = infinity.OffloadConfig(
-        device="cpu", offload_param="cpu", precision=infinity.PrecisionConfig(storage_dtype="bf16")
+        device="cpu",
+        offload_param="cpu",
+        precision=infinity.PrecisionConfig(dtype="bf16", storage_dtype="bf16"),
     )
     with (
         infinity.TieredStore(config) as store,
