@@ -15,10 +15,13 @@ fused Adam kernel the store uses against torch's per-tensor loop.
 
 With ``--state-loss STEPS`` it measures instead what keeping the optimizer state in fewer bytes
 (``precision.optimizer_state_dtype``) costs the training: the MLP (regressing a fixed random
-teacher) and the demo's GPT (``infinity-train``'s defaults: 8 x 256, its synthetic text) train
-STEPS steps each with the state in fp32, bf16 and int8, on the same data from the same seeds,
-and it prints each final loss (the mean of the last ten) against fp32's (targets: within 1% for
-bf16, 2% for int8), with the bytes read and written per step and the state's share of them.
+teacher), the demo's GPT (``infinity-train``'s defaults: 8 x 256, vocab 512, its synthetic
+text) and the same GPT with a vocab of 64 (``gpt-v64``: the demo's text then has 4096 pairs of
+tokens to learn the next one from, which 200 steps of 512 tokens see 25 times each, where the
+demo's 262144 pairs stay near chance) train STEPS steps each with the state in fp32, bf16 and
+int8, on the same data from the same seeds, and it prints each final loss (the mean of the last
+ten) against fp32's (targets: within 1% for bf16, 2% for int8), with the bytes read and written
+per step and the state's share of them.
 
     python -m tools.benchmarks.bench_step --state-loss 200
 """
@@ -26,6 +29,7 @@ bf16, 2% for int8), with the bytes read and written per step and the state's sha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import shutil
@@ -54,8 +58,9 @@ from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 #: --state-loss: the state dtypes compared, and how far each final loss may be from fp32's
 STATE_DTYPE_TARGETS = {"fp32": 0.0, "bf16": 0.01, "int8": 0.02}
-#: the demo's GPT (infinity-train's defaults)
+#: the demo's GPT (infinity-train's defaults), and the same with a vocab it can learn in 200 steps
 DEMO_GPT = GPTConfig(vocab_size=512, context=64, layers=8, width=256, heads=HEADS)
+SMALL_VOCAB_GPT = dataclasses.replace(DEMO_GPT, vocab_size=64)
 
 
 def update_throughput(numel: int, fused: bool, repeats: int = 3) -> float:
@@ -160,14 +165,20 @@ def _mlp_run(args: argparse.Namespace) -> tuple[nn.Module, Any, float, int]:
     return model, (batches(), loss), 1e-4, args.host_budget
 
 
-def _gpt_run(args: argparse.Namespace) -> tuple[nn.Module, Any, float, int]:
-    """The demo's GPT, its synthetic text, its lr, and its host budget (a quarter of params,
-    gradients and Adam state)."""
-    torch.manual_seed(0)
-    model = TinyGPT(DEMO_GPT)
-    data = synthetic_batches(DEMO_GPT, 8, seed=0)
-    numel = sum(p.numel() for p in model.parameters())
-    return model, (data, lambda batch: model(*batch)), DEMO_LR, 4 * numel
+def _gpt_run(
+    gpt: GPTConfig,
+) -> Callable[[argparse.Namespace], tuple[nn.Module, Any, float, int]]:
+    """The demo's GPT (of config ``gpt``), its synthetic text, its lr, and its host budget (a
+    quarter of params, gradients and Adam state)."""
+
+    def make(args: argparse.Namespace) -> tuple[nn.Module, Any, float, int]:
+        torch.manual_seed(0)
+        model = TinyGPT(gpt)
+        data = synthetic_batches(gpt, 8, seed=0)
+        numel = sum(p.numel() for p in model.parameters())
+        return model, (data, lambda batch: model(*batch)), DEMO_LR, 4 * numel
+
+    return make
 
 
 def state_loss_run(
@@ -226,10 +237,16 @@ def state_loss(args: argparse.Namespace, root: Path) -> dict:
         f"mean of the last ten; bytes: the median step after the first)"
     )
     print(
-        f"{'model':<5} {'state':<5} {'final loss':>11} {'vs fp32':>8} {'target':>7} "
+        f"{'model':<7} {'state':<5} {'final loss':>11} {'vs fp32':>8} {'target':>7} "
         f"{'read/step':>10} {'written/step':>12} {'state read+written (fp32 would)':>32}"
     )
-    for name, make in (("mlp", _mlp_run), ("gpt", _gpt_run)):
+    for name, make in (
+        ("mlp", _mlp_run),
+        ("gpt", _gpt_run(DEMO_GPT)),
+        ("gpt-v64", _gpt_run(SMALL_VOCAB_GPT)),
+    ):
+        if name not in args.state_loss_models.split(","):
+            continue
         runs = {dtype: state_loss_run(make, args, root, dtype) for dtype in STATE_DTYPE_TARGETS}
         base = runs["fp32"]["final_loss"]
         for dtype, run in runs.items():
@@ -241,7 +258,7 @@ def state_loss(args: argparse.Namespace, root: Path) -> dict:
             would = run["state_read_as_fp32"] + run["state_written_as_fp32"]
             saved = f"{(would - moved) / 1e6:.1f}MB"
             print(
-                f"{name:<5} {dtype:<5} {run['final_loss']:>11.5f} {change:>+8.2%} "
+                f"{name:<7} {dtype:<5} {run['final_loss']:>11.5f} {change:>+8.2%} "
                 f"{'' if not target else ('ok' if run['within_target'] else 'over'):>7} "
                 f"{run['bytes_read'] / 1e6:>8.1f}MB {run['bytes_written'] / 1e6:>10.1f}MB "
                 + (
@@ -274,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="STEPS",
         help="compare the optimizer state dtypes' training loss instead (see above)",
+    )
+    parser.add_argument(
+        "--state-loss-models",
+        default="mlp,gpt,gpt-v64",
+        help="which of mlp, gpt, gpt-v64 --state-loss trains (%(default)s)",
     )
     args = parser.parse_args(argv)
     root = args.nvme_path or Path(tempfile.mkdtemp(prefix="infinity-bench-step-"))
