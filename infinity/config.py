@@ -614,8 +614,18 @@ class OffloadConfig(_Validated):
         gathered modules), 2-4 bytes/param more on the device at stages 1 and 2.
     overlap_comm: across ranks, let gradient reductions run while backward computes (up to
         reduce_bucket_size bytes of them under way) instead of completing each at once.
-    reduce_bucket_size: bytes of gradient reductions under way at once with overlap_comm.
-        Memory: up to this much host (or, with NCCL, device) memory for gradients in flight.
+    reduce_bucket_size: across ranks, bytes of gradients (whole, before the reduce-scatter)
+        reduced by one collective: gradients smaller than half of it wait in a bucket until
+        its other gradients arrive; a larger one is reduced alone, from autograd's own
+        tensor. With overlap_comm, also the bytes of reductions left under way.
+        Memory: up to about twice this much host (or, with NCCL, device) memory for gradients
+        being bucketed and in flight; a larger value means fewer collectives.
+    allgather_bucket_size: across ranks, bytes (whole, after the all-gather) of parameters
+        assembled by one all-gather: a parameter smaller than half of it travels with the
+        other small ones (the next modules' biases and norms, in attach order; persistent
+        ones with persistent ones), a larger one alone, straight into its device copy. At
+        most a quarter of the device budget. Memory: a bucket's bytes of device memory
+        (host memory without a GPU) while it is copied out, outside device_budget.
     restore_params: what ``close()`` hands back to the model as ordinary tensors (a call may
         say otherwise: ``close(restore_params=...)``). 'auto' (default): every parameter when
         their bytes fit in host_budget (without one: in half the memory available), else none
@@ -692,7 +702,17 @@ class OffloadConfig(_Validated):
     overlap_comm: bool = field(default=True, metadata=_rule(kind="bool"))
     reduce_bucket_size: int = field(
         default=64 << 20,
-        metadata=_rule(kind="int", lo=0, size=True, fix="use 0 to complete each reduction at once"),
+        metadata=_rule(
+            kind="int",
+            lo=1,
+            size=True,
+            fix="use a positive size, e.g. '64MiB' (overlap_comm=False completes each "
+            "reduction at once)",
+        ),
+    )
+    allgather_bucket_size: int = field(
+        default=64 << 20,
+        metadata=_rule(kind="int", lo=1, size=True, fix="use a positive size, e.g. '64MiB'"),
     )
     restore_params: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     checkpoint_staging: int = field(

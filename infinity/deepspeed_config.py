@@ -8,10 +8,11 @@ scheduler, monitoring, ...), which is ignored with one log line.
 
 Mapping notes that change numbers:
 
-* DeepSpeed counts ``offload_param.buffer_size``, ``offload_param.max_in_cpu`` and
-  ``stage3_prefetch_bucket_size`` in *elements*; infinity counts bytes. Plain numbers are
-  converted at the working dtype's size (2 bytes for fp16/bf16, 4 for fp32) and the conversion is
-  logged; a string with a unit (``"256MiB"``) is taken as bytes as written.
+* DeepSpeed counts ``offload_param.buffer_size``, ``offload_param.max_in_cpu``,
+  ``reduce_bucket_size``, ``allgather_bucket_size`` and ``stage3_prefetch_bucket_size`` in
+  *elements*; infinity counts bytes. Plain numbers are converted at the working dtype's size
+  (2 bytes for fp16/bf16, 4 for fp32) and the conversion is logged; a string with a unit
+  (``"256MiB"``) is taken as bytes as written.
 * ``offload_param`` only exists at stage 3, as in DeepSpeed; below that params stay on the device.
 * Keys a config leaves out take infinity's defaults, not DeepSpeed's.
 * ``"auto"`` (Hugging Face Trainer placeholders) leaves the setting at infinity's default.
@@ -116,14 +117,13 @@ _ZERO_MAPPED = (
     "cpu_offload_use_pin_memory",
     "overlap_comm",
     "reduce_bucket_size",
+    "allgather_bucket_size",
 )
 # Communication settings with a fixed answer here: what each would mean, why it does not.
 _ZERO_COMM_FIXED = {
     "contiguous_gradients": "gradients always go into one contiguous slice per shard",
     "reduce_scatter": "gradients are reduce-scattered at stages 2 and 3 and all-reduced at "
     "stage 1, whatever this says",
-    "allgather_bucket_size": "each shard (at most buffer_size per rank) is gathered by one "
-    "all-gather as its module needs it",
     "allgather_partitions": "parameters are always assembled with all-gathers",
 }
 # Accepted, with what they mean in DeepSpeed and why they do nothing here.
@@ -329,9 +329,10 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str]) -> Offloa
             "state partitioned, gradients all-reduced: the same results)"
         )
     m.take(zero, "overlap_comm", "overlap_comm", "zero_optimization")
-    bucket = m.get(zero, "reduce_bucket_size", "zero_optimization.reduce_bucket_size")
-    if bucket is not _ABSENT:
-        m.elements.append(("reduce_bucket_size", "zero_optimization.reduce_bucket_size", bucket))
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        bucket = m.get(zero, key, f"zero_optimization.{key}")
+        if bucket is not _ABSENT:
+            m.elements.append((key, f"zero_optimization.{key}", bucket))
     _map_aio(m, aio)
     m.take(data, "gradient_clipping", "gradient_clipping", "")
     m.take(data, "train_batch_size", "batch.train_batch_size", "")

@@ -236,6 +236,18 @@ class RangeAllocator:
         """The longest free range: the most one ``take`` can have."""
         return max(self.lengths, default=0)
 
+    def can_take(self, lengths: list[int]) -> bool:
+        """Whether ``take`` would find a range for each of ``lengths``, taken in this order."""
+        free = list(self.lengths)
+        for length in lengths:
+            for i, size in enumerate(free):
+                if size >= length:
+                    free[i] -= length
+                    break
+            else:
+                return False
+        return True
+
 
 class _DriveSpace:
     """The run directory on one drive and its swap files."""

@@ -110,6 +110,9 @@ BAD_TOP = [
     ("prefetch_depth", -1),
     ("prefetch_depth", 1.5),
     ("prefetch_bytes", -1),
+    ("reduce_bucket_size", 0),
+    ("allgather_bucket_size", 0),
+    ("allgather_bucket_size", -1),
     ("param_persistence_threshold", -1),
     ("gradient_clipping", -0.1),
     ("gradient_clipping", math.nan),
@@ -253,7 +256,9 @@ def test_unknown_native_keys_suggest() -> None:
         OffloadConfig.from_dict({"aio": {"queue_dept": 8}})
     with pytest.raises(ConfigError, match="unknown key 'dtyp' in precision; did you mean 'dtype'"):
         OffloadConfig.from_dict({"precision": {"dtyp": "bf16"}})
-    with pytest.raises(ConfigError, match="unknown key 'zzz' .*valid keys are: aio, batch"):
+    with pytest.raises(
+        ConfigError, match="unknown key 'zzz' .*valid keys are: aio, allgather_bucket_size, batch"
+    ):
         OffloadConfig.from_dict({"zzz": 1})
 
 
@@ -523,10 +528,11 @@ def test_seed_zero3_nvme(caplog: pytest.LogCaptureFixture) -> None:
     assert c.aio == AioConfig() and c.gradient_clipping == 0.0
     only_one(caplog, "buffer_size 100000000 -> buffer_size 200000000")
     fixed = only_one(caplog, "fixed answer here")
-    for key in ("contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
+    for key in ("contiguous_gradients", "reduce_scatter"):
         assert key in fixed
     assert c.zero_stage == 3 and c.overlap_comm is True
     assert c.reduce_bucket_size == 1_000_000_000  # 5e8 fp16 elements
+    assert c.allgather_bucket_size == 1_000_000_000
     only_one(
         caplog,
         "DeepSpeed config mapped: ZeRO stage 3, offload_param=nvme, "
@@ -703,9 +709,11 @@ def test_deepspeed_communication_keys(caplog: pytest.LogCaptureFixture) -> None:
     )
     assert c.zero_stage == 3 and c.overlap_comm is False
     assert c.reduce_bucket_size == 200_000_000  # elements at fp32
+    assert c.allgather_bucket_size == 2_000_000_000
     line = only_one(caplog, "fixed answer here")
-    for key in ("contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
+    for key in ("contiguous_gradients", "reduce_scatter"):
         assert key in line
+    assert "allgather_bucket_size" not in line
     line = only_one(caplog, "accepted but not used")
     for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
         assert key in line

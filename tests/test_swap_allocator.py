@@ -106,6 +106,21 @@ def test_free_list_coalesces_in_any_order():
         free.give(9 * PAGE, 2 * PAGE)  # overlaps the free range that starts at 10 pages
 
 
+def test_can_take_answers_as_takes_in_that_order_would():
+    free = RangeAllocator(8 * PAGE)
+    held = [free.take(PAGE) for _ in range(8)]
+    for start in (held[1], held[2], held[4], held[5], held[6]):
+        free.give(start, PAGE)  # free: 2 pages at 1, 3 pages at 4
+    assert free.can_take([3 * PAGE, 2 * PAGE])
+    assert free.can_take([2 * PAGE, 3 * PAGE])
+    assert free.can_take([PAGE, PAGE, 2 * PAGE])  # first fit: both in the 2-page hole
+    assert not free.can_take([PAGE, 2 * PAGE, 2 * PAGE])  # 5 pages free, first fit splits them
+    assert not free.can_take([4 * PAGE])
+    assert free.can_take([])
+    assert free.starts == [PAGE, 4 * PAGE] and free.lengths == [2 * PAGE, 3 * PAGE]  # unchanged
+    assert [free.take(n) for n in (3 * PAGE, 2 * PAGE)] == [4 * PAGE, PAGE]
+
+
 def test_small_extents_rotate_over_directories(tmp_path):
     dirs = [tmp_path / n for n in "ab"]
     for d in dirs:

@@ -279,6 +279,86 @@ def test_stage3_accumulation_and_config_clipping(tmp_path):
         assert result["grad_norm"] > 0.05  # clipping changed the step
 
 
+LAYERS, WIDTH = 4, 64
+
+
+def _mlp(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        *[m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())]
+    )
+
+
+def _count_collectives(rank: int, world: int, config: dict, steps: int) -> dict:
+    """Trains the MLP attached and as plain data-parallel ranks; the collectives of the
+    attached steps after the first (traced) one, per step."""
+    store = infinity.TieredStore(infinity.OffloadConfig(**config))
+    model = _mlp(seed=rank)  # the store starts every rank from rank 0's values
+    model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+    plain = _mlp()
+    plain_optimizer = fused_adamw(plain.parameters())
+    generator = torch.Generator().manual_seed(rank)
+    marks = []
+    for _ in range(steps):
+        x = torch.randn(8, WIDTH, generator=generator)
+        marks.append(store.stats()["comm"])
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        plain(x).square().mean().backward()
+        for param in plain.parameters():
+            dist.all_reduce(param.grad)
+            param.grad.div_(world)
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    marks.append(store.stats()["comm"])
+    counted = ("collectives", "all_gathers", "reductions")
+    per_step = {k: (marks[-1][k] - marks[1][k]) / (steps - 1) for k in counted}
+    layout = store.partition.layout
+    out = {
+        "per_step": per_step,
+        "first_step": {k: marks[1][k] - marks[0][k] for k in counted},
+        "gather_buckets": len(layout.gather_buckets),
+        "reduce_buckets": len(layout.reduce_buckets),
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "plain": plain.state_dict(),
+    }
+    store.close()
+    return out
+
+
+def test_collectives_per_step_one_per_large_parameter_and_bucket():
+    # Weights of 64 x 64 (16 KiB whole) travel alone, the four biases together: per pass one
+    # all-gather per weight and one for the biases, per backward one reduction per weight
+    # and one for the biases. One collective per parameter would be 8 + 8 + 8.
+    config = {
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "device": "cpu",
+        "device_budget": 1 << 20,
+        "allgather_bucket_size": 16 << 10,
+        "reduce_bucket_size": 16 << 10,
+    }
+    results = run_ranks(_count_collectives, 2, config, 4, timeout=240)
+    for rank, result in results.items():
+        print(f"rank {rank}: per step {result['per_step']}, first {result['first_step']}")
+        assert result["gather_buckets"] == LAYERS + 1
+        assert result["reduce_buckets"] == LAYERS + 1
+        assert result["per_step"] == {
+            "all_gathers": 2 * (LAYERS + 1),
+            "reductions": LAYERS + 1,
+            "collectives": 3 * (LAYERS + 1),
+        }
+        for key, value in result["plain"].items():
+            torch.testing.assert_close(
+                torch.as_tensor(result["state"][key]),
+                torch.as_tensor(value),
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m, key=key, rank=rank: f"rank {rank} {key} vs plain ranks: {m}",
+            )
+
+
 def _train_bf16(rank: int, world: int, swap_root: str) -> dict:
     model = make_model(seed=0)
     config = infinity.OffloadConfig(

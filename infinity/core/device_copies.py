@@ -6,12 +6,21 @@ state: the entries resident on the device, when each was last used, the all-gath
 look-ahead left under way. Lent and staged copies are its own part, :mod:`lending`. What it
 needs of the placement (host copies to copy from) is :class:`HostCopies`. Everything runs on the
 training thread.
+
+Across ranks a device copy is assembled by the all-gathers of its buckets
+(:mod:`infinity.ranks.buckets`): gathering a small parameter assembles the other parameters of
+its bucket that are not on the device too, in the same collective. Every decision that starts
+a collective here (which entries, when, how far ahead) is a function of the trace, the holds
+and the device budget, which are the same on every rank, never of the host tier or the disk,
+which are not.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,9 +33,13 @@ from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import BudgetError
+from infinity.ranks.collectives import BucketGather
 
 if TYPE_CHECKING:
+    from infinity.ranks.buckets import Bucket
     from infinity.ranks.partition import Partition
+
+log = logging.getLogger(__name__)
 
 
 class HostCopies(Protocol):
@@ -55,6 +68,15 @@ class HostCopies(Protocol):
     def gather_source(self, shard: Shard, backward: bool | None = None) -> Shard: ...
 
 
+@dataclass(eq=False)
+class _Assembled:
+    """Entries whose device copies one all-gather assembled, and the indices of those that no
+    hold has used since."""
+
+    members: list[ParamEntry]
+    unused: set[int]
+
+
 class DeviceCopies:
     """The device copies of one placement's entries (see the module docstring)."""
 
@@ -72,6 +94,7 @@ class DeviceCopies:
         assemble_ahead: bool = True,
     ) -> None:
         self._host = host_copies
+        self.host_tier = host
         self.registry = registry
         self.device = device
         self.follower = follower
@@ -89,6 +112,9 @@ class DeviceCopies:
         self.clock = 0
         #: entry index -> all-gathers a look-ahead left under way for its device copy
         self.assembling: dict[int, list] = {}
+        #: across ranks: entry index -> the entries one all-gather assembled with it, and those
+        #: of them not used since (see release)
+        self._assembled_with: dict[int, _Assembled] = {}
         self.assembled_ahead = 0
         #: device copies that are the host copy itself, or a range of the device slab (a CPU
         #: device, without autograd)
@@ -109,11 +135,19 @@ class DeviceCopies:
         if entry.placeholder is not None and not lend:
             self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
         if not entry.resident:
-            self._make_device_room(entry)
-            if not (lend and (lending.lend(entry) or lending.stage(entry))):
-                self._fill_device(entry)
+            if self.partition is not None:
+                members = self._bucket_members(entry)
+                self._make_device_room(members)
+                self._assemble(members, defer=False)
+            else:
+                self._make_device_room([entry])
+                if not (lend and (lending.lend(entry) or lending.stage(entry))):
+                    self._fill_device(entry)
         if hold:
             entry.holds += 1
+            together = self._assembled_with.get(entry.index)
+            if together is not None:
+                together.unused.discard(entry.index)
 
     def settle(self, entry: ParamEntry) -> None:
         """Completes the all-gathers a look-ahead started for ``entry``'s device copy (across
@@ -126,9 +160,9 @@ class DeviceCopies:
     def assemble_ahead(self) -> None:
         """ZeRO stage 3 across ranks, after a module's gathers: starts the all-gathers of the
         next module's parameters (the trace's next event), so they run while this module
-        computes. Only into free device room, never evicting: every rank then decides the same,
-        which a collective needs. Its slices are read from NVMe first where they are not on the
-        host yet (the trace-driven prefetch started those reads further ahead)."""
+        computes. Only into free device room, never evicting: every rank then decides the
+        same, which a collective needs. Its slices are read from NVMe first where they are not
+        on the host yet (the trace-driven prefetch started those reads further ahead)."""
         partition = self.partition
         if (
             partition is None
@@ -140,14 +174,44 @@ class DeviceCopies:
         upcoming = self.follower.upcoming(1)
         if not upcoming:
             return
+        entries = self.registry.entries
         for index in upcoming[0].entries:
-            entry = self.registry.entries[index]
+            entry = entries[index]
             if entry.resident or index in self._host.uninitialised:
                 continue
-            if not self.device.fits(entry.device_bytes):
+            members = self._bucket_members(entry)
+            if not self.device.fits(sum(e.device_bytes for e in members)):
+                members = [entry]  # its bucket's others wait for their own turn
+            if not self.device.fits(sum(e.device_bytes for e in members)):
                 return
-            self._fill_device(entry, defer=True)
-            self.assembled_ahead += 1
+            self._assemble(members, defer=True)
+            self.assembled_ahead += len(members)
+
+    def _bucket_members(self, entry: ParamEntry) -> list[ParamEntry]:
+        """The entries the all-gathers of ``entry``'s buckets assemble: ``entry``, and for a
+        small one the others of its bucket that are not on the device and have values, unless
+        the device cannot make room for them all (then ``entry`` alone)."""
+        partition = self.partition
+        assert partition is not None and partition.layout is not None  # planned at attach
+        members = [entry]
+        for bucket in partition.layout.gather_buckets_of(entry):
+            for other in bucket.entries:
+                if (
+                    other not in members
+                    and not other.resident
+                    and other.index not in self._host.uninitialised
+                ):
+                    members.append(other)
+        if len(members) > 1:
+            need = sum(e.device_bytes for e in members)
+            evictable = sum(
+                e.device_bytes
+                for e in self.on_device
+                if e.holds == 0 and e.index not in self.persistent
+            )
+            if self.device.usage.current - evictable + need > self.device.budget:
+                return [entry]
+        return members
 
     def _start_reads(self, sources: list[Shard]) -> None:
         """Starts every read of ``sources`` the arena allows at once, so they overlap."""
@@ -157,6 +221,17 @@ class DeviceCopies:
                 host.reap(source)
                 if source.state is R.NVME:
                     host.load_async(source, protect=sources, horizon=0.5)
+
+    def _read_window(self, sources: list[Shard], first: int) -> list[Shard]:
+        """``sources[first]`` and the ones after it whose slots fit in half the arena."""
+        window = [sources[first]]
+        room = self.host_tier.arena_bytes // 2 - self.host_tier.slot_cost(sources[first].nbytes)
+        for source in sources[first + 1 :]:
+            room -= self.host_tier.slot_cost(source.nbytes)
+            if room < 0:
+                break
+            window.append(source)
+        return window
 
     def shards_on_host(
         self,
@@ -244,74 +319,116 @@ class DeviceCopies:
         entry.resident = True
         self.on_device.add(entry)
 
-    def _fill_device(self, entry: ParamEntry, defer: bool = False) -> None:
-        """Fills the entry's device copy from its host masters (across ranks: assembled from
-        every rank's slices). ``defer``: the all-gathers are left under way (``settle``)."""
+    def _fill_device(self, entry: ParamEntry) -> None:
+        """Fills the entry's device copy from the host copies of what it is gathered from (one
+        process; across ranks see :meth:`_assemble`)."""
         tensor = entry.device_tensor
         assert tensor is not None  # given at attach (adopt)
         flat = tensor.view(-1)  # the storage that fill() gives its bytes
-        assembling: list[Any] = []  # all-gathers under way (several ranks)
-
-        def before_read(shard: Shard) -> None:
-            if assembling and not defer:
-                # Its read may evict the slices the all-gathers under way read.
-                for pending in assembling:
-                    pending.wait()
-                assembling.clear()
 
         def copy(shard: Shard, host: torch.Tensor) -> torch.cuda.Event | None:
-            if shard.piece is None:
-                return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
-            event, pending = self._assemble(flat, shard, own_input=defer)
-            assembling.append(pending)
-            return event
-
-        def complete() -> None:
-            if defer:
-                self.assembling[entry.index] = assembling
-            else:
-                for pending in assembling:
-                    pending.wait()
+            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
 
         self.copy_to_device(
             entry,
             copy,
             undo=lambda: self.device.empty(tensor),
             prepare=lambda: self.device.fill(tensor),
-            before_read=before_read,
-            complete=complete,
         )
 
-    def _assemble(
-        self, flat: torch.Tensor, shard: Shard, own_input: bool = False
-    ) -> tuple[torch.cuda.Event | None, Any]:
-        """Starts the all-gather of ``shard``'s whole piece into the device copy ``flat`` from
-        every rank's slice. Returns the copy's event and the collective's handle.
-        ``own_input``: the collective reads a copy of the slice, not the arena slot, which may
-        be evicted before it completes."""
+    def _assemble(self, members: list[ParamEntry], defer: bool) -> None:
+        """Fills the device copies of ``members`` (room made) with one all-gather per bucket of
+        their shards: the host copy of what each shard is gathered from (its master, or its
+        compute copy; read from NVMe where needed) is copied into this rank's row of its
+        bucket, then the bucket is gathered. ``defer``: the all-gathers are left under way
+        (``settle``). If anything fails before they are all started, none of it counts: the
+        shards go back to their host/NVMe states and the copies are freed."""
         partition = self.partition
-        assert partition is not None and shard.piece is not None  # a slice across ranks
-        start, numel = shard.piece
-        out = flat[start : start + numel]
-        local = shard.host
-        assert local is not None  # settled on the host
-        event = None
-        if local.dtype != out.dtype or (partition.on_device and local.device != out.device):
-            # Compute dtype (mixed precision) and, under NCCL, on the device: a device copy.
-            staged = torch.empty(
-                shard.numel, dtype=out.dtype, device=out.device if partition.on_device else "cpu"
+        assert partition is not None and partition.layout is not None  # planned at attach
+        layout = partition.layout
+        chosen = set(members)
+        plans: list[tuple[Bucket, list[Shard]]] = []
+        planned: set[int] = set()
+        for entry in members:
+            for bucket in layout.gather_buckets_of(entry):
+                if bucket.index not in planned:
+                    planned.add(bucket.index)
+                    plans.append((bucket, [s for s in bucket.shards if s.entry in chosen]))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "all-gather%s of %s (%d bucket(s))",
+                " ahead" if defer else "",
+                ", ".join(e.name for e in members),
+                len(plans),
             )
-            event = self.device.copy_in(staged, local)
-            self.device.wait(event)
-            local = staged
-        elif own_input:
-            local = local.clone()
-        elif not partition.on_device and out.device.type != "cpu":
-            raise RuntimeError(
-                "a gloo process group cannot gather into device memory: use "
-                "the nccl backend with CUDA"
-            )
-        return event, partition.gather_into(out, local)
+        buffers_on = self.device.device if partition.on_device else torch.device("cpu")
+        host = self._host
+        filled: list[ParamEntry] = []
+        gathers: list[BucketGather] = []
+        try:
+            for entry in members:
+                assert entry.device_tensor is not None  # given at attach (adopt)
+                self.device.fill(entry.device_tensor)
+                filled.append(entry)
+            for bucket, shards in plans:
+                # This bucket's reads at once (the next bucket's wait: a bucket's shards may
+                # be more than the arena holds); a shard copied into its slot may go.
+                outputs = []
+                for shard in shards:
+                    assert shard.piece is not None and shard.entry.device_tensor is not None
+                    start, numel = shard.piece
+                    outputs.append(shard.entry.device_tensor.view(-1)[start : start + numel])
+                gather = BucketGather(
+                    partition, shards, outputs, bucket.dtype, buffers_on, partition.scratch
+                )
+                gathers.append(gather)
+                # What each shard is gathered from: its master, or its compute copy (see
+                # Placement.gather_source), in the bucket's dtype either way.
+                sources = [host.gather_source(shard) for shard in shards]
+                events = []
+                with torch.no_grad():
+                    for slot, source in enumerate(sources):
+                        # Reads of the next sources overlap, as many as half the arena holds:
+                        # a bucket may have more than the arena, and reads of later sources
+                        # holding it all would leave none for this one.
+                        window = self._read_window(sources, slot)
+                        self._start_reads(window)
+                        host.ensure_host(source, protect=window[1:])
+                        if source.state is R.HOST_STORING:
+                            host.reap(source, wait=True)
+                        # The shard's state does not change: the device copy is every
+                        # rank's slices, which a rank's own residency cannot describe (the
+                        # entry's is that), and the host copy may go once copied (after
+                        # copy_event), as the arena of this rank alone needs.
+                        event = self.device.copy_in(gather.slot(slot), source.host_copy())
+                        source.copy_event = event
+                        events.append(event)
+                for event in events:
+                    self.device.wait(event)  # the collective reads the copies
+                gather.start()
+        except BaseException:
+            for gather in gathers:
+                if gather.started:
+                    try:
+                        gather.wait()  # the collective may still write into the copies
+                    except BaseException:
+                        pass
+                else:
+                    gather.abandon()
+            for entry in filled:
+                assert entry.device_tensor is not None
+                self.device.empty(entry.device_tensor)
+            raise
+        together = _Assembled(members, {e.index for e in members})
+        for entry in members:
+            self.mark_resident(entry)
+            self._assembled_with[entry.index] = together
+        if defer:
+            for entry in members:
+                self.assembling[entry.index] = list(gathers)
+        else:
+            for gather in gathers:
+                gather.wait()
 
     def release(self, entry: ParamEntry) -> None:
         """Drops a hold. The device copy stays cached until eviction needs its bytes."""
@@ -322,8 +439,16 @@ class DeviceCopies:
             # Across ranks a gather is a collective, so whether a copy is cached must be the
             # same on every rank; eviction under arena pressure is not (it follows each rank's
             # I/O). So the gathered copy goes when its last use does (ZeRO-3's reshard after
-            # forward: backward gathers again), unless it is persistent.
-            self.drop_device(entry)
+            # forward: backward gathers again), unless it is persistent. The parameters one
+            # all-gather assembled go together, once each was used: dropped one by one, the
+            # next all-gather of their bucket would assemble only the ones gone.
+            together = self._assembled_with.get(entry.index)
+            if together is None:
+                self.drop_device(entry)
+            elif not together.unused:
+                for member in together.members:
+                    if member.holds == 0 and self._assembled_with.get(member.index) is together:
+                        self.drop_device(member)
 
     def drop_device(self, entry: ParamEntry, force: bool = False) -> None:
         """Frees the device copy's bytes. The parameter keeps its tensor and storage object,
@@ -335,6 +460,9 @@ class DeviceCopies:
         self.settle(entry)
         if entry.holds:
             raise RuntimeError(f"{entry.name} is in use on the device")
+        together = self._assembled_with.pop(entry.index, None)
+        if together is not None:
+            together.unused.discard(entry.index)
         placeholder = entry.placeholder
         if placeholder is not None:  # lent, or staged: give the parameter its own back
             entry.device_tensor, entry.placeholder = placeholder, None
@@ -351,7 +479,8 @@ class DeviceCopies:
         entry.resident = False
         self.on_device.discard(entry)
         for shard in entry.shards:
-            self.registry.set_state(shard, _FROM_DEVICE[shard.state])
+            if shard.state.on_device:  # across ranks it never is (see _assemble)
+                self.registry.set_state(shard, _FROM_DEVICE[shard.state])
 
     def adopt(self, entry: ParamEntry, device: torch.device) -> None:
         """Gives the parameter its device tensor (real shape, compute dtype, empty storage).
@@ -362,11 +491,15 @@ class DeviceCopies:
         with torch._C.DisableTorchFunctionSubclass():
             entry.param.data = tensor
 
-    def _make_device_room(self, entry: ParamEntry) -> None:
-        """Evicts cached device copies, in policy order, until ``entry``'s copy has room: on a
-        CPU device one free range of the slab, not only free bytes (see DeviceTier.has_room)."""
-        if self.device.has_room(entry.device_bytes):
+    def _make_device_room(self, wanted: list[ParamEntry]) -> None:
+        """Evicts unheld device copies, furthest-needed first, until ``wanted`` have room: on
+        a CPU device a free range of the slab each, not only free bytes (see
+        DeviceTier.has_room)."""
+        sizes = [e.device_bytes for e in wanted]
+        need = sum(sizes)
+        if self.device.has_room(*sizes):
             return
+        entry = wanted[0]
         trace = self.follower.trace
         position = self.follower.position
         next_use = (lambda e: trace.next_use(e.index, position)) if trace is not None else None
@@ -374,7 +507,7 @@ class DeviceCopies:
             (
                 e
                 for e in self.on_device
-                if e.holds == 0 and e is not entry and e.index not in self.persistent
+                if e.holds == 0 and e not in wanted and e.index not in self.persistent
             ),
             key=lambda e: e.index,
         )
@@ -382,14 +515,14 @@ class DeviceCopies:
             candidates, next_use, lambda e: self.last_used.get(e.index, -1)
         ):
             self.drop_device(victim)
-            if self.device.has_room(entry.device_bytes):
+            if self.device.has_room(*sizes):
                 return
-        if self.device.fits(entry.device_bytes):
+        if self.device.fits(need):
             return  # the bytes are free but scattered between copies in use: fresh memory
         held = sorted((e for e in self.on_device if e.holds), key=lambda e: -e.nbytes)
         raise BudgetError(
             f"device budget of {self.device.budget} bytes cannot hold {entry.name} "
-            f"({entry.device_bytes} bytes) next to the {len(held)} parameters in use "
+            f"({need} bytes) next to the {len(held)} parameters in use "
             f"({self.device.usage.current} bytes, largest: "
             f"{', '.join(e.name for e in held[:3]) or 'none'}): raise device_budget"
         )

@@ -472,7 +472,10 @@ class Placement:
             return True
         if shard.entry.lent:  # the host copy is the device copy
             return shard.entry.holds == 0
-        return shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME
+        # A slice across ranks was copied into its bucket when the device copy was assembled.
+        return (
+            shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME or shard.piece is not None
+        )
 
     def _arena_victims(
         self, protect: set[Shard], next_use: Callable[[Shard], float] | None

@@ -434,6 +434,15 @@ class TieredStore:
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
             compute_copy_dtype=self._compute_copy_dtype,
         )
+        if self.partition is not None:
+            # Which shards travel together in collectives, the same on every rank.
+            self.partition.plan(
+                self.registry.entries,
+                [entries for _, _, entries in module_entries],
+                settings.persistent,
+                config,
+                self.budgets["device"],
+            )
         self.placement = Placement(
             self.registry,
             device_tier,

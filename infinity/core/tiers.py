@@ -99,15 +99,16 @@ class DeviceTier:
     def fits(self, nbytes: int) -> bool:
         return self.usage.current + nbytes <= self.budget
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether a copy of ``nbytes`` fits the budget and, on a CPU device, one free range of
-        the slab: with the bytes free but scattered it would take fresh memory beyond the
-        slab (a miss), which the budget then no longer bounds."""
-        if not self.fits(nbytes):
+    def has_room(self, *sizes: int) -> bool:
+        """Whether copies of ``sizes`` bytes fit the budget together and, on a CPU device, a
+        free range of the slab each (taken in this order, as fills take them): with the bytes
+        free but scattered a copy would take fresh memory beyond the slab (a miss), which the
+        budget then no longer bounds."""
+        if not self.fits(sum(sizes)):
             return False
         if self._slab_ranges is None or not self.uses_slab:
             return True
-        return self._slab_ranges.largest_free >= align_up(nbytes)
+        return self._slab_ranges.can_take([align_up(n) for n in sizes if n])
 
     @property
     def uses_slab(self) -> bool:

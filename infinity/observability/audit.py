@@ -51,7 +51,10 @@ def audit(placement: Any) -> list[str]:
                 host_bytes += size
         elif shard.kind is ShardKind.PARAM and not arena_backed and state.on_host:
             host_bytes += shard.nbytes  # a standalone host tensor
-        if shard.kind is ShardKind.PARAM and state.on_device != shard.entry.resident:
+        if shard.kind is ShardKind.PARAM and shard.piece is not None and state.on_device:
+            # Across ranks the device copy is every rank's slices: the entry tracks it.
+            problems.append(f"{shard.id}: {state.name}, a slice across ranks")
+        elif shard.kind is ShardKind.PARAM and state.on_device != shard.entry.resident:
             problems.append(
                 f"{shard.id}: {state.name} but the entry is "
                 f"{'' if shard.entry.resident else 'not '}resident"

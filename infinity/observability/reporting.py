@@ -151,7 +151,11 @@ def _comm_stats(store: AttachedStore) -> dict[str, Any] | None:
         "reduced_bytes": stats.reduced_bytes,
         "gather_seconds": stats.gather_seconds,
         "reduce_seconds": stats.reduce_seconds,
+        # every collective; of them, all-gathers of parameters and reductions of gradients
+        # (one per bucket, see infinity.ranks.buckets)
         "collectives": stats.collectives,
+        "all_gathers": stats.all_gathers,
+        "reductions": stats.reductions,
         # device copies whose all-gathers started while the module before computed
         "assembled_ahead": store.placement.copies.assembled_ahead if store.placement else 0,
     }

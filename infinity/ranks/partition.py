@@ -7,10 +7,15 @@ registry keeps only that slice as the shard (``Shard.start``/``numel``, with ``S
 naming the whole piece), so the tiers, the swap files and the optimizer step see nothing but
 this rank's bytes: each rank holds and swaps 1/N of the training state.
 
-- **Fetch** (``gather``): the slice comes up the tiers as before (NVMe -> arena -> device), then
-  ``all_gather_into_tensor`` assembles the whole piece in the parameter's device copy.
-- **Gradients** (``start_reduce``): the whole gradient of a piece is reduce-scattered (stage
-  2 and 3) or all-reduced (stage 1) in the masters' dtype and averaged; each rank keeps its slice.
+- **Buckets** (:mod:`infinity.ranks.buckets`, decided at attach by :meth:`Partition.plan`):
+  which shards travel together, so that a step makes about one collective per module and
+  pass instead of one per shard.
+- **Fetch**: the slices come up the tiers as before (NVMe -> arena -> device), then one
+  all-gather per bucket assembles the whole pieces in the parameters' device copies
+  (:class:`~infinity.ranks.collectives.BucketGather`).
+- **Gradients** (``reducer``, :class:`~infinity.ranks.collectives.GradientBuckets`): a bucket
+  of whole gradients is reduce-scattered (stage 2 and 3) or all-reduced (stage 1) in the
+  masters' dtype and averaged; each rank keeps its slices.
 - **Norms** (``sum_across``): per-slice squared norms are summed over the ranks.
 - **Stages**: 3 partitions parameters, gradients and optimizer state; 1 and 2 keep every
   parameter whole on each rank's device (the working copies are persistent), while masters,
@@ -33,16 +38,20 @@ import hashlib
 import logging
 import os
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from infinity.errors import AttachError, RankError
+from infinity.ranks.buckets import BucketLayout
+from infinity.ranks.collectives import GradientBuckets, ScratchBuffers
+
+if TYPE_CHECKING:
+    from infinity.core.shards import ParamEntry
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +63,19 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass
 class CommStats:
-    """Bytes each rank sent into collectives, and the seconds the training thread waited."""
+    """Bytes each rank sent into collectives, the collectives by kind, and the seconds the
+    training thread waited for them."""
 
     gathered_bytes: int = 0
     reduced_bytes: int = 0
     gather_seconds: float = 0.0
     reduce_seconds: float = 0.0
+    #: every collective: all-gathers, reductions and the small ones (norms, broadcasts)
     collectives: int = 0
+    #: all-gathers of parameters (buckets, and single pieces read outside the hooks)
+    all_gathers: int = 0
+    #: reductions of gradients (reduce-scatters, or all-reduces at stage 1)
+    reductions: int = 0
 
 
 class Partition:
@@ -77,11 +92,12 @@ class Partition:
         #: collectives on CUDA tensors under NCCL; host tensors under gloo
         self.on_device = self.backend == "nccl"
         self.stats = CommStats()
-        #: gradient reductions under way, oldest first, and their bytes
-        self._reducing: deque[_Reduction] = deque()
-        self._reducing_bytes = 0
+        #: the buckets, and the gradient reductions (made by ``plan`` at attach)
+        self.layout: BucketLayout | None = None
+        self._reducer: GradientBuckets | None = None
+        self.scratch = ScratchBuffers(0)
         #: bytes of gradient reductions left under way while compute goes on (overlap_comm)
-        self.bucket_bytes = 0
+        self._in_flight = 0
         #: a collective failed: the other ranks cannot be relied on any more (close() then
         #: gives nothing back, which would need them)
         self.failed = False
@@ -142,7 +158,7 @@ class Partition:
                     index,
                     os.environ["LOCAL_RANK"],
                 )
-        partition.bucket_bytes = config.reduce_bucket_size if config.overlap_comm else 0
+        partition._in_flight = config.reduce_bucket_size if config.overlap_comm else 0
         log.info("%s: each rank holds 1/%d of the training state", where, partition.world)
         return partition
 
@@ -154,6 +170,39 @@ class Partition:
         # Drives and host memory may differ between ranks; these may not.
         shared = {k: v for k, v in config.to_dict().items() if k in _SAME_ON_EVERY_RANK}
         self.agree(f"the config ({', '.join(sorted(shared))})", _digest(shared))
+
+    def plan(
+        self,
+        entries: Sequence[ParamEntry],
+        module_entries: Sequence[Sequence[ParamEntry]],
+        persistent: frozenset[int],
+        config: Any,
+        device_budget: int,
+    ) -> BucketLayout:
+        """Decides the buckets (the same on every rank: every input is) and makes the gradient
+        reductions over them. An all-gather bucket takes at most a quarter of the device
+        budget, so that one fits beside the modules in use."""
+        gather_bytes = max(1, min(config.allgather_bucket_size, device_budget // 4))
+        layout = BucketLayout(
+            entries,
+            module_entries,
+            persistent,
+            self.world,
+            gather_bytes,
+            config.reduce_bucket_size,
+        )
+        self.layout = layout
+        # Buffers kept for reuse: a few buckets' worth of each kind.
+        self.scratch = ScratchBuffers(2 * gather_bytes + 2 * config.reduce_bucket_size)
+        self._reducer = GradientBuckets(self, layout, self._in_flight, self.scratch)
+        log.info("%s: %s", self.describe(), layout.describe())
+        return layout
+
+    @property
+    def reducer(self) -> GradientBuckets:
+        """The gradient reductions (made at attach, by :meth:`plan`)."""
+        assert self._reducer is not None, "Partition.plan() runs at attach, before gradients"
+        return self._reducer
 
     def drives(self, paths: list[Path]) -> list[Path]:
         """The swap directories this rank uses: with at least as many as ranks on this node,
@@ -181,20 +230,16 @@ class Partition:
 
     # -- collectives ----------------------------------------------------------------------------
     def gather_into(self, out: torch.Tensor, local: torch.Tensor) -> Any:
-        """Starts assembling a piece: every rank's ``local`` slice (equal lengths) end to end,
-        the first ``out.numel()`` elements into ``out``. Returns a handle whose ``wait()``
-        completes it."""
+        """Starts assembling one piece outside the buckets: every rank's ``local`` slice (equal
+        lengths) end to end, the first ``out.numel()`` elements into ``out``. Returns a handle
+        whose ``wait()`` completes it."""
         whole = local.numel() * self.world
         target = (
             out if out.numel() == whole else torch.empty(whole, dtype=out.dtype, device=out.device)
         )
-        started = time.perf_counter()
-        work = self._call(
-            "all_gather", _ALL_GATHER, target, local.contiguous(), group=self.group, async_op=True
-        )
-        self.stats.gathered_bytes += local.numel() * local.element_size()
-        self.stats.collectives += 1
-        return _Pending(self, work, "all_gather", started, None if target is out else (out, target))
+        work = self.all_gather_async(target, local.contiguous())
+        self.count_gather(local.numel() * local.element_size())
+        return _Pending(self, work, None if target is out else (out, target))
 
     def gather_flat(self, local: torch.Tensor, numel: int) -> torch.Tensor:
         """The whole piece of ``numel`` elements from every rank's slice, blocking."""
@@ -202,71 +247,53 @@ class Partition:
         self.gather_into(out, local).wait()
         return out
 
-    def start_reduce(
-        self,
-        piece: torch.Tensor,
-        per_rank: int,
-        dtype: torch.dtype,
-        done: Callable[[torch.Tensor], None],
-    ) -> None:
-        """Starts averaging ``piece`` (one piece's whole gradient, here) over the ranks;
-        ``done`` gets this rank's slice (``per_rank`` elements in ``dtype``) once it completes,
-        in the order the reductions started. Reductions stay under way while compute goes on,
-        up to ``bucket_bytes`` of them (``overlap_comm``; 0: each completes at once)."""
-        whole = per_rank * self.world
-        device = piece.device if self.on_device else torch.device("cpu")
-        if (
-            piece.numel() == whole
-            and piece.dtype == dtype
-            and piece.device == device
-            and piece.is_contiguous()
-        ):
-            padded = piece
-        else:
-            padded = torch.zeros(whole, dtype=dtype, device=device)
-            padded[: piece.numel()].copy_(piece)
-        nbytes = padded.numel() * padded.element_size()
-        if self.stage == 1:
-            # Stage 1 keeps whole gradients: all-reduce, then keep this rank's slice.
-            out = padded
-            work = self._call(
-                "all_reduce", dist.all_reduce, padded, group=self.group, async_op=True
-            )
-        else:
-            out = torch.empty(per_rank, dtype=dtype, device=device)
-            work = self._call(
-                "reduce_scatter", _REDUCE_SCATTER, out, padded, group=self.group, async_op=True
-            )
-        self.stats.reduced_bytes += nbytes
+    def all_gather_async(self, out: torch.Tensor, local: torch.Tensor) -> Any:
+        """Starts an all-gather of every rank's ``local`` into ``out`` (``local`` may be this
+        rank's part of ``out``: in place)."""
+        return self._call("all_gather", _ALL_GATHER, out, local, group=self.group, async_op=True)
+
+    def count_gather(self, nbytes: int) -> None:
+        self.stats.gathered_bytes += nbytes
         self.stats.collectives += 1
-        self._reducing.append(_Reduction(work, padded, out, per_rank, done, nbytes))
-        self._reducing_bytes += nbytes
-        while self._reducing and self._reducing_bytes > self.bucket_bytes:
-            self._finish_oldest()
+        self.stats.all_gathers += 1
 
-    def finish_reductions(self) -> None:
-        """Completes every reduction under way (end of backward, before gradients are read)."""
-        while self._reducing:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        reduction = self._reducing.popleft()
-        self._reducing_bytes -= reduction.nbytes
+    def wait_gather(self, work: Any) -> None:
+        """Waits for an all-gather, counting the training thread's wait."""
         waited = time.perf_counter()
         try:
-            reduction.work.wait()
+            work.wait()
         except Exception as exc:
-            self._reducing.clear()
-            self._reducing_bytes = 0
+            raise _rank_error(self, "all_gather", exc) from exc
+        self.stats.gather_seconds += time.perf_counter() - waited
+
+    def reduce_scatter_async(self, out: torch.Tensor, whole: torch.Tensor) -> Any:
+        return self._call(
+            "reduce_scatter", _REDUCE_SCATTER, out, whole, group=self.group, async_op=True
+        )
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        return self._call("all_reduce", dist.all_reduce, tensor, group=self.group, async_op=True)
+
+    def count_reduction(self, nbytes: int) -> None:
+        self.stats.reduced_bytes += nbytes
+        self.stats.collectives += 1
+        self.stats.reductions += 1
+
+    def wait_reduction(self, work: Any) -> None:
+        """Waits for a gradient reduction, counting the training thread's wait."""
+        waited = time.perf_counter()
+        try:
+            work.wait()
+        except Exception as exc:
             raise _rank_error(
                 self, "reduce_scatter" if self.stage > 1 else "all_reduce", exc
             ) from exc
         self.stats.reduce_seconds += time.perf_counter() - waited
-        out = reduction.out
-        if self.stage == 1:
-            per_rank = reduction.per_rank
-            out = out[self.rank * per_rank : (self.rank + 1) * per_rank].clone()
-        reduction.done(out.div_(self.world))
+
+    def finish_reductions(self) -> None:
+        """Completes every gradient reduction (end of backward, before gradients are read)."""
+        if self._reducer is not None:
+            self._reducer.finish()
 
     def sum_across(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (float64)."""
@@ -275,6 +302,7 @@ class Partition:
         device = "cuda" if self.on_device else "cpu"
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
         self._call("all_reduce", dist.all_reduce, tensor, group=self.group)
+        self.stats.collectives += 1
         return tensor.tolist()
 
     def min_across(self, value: int) -> int:
@@ -292,6 +320,7 @@ class Partition:
             tensor.copy_(moved)
         else:
             self._call("broadcast", dist.broadcast, tensor, src=self.source, group=self.group)
+        self.stats.collectives += 1
 
     def agree(self, what: str, value: Any) -> None:
         """Refuses to go on when ranks disagree on ``value`` (the model's layout): every rank
@@ -314,48 +343,29 @@ class Partition:
             raise _rank_error(self, name, exc) from exc
 
 
-@dataclass
-class _Reduction:
-    work: Any
-    padded: torch.Tensor  # kept alive until the collective is done with it
-    out: torch.Tensor
-    per_rank: int
-    done: Callable[[torch.Tensor], None]
-    nbytes: int
-
-
 class _Pending:
-    """An all-gather under way; ``wait()`` completes it (and copies out of a padded buffer)."""
+    """An all-gather of one piece under way; ``wait()`` completes it (and copies out of a
+    padded buffer)."""
 
     def __init__(
-        self,
-        partition: Partition,
-        work: Any,
-        name: str,
-        started: float,
-        copy: tuple[torch.Tensor, torch.Tensor] | None,
+        self, partition: Partition, work: Any, copy: tuple[torch.Tensor, torch.Tensor] | None
     ) -> None:
         self.partition = partition
         self.work = work
-        self.name = name
-        self.started = started
         self.copy = copy
 
     def wait(self) -> None:
-        partition = self.partition
-        waited = time.perf_counter()
-        try:
-            self.work.wait()
-        except Exception as exc:
-            raise _rank_error(partition, self.name, exc) from exc
+        self.partition.wait_gather(self.work)
         if self.copy is not None:
             out, target = self.copy
             out.copy_(target[: out.numel()])
-        partition.stats.gather_seconds += time.perf_counter() - waited
 
 
 def _rank_error(partition: Partition, name: str, exc: BaseException) -> RankError:
     partition.failed = True
+    if partition._reducer is not None:
+        partition._reducer.abandon()
+    partition.scratch.clear()
     timeout = _group_timeout(partition.group)
     return RankError(
         f"{name} failed on {partition.describe()}: {type(exc).__name__}: {exc}. Another rank "
@@ -389,6 +399,8 @@ _SAME_ON_EVERY_RANK = frozenset(
         "gradient_clipping",
         "zero_stage",
         "step_in_backward",
+        "allgather_bucket_size",
+        "reduce_bucket_size",
     }
 )
 

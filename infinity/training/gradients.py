@@ -103,14 +103,14 @@ class Gradients:
         flat = grad.detach().reshape(-1)
         for shard in entry.shards:
             if shard.piece is not None and reduce:
-                # Averaged over the ranks in the background (overlap_comm); accumulated once
-                # the reduction completes, in the order the reductions started.
+                # Averaged over the ranks in its bucket's collective, in the background
+                # (overlap_comm); accumulated once the reduction completes, in the order the
+                # reductions started.
                 assert self.partition is not None  # only partitioned shards have pieces
                 start, numel = shard.piece
-                self.partition.start_reduce(
+                self.partition.reducer.add(
+                    shard,
                     flat[start : start + numel],
-                    shard.numel,
-                    shard.dtype,
                     functools.partial(self._accumulate_grad, shard, scale=scale),
                 )
                 continue

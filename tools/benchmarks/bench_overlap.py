@@ -75,13 +75,15 @@ def timed_steps(
     after_backward: Callable[[], object] | None = None,
     at_start: Callable[[], object] | None = None,
     at_end: Callable[[], object] | None = None,
+    after_forward: Callable[[], object] | None = None,
 ) -> list[float]:
     """Seconds per training step; with ``phases``, also appends each step's (forward,
     backward, optimizer step + zero_grad) seconds to it. ``after_backward`` (e.g. a
     ``clip_grad_norm_`` call) runs between ``loss.backward()`` and ``optimizer.step()``; its
     time counts in the step and in the third phase. ``at_start`` runs as the step's clock
     starts, ``at_end`` after ``zero_grad`` (e.g. waiting for work started at the start): it
-    counts in the step, in none of the phases."""
+    counts in the step, in none of the phases. ``after_forward`` runs between forward and
+    backward (a counter's snapshot); its time counts in the step and in the second phase."""
     generator = torch.Generator().manual_seed(1)
     times = []
     for _ in range(steps):
@@ -91,6 +93,8 @@ def timed_steps(
             at_start()
         loss = model(x).square().mean()
         forward_done = time.perf_counter()
+        if after_forward is not None:
+            after_forward()
         loss.backward()
         backward_done = time.perf_counter()
         if after_backward is not None:
