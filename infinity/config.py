@@ -626,6 +626,10 @@ class OffloadConfig(_Validated):
         ones with persistent ones), a larger one alone, straight into its device copy. At
         most a quarter of the device budget. Memory: a bucket's bytes of device memory
         (host memory without a GPU) while it is copied out, outside device_budget.
+    prefetch_bucket_size: across ranks at ZeRO stage 3, bytes of all-gathers started ahead of
+        the modules that need them, in the recorded order, while the current one computes
+        (the next module's always, when it fits the device budget); 0 = only on demand.
+        Decided from the trace, the same on every rank. Memory: within device_budget.
     restore_params: what ``close()`` hands back to the model as ordinary tensors (a call may
         say otherwise: ``close(restore_params=...)``). 'auto' (default): every parameter when
         their bytes fit in host_budget (without one: in half the memory available), else none
@@ -713,6 +717,12 @@ class OffloadConfig(_Validated):
     allgather_bucket_size: int = field(
         default=64 << 20,
         metadata=_rule(kind="int", lo=1, size=True, fix="use a positive size, e.g. '64MiB'"),
+    )
+    prefetch_bucket_size: int = field(
+        default=64 << 20,
+        metadata=_rule(
+            kind="int", lo=0, size=True, fix="use 0 to start all-gathers only on demand"
+        ),
     )
     restore_params: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     checkpoint_staging: int = field(

@@ -13,6 +13,8 @@ Mapping notes that change numbers:
   *elements*; infinity counts bytes. Plain numbers are converted at the working dtype's size
   (2 bytes for fp16/bf16, 4 for fp32) and the conversion is logged; a string with a unit
   (``"256MiB"``) is taken as bytes as written.
+* ``stage3_prefetch_bucket_size`` bounds both what is read from NVMe ahead (``prefetch_bytes``)
+  and, across ranks, the all-gathers started ahead (``prefetch_bucket_size``).
 * ``offload_param`` only exists at stage 3, as in DeepSpeed; below that params stay on the device.
 * Keys a config leaves out take infinity's defaults, not DeepSpeed's.
 * ``"auto"`` (Hugging Face Trainer placeholders) leaves the setting at infinity's default.
@@ -356,9 +358,10 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str]) -> Offloa
             zero, "stage3_prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"
         )
         if value is not _ABSENT:
-            m.elements.append(
-                ("prefetch_bytes", "zero_optimization.stage3_prefetch_bucket_size", value)
-            )
+            # DeepSpeed's bound on what is fetched ahead: here the NVMe reads ahead and, across
+            # ranks, the all-gathers ahead.
+            for ours in ("prefetch_bytes", "prefetch_bucket_size"):
+                m.elements.append((ours, "zero_optimization.stage3_prefetch_bucket_size", value))
     _convert_elements(m)
     config = _construct(m)
 

@@ -139,6 +139,8 @@ def test_scratch_buffers_are_reused_up_to_their_limit():
 def test_a_bucket_size_that_is_not_positive_is_refused(key, value):
     with pytest.raises(infinity.ConfigError, match=f"{key}=0 is invalid: .*positive size"):
         infinity.OffloadConfig(**{key: value})
+    with pytest.raises(infinity.ConfigError, match="prefetch_bucket_size=-1 is invalid"):
+        infinity.OffloadConfig(prefetch_bucket_size=-1)
 
 
 def test_deepspeed_bucket_sizes_map_in_elements():
@@ -148,9 +150,11 @@ def test_deepspeed_bucket_sizes_map_in_elements():
                 "stage": 3,
                 "allgather_bucket_size": 1e6,
                 "reduce_bucket_size": 2e6,
+                "stage3_prefetch_bucket_size": "8MiB",
             },
             "bf16": {"enabled": True},
         }
     )
     assert config.allgather_bucket_size == 2_000_000  # bf16 elements
     assert config.reduce_bucket_size == 4_000_000
+    assert config.prefetch_bucket_size == 8 << 20 == config.prefetch_bytes

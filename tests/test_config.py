@@ -113,6 +113,7 @@ BAD_TOP = [
     ("reduce_bucket_size", 0),
     ("allgather_bucket_size", 0),
     ("allgather_bucket_size", -1),
+    ("prefetch_bucket_size", -1),
     ("param_persistence_threshold", -1),
     ("gradient_clipping", -0.1),
     ("gradient_clipping", math.nan),
@@ -669,6 +670,7 @@ def test_deepspeed_element_counts_converted(caplog: pytest.LogCaptureFixture) ->
     }
     fp32 = OffloadConfig.from_deepspeed(ds(zero))
     assert fp32.prefetch_bytes == 200_000_000 and fp32.buffer_size == 400_000_000
+    assert fp32.prefetch_bucket_size == 200_000_000  # the all-gathers ahead, across ranks
     assert fp32.max_in_cpu == 4_000_000_000 and fp32.param_persistence_threshold == 100_000
     assert "at 4 bytes/element (fp32)" in only_one(caplog, "counts these in elements")
     bf16 = OffloadConfig.from_deepspeed(ds(zero, bf16={"enabled": True}))

@@ -299,6 +299,9 @@ def _count_collectives(rank: int, world: int, config: dict, steps: int) -> dict:
     plain_optimizer = fused_adamw(plain.parameters())
     generator = torch.Generator().manual_seed(rank)
     marks = []
+    # All-gathers under way once the first layer has run: how far ahead they reach.
+    ahead: list[int] = []
+    model[0].register_forward_hook(lambda *_: ahead.append(len(store.placement.copies.assembling)))
     for _ in range(steps):
         x = torch.randn(8, WIDTH, generator=generator)
         marks.append(store.stats()["comm"])
@@ -318,6 +321,7 @@ def _count_collectives(rank: int, world: int, config: dict, steps: int) -> dict:
     out = {
         "per_step": per_step,
         "first_step": {k: marks[1][k] - marks[0][k] for k in counted},
+        "ahead": max(ahead[1:]),  # after the first step, which records the trace
         "gather_buckets": len(layout.gather_buckets),
         "reduce_buckets": len(layout.reduce_buckets),
         "state": {k: v.clone() for k, v in model.state_dict().items()},
@@ -327,10 +331,13 @@ def _count_collectives(rank: int, world: int, config: dict, steps: int) -> dict:
     return out
 
 
-def test_collectives_per_step_one_per_large_parameter_and_bucket():
+@pytest.mark.parametrize(("prefetch", "deep"), [(0, 0), (16 << 10, 1), (64 << 20, LAYERS - 1)])
+def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep):
     # Weights of 64 x 64 (16 KiB whole) travel alone, the four biases together: per pass one
     # all-gather per weight and one for the biases, per backward one reduction per weight
-    # and one for the biases. One collective per parameter would be 8 + 8 + 8.
+    # and one for the biases. One collective per parameter would be 8 + 8 + 8. However far
+    # ahead the all-gathers start (prefetch_bucket_size: none, one weight's, every weight's
+    # still to come), they are the same ones.
     config = {
         "offload_param": "cpu",
         "offload_optimizer": "cpu",
@@ -338,6 +345,7 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket():
         "device_budget": 1 << 20,
         "allgather_bucket_size": 16 << 10,
         "reduce_bucket_size": 16 << 10,
+        "prefetch_bucket_size": prefetch,
     }
     results = run_ranks(_count_collectives, 2, config, 4, timeout=240)
     for rank, result in results.items():
@@ -349,6 +357,7 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket():
             "reductions": LAYERS + 1,
             "collectives": 3 * (LAYERS + 1),
         }
+        assert result["ahead"] == deep
         for key, value in result["plain"].items():
             torch.testing.assert_close(
                 torch.as_tensor(result["state"][key]),
@@ -357,6 +366,25 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket():
                 atol=1e-5,
                 msg=lambda m, key=key, rank=rank: f"rank {rank} {key} vs plain ranks: {m}",
             )
+
+
+def test_stage3_small_buckets_and_all_gathers_ahead(tmp_path):
+    config = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 8192,
+        "buffer_count": 8,
+        "device": "cpu",
+        # Parameters of 4 KiB and more (whole) travel alone, smaller ones in buckets of 8 KiB;
+        # up to 32 KiB of all-gathers ahead, several modules deep.
+        "allgather_bucket_size": 8192,
+        "reduce_bucket_size": 8192,
+        "prefetch_bucket_size": 32 << 10,
+    }
+    results = run_ranks(_train_rank, 2, config, 1, 0.0, str(tmp_path), timeout=240)
+    _check(results, 2)
+    for result in results.values():
+        assert result["stats"]["comm"]["assembled_ahead"] > 0
 
 
 def _train_bf16(rank: int, world: int, swap_root: str) -> dict:

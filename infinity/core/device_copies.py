@@ -91,7 +91,7 @@ class DeviceCopies:
         *,
         partition: Partition | None,
         persistent: frozenset[int],
-        assemble_ahead: bool = True,
+        assemble_ahead_bytes: int = 64 << 20,
     ) -> None:
         self._host = host_copies
         self.host_tier = host
@@ -103,8 +103,9 @@ class DeviceCopies:
         self.partition = partition
         #: entries whose device copy is never evicted (param_persistence_threshold)
         self.persistent = persistent
-        #: start the next module's all-gathers while this one computes (stage 3 across ranks)
-        self.assemble_ahead_enabled = assemble_ahead
+        #: bytes of all-gathers started ahead of the modules that need them, while the current
+        #: one computes (stage 3 across ranks; 0: none)
+        self.assemble_ahead_bytes = assemble_ahead_bytes
         #: entries whose device copy holds values
         self.on_device: set[ParamEntry] = set()
         #: entry index -> the gather count when it was last gathered (least recently used)
@@ -159,33 +160,39 @@ class DeviceCopies:
 
     def assemble_ahead(self) -> None:
         """ZeRO stage 3 across ranks, after a module's gathers: starts the all-gathers of the
-        next module's parameters (the trace's next event), so they run while this module
-        computes. Only into free device room, never evicting: every rank then decides the
-        same, which a collective needs. Its slices are read from NVMe first where they are not
-        on the host yet (the trace-driven prefetch started those reads further ahead)."""
+        next modules' parameters in the trace's order, so they run while this module computes,
+        while those under way stay within ``assemble_ahead_bytes`` (the first always). Only
+        into free device room, never evicting, and stopping at the first that does not fit:
+        every rank then decides the same, which a collective needs. Their slices are read from
+        NVMe first where they are not on the host yet (the trace-driven prefetch started
+        those reads further ahead)."""
         partition = self.partition
+        trace = self.follower.trace
         if (
             partition is None
             or partition.stage < 3
-            or not self.assemble_ahead_enabled
-            or self.follower.trace is None
+            or not self.assemble_ahead_bytes
+            or trace is None
         ):
             return
-        upcoming = self.follower.upcoming(1)
-        if not upcoming:
-            return
         entries = self.registry.entries
-        for index in upcoming[0].entries:
-            entry = entries[index]
-            if entry.resident or index in self._host.uninitialised:
-                continue
-            members = self._bucket_members(entry)
-            if not self.device.fits(sum(e.device_bytes for e in members)):
-                members = [entry]  # its bucket's others wait for their own turn
-            if not self.device.fits(sum(e.device_bytes for e in members)):
-                return
-            self._assemble(members, defer=True)
-            self.assembled_ahead += len(members)
+        under_way = sum(entries[index].device_bytes for index in self.assembling)
+        for event in self.follower.upcoming(len(trace)):
+            for index in event.entries:
+                entry = entries[index]
+                if entry.resident or index in self._host.uninitialised:
+                    continue
+                members = self._bucket_members(entry)
+                if not self.device.fits(sum(e.device_bytes for e in members)):
+                    members = [entry]  # its bucket's others wait for their own turn
+                need = sum(e.device_bytes for e in members)
+                if under_way and under_way + need > self.assemble_ahead_bytes:
+                    return
+                if not self.device.fits(need):
+                    return
+                self._assemble(members, defer=True)
+                under_way += need
+                self.assembled_ahead += len(members)
 
     def _bucket_members(self, entry: ParamEntry) -> list[ParamEntry]:
         """The entries the all-gathers of ``entry``'s buckets assemble: ``entry``, and for a

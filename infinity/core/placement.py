@@ -89,8 +89,9 @@ class PlacementSettings:
     loss_scale: float = 1.0
     #: attempts of a transfer after its first failure (see infinity.core.completions)
     max_retries: int = MAX_RETRIES
-    #: start the next module's all-gathers while this one computes (stage 3 across ranks)
-    assemble_ahead: bool = True
+    #: bytes of all-gathers started ahead of the modules that need them (stage 3 across
+    #: ranks: prefetch_bucket_size; 0: none)
+    assemble_ahead_bytes: int = 64 << 20
     #: param shards keep a copy of their values in this dtype beside their masters on NVMe,
     #: which gathers read instead of the master (precision.storage_dtype with an optimizer:
     #: half the bytes); None: gathers read the masters
@@ -214,7 +215,7 @@ class Placement:
             eviction,
             partition=partition,
             persistent=settings.persistent,
-            assemble_ahead=settings.assemble_ahead,
+            assemble_ahead_bytes=settings.assemble_ahead_bytes,
         )
         #: reads and write-backs ahead of need, driven by the trace
         self.prefetching = TracePrefetching(

@@ -433,6 +433,7 @@ class TieredStore:
             track_grad_norms=self.scaler is not None or config.gradient_clipping > 0,
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
             compute_copy_dtype=self._compute_copy_dtype,
+            assemble_ahead_bytes=config.prefetch_bucket_size,
         )
         if self.partition is not None:
             # Which shards travel together in collectives, the same on every rank.

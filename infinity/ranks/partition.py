@@ -193,7 +193,9 @@ class Partition:
         )
         self.layout = layout
         # Buffers kept for reuse: a few buckets' worth of each kind.
-        self.scratch = ScratchBuffers(2 * gather_bytes + 2 * config.reduce_bucket_size)
+        self.scratch = ScratchBuffers(
+            2 * gather_bytes + config.prefetch_bucket_size + 2 * config.reduce_bucket_size
+        )
         self._reducer = GradientBuckets(self, layout, self._in_flight, self.scratch)
         log.info("%s: %s", self.describe(), layout.describe())
         return layout
@@ -401,6 +403,7 @@ _SAME_ON_EVERY_RANK = frozenset(
         "step_in_backward",
         "allgather_bucket_size",
         "reduce_bucket_size",
+        "prefetch_bucket_size",
     }
 )
 
