@@ -600,11 +600,12 @@ class OffloadConfig(_Validated):
         backward if, between that step's backward and ``optimizer.step()``, the loop ran one
         backward, used no ``p.grad``, ran no forward, read, checkpoint or state dict and kept
         the hyper-parameters, and called ``zero_grad()`` before the next backward; the config
-        must have no clipping, no fp16, one rank and an arena large enough (see
+        must have no clipping, no fp16 and an arena large enough (see
         ``infinity.training.update_timing``). A loop that does one of those after the switch gets a
         warning and updates go back to ``optimizer.step()`` for good; a second backward is an
-        error before that gradient is used. Memory: saves up to the gradients' bytes
-        (4 bytes/param in fp32) of host or NVMe traffic.
+        error before that gradient is used. Across ranks an update runs once its gradient's
+        reduction has landed (each rank updates its slices). Memory: saves up to the
+        gradients' bytes (4 bytes/param in fp32) of host or NVMe traffic.
     zero_stage: what is partitioned across data-parallel ranks under torch.distributed (no
         effect in one process): 3 = parameters, gradients and optimizer state (each rank holds
         and swaps 1/N of everything; a module's parameters are all-gathered while it runs);

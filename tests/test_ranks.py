@@ -33,11 +33,6 @@ def _attach(rank: int, world: int, config: dict, per_rank: dict) -> str:
             {},
             "zero_stage=2 keeps every parameter whole",
         ),
-        (
-            {"offload_param": "cpu", "step_in_backward": True},
-            {},
-            "step_in_backward=True is not supported across ranks",
-        ),
         ({"offload_param": "cpu"}, {1: 5}, "RankError: ranks disagree on the model's parameters"),
     ],
 )

@@ -103,6 +103,7 @@ def _train_rank(
         "grad_norm": store.last_grad_norm,
         "moments": optim_moments,
         "plain": plain,
+        "in_backward": store.update_timing.in_backward,
     }
 
 
@@ -326,18 +327,22 @@ def _count_collectives(rank: int, world: int, config: dict, steps: int) -> dict:
         "reduce_buckets": len(layout.reduce_buckets),
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "plain": plain.state_dict(),
+        "in_backward": store.update_timing.in_backward,
     }
     store.close()
     return out
 
 
-@pytest.mark.parametrize(("prefetch", "deep"), [(0, 0), (16 << 10, 1), (64 << 20, LAYERS - 1)])
-def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep):
+@pytest.mark.parametrize(
+    ("prefetch", "deep", "in_backward"),
+    [(0, 0, False), (16 << 10, 1, False), (64 << 20, LAYERS - 1, False), (64 << 20, 3, True)],
+)
+def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep, in_backward):
     # Weights of 64 x 64 (16 KiB whole) travel alone, the four biases together: per pass one
     # all-gather per weight and one for the biases, per backward one reduction per weight
     # and one for the biases. One collective per parameter would be 8 + 8 + 8. However far
     # ahead the all-gathers start (prefetch_bucket_size: none, one weight's, every weight's
-    # still to come), they are the same ones.
+    # still to come), they are the same ones, and so are they with updates in backward.
     config = {
         "offload_param": "cpu",
         "offload_optimizer": "cpu",
@@ -346,6 +351,7 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep)
         "allgather_bucket_size": 16 << 10,
         "reduce_bucket_size": 16 << 10,
         "prefetch_bucket_size": prefetch,
+        "step_in_backward": in_backward,
     }
     results = run_ranks(_count_collectives, 2, config, 4, timeout=240)
     for rank, result in results.items():
@@ -358,6 +364,7 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep)
             "collectives": 3 * (LAYERS + 1),
         }
         assert result["ahead"] == deep
+        assert result["in_backward"] is in_backward
         for key, value in result["plain"].items():
             torch.testing.assert_close(
                 torch.as_tensor(result["state"][key]),
@@ -385,6 +392,39 @@ def test_stage3_small_buckets_and_all_gathers_ahead(tmp_path):
     _check(results, 2)
     for result in results.values():
         assert result["stats"]["comm"]["assembled_ahead"] > 0
+
+
+def test_stage3_small_buckets_with_updates_in_backward(tmp_path):
+    config = {
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "buffer_size": 8192,
+        "buffer_count": 8,
+        "device": "cpu",
+        "allgather_bucket_size": 8192,
+        "reduce_bucket_size": 8192,
+        "prefetch_bucket_size": 32 << 10,
+        "step_in_backward": True,
+    }
+    results = run_ranks(_train_rank, 2, config, 1, 0.0, str(tmp_path), timeout=240)
+    _check(results, 2)
+    assert all(result["in_backward"] for result in results.values())
+
+
+def test_stage2_updates_in_backward_from_the_second_step():
+    # step_in_backward='auto': the first step is watched, the others update in backward once
+    # each gradient bucket's reduction lands; the persistent device copies are all-gathered
+    # in optimizer.step() on every rank.
+    config = {
+        "offload_param": "none",
+        "offload_optimizer": "cpu",
+        "zero_stage": 2,
+        "device": "cpu",
+        "reduce_bucket_size": 16 << 10,
+    }
+    results = run_ranks(_train_rank, 2, config, 1, 0.0, None, timeout=240)
+    _check(results, 2)
+    assert all(result["in_backward"] for result in results.values())
 
 
 def _train_bf16(rank: int, world: int, swap_root: str) -> dict:

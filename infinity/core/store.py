@@ -558,8 +558,6 @@ class TieredStore:
                 "fp16 loss scaling must see every gradient before it can skip a step: use "
                 "precision.dtype='bf16' to update in backward"
             )
-        if self.partition is not None:
-            reasons.append("several ranks: updates in backward are one rank's only")
         return reasons, sizing
 
     def _arena_too_small(

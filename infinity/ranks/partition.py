@@ -125,12 +125,6 @@ class Partition:
         if partition is None:
             return None
         where = partition.describe()
-        if config.step_in_backward is True:
-            raise AttachError(
-                f"{where}: step_in_backward=True is not supported across ranks (its updates "
-                f"would need a collective per parameter at times that differ between ranks): "
-                f"set step_in_backward=False"
-            )
         if partition.stage < 3 and config.offload_param != "none":
             raise AttachError(
                 f"{where}: zero_stage={partition.stage} keeps every parameter whole on each "

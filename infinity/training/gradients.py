@@ -76,6 +76,12 @@ class Gradients:
         self.loss_scale = loss_scale
         #: keep each shard's squared gradient norm (for clipping and overflow checks)
         self.track_grad_norms = track_norms
+        #: entries whose gradient from backward is complete (reduced across ranks), with
+        #: whether it came from a nested backward, not yet taken by ``completed``
+        self._complete: list[tuple[ParamEntry, bool]] = []
+        #: entry index -> shards whose reduction is still under way, and whether a gradient
+        #: of a nested backward is among them
+        self._reducing: dict[int, tuple[int, bool]] = {}
 
     def set_loss_scale(self, scale: float) -> None:
         """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
@@ -90,17 +96,27 @@ class Gradients:
 
     # -- gradients ---------------------------------------------------------------------------------
     def take_grad(
-        self, entry: ParamEntry, grad: torch.Tensor, unscale: bool = True, reduce: bool = True
+        self,
+        entry: ParamEntry,
+        grad: torch.Tensor,
+        unscale: bool = True,
+        reduce: bool = True,
+        report: bool = False,
+        nested: bool = False,
     ) -> None:
         """Moves a finished device gradient into the entry's shards' host accumulators (fp32
         master dtype), dividing out the loss scale (``unscale``: it came from backward) and
         keeping each shard's squared norm when norms are tracked (clipping, overflow checks,
         a loop that reads gradient norms). Across several ranks the gradient is this rank's
         and is averaged over the ranks (``reduce``) before this rank keeps its slices; without
-        ``reduce`` it is already the average (a gradient the loop assigned)."""
+        ``reduce`` it is already the average (a gradient the loop assigned). ``report``: once
+        every shard has its part (across ranks, once their reductions landed), the entry is
+        among the :meth:`completed` ones (an update in backward waits for it), with
+        ``nested`` (a gradient of a nested backward, which more may follow)."""
         scale = self.loss_scale if unscale else 1.0
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
+        reducing = 0
         for shard in entry.shards:
             if shard.piece is not None and reduce:
                 # Averaged over the ranks in its bucket's collective, in the background
@@ -108,14 +124,40 @@ class Gradients:
                 # reductions started.
                 assert self.partition is not None  # only partitioned shards have pieces
                 start, numel = shard.piece
+                reducing += 1
                 self.partition.reducer.add(
                     shard,
                     flat[start : start + numel],
-                    functools.partial(self._accumulate_grad, shard, scale=scale),
+                    functools.partial(self._reduced, shard, scale=scale, report=report),
                 )
                 continue
             self._accumulate_grad(shard, self._own_part(flat, shard), scale)
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
+        if report:
+            if reducing:
+                count, was_nested = self._reducing.get(entry.index, (0, False))
+                self._reducing[entry.index] = (count + reducing, was_nested or nested)
+            else:
+                self._complete.append((entry, nested))
+
+    def _reduced(self, shard: Shard, piece: torch.Tensor, scale: float, report: bool) -> None:
+        """A reduction landed: this rank's averaged slice of ``shard``'s gradient."""
+        self._accumulate_grad(shard, piece, scale)
+        if not report:
+            return
+        entry = shard.entry
+        count, nested = self._reducing.pop(entry.index, (1, False))
+        if count > 1:
+            self._reducing[entry.index] = (count - 1, nested)
+        else:
+            self._complete.append((entry, nested))
+
+    def completed(self) -> list[tuple[ParamEntry, bool]]:
+        """The entries whose gradient from backward became complete since the last call (taken
+        with ``report``), each with whether a nested backward produced it, in the order they
+        completed."""
+        out, self._complete = self._complete, []
+        return out
 
     def finish_reductions(self) -> None:
         """Completes the gradient reductions under way across ranks (end of backward, and
@@ -353,6 +395,7 @@ class Gradients:
 
     def clear_grads(self, set_to_none: bool = True) -> None:
         self.finish_reductions()
+        self._complete.clear()  # nothing left to update in backward: the gradients are gone
         for shard in self.registry.shards.values():
             self._forget_grad(shard)
             if self.grads_on_nvme:

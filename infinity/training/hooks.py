@@ -141,7 +141,7 @@ class HookSet:
             # engine drops queued callbacks when a pass fails. Finish it now, or frozen
             # parameters would stay held, no later pass would queue the callback and no later
             # forward would start an iteration.
-            self._end_of_backward()
+            self._end_of_backward(finished=False)
         self.store.stepping.start_iteration(torch.is_grad_enabled(), module.training)
 
     def _in_backward(self) -> bool:
@@ -270,12 +270,24 @@ class HookSet:
             self.placement.follower.grad_ready(entry.index)
             if grad is not None:
                 self.store.stepping.grad_arriving(entry)
-                self.placement.gradients.take_grad(entry, grad)
+                self.placement.gradients.take_grad(
+                    entry,
+                    grad,
+                    report=self.placement.update_in_backward,
+                    nested=self._nested_backward(),
+                )
             self._release_backward(entry)
-            if grad is not None and self.placement.update_in_backward:
-                self.store.stepping.grad_complete(entry, nested=self._nested_backward())
+            self._update_completed()
 
         return grad_ready
+
+    def _update_completed(self) -> None:
+        """With updates in backward: updates the entries whose gradients are complete (in one
+        process the one just taken; across ranks those whose reductions have landed)."""
+        for entry, nested in self.placement.gradients.completed():
+            # Checked for each: an update that found no room sends the rest to the step.
+            if self.placement.update_in_backward:
+                self.store.stepping.grad_complete(entry, nested=nested)
 
     @property
     def backward_passes(self) -> int:
@@ -316,7 +328,7 @@ class HookSet:
         self._pass_task = _graph_task()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _end_of_backward(self) -> None:
+    def _end_of_backward(self, finished: bool = True) -> None:
         # Across ranks, the gradient reductions still under way complete now: the loop reads
         # gradients after backward (clipping, norms) and the step consumes them.
         self.placement.gradients.finish_reductions()
@@ -325,6 +337,10 @@ class HookSet:
         self._backward_pass += 1
         for entry in list(self.backward_holds):
             self._release_backward(entry)
+        if finished:
+            self._update_completed()  # those whose reductions landed last
+        else:
+            self.placement.gradients.completed()  # a pass that raised: left to the step
 
 
 def _opaque(hook: Callable) -> Callable:

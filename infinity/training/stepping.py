@@ -109,6 +109,7 @@ class Stepping:
         placement = self._placement
         placement.follower.pause(placement.busy_seconds)
         placement.gradients.finish_reductions()
+        placement.gradients.completed()  # not updated in backward: this step updates them
         placement.pass_finished()
         timing = store.update_timing
         if timing is not None:
@@ -156,6 +157,9 @@ class Stepping:
             clip = store.config.gradient_clipping
             if clip > 0 and norm > clip:
                 multiplier = clip / (norm + 1e-6)
+        # Entries updated in backward get their persistent device copies back below with the
+        # others (across ranks only here: see grad_complete).
+        in_backward = [store.registry.entries[i] for i in self._updated_in_backward]
         self._updated_in_backward.clear()
         updated = {s.entry for s in todo}
         for entry in updated:
@@ -180,8 +184,10 @@ class Stepping:
             finally:
                 placement.step_finished()
             self._unfinished = None
-        for entry in sorted(updated, key=lambda e: e.index):  # the same order on every rank
-            if entry.index in placement.persistent:
+        for entry in sorted(updated.union(in_backward), key=lambda e: e.index):
+            # In the same order on every rank; across ranks every entry with a gradient is
+            # here, whether this rank updated it in backward or now.
+            if entry.index in placement.persistent and not entry.resident:
                 placement.gather(entry, hold=False)  # persistent copies come back right away
         self.steps += 1
         store.after_step(optimizer, first=self.steps == 1)
@@ -250,7 +256,9 @@ class Stepping:
             # Consumed: optimizer.step() must not apply it again, and its memory is free now.
             placement.gradients.drop_grad(shard)
         placement.prefetching.clean_for_updates()
-        if entry.index in placement.persistent:
+        if entry.index in placement.persistent and store.partition is None:
+            # Across ranks a gather is a collective, and whether this update ran in backward
+            # or was left to the step (no room) is this rank's own: optimizer.step() gathers.
             placement.gather(entry, hold=False)
 
     def _update_left_to_step(
@@ -263,7 +271,9 @@ class Stepping:
     ) -> None:
         """'auto' chose updates in backward, and this one found no room next to what backward
         holds: what it had not updated waits for optimizer.step(), which has the whole arena,
-        and updates stay there from now on (no sizing crash from a default)."""
+        and updates stay there from now on (no sizing crash from a default). Across ranks only
+        this one does: where updates run must stay the same on every rank, since the device
+        copies an update drops decide collectives, and the arena is this rank's own."""
         placement = self._placement
         for shard in todo:
             if shard.id in done:
@@ -272,7 +282,7 @@ class Stepping:
             placement.gradients.park_grads(entry)
         except BudgetError:
             pass  # no room for its companion either: the step reads it where autograd left it
-        timing.no_room(entry.name, str(exc).splitlines()[0])
+        timing.no_room(entry.name, str(exc).splitlines()[0], for_good=self._store.partition is None)
 
     def _companions(self, shard: Shard, optimizer: OffloadedOptimizer) -> list[Shard]:
         out = []

@@ -16,10 +16,14 @@ switches from the second if, between its first gradient and ``optimizer.step()``
 
 and it cleared the gradients (``zero_grad``, ``p.grad = None``) before the next backward began;
 the config must allow it at all (no gradient clipping or fp16 loss scaling, which need every
-gradient first; one rank). That last check runs at the second step's first gradient, before any
-update in backward, so a loop that keeps gradients across steps from the start never leaves
+gradient first). That last check runs at the second step's first gradient, before any update in
+backward, so a loop that keeps gradients across steps from the start never leaves
 ``optimizer.step()``. (One that stops clearing later goes unseen: with updates in backward no
 gradient is left after a step for it to clear.)
+
+Across ranks an update runs once the reduction of its gradient's bucket has landed. The choice
+between the modes is each rank's, which is safe because an update starts no collective: the
+persistent device copies it makes stale come back in ``optimizer.step()``.
 
 A loop that changes later cannot be undone for the step where it shows: those gradients were
 applied already. Each such change is logged as a warning, saying what it cost, and updates go
@@ -139,6 +143,7 @@ class UpdateTiming:
         self._confirming = False
         #: where the watched step sends the next ones
         self._next = UpdateMode.IN_STEP
+        self._warned_no_room = False
 
     @property
     def in_backward(self) -> bool:
@@ -217,8 +222,24 @@ class UpdateTiming:
             )
             self._hyper_at_backward = None
 
-    def no_room(self, name: str, why: str) -> None:
-        """An update in backward found no room in the arena next to what backward holds."""
+    def no_room(self, name: str, why: str, for_good: bool = True) -> None:
+        """An update in backward found no room in the arena next to what backward holds.
+        ``for_good``: updates run in ``optimizer.step()`` from now on; otherwise only this
+        one waits for it (across ranks, where the mode must stay the same on every rank and
+        the arena is each rank's own)."""
+        if not for_good:
+            if not self._warned_no_room:
+                log.info(
+                    "step_in_backward='auto': the update of %s in backward found no room "
+                    "(%s): it runs in optimizer.step(), as will any other that finds none "
+                    "(further ones at debug level)",
+                    name,
+                    why,
+                )
+                self._warned_no_room = True
+            else:
+                log.debug("the update of %s in backward found no room: in the step", name)
+            return
         log.info(
             "step_in_backward='auto': the update of %s in backward found no room (%s): it "
             "and the ones after it run in optimizer.step(), with the whole arena, from now "
