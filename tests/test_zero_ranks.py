@@ -487,6 +487,74 @@ def test_bf16_across_ranks_follows_one_attached_process(tmp_path):
             )
 
 
+def _train_compute_copies(rank: int, world: int, swap_root: str, storage: str) -> dict:
+    """bf16 training on small buckets, gathers reading the masters ('auto') or their bf16
+    compute copies ('bf16'). Updates in optimizer.step(): forward and backward read only what
+    gathers read."""
+    model = make_model(seed=rank)
+    config = infinity.OffloadConfig(
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        buffer_size=8192,
+        buffer_count=8,
+        device="cpu",
+        nvme_path=swap_root,
+        allgather_bucket_size=8192,
+        reduce_bucket_size=8192,
+        prefetch_bucket_size=32 << 10,
+        step_in_backward=False,
+        precision=infinity.PrecisionConfig(dtype="bf16", storage_dtype=storage),
+    )
+    store = infinity.TieredStore(config)
+    model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+    losses, pass_reads = [], 0
+    data = _batches(world, 1)
+    for _ in range(STEPS):
+        [(tokens, targets)] = next(data)
+        before = store.stats()["bytes_read"]
+        mine = slice(rank * BATCH, (rank + 1) * BATCH)
+        loss = model(tokens[mine], targets[mine])
+        loss.backward()
+        pass_reads += store.stats()["bytes_read"] - before
+        mean = loss.detach().float()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = store.stats()
+    store.close()
+    return {
+        "losses": losses,
+        "state": state,
+        "compression": stats["compression"],
+        "pass_reads": pass_reads,
+    }
+
+
+def test_compute_copies_across_ranks_train_as_the_masters_do(tmp_path):
+    # A bucket's all-gather reads each slice's bf16 compute copy instead of its fp32 master:
+    # the device copy is every rank's slices cast to bf16 either way, so the same training, bit
+    # for bit, with forward and backward reading about half the bytes.
+    runs = {
+        storage: run_ranks(_train_compute_copies, 2, str(tmp_path), storage, timeout=240)
+        for storage in ("auto", "bf16")
+    }
+    for rank in (0, 1):
+        masters, copies = runs["auto"][rank], runs["bf16"][rank]
+        assert copies["losses"] == masters["losses"], rank
+        for key, value in masters["state"].items():
+            assert (copies["state"][key] == value).all(), (rank, key)
+        compression = copies["compression"]
+        assert compression["compute_copies"] and not masters["compression"]["compute_copies"]
+        assert 2 * compression["compute_read"] == compression["compute_read_as_masters"] > 0
+        assert copies["pass_reads"] < 0.75 * masters["pass_reads"], (
+            rank,
+            copies["pass_reads"],
+            masters["pass_reads"],
+        )
+
+
 _KILLED_RANK = r"""
 import os, signal, sys, datetime
 import torch, torch.distributed as dist

@@ -291,11 +291,6 @@ class TieredStore:
             self._compute_copy_dtype = self.storage_dtype
             self.storage_dtype = None  # the masters stay as they are
         self.partition = Partition.join(process_group, self.config, self.device)
-        if self._compute_copy_dtype is not None and self.partition is not None:
-            raise AttachError(
-                f"precision.storage_dtype={storage!r} with an optimizer (compute copies on "
-                f"NVMe) is for one process: across ranks leave storage_dtype 'auto'"
-            )
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
                 raise AttachError(
