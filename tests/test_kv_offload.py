@@ -236,3 +236,40 @@ def test_with_weights_streamed_by_an_attached_store(target: str, tmp_path: Path)
     assert torch.equal(out, expected)
     assert store_stats["bytes_read"] > weights  # the weights really streamed
     assert stats["kv_resident_layers_peak"] <= 2 and stats["kv_bytes_read"] > 0
+
+
+@pytest.mark.parametrize("target", ["host", "nvme"])
+def test_generate_tool_offloads_the_kv_cache(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``infinity-generate --offload-kv``: the same ids as the model in RAM, and the cache's
+    bytes per generated token reported beside the weights'."""
+    pytest.importorskip("accelerate")
+    import json
+
+    from tools.commands import generate as generate_tool
+
+    model = llama()
+    saved = tmp_path / "model"
+    model.save_pretrained(saved)
+    ids = prompt(2)
+    expected = generate(model, ids)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    argv = ["--model", str(saved), "--nvme-path", str(swap), "--device", "cpu"]
+    argv += ["--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--disk-gbps", "1"]
+    for row in ids.tolist():
+        argv += ["--token-ids", ",".join(map(str, row))]
+    plain_argv = list(argv)
+    argv += ["--offload-kv", target, "--kv-budget", str(budget_for(2))]
+    assert generate_tool.main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["sequences"] == expected.tolist()
+    assert summary["offload_kv"] == target
+    assert summary["kv_bytes_read_per_token"] > 0 and summary["kv_bytes_written_per_token"] > 0
+    assert summary["kv_resident_layers_peak"] <= 2
+    assert generate_tool.main(argv) == 0
+    assert f"kv cache    on {target}:" in capsys.readouterr().out
+    code = generate_tool.main([*plain_argv, "--kv-budget", "1MiB"])  # without --offload-kv
+    assert code == 2
+    assert "--kv-budget needs --offload-kv" in capsys.readouterr().err
