@@ -563,6 +563,7 @@ def kv_figures(cache: Any, timing: dict[str, Any]) -> dict[str, Any]:
         "kv_bytes_read_per_token": stats["kv_bytes_read"] / tokens if tokens else 0.0,
         "kv_bytes_written_per_token": stats["kv_bytes_written"] / tokens if tokens else 0.0,
         "kv_resident_layers_peak": stats["kv_resident_layers_peak"],
+        "kv_resident_bytes_peak": stats["kv_resident_bytes_peak"],
         "kv_stored_bytes": stats["kv_stored_bytes"],
     }
 
@@ -732,7 +733,8 @@ def kv_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             f"{s['kv_bytes_read_per_token'] / 1e6:.3f} MB read and "
             f"{s['kv_bytes_written_per_token'] / 1e6:.3f} MB written per generated token "
             f"({format_size(s['kv_stored_bytes'])} cached at the end, at most "
-            f"{s['kv_resident_layers_peak']} layers on the device, budget "
+            f"{s['kv_resident_layers_peak']} layers, "
+            f"{format_size(s['kv_resident_bytes_peak'])}, on the device, budget "
             f"{format_size(s['kv_budget'])})",
         )
     ]
