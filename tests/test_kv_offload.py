@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
 from infinity.errors import BudgetError, ConfigError  # noqa: E402
+from infinity.inference.kv_cache import OffloadedKVCache  # noqa: E402
 from swap import NvmePathError  # noqa: E402
 
 VOCAB = 256
@@ -273,3 +274,36 @@ def test_generate_tool_offloads_the_kv_cache(
     code = generate_tool.main([*plain_argv, "--kv-budget", "1MiB"])  # without --offload-kv
     assert code == 2
     assert "--kv-budget needs --offload-kv" in capsys.readouterr().err
+
+
+def test_a_corrupted_swap_file_is_reported(tmp_path: Path) -> None:
+    """Bytes of the cache changed on disk after the prefill: the next read fails verification
+    and generate raises the swap engine's IntegrityError instead of attending to garbage."""
+    from swap import IntegrityError
+
+    model = llama()
+    forwards: list[int] = []
+    caches: list[OffloadedKVCache] = []
+
+    def corrupt_after_prefill(*_: object) -> None:
+        forwards.append(1)
+        if len(forwards) == 1:
+            caches[0].tier.flush()  # the prefill's writes have landed: none undoes the damage
+            for file in tmp_path.rglob("*"):
+                if file.is_file() and file.stat().st_size:
+                    with file.open("r+b") as handle:
+                        handle.write(b"\xff" * min(1 << 20, file.stat().st_size))
+
+    handle = model.register_forward_hook(corrupt_after_prefill)
+    try:
+        with infinity.offloaded_kv_cache(
+            target="nvme", budget=budget_for(2), nvme_path=tmp_path
+        ) as cache:
+            caches.append(cache)
+            with pytest.raises(IntegrityError):
+                generate(model, prompt(2), cache=cache)
+            with pytest.raises(IntegrityError):  # every layer was overwritten
+                cache.residency.take(LAYERS - 1)
+    finally:
+        handle.remove()
+    assert len(forwards) >= 1

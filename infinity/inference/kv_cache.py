@@ -104,12 +104,18 @@ class KVResidency:
         self.counters.prefetched += 1
         self._note()
 
-    def settle(self) -> None:
-        """Waits for fetches under way and forgets them (reset, reorder, close)."""
-        for pending in self._pending.values():
-            pending.wait()
-        self._pending.clear()
+    def settle(self, abandon: bool = False) -> None:
+        """Waits for fetches under way and forgets them (reset, reorder, close). ``abandon``:
+        nobody will use them (close), so a failed one is logged rather than raised."""
+        pending, self._pending = list(self._pending.items()), {}
         self._resident.clear()
+        for layer, fetch in pending:
+            try:
+                fetch.wait()
+            except Exception as exc:
+                if not abandon:
+                    raise
+                log.warning("kv offload: an unused fetch of layer %d failed: %s", layer, exc)
 
 
 class OffloadedKVLayer(CacheLayerMixin):
@@ -308,7 +314,7 @@ class OffloadedKVCache(Cache):
             return
         self._closed = True
         try:
-            self.residency.settle()
+            self.residency.settle(abandon=True)
         finally:
             self.tier.close()
 

@@ -106,6 +106,9 @@ class KVTier(ABC):
         """The most bytes one fetch can stage (None: no limit)."""
         return None
 
+    def flush(self) -> None:  # noqa: B027  # a tier whose writes are synchronous
+        """Waits until every write under way has landed (and raises a failed one's error)."""
+
     def close(self) -> None:  # noqa: B027  # a tier without resources has nothing to close
         """Gives back files and buffers."""
 
@@ -332,6 +335,11 @@ class NvmeKVTier(KVTier):
 
     def segments(self, layer: int) -> int:
         return len(self._layers.get(layer, ()))
+
+    def flush(self) -> None:
+        for layer in self._layers.values():
+            for segment in layer:
+                segment.written.result()
 
     def drop(self, layer: int) -> None:
         for segment in self._layers.pop(layer, []):
