@@ -9,6 +9,7 @@ The public API is this module's names::
     with store.gathered(params, modify=True): ...   # edit parameters outside forward
     store.stats(); store.close()
     infinity.store_of(model)                         # the store a model is attached to
+    cache = store.kv_cache(target="nvme")            # generate(..., cache=cache): KV offloaded
 
 The trainers people launch have their glue in ``infinity.integrations`` (each imports its
 framework only when used): ``infinity.hf.InfinityTrainer`` (Hugging Face Trainer),
@@ -31,6 +32,7 @@ from infinity.errors import (
     ParameterAccessError,
     RankError,
 )
+from infinity.inference import KVOffloadConfig, offloaded_kv_cache
 
 __all__ = [
     "AioConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "InfinityError",
+    "KVOffloadConfig",
     "OffloadConfig",
     "ParameterAccessError",
     "PrecisionConfig",
@@ -47,6 +50,7 @@ __all__ = [
     "Residency",
     "ResidencyError",
     "TieredStore",
+    "offloaded_kv_cache",
     "store_of",
 ]
 

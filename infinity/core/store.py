@@ -67,6 +67,7 @@ from swap.files import SwapDirectories
 
 if TYPE_CHECKING:
     from infinity.checkpointing.checkpoint import Checkpointer
+    from infinity.inference.kv_cache import OffloadedKVCache
     from infinity.training.activations import ActivationOffload
 
 log = logging.getLogger(__name__)
@@ -835,6 +836,30 @@ class TieredStore:
         from infinity.checkpointing.pretrained import load_pretrained
 
         return load_pretrained(self, Path(path))
+
+    def kv_cache(
+        self, target: str = "host", budget: int | str | None = None, **options: Any
+    ) -> OffloadedKVCache:
+        """A KV cache for ``model.generate(..., cache=...)`` whose layers wait in host RAM
+        (``target='host'``) or on NVMe (``'nvme'``) and come back one layer ahead of use, on
+        this store's device, within ``budget`` bytes there (default: a quarter of the device
+        budget). ``nvme`` swaps under this store's nvme_path (or ``nvme_path=``) with its aio
+        settings; ``options`` are the other :class:`~infinity.inference.KVOffloadConfig`
+        fields. One per ``generate`` call; close it after. See :mod:`infinity.inference`."""
+        from infinity.inference import KVOffloadConfig, offloaded_kv_cache
+
+        settings: dict[str, Any] = {"aio": self.config.aio}
+        settings["verify_checksums"] = self.config.verify_checksums
+        if target == "nvme":
+            paths = self.config.nvme_path or ((self.temp_dir,) if self.temp_dir else ())
+            if paths:
+                settings["nvme_path"] = paths[0]
+        if budget is None and self.budgets.get("device"):
+            budget = self.budgets["device"] // 4
+        if budget is not None:
+            settings["budget"] = budget
+        settings.update(options, target=target)
+        return offloaded_kv_cache(KVOffloadConfig.from_dict(settings), device=self.device)
 
     def save_checkpoint(
         self, path: str | Path, extra: Any = None, async_save: bool = False

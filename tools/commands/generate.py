@@ -3,6 +3,7 @@
     infinity-generate --model ./llama --prompt "Once upon a time" --max-new-tokens 32
     infinity-generate --model ./llama --token-ids 1,450,7483 --batch-size 8 --json
     infinity-generate --model ./llama --nvme-path /mnt/nvme0 --host-budget 256MiB --dtype bf16
+    infinity-generate --model ./llama --batch-size 32 --offload-kv nvme --kv-budget 64MiB
 
 The model is built on the meta device (``accelerate.init_empty_weights``: parameters without
 storage, buffers real), attached to a TieredStore with its parameters on NVMe and no optimizer,
@@ -11,7 +12,9 @@ holds the whole model. Hugging Face ``generate`` then runs unchanged; each forwa
 host and device budgets do not keep. Besides the text (or token ids) it reports tokens/s, the
 prefill time, the decode time per token, bytes read per generated token, the read bandwidth
 against the disk's (measured at the start with the swap engine, or given with --disk-gbps) and
-the share of the run spent stalled on reads.
+the share of the run spent stalled on reads. With --offload-kv the KV cache's layers wait in host
+RAM or on NVMe between uses (``store.kv_cache``), and the KV bytes written and read per
+generated token are reported beside the weights'.
 """
 
 from __future__ import annotations
@@ -189,6 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive(float),
         metavar="GBPS",
         help="the disk's read bandwidth, instead of measuring it at the start",
+    )
+    add(
+        "--offload-kv",
+        choices=("none", "host", "nvme"),
+        default="none",
+        help="where the KV cache's layers wait between uses: none (generate's own cache, on "
+        "the device), host (RAM) or nvme (swap files in --nvme-path) (%(default)s)",
+    )
+    add(
+        "--kv-budget",
+        type=config_size,
+        metavar="SIZE",
+        help="device bytes of KV cache at once with --offload-kv: two layers' worth lets the "
+        "next be prefetched (default: a quarter of the device budget)",
     )
     add("--json", action="store_true", help="print one JSON object (outputs and summary) only")
     add("-v", "--verbose", action="store_true", help="log the runtime's INFO messages")
@@ -515,6 +532,42 @@ def generate_kwargs(args: argparse.Namespace, pad_id: int) -> dict[str, Any]:
     return kwargs
 
 
+@contextlib.contextmanager
+def kv_cache(store: TieredStore, args: argparse.Namespace, nvme: Path) -> Iterator[Any]:
+    """The offloaded KV cache for one generate call (None with --offload-kv none)."""
+    if args.offload_kv == "none":
+        if args.kv_budget is not None:
+            raise UserError("--kv-budget needs --offload-kv host or nvme")
+        yield None
+        return
+    options: dict[str, Any] = {"nvme_path": nvme} if args.offload_kv == "nvme" else {}
+    with store.kv_cache(target=args.offload_kv, budget=args.kv_budget, **options) as cache:
+        yield cache
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    return {} if cache is None else {"cache": cache}
+
+
+def kv_figures(cache: Any, timing: dict[str, Any]) -> dict[str, Any]:
+    """The KV cache's bytes through its tier during the measured call, per generated token."""
+    if cache is None:
+        return {"offload_kv": "none"}
+    stats = cache.stats()
+    tokens = timing["batch"] * timing["new_tokens"]
+    return {
+        "offload_kv": cache.config.target,
+        "kv_budget": stats["kv_budget"],
+        "kv_bytes_read": stats["kv_bytes_read"],
+        "kv_bytes_written": stats["kv_bytes_written"],
+        "kv_bytes_read_per_token": stats["kv_bytes_read"] / tokens if tokens else 0.0,
+        "kv_bytes_written_per_token": stats["kv_bytes_written"] / tokens if tokens else 0.0,
+        "kv_resident_layers_peak": stats["kv_resident_layers_peak"],
+        "kv_resident_bytes_peak": stats["kv_resident_bytes_peak"],
+        "kv_stored_bytes": stats["kv_stored_bytes"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = inspect_model_dir(args.model)
     if args.prompt and not model_dir.has_tokenizer:
@@ -574,10 +627,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         inputs = batch_inputs(rows, args.batch_size, pad_id, store.device)
         kwargs = generate_kwargs(args, pad_id)
         for _ in range(args.warmup):
-            with torch.no_grad():
-                model.generate(**inputs, **kwargs)
+            with kv_cache(store, args, nvme) as cache, torch.no_grad():
+                model.generate(**inputs, **kwargs, **cache_kwargs(cache))
         torch.manual_seed(args.seed)
-        out, timing = timed_generate(model, store, inputs, **kwargs)
+        with kv_cache(store, args, nvme) as cache:
+            out, timing = timed_generate(model, store, inputs, **kwargs, **cache_kwargs(cache))
+            kv = kv_figures(cache, timing)
         stats = store.stats()
     finally:
         if store is not None:
@@ -600,6 +655,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "unexpected_keys": list(result.unexpected_keys),
         "sampling": "sample" if args.sample else "greedy",
         **timing,
+        **kv,
         "disk_read_gbps": disk_gbps,
         "read_share_of_disk": timing["read_gbps"] / disk_gbps if disk_gbps else None,
         "sequences": sequences,
@@ -651,6 +707,7 @@ def report(summary: dict[str, Any]) -> list[str]:
             f"MB per generated token, {s['bytes_read_per_forward'] / 1e6:.1f} MB "
             f"per forward",
         ),
+        *kv_rows(s),
         (
             "read",
             f"{s['read_gbps']:.2f} GB/s while reading, {s['read_gbps_wall']:.2f} GB/s "
@@ -663,6 +720,24 @@ def report(summary: dict[str, Any]) -> list[str]:
     ]
     width = max(len(name) for name, _ in rows)
     return lines + [""] + [f"{name:<{width}}  {value}" for name, value in rows]
+
+
+def kv_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    if s.get("offload_kv", "none") == "none":
+        return []
+    return [
+        (
+            "kv cache",
+            f"on {s['offload_kv']}: {s['kv_bytes_read'] / 1e6:.1f} MB read, "
+            f"{s['kv_bytes_written'] / 1e6:.1f} MB written: "
+            f"{s['kv_bytes_read_per_token'] / 1e6:.3f} MB read and "
+            f"{s['kv_bytes_written_per_token'] / 1e6:.3f} MB written per generated token "
+            f"({format_size(s['kv_stored_bytes'])} cached at the end, at most "
+            f"{s['kv_resident_layers_peak']} layers, "
+            f"{format_size(s['kv_resident_bytes_peak'])}, on the device, budget "
+            f"{format_size(s['kv_budget'])})",
+        )
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
