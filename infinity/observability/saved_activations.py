@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.core.finalizers import interrupt_safe, raise_pending_interrupt
 from infinity.training.param_access import SavedParameter
 
 
@@ -34,6 +35,7 @@ class _Held:
         self.key = key
         self.meter = meter
 
+    @interrupt_safe  # runs wherever autograd drops it: a Ctrl-C landing here must not be lost
     def __del__(self) -> None:
         self.meter._let_go(self.key)
 
@@ -64,6 +66,7 @@ class SavedActivationMeter:
         meter = self
 
         def pre(module: nn.Module, args: Any) -> None:
+            raise_pending_interrupt()  # a Ctrl-C a finalizer caught (see core/finalizers.py)
             if module is root:
                 meter._enter()
 

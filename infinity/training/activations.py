@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from infinity.core.finalizers import interrupt_safe, raise_pending_interrupt
 from infinity.errors import BudgetError, InfinityError
 from infinity.training.param_access import SavedParameter
 from swap import BufferPool, Extent, HostBuffer, SwapEngine, align_up
@@ -340,6 +341,7 @@ class ActivationOffload:
 
     def _make_pre(self, label: str) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
+            raise_pending_interrupt()  # a Ctrl-C a finalizer caught (see core/finalizers.py)
             if self._hooks is None:
                 return
             self._boundary()
@@ -419,7 +421,7 @@ class ActivationOffload:
         stored = _Stored(source, version, self._group, module)
         stored.res.device_bytes = stored.nbytes
         self._count_device(stored.nbytes)
-        weakref.finalize(stored, self._on_dead, stored.res)
+        weakref.finalize(stored, interrupt_safe(self._on_dead), stored.res)
         self._seen[address] = (weakref.ref(tensor), stored)
         self._pending.append(stored)
         return _Packed(stored, tensor)

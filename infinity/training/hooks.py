@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from infinity.core.finalizers import raise_pending_interrupt
 from infinity.core.shards import ParamEntry, ShardRegistry
 from infinity.core.trace import BACKWARD, FORWARD, Event
 
@@ -162,6 +163,7 @@ class HookSet:
         calls: list[list[ParamEntry]] = []
 
         def pre_forward(module: nn.Module, args: Any) -> None:
+            raise_pending_interrupt()  # a Ctrl-C a finalizer caught (see core/finalizers.py)
             if module is not owner:
                 return  # a deep copy of the module: its parameters are its own, plain ones
             self._hook_grads(entries)
