@@ -141,3 +141,45 @@ def stores() -> Iterator[list]:
     yield opened
     for store in opened:
         store.close()
+
+
+#: modules whose cases run whole trainings, several ranks or fresh processes: ``make test-fast``
+#: (``-m "not slow"``) leaves them out for the edit loop; ``make test`` runs everything.
+SLOW_MODULES = frozenset(
+    {
+        "test_bench_clip",
+        "test_bench_tool",
+        "test_checkpoint",
+        "test_compile",
+        "test_elastic",
+        "test_grad_access",
+        "test_heap_bound",
+        "test_kv_offload",
+        "test_latest_checkpoint",
+        "test_leftovers",
+        "test_optimizer_checkpoint",
+        "test_param_access",
+        "test_planner",
+        "test_precision",
+        "test_ranks",
+        "test_rss_bound",
+        "test_security",
+        "test_state_dtype",
+        "test_step_in_backward",
+        "test_store_budgets",
+        "test_store_equivalence",
+        "test_store_faults",
+        "test_store_stress",
+        "test_trainer_integrations",
+        "test_trainer_loops",
+        "test_update_timing",
+        "test_zero_offload",
+        "test_zero_ranks",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -10,6 +10,7 @@ stops the loop."""
 from __future__ import annotations
 
 import gc
+import signal
 import time
 
 import pytest
@@ -20,6 +21,14 @@ import infinity
 from infinity.core.finalizers import interrupt_safe
 from infinity.observability.saved_activations import SavedActivationMeter
 from infinity.training.activations import ActivationOffload
+
+
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """As in a user's process (pytest-xdist's workers ignore SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _spin(seconds: float = 30.0) -> None:
@@ -39,22 +48,28 @@ def test_an_interrupt_raised_in_a_wrapped_finalizer_is_raised_again_after_it():
             ran.append(True)
             raise KeyboardInterrupt
 
-    owner = Owner()
-    with pytest.raises(KeyboardInterrupt):
-        del owner
-        gc.collect()
-        _spin()
+    # No other finalizer may run while it is pending (one would swallow it just the same):
+    # earlier tests' garbage goes first, and the collector stays off until it is raised.
+    gc.collect()
+    gc.disable()
+    try:
+        owner = Owner()
+        with pytest.raises(KeyboardInterrupt):
+            del owner
+            _spin()
+    finally:
+        gc.enable()
     assert ran == [True]
 
 
-def _interrupt_once(original):
+def _interrupt_once(original, exc: BaseException | type[BaseException] = KeyboardInterrupt):
     calls = []
 
     def finalizer(self, *args):
         original(self, *args)
         if not calls:
             calls.append(True)
-            raise KeyboardInterrupt  # as a SIGINT handled right here would
+            raise exc  # as a signal handled right here would
 
     return finalizer
 
@@ -89,3 +104,15 @@ def test_ctrl_c_landing_in_the_activation_offload_s_finalizer_stops_training(tmp
     monkeypatch.setattr(ActivationOffload, "_on_dead", _interrupt_once(ActivationOffload._on_dead))
     with pytest.raises(KeyboardInterrupt):
         _train(tmp_path, offload_activations="cpu")
+
+
+def test_a_sigterm_handler_s_exit_landing_in_a_finalizer_still_ends_training(tmp_path, monkeypatch):
+    """A user's SIGTERM handler raises SystemExit: it keeps its exit code."""
+    monkeypatch.setattr(
+        SavedActivationMeter,
+        "_let_go",
+        _interrupt_once(SavedActivationMeter._let_go, SystemExit(3)),
+    )
+    with pytest.raises(SystemExit) as raised:
+        _train(tmp_path)
+    assert raised.value.code == 3

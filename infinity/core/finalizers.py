@@ -1,17 +1,18 @@
-"""Finalizers that do not swallow Ctrl-C.
+"""Finalizers that do not swallow Ctrl-C or a signal handler's exit.
 
 Python ignores an exception raised inside a finalizer (``__del__``, a ``weakref.finalize``
-callback): it prints "Exception ignored in ..." and goes on. A SIGINT's KeyboardInterrupt is
-raised in whatever Python code the main thread runs when the signal is handled, so one that
-lands in a finalizer is lost and training carries on as if Ctrl-C had never been pressed. The
-store's accounting runs finalizers for every tensor autograd saves (the saved-activation meter,
-the activation offload), which makes that landing common enough to be seen.
+callback): it prints "Exception ignored in ..." and goes on. A signal is handled in whatever
+Python code the main thread runs at that moment, so the KeyboardInterrupt of a SIGINT, or the
+SystemExit a user's SIGTERM handler raises, is lost when it lands in a finalizer, and training
+carries on as if nothing had been asked. The store's accounting runs finalizers for every
+tensor autograd saves (the saved-activation meter, the activation offload), which makes that
+landing common enough to be seen.
 
-A finalizer wrapped by ``interrupt_safe`` catches the KeyboardInterrupt and leaves it pending.
-It is raised again outside the finalizer by whichever comes first: the store's next forward
-hook (``raise_pending_interrupt``), or a timer that asks for it again a moment later
-(``_thread.interrupt_main``, for a loop that runs no hook of ours). Asking at once would not do:
-the main thread handles the request at its next check, still inside the finalizer.
+A finalizer wrapped by ``interrupt_safe`` catches those exceptions and leaves them pending. The
+store's next forward hook raises them again (``raise_pending_interrupt``), outside any
+finalizer. A KeyboardInterrupt is also asked for again a moment later by a timer
+(``_thread.interrupt_main``), for a loop that runs no hook of ours; asking at once would not do,
+as the main thread would handle the request at its next check, still inside the finalizer.
 """
 
 from __future__ import annotations
@@ -28,51 +29,61 @@ P = ParamSpec("P")
 REDELIVER_AFTER_S = 0.05
 
 _lock = threading.Lock()
-_pending = False
+_pending: BaseException | None = None
 
 
 def interrupt_safe(finalizer: Callable[P, None]) -> Callable[P, None]:
-    """``finalizer``, with a KeyboardInterrupt raised inside it delivered again afterwards."""
+    """``finalizer``, with a KeyboardInterrupt or SystemExit raised inside it (by a signal
+    handler) raised again afterwards."""
 
     @functools.wraps(finalizer)
     def run(*args: P.args, **kwargs: P.kwargs) -> None:
         try:
             finalizer(*args, **kwargs)
-        except KeyboardInterrupt:
-            _leave_pending()
+        except (KeyboardInterrupt, SystemExit) as exc:
+            _leave_pending(exc)
 
     return run
 
 
-def _leave_pending() -> None:
+def _leave_pending(exc: BaseException) -> None:
     global _pending
     with _lock:
-        _pending = True
+        if _pending is None:
+            _pending = exc
+    if not isinstance(exc, KeyboardInterrupt):
+        return
     timer = threading.Timer(REDELIVER_AFTER_S, _redeliver)
     timer.daemon = True
     try:
         timer.start()
     except RuntimeError:
-        pass  # the interpreter is shutting down: the hooks still raise it, if any run
+        pass  # the interpreter is shutting down; the hooks still raise it, if any run
 
 
-def _take_pending() -> bool:
+def _take_pending() -> BaseException | None:
     global _pending
     with _lock:
-        pending, _pending = _pending, False
+        pending, _pending = _pending, None
     return pending
 
 
 def _redeliver() -> None:
-    if _take_pending():
+    with _lock:
+        if not isinstance(_pending, KeyboardInterrupt):
+            return  # raised by a hook already (or something else is pending: the hooks' job)
+    if _take_pending() is not None:
         _thread.interrupt_main()
 
 
 def raise_pending_interrupt() -> None:
-    """Raises the KeyboardInterrupt a finalizer caught, if one is pending (on the main thread:
-    the interrupt is the main thread's)."""
-    if _pending and threading.current_thread() is threading.main_thread() and _take_pending():
-        raise KeyboardInterrupt
+    """Raises what a finalizer caught, if anything is pending (on the main thread only: the
+    signal was the main thread's)."""
+    if _pending is None or threading.current_thread() is not threading.main_thread():
+        return
+    pending = _take_pending()
+    if pending is not None:
+        raise pending
 
 
 __all__ = ["interrupt_safe", "raise_pending_interrupt"]
