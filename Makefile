@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dist demo-trainer test lint bench bench-full bench-scale bench-dist bench-checkpoint \
+.PHONY: demo demo-dist demo-trainer test test-fast stress lint bench bench-full bench-scale bench-dist bench-checkpoint \
 	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer gpu-check soak \
 	venv clean
 
@@ -35,6 +35,15 @@ demo-trainer: $(STAMP)
 # pyproject.toml), then the suite: .ci/run calls this on a clean clone.
 test: lint
 	$(PY) -m pytest -q tests
+
+# The edit loop: the suite without the cases marked slow (ranks, whole trainers, fresh
+# processes, long equivalence runs; see tests/conftest.py), in about two minutes here.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The store's random-operations stress test at full length (the suite runs a fifth of it).
+stress: $(STAMP)
+	INFINITY_STRESS_EXAMPLES=50 $(PY) -m pytest -q tests/test_store_stress.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
