@@ -9,8 +9,8 @@ tensor autograd saves (the saved-activation meter, the activation offload), whic
 landing common enough to be seen.
 
 A finalizer wrapped by ``interrupt_safe`` catches those exceptions and leaves them pending. The
-store's next forward hook raises them again (``raise_pending_interrupt``), outside any
-finalizer. A KeyboardInterrupt is also asked for again a moment later by a timer
+store's root forward hook raises them again at the next forward (``raise_pending_interrupt``),
+outside any finalizer. A KeyboardInterrupt is also asked for again a moment later by a timer
 (``_thread.interrupt_main``), for a loop that runs no hook of ours; asking at once would not do,
 as the main thread would handle the request at its next check, still inside the finalizer.
 """
@@ -69,11 +69,12 @@ def _take_pending() -> BaseException | None:
 
 
 def _redeliver() -> None:
+    global _pending
     with _lock:
         if not isinstance(_pending, KeyboardInterrupt):
             return  # raised by a hook already (or something else is pending: the hooks' job)
-    if _take_pending() is not None:
-        _thread.interrupt_main()
+        _pending = None
+    _thread.interrupt_main()
 
 
 def raise_pending_interrupt() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.core.finalizers import interrupt_safe, raise_pending_interrupt
+from infinity.core.finalizers import interrupt_safe
 from infinity.training.param_access import SavedParameter
 
 
@@ -66,7 +66,6 @@ class SavedActivationMeter:
         meter = self
 
         def pre(module: nn.Module, args: Any) -> None:
-            raise_pending_interrupt()  # a Ctrl-C a finalizer caught (see core/finalizers.py)
             if module is root:
                 meter._enter()
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infinity.core.finalizers import interrupt_safe, raise_pending_interrupt
+from infinity.core.finalizers import interrupt_safe
 from infinity.errors import BudgetError, InfinityError
 from infinity.training.param_access import SavedParameter
 from swap import BufferPool, Extent, HostBuffer, SwapEngine, align_up
@@ -252,6 +252,8 @@ class ActivationOffload:
         self.prefetch_depth = max(1, prefetch_depth)
         self.prefetch_bytes = prefetch_bytes
         self.min_bytes = min_bytes
+        #: autograd may drop a saved tensor anywhere: a signal landing there is not lost
+        self._on_dead_safe = interrupt_safe(self._on_dead)
         self._param_storages = param_storages
         self._saved_parameter = saved_parameter
         self._tier_bytes = device_bytes
@@ -341,7 +343,6 @@ class ActivationOffload:
 
     def _make_pre(self, label: str) -> Callable:
         def pre(module: nn.Module, args: Any) -> None:
-            raise_pending_interrupt()  # a Ctrl-C a finalizer caught (see core/finalizers.py)
             if self._hooks is None:
                 return
             self._boundary()
@@ -421,7 +422,7 @@ class ActivationOffload:
         stored = _Stored(source, version, self._group, module)
         stored.res.device_bytes = stored.nbytes
         self._count_device(stored.nbytes)
-        weakref.finalize(stored, interrupt_safe(self._on_dead), stored.res)
+        weakref.finalize(stored, self._on_dead_safe, stored.res)
         self._seen[address] = (weakref.ref(tensor), stored)
         self._pending.append(stored)
         return _Packed(stored, tensor)

@@ -130,6 +130,9 @@ class HookSet:
 
     # -- forward ------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        # What a finalizer caught (a Ctrl-C, a SIGTERM handler's exit) is raised here, once per
+        # forward, outside any finalizer: see core/finalizers.py.
+        raise_pending_interrupt()
         if module is not self.root:
             return  # a copy of the model (copy.deepcopy: an EMA model) carries the hooks too
         # A new iteration starts with the root's forward, unless we are inside a backward pass
@@ -163,7 +166,6 @@ class HookSet:
         calls: list[list[ParamEntry]] = []
 
         def pre_forward(module: nn.Module, args: Any) -> None:
-            raise_pending_interrupt()  # a Ctrl-C a finalizer caught (see core/finalizers.py)
             if module is not owner:
                 return  # a deep copy of the module: its parameters are its own, plain ones
             self._hook_grads(entries)
