@@ -116,7 +116,8 @@ class CompressedTraffic:
     def count(self, shard: Shard, write: bool) -> None:
         if shard.encoding is None and shard.kind is not ShardKind.COMPUTE:
             return
-        master = next(s for s in shard.entry.shards if s.start == shard.start)
+        master = shard.owner
+        assert master is not None  # a compute copy or an encoded state: both companions
         if shard.kind is ShardKind.COMPUTE:
             if write:
                 self.compute_written += shard.nbytes
@@ -424,7 +425,8 @@ class Placement:
             trainable = shard.entry.param.requires_grad
             if shard.kind is ShardKind.COMPUTE:
                 use = trace.next_use(index, position)
-                master = next(s for s in shard.entry.shards if s.start == shard.start)
+                master = shard.owner
+                assert master is not None  # a companion
                 if shard.version != master.version:
                     return end + full  # stale: never read again
                 if masters_due and trainable and index not in stepped:
@@ -857,6 +859,7 @@ class Placement:
                 kind=kind,
                 companion_key=key,
                 encoding=encoding,
+                owner=shard,
             )
             shard.companions[key] = found
         return found

@@ -69,6 +69,8 @@ class Shard:
     #: name (``precision.optimizer_state_dtype``; infinity.training.state_codecs); None: the
     #: values as they are
     encoding: str | None = None
+    #: a companion's param shard (the master it belongs to); None for a param shard
+    owner: Shard | None = None
     state: Residency = Residency.EMPTY
     #: the host copy (a view into the staging arena, or a standalone host tensor)
     host: torch.Tensor | None = None
