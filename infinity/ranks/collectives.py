@@ -289,9 +289,7 @@ class GradientBuckets:
         try:
             partition.wait_reduction(reduction.work)
         except BaseException:
-            self._reducing.clear()
-            self._reducing_bytes = 0
-            self._filling.clear()
+            self.abandon()
             raise
         filling = reduction.filling
         bucket = filling.bucket
