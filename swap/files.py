@@ -231,11 +231,6 @@ class RangeAllocator:
     def free_bytes(self) -> int:
         return sum(self.lengths)
 
-    @property
-    def largest_free(self) -> int:
-        """The longest free range: the most one ``take`` can have."""
-        return max(self.lengths, default=0)
-
     def can_take(self, lengths: list[int]) -> bool:
         """Whether ``take`` would find a range for each of ``lengths``, taken in this order."""
         free = list(self.lengths)
