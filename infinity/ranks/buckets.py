@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -47,6 +48,14 @@ class Bucket:
     per_rank: int
     #: the dtype the bucket's buffer moves in
     dtype: torch.dtype
+
+    @cached_property
+    def _columns(self) -> dict[int, int]:
+        return {id(shard): offset for shard, offset in zip(self.shards, self.offsets)}
+
+    def offset_of(self, shard: Shard) -> int:
+        """``shard``'s first column in a row (looked up once per gradient: no scan)."""
+        return self._columns[id(shard)]
 
     @property
     def entries(self) -> tuple[ParamEntry, ...]:

@@ -177,6 +177,12 @@ class _Filling:
     borrowed: bool = False
     #: id(shard) -> the callback of the shard's gradient, for each shard that arrived
     arrived: dict[int, Callable[[torch.Tensor], None]] = field(default_factory=dict)
+    #: id(shard) of the trained shards that have not arrived yet: the bucket goes when none
+    #: is left
+    missing: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.missing = {id(s) for s in self.bucket.shards if s.entry.param.requires_grad}
 
 
 @dataclass(eq=False)
@@ -238,12 +244,13 @@ class GradientBuckets:
                 filling = _Filling(bucket, buffer)
             self._filling[bucket.index] = filling
         if not filling.borrowed:
-            offset = bucket.offsets[bucket.shards.index(shard)]
+            offset = bucket.offset_of(shard)
             rows = filling.buffer.view(world, bucket.per_rank)
             with torch.no_grad():
                 flat_to_rows(piece, rows[:, offset : offset + shard.numel])
         filling.arrived[id(shard)] = done
-        if all(id(s) in filling.arrived for s in bucket.shards if s.entry.param.requires_grad):
+        filling.missing.discard(id(shard))
+        if not filling.missing:
             self._start(filling)
 
     def _start(self, filling: _Filling) -> None:
