@@ -183,9 +183,10 @@ class DeviceCopies:
                 if entry.resident or index in self._host.uninitialised:
                     continue
                 members = self._bucket_members(entry)
-                if not self.device.fits(sum(e.device_bytes for e in members)):
-                    members = [entry]  # its bucket's others wait for their own turn
                 need = sum(e.device_bytes for e in members)
+                if not self.device.fits(need):
+                    members = [entry]  # its bucket's others wait for their own turn
+                    need = entry.device_bytes
                 if under_way and under_way + need > self.assemble_ahead_bytes:
                     return
                 if not self.device.fits(need):
