@@ -194,6 +194,11 @@ class NvmeSegment:
         return align_up(self.key_bytes) + align_up(self.value_bytes)
 
 
+def segment_span(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Bytes a segment of ``keys``/``values`` takes in an extent (each part 4096-aligned)."""
+    return align_up(tensor_bytes(keys)) + align_up(tensor_bytes(values))
+
+
 class NvmeKVTier(KVTier):
     """Layers in swap files under ``path``: each segment is one extent written from a staging
     buffer with the engine's async writes; a fetch reads every segment of a layer into one read
@@ -229,11 +234,13 @@ class NvmeKVTier(KVTier):
         self._layers: dict[int, list[NvmeSegment]] = {}
 
     def _stage(self, buffer: HostBuffer, offset: int, tensor: torch.Tensor) -> None:
-        buffer.view(tensor.dtype, tensor.numel(), offset).copy_(tensor.reshape(-1))
+        # Copied through a view of the tensor's shape: new K/V from attention are transposed
+        # (not contiguous), and flattening them first would copy each one twice.
+        self._view(buffer, offset, tensor.dtype, tensor.shape).copy_(tensor)
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         key_bytes, value_bytes = tensor_bytes(keys), tensor_bytes(values)
-        span = align_up(key_bytes) + align_up(value_bytes)
+        span = segment_span(keys, values)
         if span > self.staging_bytes:
             raise BudgetError(
                 f"kv offload: a write of {span} bytes does not fit the {self.staging_bytes}-byte "
@@ -262,7 +269,7 @@ class NvmeKVTier(KVTier):
 
     def span_after_append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         held = sum(segment.span for segment in self._layers.get(layer, ()))
-        return held + align_up(tensor_bytes(keys)) + align_up(tensor_bytes(values))
+        return held + segment_span(keys, values)
 
     def fetch_capacity(self) -> int | None:
         return self.staging_bytes
