@@ -113,5 +113,6 @@ class KVOffloadConfig:
         check_keys(data, [f.name for f in fields(cls)], "kv offload config")
         values = dict(data)
         if isinstance(values.get("aio"), Mapping):
+            check_keys(values["aio"], [f.name for f in fields(AioConfig)], "kv offload aio")
             values["aio"] = AioConfig(**values["aio"])
         return cls(**values)
