@@ -533,15 +533,13 @@ def generate_kwargs(args: argparse.Namespace, pad_id: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def kv_cache(store: TieredStore, args: argparse.Namespace, nvme: Path) -> Iterator[Any]:
-    """The offloaded KV cache for one generate call (None with --offload-kv none)."""
+def kv_cache(store: TieredStore, args: argparse.Namespace) -> Iterator[Any]:
+    """The offloaded KV cache for one generate call (None with --offload-kv none); with nvme
+    it swaps under the store's nvme_path, which is --nvme-path."""
     if args.offload_kv == "none":
-        if args.kv_budget is not None:
-            raise UserError("--kv-budget needs --offload-kv host or nvme")
         yield None
         return
-    options: dict[str, Any] = {"nvme_path": nvme} if args.offload_kv == "nvme" else {}
-    with store.kv_cache(target=args.offload_kv, budget=args.kv_budget, **options) as cache:
+    with store.kv_cache(target=args.offload_kv, budget=args.kv_budget) as cache:
         yield cache
 
 
@@ -569,6 +567,8 @@ def kv_figures(cache: Any, timing: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.kv_budget is not None and args.offload_kv == "none":
+        raise UserError("--kv-budget needs --offload-kv host or nvme")
     model_dir = inspect_model_dir(args.model)
     if args.prompt and not model_dir.has_tokenizer:
         raise UserError(
@@ -627,10 +627,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         inputs = batch_inputs(rows, args.batch_size, pad_id, store.device)
         kwargs = generate_kwargs(args, pad_id)
         for _ in range(args.warmup):
-            with kv_cache(store, args, nvme) as cache, torch.no_grad():
+            with kv_cache(store, args) as cache, torch.no_grad():
                 model.generate(**inputs, **kwargs, **cache_kwargs(cache))
         torch.manual_seed(args.seed)
-        with kv_cache(store, args, nvme) as cache:
+        with kv_cache(store, args) as cache:
             out, timing = timed_generate(model, store, inputs, **kwargs, **cache_kwargs(cache))
             kv = kv_figures(cache, timing)
         stats = store.stats()
