@@ -28,6 +28,7 @@ from infinity.inference.kv_tiers import (
     KVTier,
     NvmeKVTier,
     PendingFetch,
+    Segments,
     tensor_bytes,
 )
 
@@ -68,18 +69,18 @@ class KVResidency:
         for other in [i for i in self._resident if i != layer and i not in self._pending]:
             del self._resident[other]
 
-    def take(self, layer: int) -> KV | None:
-        """The layer's stored K/V on the device (None when it holds nothing yet)."""
+    def take(self, layer: int) -> Segments | None:
+        """The layer's stored K/V on the device, as segments (None when it holds nothing)."""
         pending = self._pending.pop(layer, None)
         if pending is None:
             if self.tier.segments(layer) == 0:
                 return None
             pending = self.tier.fetch(layer)
             self.counters.demand_fetches += 1
-        keys, values = pending.wait()
+        segments = pending.wait()
         self._resident[layer] = pending.nbytes
         self._note()
-        return keys, values
+        return segments
 
     def computing(self, layer: int, nbytes: int) -> None:
         if nbytes > self.budget:
@@ -220,13 +221,11 @@ class OffloadedKVCache(Cache):
             layer.lazy_initialization(key_states, value_states)
         residency = self.residency
         residency.begin(layer_idx)
-        stored = residency.take(layer_idx)
-        if stored is None:
-            # as DynamicCache starts: concatenated onto an empty tensor, a copy of the states
-            empty = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
-            stored = (empty, empty)
-        keys = torch.cat([stored[0], key_states], dim=-2)
-        values = torch.cat([stored[1], value_states], dim=-2)
+        # One concatenation of the stored segments and the new tokens (with none stored, a
+        # copy of the states, as DynamicCache makes).
+        stored = residency.take(layer_idx) or []
+        keys = torch.cat([*(k for k, _ in stored), key_states], dim=-2)
+        values = torch.cat([*(v for _, v in stored), value_states], dim=-2)
         del stored
         residency.computing(layer_idx, tensor_bytes(keys) + tensor_bytes(values))
         self._store(layer_idx, keys, values, key_states, value_states)
@@ -280,7 +279,8 @@ class OffloadedKVCache(Cache):
         stored = self.residency.take(layer)
         if stored is None:
             return
-        keys, values = (change(t) for t in stored)
+        keys = change(torch.cat([k for k, _ in stored], dim=-2))
+        values = change(torch.cat([v for _, v in stored], dim=-2))
         self.tier.replace(layer, keys, values)
         self.residency.settle()
 

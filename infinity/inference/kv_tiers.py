@@ -3,9 +3,9 @@
 A tier stores one layer's keys and values as segments along the sequence: the tokens a step
 adds are appended as a new segment (a decode step writes one token per row, not the whole
 layer), and the cache rewrites a layer whole when its segments grow many. ``fetch`` brings a
-layer back as one pair of contiguous tensors on the compute device; it returns at once with a
-:class:`PendingFetch` whose ``wait`` gives the tensors, so the next layer's read runs while
-this one computes.
+layer's segments back onto the compute device; it returns at once with a :class:`PendingFetch`
+whose ``wait`` gives them, so the next layer's read runs while this one computes. The cache
+concatenates them with the step's new tokens once, so a layer is not joined twice per step.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 STAGING_TIMEOUT = 120.0
 
 KV = tuple[torch.Tensor, torch.Tensor]
+#: a layer's K/V as segments along the sequence, in order
+Segments = list[KV]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -47,15 +49,15 @@ class TierCounters:
 
 
 class PendingFetch:
-    """A layer on its way back; ``wait`` gives its keys and values on the compute device."""
+    """A layer on its way back; ``wait`` gives its segments on the compute device."""
 
-    def __init__(self, finish: Callable[[], KV], nbytes: int) -> None:
+    def __init__(self, finish: Callable[[], Segments], nbytes: int) -> None:
         """``nbytes``: the K/V bytes it brings onto the device."""
         self._finish = finish
-        self._result: KV | None = None
+        self._result: Segments | None = None
         self.nbytes = nbytes
 
-    def wait(self) -> KV:
+    def wait(self) -> Segments:
         if self._result is None:
             self._result = self._finish()
         return self._result
@@ -118,8 +120,8 @@ class KVTier(ABC):
 
 class HostKVTier(KVTier):
     """Layers in host RAM (pinned when CUDA is there, so copies to the device are async); a
-    worker thread concatenates a layer's segments onto the device while the previous layer
-    computes."""
+    worker thread copies a layer's segments onto the device while the previous layer computes
+    (on a CPU device they are handed over as they are: the cache's concatenation copies)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -147,10 +149,11 @@ class HostKVTier(KVTier):
         nbytes = sum(tensor_bytes(k) + tensor_bytes(v) for k, v in segments)
         device = self.device
 
-        def gather() -> KV:
-            keys = torch.cat([k for k, _ in segments], dim=-2)
-            values = torch.cat([v for _, v in segments], dim=-2)
-            return keys.to(device, non_blocking=True), values.to(device, non_blocking=True)
+        def gather() -> Segments:
+            return [
+                (k.to(device, non_blocking=True), v.to(device, non_blocking=True))
+                for k, v in segments
+            ]
 
         future = self._worker.submit(gather)
         self.counters.bytes_read += nbytes
@@ -316,7 +319,7 @@ class NvmeKVTier(KVTier):
 
     def _assemble(
         self, segments: Sequence[NvmeSegment], reads: Sequence[Future[int]], buffer: HostBuffer
-    ) -> KV:
+    ) -> Segments:
         try:
             for read in reads:
                 read.result()
@@ -327,10 +330,12 @@ class NvmeKVTier(KVTier):
                 values.append(self._view(buffer, values_at, segment.dtype, segment.value_shape))
                 offset += segment.span
             # The concatenation copies out of the staging buffer, which is then free again.
-            return (
-                torch.cat(keys, dim=-2).to(self.device, non_blocking=False),
-                torch.cat(values, dim=-2).to(self.device, non_blocking=False),
-            )
+            return [
+                (
+                    torch.cat(keys, dim=-2).to(self.device, non_blocking=False),
+                    torch.cat(values, dim=-2).to(self.device, non_blocking=False),
+                )
+            ]
         finally:
             self._settle_then_release(reads, buffer)
 
