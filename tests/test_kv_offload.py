@@ -118,6 +118,10 @@ def test_nvme_bytes_are_on_disk_while_generating(tmp_path: Path) -> None:
             target="nvme", budget=budget_for(2), nvme_path=tmp_path
         ) as cache:
             generate(model, ids, cache=cache)
+            # The tier counts a transfer when it issues it, the engine when it lands: let the
+            # last writes and the fetch started after the last step land first.
+            cache.residency.settle()
+            cache.tier.flush()
             engine = cache.tier.engine.stats()  # type: ignore[attr-defined]
             stats = cache.stats()
     finally:
