@@ -197,6 +197,15 @@ class ParamEntry:
     def device_bytes(self) -> int:
         return self.numel * self.compute_dtype.itemsize
 
+    def __repr__(self) -> str:
+        # never the tensors: between uses ``device_tensor`` (and the parameter, inside the
+        # store) has its real shape over an empty storage, and printing it reads freed memory
+        where = "resident" if self.resident else "not resident"
+        return (
+            f"ParamEntry({self.index}: {self.name}, {tuple(self.shape)} x {self.dtype}, "
+            f"{where}, holds={self.holds})"
+        )
+
 
 class ShardRegistry:
     """Owns every shard and parameter entry; the one place residency changes happen."""
