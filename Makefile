@@ -32,9 +32,10 @@ demo-trainer: $(STAMP)
 	$(PY) -m tools.commands.demo_dist --trainer
 
 # Lint, format and types first (ruff and mypy at constraints.txt's versions, configured in
-# pyproject.toml), then the suite: .ci/run calls this on a clean clone.
+# pyproject.toml), then the suite: .ci/run calls this on a clean clone. The slowest cases are
+# listed at the end, to keep the suite's time in view.
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The edit loop: the suite without the cases marked slow (ranks, whole trainers, fresh
 # processes, long equivalence runs; see tests/conftest.py), in about two minutes here.
