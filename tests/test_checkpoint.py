@@ -122,7 +122,9 @@ def _ranks_train(rank: int, world: int, swap: str, checkpoint: str, mode: str) -
 
 @pytest.mark.parametrize(
     "saved_by, resumed_by, mode",
-    [(2, 2, "whole"), (2, 2, "whole-async"), (2, 1, "whole"), (1, 2, "whole")],
+    # one save, resumed by as many ranks and by one; an async save; one rank's save on two
+    [(2, (2, 1), "whole"), (2, (2,), "whole-async"), (1, (2,), "whole")],
+    ids=["2-to-2-and-1", "2-to-2-async", "1-to-2"],
 )
 def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by, mode, tmp_path):
     checkpoint = str(tmp_path / "ckpt")
@@ -133,17 +135,18 @@ def test_resume_across_ranks_and_to_another_number_of_ranks(saved_by, resumed_by
     else:
         whole = run_ranks(_ranks_train, saved_by, str(tmp_path), checkpoint, mode, timeout=240)[0]
     assert len(list(Path(checkpoint).glob("data-*.bin"))) == saved_by
-    if resumed_by == 1:
-        resumed = _in_fresh_process("nvme", str(tmp_path / "r0"), checkpoint, "resume")
-    else:
-        results = run_ranks(
-            _ranks_train, resumed_by, str(tmp_path), checkpoint, "resume", timeout=240
-        )
-        assert results[0] == results[1]
-        resumed = results[0]
-    tolerance = 0.0 if saved_by == resumed_by else 1e-5
-    for a, b in zip(whole[SAVED_AT:], resumed):
-        assert abs(a - b) <= tolerance * abs(a), (whole[SAVED_AT:], resumed)
+    for ranks in resumed_by:
+        if ranks == 1:
+            resumed = _in_fresh_process("nvme", str(tmp_path / "r0"), checkpoint, "resume")
+        else:
+            results = run_ranks(
+                _ranks_train, ranks, str(tmp_path), checkpoint, "resume", timeout=240
+            )
+            assert results[0] == results[1]
+            resumed = results[0]
+        tolerance = 0.0 if saved_by == ranks else 1e-5
+        for a, b in zip(whole[SAVED_AT:], resumed):
+            assert abs(a - b) <= tolerance * abs(a), (ranks, whole[SAVED_AT:], resumed)
 
 
 _KILLED_SAVE = r"""
