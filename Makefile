@@ -32,15 +32,16 @@ demo-trainer: $(STAMP)
 	$(PY) -m tools.commands.demo_dist --trainer
 
 # Lint, format and types first (ruff and mypy at constraints.txt's versions, configured in
-# pyproject.toml), then the suite: .ci/run calls this on a clean clone. The slowest cases are
-# listed at the end, to keep the suite's time in view.
+# pyproject.toml), then the suite: .ci/run calls this on a clean clone. The suite runs on one
+# pytest-xdist worker per core, each computing with one thread (tests/conftest.py); the
+# slowest cases are listed at the end, to keep the suite's time in view.
 test: lint
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n auto --durations=25 tests
 
 # The edit loop: the suite without the cases marked slow (ranks, whole trainers, fresh
-# processes, long equivalence runs; see tests/conftest.py), in about two minutes here.
+# processes, long equivalence runs; see tests/conftest.py), in under a minute here.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n auto -m "not slow" tests
 
 # The store's random-operations stress test at full length (the suite runs a fifth of it).
 stress: $(STAMP)

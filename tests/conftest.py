@@ -8,7 +8,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (make test runs one worker per core) each worker computes with one torch
+# thread, and so do the processes the tests start (they inherit the environment): the workers
+# share the cores instead of each spinning a thread pool across all of them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import torch  # after the thread settings, which torch reads when it loads
 
 import swap.probe
 from swap import BufferPool, EngineSettings, SwapConfigError, SwapEngine
