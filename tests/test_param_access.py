@@ -29,8 +29,9 @@ NVME = {
 }
 CPU = {"offload_param": "cpu", "offload_optimizer": "cpu"}
 
-# Each op of the table, in a fresh process after attach (params on nvme, then on cpu): the
-# child prints one JSON line per config, or dies, which is what the test looks for.
+# Each op of the table after attach (params on nvme, then on cpu), in one fresh process that
+# runs them in turn, each on a store and a model of its own: the child prints one JSON line per
+# op and config, or dies, which is what the tests look for.
 _CHILD = textwrap.dedent("""
     import copy, json, sys, tempfile
     import torch
@@ -38,92 +39,109 @@ _CHILD = textwrap.dedent("""
     from tests.store_helpers import SMALL, fused_adamw, make_model
     from tools.common.tiny_gpt import synthetic_batches
 
-    op = sys.argv[1]
     # Updates in optimizer.step(): clip_grad_value reads gradients the first step did not.
     configs = {"nvme": dict(offload_param="nvme", offload_optimizer="nvme", buffer_size=8192,
                             buffer_count=8, nvme_path=tempfile.mkdtemp(),
                             step_in_backward=False),
                "cpu": dict(offload_param="cpu", offload_optimizer="cpu",
                            step_in_backward=False)}
-    for name, config in configs.items():
-        plain = make_model()
-        model = copy.deepcopy(plain)
-        store = infinity.TieredStore(infinity.OffloadConfig(**config))
-        model, optimizer = store.attach(model, fused_adamw(model.parameters()))
-        tokens, targets = next(synthetic_batches(SMALL, 4, seed=1))
-        model(tokens, targets).backward()          # one step in: values moved, then read
-        optimizer.step(); optimizer.zero_grad()
-        plain_optimizer = fused_adamw(plain.parameters())
-        plain(tokens, targets).backward(); plain_optimizer.step(); plain_optimizer.zero_grad()
-        weight, plain_weight = model.embed.weight, plain.embed.weight
-        out = {}
-        try:
-            if op == "sum":
-                out["equal"] = bool(weight.sum() == plain_weight.sum())
-            elif op == "ema":
-                ema = torch.zeros_like(plain_weight)
-                ema.copy_(weight)
-                out["equal"] = torch.equal(ema, plain_weight.detach())
-            elif op == "parameters_to_vector":
-                vector = torch.nn.utils.parameters_to_vector(model.parameters())
-                out["equal"] = torch.equal(
-                    vector, torch.nn.utils.parameters_to_vector(plain.parameters()))
-            elif op == "print":
-                out["equal"] = repr(weight) == repr(plain_weight)
-            elif op == "requires_grad":
-                weight.requires_grad_(False)
-                out["equal"] = weight.requires_grad is False and \\
-                    weight.shape == plain_weight.shape and weight.dtype == plain_weight.dtype
-            elif op == "clip_grad_value":
-                model(tokens, targets).backward(); plain(tokens, targets).backward()
-                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
-                torch.nn.utils.clip_grad_value_(plain.parameters(), 1e-3)
-                out["equal"] = all(torch.equal(a.grad.clone(), b.grad) for a, b in
-                                   zip(model.parameters(), plain.parameters()))
-            elif op == "data_zero":
-                weight.data.zero_()
-            elif op == "vector_to_parameters":
-                vector = torch.nn.utils.parameters_to_vector(plain.parameters()) * 2
-                torch.nn.utils.vector_to_parameters(vector, model.parameters())
-            out["raised"] = None
-        except infinity.InfinityError as exc:
-            out["raised"] = type(exc).__name__
-        # The same write inside gathered(modify=True) takes effect.
-        if op in ("data_zero", "vector_to_parameters"):
-            with store.gathered(modify=True):
-                if op == "data_zero":
+    for op in sys.argv[1:]:
+        for name, config in configs.items():
+            plain = make_model()
+            model = copy.deepcopy(plain)
+            store = infinity.TieredStore(infinity.OffloadConfig(**config))
+            model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+            tokens, targets = next(synthetic_batches(SMALL, 4, seed=1))
+            model(tokens, targets).backward()          # one step in: values moved, then read
+            optimizer.step(); optimizer.zero_grad()
+            plain_optimizer = fused_adamw(plain.parameters())
+            plain(tokens, targets).backward(); plain_optimizer.step(); plain_optimizer.zero_grad()
+            weight, plain_weight = model.embed.weight, plain.embed.weight
+            out = {}
+            try:
+                if op == "sum":
+                    out["equal"] = bool(weight.sum() == plain_weight.sum())
+                elif op == "ema":
+                    ema = torch.zeros_like(plain_weight)
+                    ema.copy_(weight)
+                    out["equal"] = torch.equal(ema, plain_weight.detach())
+                elif op == "parameters_to_vector":
+                    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+                    out["equal"] = torch.equal(
+                        vector, torch.nn.utils.parameters_to_vector(plain.parameters()))
+                elif op == "print":
+                    out["equal"] = repr(weight) == repr(plain_weight)
+                elif op == "requires_grad":
+                    weight.requires_grad_(False)
+                    out["equal"] = weight.requires_grad is False and \\
+                        weight.shape == plain_weight.shape and weight.dtype == plain_weight.dtype
+                elif op == "clip_grad_value":
+                    model(tokens, targets).backward(); plain(tokens, targets).backward()
+                    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+                    torch.nn.utils.clip_grad_value_(plain.parameters(), 1e-3)
+                    out["equal"] = all(torch.equal(a.grad.clone(), b.grad) for a, b in
+                                       zip(model.parameters(), plain.parameters()))
+                elif op == "data_zero":
                     weight.data.zero_()
-                else:
+                elif op == "vector_to_parameters":
+                    vector = torch.nn.utils.parameters_to_vector(plain.parameters()) * 2
                     torch.nn.utils.vector_to_parameters(vector, model.parameters())
-            with torch.no_grad():
-                if op == "data_zero":
-                    plain_weight.data.zero_()
-                else:
-                    torch.nn.utils.vector_to_parameters(vector, plain.parameters())
-            state, plain_state = model.state_dict(), plain.state_dict()
-            out["equal"] = all(torch.equal(state[k], plain_state[k]) for k in plain_state) \\
-                and torch.equal(model(tokens, targets), plain(tokens, targets))
-        store.close()
-        print(json.dumps({"config": name, **out}), flush=True)
+                out["raised"] = None
+            except infinity.InfinityError as exc:
+                out["raised"] = type(exc).__name__
+            # The same write inside gathered(modify=True) takes effect.
+            if op in ("data_zero", "vector_to_parameters"):
+                with store.gathered(modify=True):
+                    if op == "data_zero":
+                        weight.data.zero_()
+                    else:
+                        torch.nn.utils.vector_to_parameters(vector, model.parameters())
+                with torch.no_grad():
+                    if op == "data_zero":
+                        plain_weight.data.zero_()
+                    else:
+                        torch.nn.utils.vector_to_parameters(vector, plain.parameters())
+                state, plain_state = model.state_dict(), plain.state_dict()
+                out["equal"] = all(torch.equal(state[k], plain_state[k]) for k in plain_state) \\
+                    and torch.equal(model(tokens, targets), plain(tokens, targets))
+            store.close()
+            print(json.dumps({"op": op, "config": name, **out}), flush=True)
 """)
 
 READS = ["sum", "ema", "parameters_to_vector", "print", "requires_grad", "clip_grad_value"]
 WRITES = ["data_zero", "vector_to_parameters"]
 
 
-@pytest.mark.parametrize("op", READS + WRITES)
-def test_each_op_outside_forward_in_a_fresh_process(op):
+@pytest.fixture(scope="module")
+def child_results() -> tuple[subprocess.CompletedProcess, dict[tuple[str, str], dict]]:
+    """One fresh process runs every op; the lines it printed, by (op, config)."""
     result = subprocess.run(
-        [sys.executable, "-c", _CHILD, op], cwd=ROOT, capture_output=True, text=True, timeout=180
-    )
-    assert result.returncode == 0, (
-        f"{op}: exit {result.returncode} (a negative code is a signal)\n{result.stderr[-3000:]}"
+        [sys.executable, "-c", _CHILD, *READS, *WRITES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [line["config"] for line in lines] == ["nvme", "cpu"]
-    for line in lines:
+    return result, {(line["op"], line["config"]): line for line in lines}
+
+
+@pytest.mark.parametrize("op", READS + WRITES)
+def test_each_op_outside_forward_in_a_fresh_process(op, child_results):
+    result, lines = child_results
+    for config in ("nvme", "cpu"):
+        assert (op, config) in lines, (
+            f"{op} on {config}: the child printed nothing for it; exit {result.returncode} "
+            f"(a negative code is a signal)\n{result.stderr[-3000:]}"
+        )
+        line = lines[op, config]
         assert line["equal"] is True, line
         assert line["raised"] == ("ParameterAccessError" if op in WRITES else None), line
+
+
+def test_the_process_that_ran_the_ops_exits_cleanly(child_results):
+    result, _ = child_results
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-3000:]}"
 
 
 def test_writes_inside_gathered_take_effect_and_training_continues_like_plain(tmp_path):
