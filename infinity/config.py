@@ -631,6 +631,12 @@ class OffloadConfig(_Validated):
         the modules that need them, in the recorded order, while the current one computes
         (the next module's always, when it fits the device budget); 0 = only on demand.
         Decided from the trace, the same on every rank. Memory: within device_budget.
+    reshard_after_forward: across ranks at ZeRO stage 3, whether a module's gathered
+        parameters go after its forward (True: its backward all-gathers them again) or stay
+        until its backward. 'auto' (default): the last modules of forward keep theirs, as many
+        as the device budget holds beside room for the others (decided from the trace, the same
+        on every rank); False: every module's, refused at attach when device_budget cannot hold
+        every parameter. Memory: within device_budget.
     restore_params: what ``close()`` hands back to the model as ordinary tensors (a call may
         say otherwise: ``close(restore_params=...)``). 'auto' (default): every parameter when
         their bytes fit in host_budget (without one: in half the memory available), else none
@@ -725,6 +731,7 @@ class OffloadConfig(_Validated):
             kind="int", lo=0, size=True, fix="use 0 to start all-gathers only on demand"
         ),
     )
+    reshard_after_forward: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     restore_params: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
     checkpoint_staging: int = field(
         default=64 << 20,

@@ -133,7 +133,7 @@ _ZERO_NOT_USED = {
     "stage3_max_live_parameters": "DeepSpeed's cap on parameter elements resident on the GPU; "
     "here device_budget bounds device memory",
     "stage3_max_reuse_distance": "DeepSpeed keeps a parameter that is reused within this many "
-    "elements; here prefetch_depth/prefetch_bytes decide",
+    "elements; here reshard_after_forward decides which modules keep theirs for backward",
     "sub_group_size": "DeepSpeed's tile size for the optimizer step; not used",
     "stage3_model_persistence_threshold": "DeepSpeed's cap on the total size of persistent "
     "params; here param_persistence_threshold alone decides",

@@ -328,9 +328,23 @@ def _count_collectives(rank: int, world: int, config: dict, steps: int) -> dict:
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "plain": plain.state_dict(),
         "in_backward": store.update_timing.in_backward,
+        "saved_gathers": (
+            kept.saved_gathers if (kept := store.placement.copies.kept_for_backward) else 0
+        ),
     }
     store.close()
     return out
+
+
+def _assert_follows_plain_ranks(rank: int, result: dict) -> None:
+    for key, value in result["plain"].items():
+        torch.testing.assert_close(
+            torch.as_tensor(result["state"][key]),
+            torch.as_tensor(value),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, key=key: f"rank {rank} {key} vs plain ranks: {m}",
+        )
 
 
 @pytest.mark.parametrize(
@@ -352,6 +366,7 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep,
         "reduce_bucket_size": 16 << 10,
         "prefetch_bucket_size": prefetch,
         "step_in_backward": in_backward,
+        "reshard_after_forward": True,  # every backward gathers again (kept copies: below)
     }
     results = run_ranks(_count_collectives, 2, config, 4, timeout=240)
     for rank, result in results.items():
@@ -365,14 +380,66 @@ def test_collectives_per_step_one_per_large_parameter_and_bucket(prefetch, deep,
         }
         assert result["ahead"] == deep
         assert result["in_backward"] is in_backward
-        for key, value in result["plain"].items():
-            torch.testing.assert_close(
-                torch.as_tensor(result["state"][key]),
-                torch.as_tensor(value),
-                rtol=1e-4,
-                atol=1e-5,
-                msg=lambda m, key=key, rank=rank: f"rank {rank} {key} vs plain ranks: {m}",
-            )
+        _assert_follows_plain_ranks(rank, result)
+
+
+MODULE_BYTES = (WIDTH * WIDTH + WIDTH) * 4  # a Linear's weight and bias
+
+
+@pytest.mark.parametrize(
+    ("reshard", "device_budget", "kept"),
+    [
+        (True, 1 << 20, 0),
+        # room for two modules kept beside two of the largest for the others
+        ("auto", 4 * MODULE_BYTES + 8000, 2),
+        (False, 1 << 20, LAYERS),
+    ],
+)
+def test_copies_kept_for_backward_save_its_all_gathers(reshard, device_budget, kept):
+    """The last modules of forward keep their gathered parameters for backward: their backward
+    all-gathers nothing (the weights one each; the biases' bucket once, for those not kept),
+    the same on both ranks, and training follows plain data-parallel ranks as before."""
+    config = {
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "device": "cpu",
+        "device_budget": device_budget,
+        "allgather_bucket_size": 16 << 10,
+        "reduce_bucket_size": 16 << 10,
+        "reshard_after_forward": reshard,
+    }
+    results = run_ranks(_count_collectives, 2, config, 4, timeout=240)
+    backward = (LAYERS - kept) + (1 if kept < LAYERS else 0)  # weights, then the biases' bucket
+    for rank, result in results.items():
+        assert result["per_step"]["all_gathers"] == LAYERS + 1 + backward, (rank, result)
+        assert result["per_step"]["reductions"] == LAYERS + 1
+        assert result["saved_gathers"] == 3 * kept * 2, rank  # 3 followed steps, weight + bias
+        _assert_follows_plain_ranks(rank, result)
+
+
+def _attach_keeping_every_module(rank: int, world: int, device_budget: int) -> str:
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(
+            offload_param="cpu",
+            device="cpu",
+            device_budget=device_budget,
+            reshard_after_forward=False,
+        )
+    )
+    try:
+        store.attach(_mlp())
+    except infinity.BudgetError as exc:
+        return str(exc)
+    finally:
+        store.close()
+    return "attached"
+
+
+def test_keeping_every_module_that_does_not_fit_is_refused_at_attach():
+    # every parameter is LAYERS modules' bytes; with room for the largest beside them it fits
+    results = run_ranks(_attach_keeping_every_module, 2, LAYERS * MODULE_BYTES, timeout=120)
+    for message in results.values():
+        assert "reshard_after_forward=False" in message and "'auto'" in message, message
 
 
 def test_stage3_small_buckets_and_all_gathers_ahead(tmp_path):

@@ -34,6 +34,7 @@ from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import BudgetError
 from infinity.ranks.collectives import BucketGather
+from infinity.ranks.reshard import KeptForBackward
 
 if TYPE_CHECKING:
     from infinity.ranks.buckets import Bucket
@@ -92,6 +93,7 @@ class DeviceCopies:
         partition: Partition | None,
         persistent: frozenset[int],
         assemble_ahead_bytes: int = 64 << 20,
+        reshard_after_forward: bool | str = True,
     ) -> None:
         self._host = host_copies
         self.host_tier = host
@@ -106,6 +108,16 @@ class DeviceCopies:
         #: bytes of all-gathers started ahead of the modules that need them, while the current
         #: one computes (stage 3 across ranks; 0: none)
         self.assemble_ahead_bytes = assemble_ahead_bytes
+        #: stage 3 across ranks, unless every forward reshards: the modules that keep their
+        #: gathered copies for backward, and the copies kept now
+        self.kept_for_backward: KeptForBackward | None = None
+        if partition is not None and partition.stage == 3 and reshard_after_forward is not True:
+            self.kept_for_backward = KeptForBackward(
+                registry.entries,
+                budget=device.budget,
+                persistent=persistent,
+                every=reshard_after_forward is False,
+            )
         #: entries whose device copy holds values
         self.on_device: set[ParamEntry] = set()
         #: entry index -> the gather count when it was last gathered (least recently used)

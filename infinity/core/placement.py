@@ -92,6 +92,9 @@ class PlacementSettings:
     #: bytes of all-gathers started ahead of the modules that need them (stage 3 across
     #: ranks: prefetch_bucket_size; 0: none)
     assemble_ahead_bytes: int = 64 << 20
+    #: which modules keep their gathered copies from forward to backward (stage 3 across
+    #: ranks: reshard_after_forward; see infinity.ranks.reshard)
+    reshard_after_forward: bool | str = True
     #: param shards keep a copy of their values in this dtype beside their masters on NVMe,
     #: which gathers read instead of the master (precision.storage_dtype with an optimizer:
     #: half the bytes); None: gathers read the masters
@@ -217,6 +220,7 @@ class Placement:
             partition=partition,
             persistent=settings.persistent,
             assemble_ahead_bytes=settings.assemble_ahead_bytes,
+            reshard_after_forward=settings.reshard_after_forward,
         )
         #: reads and write-backs ahead of need, driven by the trace
         self.prefetching = TracePrefetching(

@@ -430,6 +430,7 @@ class TieredStore:
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
             compute_copy_dtype=self._compute_copy_dtype,
             assemble_ahead_bytes=config.prefetch_bucket_size,
+            reshard_after_forward=config.reshard_after_forward,
         )
         if self.partition is not None:
             # Which shards travel together in collectives, the same on every rank.

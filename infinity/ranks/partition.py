@@ -398,6 +398,7 @@ _SAME_ON_EVERY_RANK = frozenset(
         "allgather_bucket_size",
         "reduce_bucket_size",
         "prefetch_bucket_size",
+        "reshard_after_forward",
     }
 )
 

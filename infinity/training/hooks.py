@@ -87,6 +87,8 @@ class HookSet:
         self._pass_task: int | None = None
         #: counts finished backward passes; an output hook fires once per pass
         self._backward_pass = 0
+        #: stage 3 across ranks: the gathered copies kept from forward for backward
+        self.kept = placement.copies.kept_for_backward
 
     def install(self) -> None:
         # A function, not the bound method: copy.deepcopy(model) (an EMA copy) copies the
@@ -146,6 +148,7 @@ class HookSet:
             # parameters would stay held, no later pass would queue the callback and no later
             # forward would start an iteration.
             self._end_of_backward(finished=False)
+        self._drop_kept()  # kept by a forward whose backward never came (evaluation, grad on)
         self.store.stepping.start_iteration(torch.is_grad_enabled(), module.training)
 
     def _in_backward(self) -> bool:
@@ -194,9 +197,13 @@ class HookSet:
                 output = replaced
                 flat = tree_flatten(output)[0]
             gathered = calls.pop() if calls else []
+            kept: set[ParamEntry] = set()
+            if self.kept is not None and torch.is_grad_enabled() and not self._in_backward():
+                kept = self.kept.keep(index, gathered, self.placement.follower.trace)
             with _normal_tensors():
                 for entry in gathered:
-                    self._release(entry)
+                    if entry not in kept:
+                        self._release(entry)
             if not torch.is_grad_enabled() and self.placement.prefetching.inference_iteration_over:
                 with _normal_tensors():
                     self.placement.prefetching.prefetch_ahead()
@@ -230,6 +237,10 @@ class HookSet:
             for entry in entries:
                 self.placement.gather(entry)
                 self.backward_holds[entry] = self.backward_holds.get(entry, 0) + 1
+            if self.kept is not None:
+                # the holds forward kept go with this backward's (dropped with them)
+                for entry, count in self.kept.take(entries).items():
+                    self.backward_holds[entry] += count
             self._computing(entries, True)
             self.placement.assemble_ahead()
             self.store.watch_heap()
@@ -309,6 +320,12 @@ class HookSet:
         still be partial."""
         return self._pass_task is not None and _graph_task() != self._pass_task
 
+    def _drop_kept(self) -> None:
+        if self.kept is not None:
+            for entry, count in self.kept.drain().items():
+                for _ in range(count):
+                    self._release(entry)
+
     def _release_backward(self, entry: ParamEntry) -> None:
         count = self.backward_holds.pop(entry, 0)
         for _ in range(count):
@@ -341,6 +358,7 @@ class HookSet:
         self._backward_pass += 1
         for entry in list(self.backward_holds):
             self._release_backward(entry)
+        self._drop_kept()  # modules whose outputs got no gradient in this pass
         if finished:
             self._update_completed()  # those whose reductions landed last
         else:

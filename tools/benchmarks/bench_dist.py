@@ -200,6 +200,7 @@ def worker_ours(args: argparse.Namespace, rank: int, world: int) -> dict:
         "nvme",
         device="cpu",
         zero_stage=3,
+        reshard_after_forward=RESHARD_CHOICES[args.reshard_after_forward],
     )
     store = infinity.TieredStore(config)
     started = time.perf_counter()
@@ -265,6 +266,8 @@ def worker_fsdp2(args: argparse.Namespace, rank: int, world: int) -> dict:
 
 
 WORKERS = {"ours": worker_ours, "fsdp2": worker_fsdp2}
+#: --reshard-after-forward's words, as the config takes them
+RESHARD_CHOICES: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -360,6 +363,8 @@ def run_system(
         str(args.arena),
         "--device-budget",
         str(args.device_budget),
+        "--reshard-after-forward",
+        args.reshard_after_forward,
         "--buffer-size",
         str(args.buffer_size),
         "--collective-timeout",
@@ -678,6 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.1,
         help="GiB for the device tier per rank (host memory without a GPU)",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        choices=sorted(RESHARD_CHOICES),
+        default="auto",
+        help="ours: which modules keep their gathered parameters for backward (%(default)s; "
+        "true: none, every backward all-gathers again; false: every module's)",
     )
     parser.add_argument("--buffer-size", type=int, default=64 << 20)
     parser.add_argument("--ranks", type=int, default=2, help="ranks per run (%(default)s)")
