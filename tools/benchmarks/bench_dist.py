@@ -681,8 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device-budget",
         type=float,
-        default=0.1,
-        help="GiB for the device tier per rank (host memory without a GPU)",
+        default=0.5,
+        help="GiB for the device tier per rank (host memory without a GPU; default: "
+        "%(default)s: room for every module's gathered parameters to stay from forward to "
+        "backward, reshard_after_forward='auto')",
     )
     parser.add_argument(
         "--reshard-after-forward",
