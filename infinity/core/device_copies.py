@@ -189,9 +189,22 @@ class DeviceCopies:
             return
         entries = self.registry.entries
         under_way = sum(entries[index].device_bytes for index in self.assembling)
+        # The copies on the device take at most its budget, so past that many bytes of distinct
+        # entries the walk has met more than prefetch_bucket_size of absent ones, and returned:
+        # stopping there keeps a model whose copies are all on the device (kept for backward,
+        # or a budget that holds every one) from walking the rest of the trace at every module.
+        walked: set[int] = set()
+        walk_limit = self.device.budget + self.assemble_ahead_bytes
+        walked_bytes = 0
         for event in self.follower.upcoming(len(trace)):
             for index in event.entries:
+                if index in walked:
+                    continue
+                walked.add(index)
                 entry = entries[index]
+                walked_bytes += entry.device_bytes
+                if walked_bytes > walk_limit:
+                    return
                 if entry.resident or index in self._host.uninitialised:
                     continue
                 members = self._bucket_members(entry)
