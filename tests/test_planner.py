@@ -190,3 +190,70 @@ def test_disk_profile_from_bench_json(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(PlanError, match="infinity-bench --json"):
         DiskProfile.from_bench_json(tmp_path / "bad.json")
+
+
+class _Clock:
+    """A perf_counter that moves only when told: each update the optimizer makes takes one
+    second, one module's forward a quarter, and nothing else any time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["updates-in-backward", "in-step"])
+def test_update_seconds_count_once_as_updates_in_either_mode(monkeypatch, in_backward) -> None:
+    """Updates that run in backward take the training thread's time between two module
+    events; they belong to the optimizer's per-element rate, not to the backward's compute, or
+    the replay counts them twice (once in the trace, once as updates) and a recorded rate from
+    the first step alone stands for every later one."""
+    clock = _Clock()
+    monkeypatch.setattr(planner.time, "perf_counter", clock)
+    model = make_model()
+    config = _config(
+        offload_param="cpu",
+        offload_optimizer="cpu",
+        host_budget=None,
+        step_in_backward=in_backward,
+        fused_optimizer=True,
+    )
+    store = infinity.TieredStore(config)
+    try:
+        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        calls = [0]
+        inner_step = optimizer.inner.step
+
+        def one_second(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            clock.now += 1.0
+            return inner_step(*args, **kwargs)
+
+        optimizer.inner.step = one_second
+        # and the forward of one module a quarter of a second: the model's compute
+        computing = next(m for m in model.modules() if list(m.parameters(recurse=False)))
+
+        def quarter_second(*args: Any) -> None:
+            clock.now += 0.25
+
+        computing.register_forward_hook(quarter_second)
+        data = synthetic_batches(SMALL, 4, seed=1)
+        per_step = []
+        for _ in range(4):
+            before = calls[0]
+            tokens, targets = next(data)
+            model(tokens, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            per_step.append(calls[0] - before)
+        assert store.update_timing.in_backward is in_backward
+        trace = store.follower.traces[(True, True)]
+        assert sum(trace.compute) == 0.25  # the model's compute, without any update
+        elements = sum(p.numel() for p in model.parameters())
+        # the rate times the elements of a step is the step's updates' seconds
+        assert optimizer.step_seconds_per_element * elements == pytest.approx(per_step[-1])
+        prediction = store.predict(disk=INSTANT)
+    finally:
+        store.close()
+    assert prediction["step_seconds"] == pytest.approx(0.25 + per_step[-1], rel=0.02)

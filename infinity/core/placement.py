@@ -176,6 +176,9 @@ class Placement:
         self.engine = engine
         self.follower = follower
         self.eviction = eviction
+        #: the training thread's seconds updating parameters inside backward (updates in
+        #: backward), less their waits: not the model's compute (see busy_seconds)
+        self._backward_update_seconds = 0.0
         self.in_arena: set[Shard] = set()
         #: shards whose host copies are in use right now (the optimizer's current tile)
         self.pinned: set[Shard] = set()
@@ -292,8 +295,23 @@ class Placement:
 
     @property
     def busy_seconds(self) -> float:
-        """The training thread's seconds in the store's waits and device copies so far."""
-        return self.completions.stall_seconds + self.device.copy_seconds
+        """The training thread's seconds in the store's waits, device copies and updates run
+        in backward so far: what the trace's compute times between module events leave out
+        (the planner replays each on its own)."""
+        return (
+            self.completions.stall_seconds
+            + self.device.copy_seconds
+            + self._backward_update_seconds
+        )
+
+    @property
+    def backward_update_seconds(self) -> float:
+        """Seconds of updates run in backward so far, less their waits and copies."""
+        return self._backward_update_seconds
+
+    def count_backward_update(self, seconds: float) -> None:
+        """An update in backward took ``seconds`` of the training thread, waits excluded."""
+        self._backward_update_seconds += seconds
 
     # -- module events --------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:

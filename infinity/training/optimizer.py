@@ -86,6 +86,8 @@ class OffloadedOptimizer(Optimizer):
         self.updated_elements = 0
         self.step_seconds_per_element = 0.0  # the median of the last steps'
         self._step_rates: collections.deque[float] = collections.deque(maxlen=5)
+        #: (elements updated, seconds of updates in backward) at the end of the last step
+        self._rate_mark = (0, 0.0)
         self.last_copies: tuple[int, float] | None = None
         self._copies_mark: tuple[int, float] | None = None
         #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
@@ -148,16 +150,19 @@ class OffloadedOptimizer(Optimizer):
                 loss = closure()
         placement = self.placement
         started, busy = time.perf_counter(), placement.busy_seconds
-        elements = self.updated_elements
         with self.step_params.plain():  # once for the whole step, not per tile
             self.store.stepping.run(self)
-        # For the planner: the step's own work (updates, and the pipeline's bookkeeping around
-        # them) without its waits for the disk and its device copies, per element it updated
-        # (the median of the last steps: the first are slower, creating state and faulting
-        # memory in); and the last iteration's device copies (bytes, seconds).
+        # For the planner: the iteration's updates (in backward and in this step, with the
+        # pipeline's bookkeeping around them) without their waits for the disk and their
+        # device copies, per element updated (the median of the last steps: the first are
+        # slower, creating state and faulting memory in); and the last iteration's device
+        # copies (bytes, seconds).
         seconds = time.perf_counter() - started - (placement.busy_seconds - busy)
+        elements, in_backward = self._rate_mark
+        self._rate_mark = (self.updated_elements, placement.backward_update_seconds)
         updated = self.updated_elements - elements
         if updated:
+            seconds += placement.backward_update_seconds - in_backward
             self._step_rates.append(seconds / updated)
             self.step_seconds_per_element = statistics.median(self._step_rates)
         device = placement.device

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Set
 from typing import TYPE_CHECKING
 
@@ -233,6 +234,7 @@ class Stepping:
             return
         placement.drop_device(entry, force=True)  # refreshed from the master on next use
         self._updated_in_backward.add(entry.index)
+        started, busy = time.perf_counter(), placement.busy_seconds
         with store.timeline.timed(entry.name, "step"):
             if store.engine is None:
                 self._update_in_memory(optimizer, todo, 1.0)
@@ -256,6 +258,11 @@ class Stepping:
             # Consumed: optimizer.step() must not apply it again, and its memory is free now.
             placement.gradients.drop_grad(shard)
         placement.prefetching.clean_for_updates()
+        # The update's own time, without its waits and copies: the trace's compute times
+        # leave it out, and the optimizer's per-element rate counts it (the planner's replay)
+        placement.count_backward_update(
+            time.perf_counter() - started - (placement.busy_seconds - busy)
+        )
         if entry.index in placement.persistent and store.partition is None:
             # Across ranks a gather is a collective, and whether this update ran in backward
             # or was left to the step (no room) is this rank's own: optimizer.step() gathers.
