@@ -101,7 +101,9 @@ def child_run(args: argparse.Namespace) -> dict:
 
 
 def _ratio(predicted: float, measured: float) -> float:
-    return predicted / measured if measured else float("nan")
+    if not measured:
+        return 1.0 if not predicted else float("inf")  # none predicted, none moved: exact
+    return predicted / measured
 
 
 def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
