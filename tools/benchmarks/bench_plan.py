@@ -44,10 +44,23 @@ GIB = 1 << 30
 GOALS = {"step_s": 0.20, "read_bytes": 0.05, "write_bytes": 0.05, "peak_rss": 0.10}
 
 
-def _store(args: argparse.Namespace, arena: float) -> infinity.TieredStore:
-    return infinity.TieredStore(
-        nvme_config(args.nvme_path, args.host_budget, arena, args.device_budget, args.buffer_size)
+#: --update-mode's words, as step_in_backward takes them
+UPDATE_MODES: dict[str, bool | str] = {"auto": "auto", "step": False}
+
+
+def _config(args: argparse.Namespace, arena: float) -> infinity.OffloadConfig:
+    return nvme_config(
+        args.nvme_path,
+        args.host_budget,
+        arena,
+        args.device_budget,
+        args.buffer_size,
+        step_in_backward=UPDATE_MODES[args.update_mode],
     )
+
+
+def _store(args: argparse.Namespace, arena: float) -> infinity.TieredStore:
+    return infinity.TieredStore(_config(args, arena))
 
 
 def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore, dict]:
@@ -82,9 +95,7 @@ def child_record(args: argparse.Namespace) -> dict:
     store, measured = _train(args, args.record_arena)
     predictions = {}
     for arena in [args.record_arena, *args.arenas]:
-        config = nvme_config(
-            args.nvme_path, args.host_budget, arena, args.device_budget, args.buffer_size
-        )
+        config = _config(args, arena)
         predictions[str(arena)] = store.predict(disk=disk, buffer_count=config.buffer_count)
     store.close(restore_params=False)
     return {
@@ -182,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="GiB of arena to predict and then run",
     )
     add("--disk-bytes", type=int, default=1 << 30, help="bytes of the disk measurement")
+    add(
+        "--update-mode",
+        choices=sorted(UPDATE_MODES),
+        default="auto",
+        help="where updates run: auto (step_in_backward='auto': in backward from the second "
+        "step, the default) or step (in optimizer.step())",
+    )
     add("--nvme-path", type=Path, default=None)
     add("--child", choices=("record", "run"), help=argparse.SUPPRESS)
     add("--arena", type=float, help=argparse.SUPPRESS)
@@ -211,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         f"--arenas={','.join(map(str, args.arenas))}",
         f"--disk-bytes={args.disk_bytes}",
         f"--nvme-path={args.nvme_path}",
+        f"--update-mode={args.update_mode}",
     ]
     try:
         print(
             f"recording at a {args.record_arena} GiB arena (host budget {args.host_budget} "
-            f"GiB), predicting {', '.join(map(str, args.arenas))} GiB ...",
+            f"GiB, updates: {args.update_mode}), predicting "
+            f"{', '.join(map(str, args.arenas))} GiB ...",
             flush=True,
         )
         record = spawn_child("tools.benchmarks.bench_plan", args.forward, ["--child=record"])
