@@ -157,6 +157,14 @@ def test_time_follows_the_disk_and_the_device() -> None:
     assert quicker["phase_seconds"]["forward"] < fast["phase_seconds"]["forward"]
     assert set(fast["phase_seconds"]) == {"forward", "backward", "step"}
     assert math.isclose(sum(fast["phase_seconds"].values()), fast["step_seconds"], rel_tol=1e-9)
+    # the slow disk bounds the step; each replayed iteration's time lies in the spread
+    assert slow["bound"] == "disk" and fast["bound"] != "disk"
+    low, high = slow["step_seconds_spread"]
+    assert low <= slow["step_seconds"] <= high
+    assert (low, high) == (
+        min(slow["iterations"]["step_seconds"]),
+        max(slow["iterations"]["step_seconds"]),
+    )
 
 
 def test_a_budget_that_cannot_hold_one_module_does_not_fit() -> None:

@@ -944,11 +944,14 @@ class TieredStore:
         ``offload_param``, ``offload_optimizer``, ``precision``, ...), on ``disk`` (an
         :class:`infinity.planning.planner.DiskProfile`; default: this run's disk as its engine saw
         it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile`; default this
-        machine). Needs two recorded iterations. Returns ``step_seconds``, ``phase_seconds``
-        (forward, backward, step), ``bytes_read``/``bytes_written`` per iteration, ``peak_bytes``
-        per tier, ``rss_peak_bytes``, ``stall_seconds`` and ``fits`` (False with the ``error`` that
-        attach or the first gather would raise). Runs the store's own placement over tensors that
-        hold no bytes: see :mod:`infinity.planning.planner`."""
+        machine). Needs two recorded iterations. Returns ``step_seconds`` (the mean of the
+        replayed iterations) with ``step_seconds_spread`` (their fastest and slowest),
+        ``phase_seconds`` (forward, backward, step), ``bytes_read``/``bytes_written`` per
+        iteration, ``resource_seconds`` (compute, the optimizer, copies, the disk) and ``bound``
+        (the busiest of them), ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds`` and
+        ``fits`` (False with the ``error`` that attach or the first gather would raise). Runs
+        the store's own placement over tensors that hold no bytes: see
+        :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
 
         return predict(self, overrides, disk=disk, device=device)

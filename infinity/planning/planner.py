@@ -567,6 +567,9 @@ def simulate(
     host_peak = stats["peak_bytes"]["host"]
     device_peak = stats["peak_bytes"]["device"]
     result.update(phases)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if optimizer else 0
+    result["resource_seconds"] = resource_seconds(result, recording, disk, device, trainable)
+    result["bound"] = max(result["resource_seconds"], key=result["resource_seconds"].get)
     result["peak_bytes"] = {
         "device": device_peak,
         "host": host_peak,
@@ -579,6 +582,31 @@ def simulate(
         + (device_peak if cpu_memory and device.link_gbps is None else 0)
     )
     return result
+
+
+def resource_seconds(
+    result: dict[str, Any],
+    recording: Recording,
+    disk: DiskProfile,
+    device: DeviceProfile,
+    trainable: int,
+) -> dict[str, float]:
+    """Each resource's busy seconds in a predicted step (``result``: :func:`simulate`'s):
+    the one with the most bounds it (the step is at least its time). In the simulation,
+    compute, the optimizer and device copies run one after another on the training thread;
+    the disk's transfers overlap them. ``trainable``: the elements the optimizer updates."""
+    gpu = device.link_gbps is not None
+    optimizer_s = trainable * recording.step_seconds_per_element
+    compute_s = sum(recording.trace.compute) * device.compute_scale
+    copies = max(0.0, result["step_seconds"] - result["stall_seconds"] - compute_s - optimizer_s)
+    read_s = result["bytes_read"] / (disk.read_gbps * GB)
+    write_s = result["bytes_written"] / (disk.write_gbps * GB)
+    return {
+        "GPU compute" if gpu else "compute": compute_s,
+        "CPU optimizer": optimizer_s,
+        "PCIe link" if gpu else "memcpy": copies,
+        "disk": read_s + write_s if disk.shared else max(read_s, write_s),
+    }
 
 
 def _disk_from(store: AttachedStore) -> DiskProfile:
@@ -697,8 +725,11 @@ def _mean_of(steady: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
     def mean(key: str) -> float:
         return sum(it[key] for it in steady) / count
 
+    steps = [it["step_seconds"] for it in steady]
     return {
         "step_seconds": mean("step_seconds"),
+        # the slowest and fastest of the averaged iterations: how far one step may be off
+        "step_seconds_spread": (min(steps), max(steps)),
         "phase_seconds": {
             phase: sum(it["phase_seconds"][phase] for it in steady) / count
             for phase in ("forward", "backward", "step")
@@ -709,6 +740,7 @@ def _mean_of(steady: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
         "iterations": {
             "replayed": iterations,
             "averaged": count,
+            "step_seconds": steps,
             "bytes_read": [it["bytes_read"] for it in steady],
             "bytes_written": [it["bytes_written"] for it in steady],
         },

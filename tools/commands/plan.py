@@ -431,7 +431,6 @@ def evaluate(
     device_mem: int,
     ranks: int,
     trainable: int,
-    compute_seconds: float,
 ) -> None:
     """Simulates one candidate and judges it against the caps."""
     config = candidate.config.replace(device="cpu")  # the simulation runs anywhere
@@ -453,22 +452,8 @@ def evaluate(
         candidate.reason = (
             f"device peak {format_size(peaks['device'])} > --device-mem {format_size(device_mem)}"
         )
-    # Each resource's busy seconds in a step: the one with the most bounds it (the step is at
-    # least its time). In the simulation, compute, the optimizer and device copies run one
-    # after another on the training thread; the disk's transfers overlap them.
-    step = result["step_seconds"]
-    optimizer_s = trainable * recording.step_seconds_per_element
-    compute_s = compute_seconds * device.compute_scale
-    copies = max(0.0, step - result["stall_seconds"] - compute_s - optimizer_s)
-    read_s = result["bytes_read"] / (disk.read_gbps * GB)
-    write_s = result["bytes_written"] / (disk.write_gbps * GB)
-    disk_s = read_s + write_s if disk.shared else max(read_s, write_s)
-    busy = {
-        "GPU compute" if gpu else "compute": compute_s,
-        "CPU optimizer": optimizer_s,
-        "PCIe link" if gpu else "memcpy": copies,
-        "disk": disk_s,
-    }
+    # Each resource's busy seconds in a step: the one with the most bounds it.
+    busy = planner.resource_seconds(result, recording, disk, device, trainable)
     candidate.busy = busy
     candidate.bound = max(busy, key=lambda k: busy[k])
 
@@ -621,7 +606,6 @@ def run(args: argparse.Namespace) -> Plan:
                 device_mem,
                 args.ranks,
                 trainable,
-                compute_seconds,
             )
             ranked.append(candidate)
         ranked.sort(
