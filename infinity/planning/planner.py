@@ -676,7 +676,12 @@ def _replay(
                     placement.prefetching.prefetch_ahead()
                 continue
             for entry in used:
-                holds[entry] = holds.get(entry, 0) + 1
+                if entry.param.requires_grad:
+                    holds[entry] = holds.get(entry, 0) + 1
+                else:
+                    # Frozen (a LoRA model's base): no gradient hook drops it; the hooks drop
+                    # it once the module's backward has computed its inputs' gradients.
+                    placement.release(entry)
             # As the gradient hooks do, where autograd completed each gradient.
             for entry in grads.get(position + 1, ()):
                 taken = entry.param.requires_grad
