@@ -88,9 +88,12 @@ bench-infer: $(STAMP)
 bench-activations: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_activations
 
-# The planner's predictions for three budgets against runs with them (the 100.7M MLP).
+# The planner's predictions for three budgets against runs with them (the 100.7M MLP), then its
+# validation matrix: five model families x three host budgets x both update modes x params on
+# cpu and on NVMe (about 12 minutes here).
 bench-plan: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_plan
+	$(PY) -m tools.benchmarks.plan_matrix
 
 # Tight host budgets (1.0 and 0.7 GiB): each step against its floor, per phase, 20 steps each,
 # with DeepSpeed measured next to it where the peer harness is installed.
