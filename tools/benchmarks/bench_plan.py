@@ -111,9 +111,10 @@ def child_run(args: argparse.Namespace) -> dict:
     return measured
 
 
-def _ratio(predicted: float, measured: float) -> float:
+def prediction_ratio(predicted: float, measured: float) -> float:
+    """Predicted over measured; nothing predicted and nothing measured is exact."""
     if not measured:
-        return 1.0 if not predicted else float("inf")  # none predicted, none moved: exact
+        return 1.0 if not predicted else float("inf")
     return predicted / measured
 
 
@@ -146,7 +147,7 @@ def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
             "write_bytes": prediction["bytes_written"],
             "peak_rss": prediction["rss_peak_bytes"],
         }
-        ratios = {k: _ratio(predicted[k], measured[k]) for k in GOALS}
+        ratios = {k: prediction_ratio(predicted[k], measured[k]) for k in GOALS}
         for key, goal in GOALS.items():
             verdicts[key].append(abs(ratios[key] - 1) <= goal)
         lines.append(

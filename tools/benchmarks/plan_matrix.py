@@ -33,6 +33,7 @@ import infinity
 from infinity.core.memory import peak_resident_bytes
 from infinity.planning.planner import DiskProfile
 from tools.benchmarks.bench_overlap import engine_bandwidth, mlp, store_deltas
+from tools.benchmarks.bench_plan import prediction_ratio
 from tools.common.cli import spawn_child
 from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
@@ -188,12 +189,6 @@ def child_run(args: argparse.Namespace) -> dict:
     return measured
 
 
-def _ratio(predicted: float, measured: float) -> float:
-    if not measured:
-        return 1.0 if not predicted else float("inf")
-    return predicted / measured
-
-
 def _row(cell: str, prediction: dict, measured: dict) -> tuple[str, dict[str, float]]:
     if not prediction.get("fits", True) or not measured.get("fits", True):
         said = "fits" if prediction.get("fits", True) else "does not fit"
@@ -205,7 +200,7 @@ def _row(cell: str, prediction: dict, measured: dict) -> tuple[str, dict[str, fl
         "write_bytes": (prediction["bytes_written"], measured["write_bytes"]),
         "peak_rss": (prediction["rss_peak_bytes"], measured["peak_rss"]),
     }
-    ratios = {k: _ratio(*v) for k, v in pairs.items()}
+    ratios = {k: prediction_ratio(*v) for k, v in pairs.items()}
     step_p, step_m = pairs["step_s"]
     read_p, read_m = pairs["read_bytes"]
     write_p, write_m = pairs["write_bytes"]

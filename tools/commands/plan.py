@@ -430,7 +430,6 @@ def evaluate(
     host_ram: int,
     device_mem: int,
     ranks: int,
-    trainable: int,
 ) -> None:
     """Simulates one candidate and judges it against the caps."""
     config = candidate.config.replace(device="cpu")  # the simulation runs anywhere
@@ -452,10 +451,10 @@ def evaluate(
         candidate.reason = (
             f"device peak {format_size(peaks['device'])} > --device-mem {format_size(device_mem)}"
         )
-    # Each resource's busy seconds in a step: the one with the most bounds it.
-    busy = planner.resource_seconds(result, recording, disk, device, trainable)
-    candidate.busy = busy
-    candidate.bound = max(busy, key=lambda k: busy[k])
+    # Each resource's busy seconds in a step, as the simulation worked them out, and the one
+    # with the most, which bounds it.
+    candidate.busy = result["resource_seconds"]
+    candidate.bound = result["bound"]
 
 
 # ---------------------------------------------------------------------------- the run
@@ -605,7 +604,6 @@ def run(args: argparse.Namespace) -> Plan:
                 host_ram,
                 device_mem,
                 args.ranks,
-                trainable,
             )
             ranked.append(candidate)
         ranked.sort(
