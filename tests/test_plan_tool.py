@@ -102,6 +102,7 @@ def test_table_and_written_config_load(tmp_path, capsys):
         "peak nvme",
         "peak RSS",
         "bound",
+        "updates",
     ):
         assert column in header
     rows = [line for line in out.splitlines() if re.match(r"^\d+\s", line)]
@@ -111,6 +112,11 @@ def test_table_and_written_config_load(tmp_path, capsys):
     times = [c["step_seconds"] for c in fitting]
     assert times == sorted(times) and times[0] > 0  # best first
     assert all(c["bound"] in ("compute", "CPU optimizer", "memcpy", "disk") for c in fitting)
+    # where step_in_backward='auto' would run the updates, in the table's last column
+    words = {"in backward": "backward", "in optimizer.step()": "step"}
+    assert [row.split()[-1] for row in rows] == [words[c["update_mode"]] for c in fitting][
+        : len(rows)
+    ]
     # The written file is what the runtime loads, as it is, and is the best candidate.
     loaded = infinity.OffloadConfig.from_file(best)
     assert loaded.to_dict() == fitting[0]["config"]
@@ -405,11 +411,12 @@ def test_validate_runs_the_best_candidate_and_compares(tmp_path, capsys):
     )
     assert code == 0, err
     block = out[out.index("validation:") :].splitlines()
-    assert [line.split()[0] for line in block[2:6]] == [
+    assert [line.split()[0] for line in block[2:7]] == [
         "step",
         "read/step",
         "write/step",
         "peak",
+        "updates",
     ]
     assert block[-1].startswith("verdict: ")
     data = json.loads(report.read_text())
@@ -441,6 +448,12 @@ def test_validate_runs_the_best_candidate_and_compares(tmp_path, capsys):
     low, high = validation["predicted"]["step_seconds_spread"]
     assert f"({low:.4g}-{high:.4g})" in block[2]
     assert block[-1] == f"verdict: {validation['verdict']}"
+    # the run's update mode is the one predicted, and the verdict says so
+    modes = validation["update_mode"]
+    assert modes["measured"] == measured["update_mode"] in ("in backward", "in optimizer.step()")
+    assert modes["predicted"] == validation["predicted"]["update_mode"] == modes["measured"]
+    assert block[6].split()[-1] == "same"
+    assert block[-1].endswith(f"updates {modes['measured']}, as predicted")
 
 
 def test_measured_steps_leave_the_warm_up_out(tmp_path):
@@ -498,3 +511,22 @@ def test_validate_refuses_what_cannot_run_here(capsys, case):
     assert len(lines) == 1 and lines[0].startswith("infinity-plan: error: --validate "), err
     assert expected in lines[0]
     assert "validation:" not in out and "recorded" not in out  # refused before any step
+
+
+def test_verdict_names_what_missed():
+    from tools.commands.plan_validation import verdict
+    from tools.common.measure import compare
+
+    prediction = {"step_seconds": 1.0, "bytes_read": 100, "bytes_written": 0, "rss_peak_bytes": 90}
+    measured = {"step_s": 1.1, "read_bytes": 100, "write_bytes": 0, "peak_rss": 100}
+    backward = {"predicted": "in backward", "measured": "in backward"}
+    assert verdict(compare(prediction, measured), backward) == (
+        "within 15% / 5% / 10% (step time / bytes read and written / peak RSS); "
+        "updates in backward, as predicted"
+    )
+    slow = {**measured, "step_s": 2.0}
+    differ = {"predicted": "in backward", "measured": "in optimizer.step()"}
+    assert verdict(compare(prediction, slow), differ) == (
+        "missed: step time 0.50x (goal 15%), update mode (predicted in backward, ran in "
+        "optimizer.step())"
+    )

@@ -12,6 +12,8 @@ from infinity import OffloadConfig
 from infinity.planning.planner import DiskProfile
 
 GB = 1e9
+#: stats()["update_mode"] in the table's words
+UPDATE_MODES = {"in backward": "backward", "in optimizer.step()": "step"}
 
 
 @dataclass
@@ -69,6 +71,11 @@ def candidate_json(c: Candidate, tokens: int) -> dict[str, Any]:
     }
 
 
+def update_mode_text(mode: str | None) -> str:
+    """A prediction's update_mode in the table's words."""
+    return UPDATE_MODES.get(mode or "", mode or "-")
+
+
 def size_text(nbytes: int | None) -> str:
     if nbytes is None:
         return "auto"
@@ -99,8 +106,10 @@ def table(plan: Plan, top: int) -> list[str]:
     lines += [
         "",
         "per rank: bytes per step, peaks of each tier (host: the store's host tier) and "
-        "of the process's RSS; bound: the resource busiest in a step. Not modelled: "
-        "activations' memory, all-gathers between ranks.",
+        "of the process's RSS; bound: the resource busiest in a step; updates: where "
+        "step_in_backward='auto' runs them (in backward, or in optimizer.step() where the "
+        "arena has no room for them there). Not modelled: activations' memory, all-gathers "
+        "between ranks.",
     ]
     return lines
 
@@ -123,6 +132,7 @@ def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
         "peak nvme",
         "peak RSS",
         "bound",
+        "updates",
     ]
     rows = []
     fitting = [c for c in ranked if c.fits]
@@ -147,6 +157,7 @@ def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
                 size_text(r["peak_bytes"]["nvme"]),
                 size_text(r["rss_peak_bytes"]),
                 c.bound,
+                update_mode_text(r.get("update_mode")),
             ]
         )
     if rows:

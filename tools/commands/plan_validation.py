@@ -7,7 +7,8 @@ process of its own (``python -m tools.commands.plan_validation --spec JSON``) so
 RSS is its own. Its first :data:`WARMUP` steps are left out, as a prediction leaves out its
 first replayed iterations; what is compared is the median of the measured steps' seconds, the
 store's bytes read and written per step (``stats()`` counters) and the process's peak RSS,
-each against the goals of :data:`tools.common.measure.GOALS`.
+each against the goals of :data:`tools.common.measure.GOALS`, and where the updates ran
+(``stats()["update_mode"]``) against where the prediction put them.
 
 Only what can run here can be validated: one process (no --ranks), this machine's compute (no
 GPU --device-profile), the model itself (not a scaled-down copy's extrapolation), as many
@@ -157,6 +158,7 @@ def validate(plan: Plan, args: argparse.Namespace, swap_dir: Path, steps: int) -
     if "error" in measured:
         raise UserError(f"--validate: the run of the best candidate failed: {measured['error']}")
     compared = compare(prediction, measured, GOALS)
+    modes = {"predicted": prediction["update_mode"], "measured": measured["update_mode"]}
     return {
         "drives": table.drives,
         "config": config.to_dict(),
@@ -172,28 +174,36 @@ def validate(plan: Plan, args: argparse.Namespace, swap_dir: Path, steps: int) -
                 "rss_peak_bytes",
                 "peak_bytes",
                 "bound",
+                "update_mode",
+                "update_mode_reasons",
             )
         }
         | {"iterations": prediction["iterations"]},
         "measured": measured,
         "compared": compared,
-        "verdict": verdict(compared),
+        "update_mode": modes,
+        "verdict": verdict(compared, modes),
     }
 
 
-def verdict(compared: dict[str, dict[str, Any]]) -> str:
-    """One line: every figure within its goal, or which missed and by how much."""
-    goals = (
-        f"within {GOALS['step_s']:.0%} / {GOALS['read_bytes']:.0%} / {GOALS['peak_rss']:.0%} "
-        f"(step time / bytes read and written / peak RSS)"
-    )
-    missed = [key for key, c in compared.items() if not c["met"]]
+def verdict(compared: dict[str, dict[str, Any]], modes: dict[str, str]) -> str:
+    """One line: every figure within its goal, or which missed and by how much; and whether
+    the updates ran where the prediction said."""
+    missed = [
+        f"{NAMES[key]} {c['ratio']:.2f}x (goal {c['goal']:.0%})"
+        for key, c in compared.items()
+        if not c["met"]
+    ]
+    same_mode = modes["predicted"] == modes["measured"]
+    if not same_mode:
+        missed.append(f"update mode (predicted {modes['predicted']}, ran {modes['measured']})")
+    mode = f"updates {modes['measured']}, as predicted" if same_mode else ""
     if not missed:
-        return goals
-    return "missed: " + ", ".join(
-        f"{NAMES[key]} {compared[key]['ratio']:.2f}x (goal {compared[key]['goal']:.0%})"
-        for key in missed
-    )
+        return (
+            f"within {GOALS['step_s']:.0%} / {GOALS['read_bytes']:.0%} / "
+            f"{GOALS['peak_rss']:.0%} (step time / bytes read and written / peak RSS); {mode}"
+        )
+    return "missed: " + ", ".join(missed) + (f"; {mode}" if mode else "")
 
 
 def lines(validation: dict[str, Any]) -> list[str]:
@@ -242,6 +252,15 @@ def lines(validation: dict[str, Any]) -> list[str]:
                 f"{compared[key]['ratio']:.3f}",
             )
         )
+    modes = validation["update_mode"]
+    rows.append(
+        (
+            "updates",
+            modes["predicted"],
+            modes["measured"],
+            "same" if modes["predicted"] == modes["measured"] else "differ",
+        )
+    )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
