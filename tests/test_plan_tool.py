@@ -4,6 +4,7 @@ scaled-down copy (infinity.planning.scaled.recording_for_scaled)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def test_table_and_written_config_load(tmp_path, capsys):
         "peak nvme",
         "peak RSS",
         "bound",
+        "updates",
     ):
         assert column in header
     rows = [line for line in out.splitlines() if re.match(r"^\d+\s", line)]
@@ -110,6 +112,11 @@ def test_table_and_written_config_load(tmp_path, capsys):
     times = [c["step_seconds"] for c in fitting]
     assert times == sorted(times) and times[0] > 0  # best first
     assert all(c["bound"] in ("compute", "CPU optimizer", "memcpy", "disk") for c in fitting)
+    # where step_in_backward='auto' would run the updates, in the table's last column
+    words = {"in backward": "backward", "in optimizer.step()": "step"}
+    assert [row.split()[-1] for row in rows] == [words[c["update_mode"]] for c in fitting][
+        : len(rows)
+    ]
     # The written file is what the runtime loads, as it is, and is the best candidate.
     loaded = infinity.OffloadConfig.from_file(best)
     assert loaded.to_dict() == fitting[0]["config"]
@@ -383,3 +390,143 @@ def test_extrapolated_trace_of_a_sequential_stack(tmp_path):
     assert extrapolated.trace.events == expected.trace.events
     if hasattr(expected.trace, "grads"):
         assert extrapolated.trace.grads == expected.trace.grads
+
+
+TINY_GPT = [
+    "--module",
+    "tools.common.tiny_gpt:TinyGPT",
+    "--args",
+    '{"layers": 2, "width": 32, "vocab_size": 64}',
+    "--batch",
+    "2",
+    "--seq-len",
+    "16",
+]
+
+
+def test_validate_runs_the_best_candidate_and_compares(tmp_path, capsys):
+    report = tmp_path / "plan.json"
+    code, out, err = _run(
+        capsys, *TINY_GPT, *DISK, *STREAMING, "--validate", "3", "--json", str(report)
+    )
+    assert code == 0, err
+    block = out[out.index("validation:") :].splitlines()
+    assert [line.split()[0] for line in block[2:7]] == [
+        "step",
+        "read/step",
+        "write/step",
+        "peak",
+        "updates",
+    ]
+    assert block[-1].startswith("verdict: ")
+    data = json.loads(report.read_text())
+    validation = data["validation"]
+    best = next(c for c in data["tables"][0]["candidates"] if c["fits"])
+    # The candidate's configuration, on the directory the recording swapped to.
+    assert {**validation["config"], "nvme_path": []} == {**best["config"], "nvme_path": []}
+    (swap_dir,) = validation["config"]["nvme_path"]
+    assert Path(swap_dir).name.startswith("infinity-plan-") and not Path(swap_dir).exists()
+    measured = validation["measured"]
+    assert (validation["warmup"], measured["warmup"], measured["steps"]) == (
+        planner.WARMUP,
+        planner.WARMUP,
+        3,
+    )
+    assert len(measured["steps_s"]) == 3
+    # Bytes per step are the store's counters over the measured steps; the step streams.
+    for key, counter in (("read_bytes", "bytes_read"), ("write_bytes", "bytes_written")):
+        span = measured["counters"][counter]
+        assert span["after"] > span["before"]
+        assert measured[key] == (span["after"] - span["before"]) / 3
+    for key, compared in validation["compared"].items():
+        assert compared["measured"] == measured[key]
+        assert math.isfinite(compared["ratio"]) and compared["ratio"] > 0, key
+        assert compared["ratio"] == pytest.approx(compared["predicted"] / compared["measured"])
+        ratio_text = f"{compared['ratio']:.2f}" if key == "step_s" else f"{compared['ratio']:.3f}"
+        assert any(line.rstrip().endswith(ratio_text) for line in block), (key, block)
+    assert validation["predicted"]["step_seconds"] == validation["compared"]["step_s"]["predicted"]
+    low, high = validation["predicted"]["step_seconds_spread"]
+    assert f"({low:.4g}-{high:.4g})" in block[2]
+    assert block[-1] == f"verdict: {validation['verdict']}"
+    # the run's update mode is the one predicted, and the verdict says so
+    modes = validation["update_mode"]
+    assert modes["measured"] == measured["update_mode"] in ("in backward", "in optimizer.step()")
+    assert modes["predicted"] == validation["predicted"]["update_mode"] == modes["measured"]
+    assert block[6].split()[-1] == "same"
+    assert block[-1].endswith(f"updates {modes['measured']}, as predicted")
+
+
+def test_measured_steps_leave_the_warm_up_out(tmp_path):
+    """measure_steps' bytes per step are the store's counters over the timed steps only."""
+    from tools.benchmarks.bench_overlap import mlp
+    from tools.common.measure import measure_steps
+
+    config = infinity.OffloadConfig(
+        device="cpu",
+        offload_param="nvme",
+        offload_optimizer="nvme",
+        nvme_path=(tmp_path,),
+        host_budget=1 << 20,
+        buffer_size=16 << 10,
+        buffer_count=8,
+    )
+    after_each: list[dict] = []
+    with infinity.TieredStore(config) as store:
+        model = mlp(4, 128)  # 1 MiB of training state through a 128 KiB arena
+        model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters()))
+
+        def step() -> None:
+            model(torch.randn(4, 128)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            after_each.append(store.stats())
+
+        measured = measure_steps(store, step, warmup=2, steps=3)
+    assert len(after_each) == 5 and measured["steps"] == 3
+    for key, counter in (("read_bytes", "bytes_read"), ("write_bytes", "bytes_written")):
+        moved = after_each[4][counter] - after_each[1][counter]
+        assert moved > 0
+        assert measured[key] == moved / 3
+    assert measured["step_s"] == sorted(measured["steps_s"])[1]
+
+
+@pytest.mark.parametrize(
+    "case", ["ranks", "device profile", "scaled", "max local params", "drives", "host ram"]
+)
+def test_validate_refuses_what_cannot_run_here(capsys, case):
+    argv, expected = {
+        "ranks": (["--ranks", "2"], "--ranks 2"),
+        "device profile": (["--device-profile", "H100"], "--device-profile H100"),
+        "scaled": (["--scaled"], "scaled-down copy (--scaled)"),
+        "max local params": (["--max-local-params", "1000"], "> --max-local-params 1,000"),
+        "drives": (["--drives", "2,4"], "no table of --drives 2,4 is for 1 drive"),
+        "host ram": (
+            ["--host-ram", "1024TiB"],
+            "--host-ram 1024.0 TiB is more than this machine's",
+        ),
+    }[case]
+    code, out, err = _run(capsys, *TINY_GPT, *DISK, *STREAMING, *argv, "--validate")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("infinity-plan: error: --validate "), err
+    assert expected in lines[0]
+    assert "validation:" not in out and "recorded" not in out  # refused before any step
+
+
+def test_verdict_names_what_missed():
+    from tools.commands.plan_validation import verdict
+    from tools.common.measure import compare
+
+    prediction = {"step_seconds": 1.0, "bytes_read": 100, "bytes_written": 0, "rss_peak_bytes": 90}
+    measured = {"step_s": 1.1, "read_bytes": 100, "write_bytes": 0, "peak_rss": 100}
+    backward = {"predicted": "in backward", "measured": "in backward"}
+    assert verdict(compare(prediction, measured), backward) == (
+        "within 15% / 5% / 10% (step time / bytes read and written / peak RSS); "
+        "updates in backward, as predicted"
+    )
+    slow = {**measured, "step_s": 2.0}
+    differ = {"predicted": "in backward", "measured": "in optimizer.step()"}
+    assert verdict(compare(prediction, slow), differ) == (
+        "missed: step time 0.50x (goal 15%), update mode (predicted in backward, ran in "
+        "optimizer.step())"
+    )

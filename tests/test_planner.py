@@ -295,3 +295,75 @@ def test_frozen_parameters_leave_the_device_after_their_modules_backward() -> No
         store.close()
     assert prediction["fits"], prediction.get("error")
     assert prediction["peak_bytes"]["device"] == stats["peak_bytes"]["device"]
+
+
+def _train_with(
+    config: infinity.OffloadConfig, clip: bool, steps: int
+) -> tuple[infinity.TieredStore, dict]:
+    """Trains the small GPT ``steps`` steps with the plain loop, or one that clips the
+    gradients' global norm between backward and ``optimizer.step()``; returns the open store
+    and its stats()."""
+    model = make_model()
+    store = infinity.TieredStore(config)
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    data = synthetic_batches(SMALL, 4, seed=1)
+    for _ in range(steps):
+        tokens, targets = next(data)
+        model(tokens, targets).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    return store, store.stats()
+
+
+#: an arena with the room to update in backward (_config's has not)
+ROOMY = {"buffer_count": 32, "host_budget": 32 * SHARD}
+
+
+@pytest.mark.parametrize(
+    ("loop", "recorded", "predicted", "expected"),
+    [
+        ("plain", {}, {}, "in backward"),
+        ("clip_grad_norm_", {}, {}, "in optimizer.step()"),
+        ("plain", {"gradient_clipping": 1.0}, {}, "in optimizer.step()"),
+        # recorded with updates in backward, predicted and run with a config against them
+        ("plain", {}, {"gradient_clipping": 1.0}, "in optimizer.step()"),
+        ("plain", {}, {"step_in_backward": False}, "in optimizer.step()"),
+        ("plain", {}, {"buffer_count": 16, "host_budget": 16 * SHARD}, "in optimizer.step()"),
+        # recorded with a clipping loop, predicted for a roomier arena: still the loop's choice
+        (
+            "clip_grad_norm_",
+            {},
+            {"buffer_count": 48, "host_budget": 48 * SHARD},
+            "in optimizer.step()",
+        ),
+    ],
+    ids=[
+        "plain",
+        "clip-grad-norm",
+        "gradient-clipping",
+        "clipping-predicted",
+        "in-step",
+        "arena-too-small",
+        "clip-grad-norm-wider",
+    ],
+)
+def test_predicted_update_mode_is_the_one_the_run_chooses(loop, recorded, predicted, expected):
+    """step_in_backward='auto' decides from the config and from what the loop does between
+    backward and optimizer.step(); the replay does nothing there, so a prediction takes the
+    loop's part from the recorded steps and the config's from the candidate."""
+    clip = loop == "clip_grad_norm_"
+    store, stats = _train_with(_config(**ROOMY, **recorded), clip, steps=3)
+    try:
+        assert stats["update_mode"] == (
+            "in optimizer.step()" if clip or recorded else "in backward"
+        )
+        prediction = store.predict(disk=INSTANT, **predicted)
+    finally:
+        store.close()
+    other, run_stats = _train_with(_config(**{**ROOMY, **recorded, **predicted}), clip, steps=3)
+    other.close()
+    assert run_stats["update_mode"] == expected
+    assert prediction["update_mode"] == run_stats["update_mode"]
+    assert prediction["update_mode_reasons"] == run_stats["update_mode_reasons"]

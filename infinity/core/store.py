@@ -61,7 +61,7 @@ from infinity.training.optimizer import OffloadedOptimizer
 from infinity.training.param_access import ParamAccess
 from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
 from infinity.training.stepping import Stepping
-from infinity.training.update_timing import UpdateTiming
+from infinity.training.update_timing import UpdateTiming, config_reasons
 from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
 from swap.files import SwapDirectories
 
@@ -545,16 +545,7 @@ class TieredStore:
             if not room.fits:
                 reasons.append(self._arena_too_small(room, modules, params_on_nvme, state_on_nvme))
                 sizing = True
-        if config.gradient_clipping:
-            reasons.append(
-                f"gradient_clipping={config.gradient_clipping:g} needs every gradient's norm "
-                f"first: set gradient_clipping=0 to update in backward"
-            )
-        if self.scaler is not None:
-            reasons.append(
-                "fp16 loss scaling must see every gradient before it can skip a step: use "
-                "precision.dtype='bf16' to update in backward"
-            )
+        reasons += config_reasons(config.gradient_clipping, loss_scaling=self.scaler is not None)
         return reasons, sizing
 
     def _arena_too_small(
@@ -948,10 +939,12 @@ class TieredStore:
         replayed iterations) with ``step_seconds_spread`` (their fastest and slowest),
         ``phase_seconds`` (forward, backward, step), ``bytes_read``/``bytes_written`` per
         iteration, ``resource_seconds`` (compute, the optimizer, copies, the disk) and ``bound``
-        (the busiest of them), ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds`` and
-        ``fits`` (False with the ``error`` that attach or the first gather would raise). Runs
-        the store's own placement over tensors that hold no bytes: see
-        :mod:`infinity.planning.planner`."""
+        (the busiest of them), ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds``,
+        ``update_mode`` and ``update_mode_reasons`` (where the updates would run, as
+        ``stats()`` says: decided by the config's own reasons and by what this run's loop did
+        between backward and ``optimizer.step()``) and ``fits`` (False with the ``error`` that
+        attach or the first gather would raise). Runs the store's own placement over tensors
+        that hold no bytes: see :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
 
         return predict(self, overrides, disk=disk, device=device)

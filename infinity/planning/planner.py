@@ -18,6 +18,12 @@ simulated time. What is decided is therefore what the store would decide; only t
 Memory: the tiers' peak bytes are exact (the same accounting); peak RSS is predicted as the
 recorded process's RSS less its tiers' peak bytes, plus the candidate's.
 
+Where updates run (``step_in_backward='auto'``) is decided by the same code as well: the
+candidate's config (its arena's room, gradient clipping, fp16 loss scaling) and what the
+recorded loop did between backward and ``optimizer.step()`` (``Recording.loop_update_reasons``:
+``clip_grad_norm_``, a second backward, ...), which the replay itself does not do. A prediction
+says where (``update_mode``) and why not in backward (``update_mode_reasons``).
+
 A budget that cannot hold what one module needs fails the same way attach or the first gather
 fails, and the prediction says so (``fits`` False, with the error naming the module).
 """
@@ -46,6 +52,7 @@ from infinity.core.shards import ParamEntry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace
 from infinity.errors import BudgetError, InfinityError
+from infinity.training.update_timing import config_reasons
 from swap import EngineStats, align_up
 from swap.files import RangeAllocator
 
@@ -360,6 +367,12 @@ class Recording:
     base_rss: int = 0
     optimizer_class: type | None = None
     optimizer_options: dict = dataclasses.field(default_factory=dict)
+    #: what the recorded loop did that keeps updates in optimizer.step() under
+    #: step_in_backward='auto' (clip_grad_norm_, accumulation, ...: ``UpdateTiming.
+    #: loop_reasons``); empty: it allows updates in backward; None: its first step was not
+    #: watched (its config kept them in the step from the start), and the loop is taken to
+    #: allow them
+    loop_update_reasons: list[str] | None = None
 
 
 def recording_of(store: AttachedStore) -> Recording:
@@ -406,8 +419,19 @@ def recording_of(store: AttachedStore) -> Recording:
     # process's own peak is exact, but may be older than the store (then the prediction errs
     # high, the safe side for a memory plan).
     rss = max(stats["rss_peak_bytes"], peak_resident_bytes())
+    timing = store.update_timing
+    loop_reasons = None
+    if timing is not None and timing.loop_reasons is not None:
+        loop_reasons = list(timing.loop_reasons)
     return Recording(
-        trace, training, per_element, copy_gbps, max(0, rss - tiers), optimizer_class, options
+        trace,
+        training,
+        per_element,
+        copy_gbps,
+        max(0, rss - tiers),
+        optimizer_class,
+        options,
+        loop_reasons,
     )
 
 
@@ -490,6 +514,12 @@ def simulate(
             "the recording's trace has no gradient events (Trace.grads): the "
             "optimizer would update nothing; record a training step with the store"
         )
+    # Where updates run under step_in_backward='auto' is decided as the run decides it: the
+    # config's own reasons (gradient clipping, off below, included) and what the recorded loop
+    # did between backward and optimizer.step(), which the replay does not do.
+    kept_in_step = config_reasons(config.gradient_clipping, loss_scaling=False) + (
+        recording.loop_update_reasons or []
+    )
     # What only changes arithmetic, or needs real values, is off in the simulation: the fused
     # kernel (no meta implementation), norms for clipping and overflow checks (no values).
     config = config.replace(
@@ -532,6 +562,10 @@ def simulate(
             # The budgets the simulated device would get: a CPU device's derive from host
             # memory; a GPU profile's are every parameter unless device_budget says.
             return "cpu" if simulated_cpu else "other"
+
+        def _against_updates_in_backward(self, module_entries: list) -> tuple[list[str], bool]:
+            reasons, sizing = super()._against_updates_in_backward(module_entries)
+            return reasons + kept_in_step, sizing
 
     sim = Simulated(config)
     optimizer = None
@@ -576,6 +610,9 @@ def simulate(
         "nvme": stats["peak_bytes"]["nvme"],
     }
     result["budgets"] = dict(sim.budgets)
+    # where the replayed steps ran their updates at the end, and why not in backward
+    result["update_mode"] = stats["update_mode"]
+    result["update_mode_reasons"] = stats["update_mode_reasons"]
     result["rss_peak_bytes"] = (
         recording.base_rss
         + host_peak

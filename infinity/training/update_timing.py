@@ -91,6 +91,23 @@ def _changed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str |
     return None
 
 
+def config_reasons(gradient_clipping: float, loss_scaling: bool) -> list[str]:
+    """What in the config, besides the arena's size, keeps 'auto' from updating in backward,
+    each with the way to lift it."""
+    reasons = []
+    if gradient_clipping:
+        reasons.append(
+            f"gradient_clipping={gradient_clipping:g} needs every gradient's norm first: set "
+            f"gradient_clipping=0 to update in backward"
+        )
+    if loss_scaling:
+        reasons.append(
+            "fp16 loss scaling must see every gradient before it can skip a step: use "
+            "precision.dtype='bf16' to update in backward"
+        )
+    return reasons
+
+
 class UpdateTiming:
     """Where updates run, and the watch that chooses for 'auto'. The one owner of
     ``Placement.update_in_backward`` once an optimizer is attached.
@@ -116,6 +133,12 @@ class UpdateTiming:
         #: why updates run in optimizer.step() now, each with the way to lift it (empty in
         #: backward, or while the first step is watched); stats()['update_mode_reasons']
         self.reasons: list[str] = []
+        #: what the loop did that keeps updates in optimizer.step() (in the watched first
+        #: step, or a change after the switch), each as in ``reasons``; empty while the
+        #: watched loop allows updates in backward; None when no step was watched ('auto'
+        #: with the config against it from the start, or True / False): how the loop behaves
+        #: is then unknown. A prediction for another config replays it (infinity.planning).
+        self.loop_reasons: list[str] | None = None
         if setting is True:
             mode = UpdateMode.IN_BACKWARD
         elif self.auto and not reasons_against:
@@ -153,6 +176,12 @@ class UpdateTiming:
         self.mode = mode
         self.placement.set_update_in_backward(mode is UpdateMode.IN_BACKWARD)
 
+    def _loop_keeps_step(self, reasons: list[str]) -> None:
+        """The loop does what updates in backward cannot follow: in optimizer.step() for good."""
+        self.reasons = reasons
+        self.loop_reasons = list(reasons)
+        self._set(UpdateMode.IN_STEP)
+
     def _give_up(self, what: str, cost: str) -> None:
         """A change after the switch: say what it cost, and update in optimizer.step() from
         now on."""
@@ -163,8 +192,7 @@ class UpdateTiming:
             what,
             cost,
         )
-        self.reasons = [f"{what} after updates had moved into backward"]
-        self._set(UpdateMode.IN_STEP)
+        self._loop_keeps_step([f"{what} after updates had moved into backward"])
 
     # -- what the loop does ---------------------------------------------------------------------
     def gradient_arriving(self, optimizer: Any) -> None:
@@ -178,11 +206,12 @@ class UpdateTiming:
                 "gradients across optimizer.step() (no zero_grad before this backward), "
                 "which plain PyTorch adds to the next ones"
             )
-            self.reasons = [
-                "the loop keeps gradients across optimizer.step() (no zero_grad() before the "
-                "next backward): clear them after each step"
-            ]
-            self._set(UpdateMode.IN_STEP)
+            self._loop_keeps_step(
+                [
+                    "the loop keeps gradients across optimizer.step() (no zero_grad() before "
+                    "the next backward): clear them after each step"
+                ]
+            )
             self._confirming = False
             return
         self._confirming = False
@@ -269,11 +298,12 @@ class UpdateTiming:
 
     def refused_second_backward(self) -> None:
         if self.auto:
-            self.reasons = [
-                "a second backward before optimizer.step() (gradient accumulation, a second "
-                "loss): set step_in_backward=False for this loop"
-            ]
-            self._set(UpdateMode.IN_STEP)
+            self._loop_keeps_step(
+                [
+                    "a second backward before optimizer.step() (gradient accumulation, a "
+                    "second loss): set step_in_backward=False for this loop"
+                ]
+            )
 
     # -- the step -------------------------------------------------------------------------------
     def step_starts(self, backward_passes: int, optimizer: Any) -> None:
@@ -298,6 +328,7 @@ class UpdateTiming:
                     f"between the first step's backward and optimizer.step() the loop did: {act}"
                     for act in against
                 ]
+                self.loop_reasons = list(self.reasons)
                 self._next = UpdateMode.IN_STEP
             else:
                 log.info(
@@ -305,6 +336,7 @@ class UpdateTiming:
                     "nothing between it and optimizer.step(): updates run in backward "
                     "from the next step, once its backward starts after zero_grad"
                 )
+                self.loop_reasons = []
                 self._next = UpdateMode.IN_BACKWARD
         elif self.auto and self.in_backward and change:
             self._give_up(

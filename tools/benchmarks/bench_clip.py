@@ -45,9 +45,9 @@ from tools.benchmarks.bench_overlap import (
     add_run_arguments,
     mlp,
     nvme_config,
-    store_deltas,
     timed_steps,
 )
+from tools.common.measure import store_deltas
 
 log = logging.getLogger("tools.benchmarks.bench_clip")
 

@@ -47,9 +47,9 @@ from tools.benchmarks.bench_overlap import (
     add_run_arguments,
     mlp,
     nvme_config,
-    store_deltas,
     timed_steps,
 )
+from tools.common.measure import store_deltas
 
 PROJECT = Path(__file__).resolve().parents[2]
 #: the peer harness (its README, the DeepSpeed script), beside the project's checkout

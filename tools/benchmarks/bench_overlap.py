@@ -48,6 +48,7 @@ from torch import nn
 import infinity
 from infinity.core.memory import peak_resident_bytes
 from swap import BufferPool, EngineSettings, Extent, HostBuffer, SwapEngine
+from tools.common.measure import store_deltas
 
 log = logging.getLogger("tools.benchmarks.bench_overlap")
 
@@ -144,23 +145,6 @@ def nvme_config(
         device_budget=int(device_budget * 2**30),
         **settings,
     )
-
-
-def store_deltas(before: dict, after: dict, steps: int) -> dict:
-    """Per-step I/O and device-tier traffic between two ``store.stats()`` snapshots taken
-    ``steps`` steps apart."""
-
-    def per_step(key: str) -> float:
-        return (after[key] - before[key]) / steps
-
-    return {
-        "read_bytes": per_step("bytes_read"),
-        "write_bytes": per_step("bytes_written"),
-        "stall_s": per_step("stall_seconds"),
-        "to_device_bytes": per_step("bytes_to_device"),
-        "from_device_bytes": per_step("bytes_from_device"),
-        "device_copy_s": per_step("device_copy_seconds"),
-    }
 
 
 def run_transfers(

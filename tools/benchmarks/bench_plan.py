@@ -26,17 +26,15 @@ from pathlib import Path
 import torch
 
 import infinity
-from infinity.core.memory import peak_resident_bytes
 from infinity.planning.planner import DiskProfile
 from tools.benchmarks.bench_overlap import (
     DEFAULT_HOST_BUDGET,
     engine_bandwidth,
     mlp,
     nvme_config,
-    store_deltas,
-    timed_steps,
 )
 from tools.common.cli import spawn_child
+from tools.common.measure import compare, measure_steps
 
 log = logging.getLogger("tools.benchmarks.bench_plan")
 
@@ -68,18 +66,14 @@ def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore
     model = mlp(args.layers, args.width)
     store = _store(args, arena)
     model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    timed_steps(model, optimizer, args.warmup, args.batch, args.width)
-    before = store.stats()
-    times = timed_steps(model, optimizer, args.steps, args.batch, args.width)
-    after = store.stats()
-    measured = {
-        "step_s": statistics.median(times),
-        "steps_s": times,
-        **store_deltas(before, after, args.steps),
-        "peak_rss": peak_resident_bytes(),
-        "peak_bytes": after["peak_bytes"],
-    }
-    return store, measured
+    generator = torch.Generator().manual_seed(1)
+
+    def step() -> None:
+        model(torch.randn(args.batch, args.width, generator=generator)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return store, measure_steps(store, step, args.warmup, args.steps)
 
 
 def child_record(args: argparse.Namespace) -> dict:
@@ -111,13 +105,6 @@ def child_run(args: argparse.Namespace) -> dict:
     return measured
 
 
-def prediction_ratio(predicted: float, measured: float) -> float:
-    """Predicted over measured; nothing predicted and nothing measured is exact."""
-    if not measured:
-        return 1.0 if not predicted else float("inf")
-    return predicted / measured
-
-
 def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
     disk = record["disk"]
     lines = [
@@ -141,15 +128,11 @@ def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
             "write_bytes": statistics.median(r["write_bytes"] for r in measured_runs),
             "peak_rss": statistics.median(r["peak_rss"] for r in measured_runs),
         }
-        predicted = {
-            "step_s": prediction["step_seconds"],
-            "read_bytes": prediction["bytes_read"],
-            "write_bytes": prediction["bytes_written"],
-            "peak_rss": prediction["rss_peak_bytes"],
-        }
-        ratios = {k: prediction_ratio(predicted[k], measured[k]) for k in GOALS}
-        for key, goal in GOALS.items():
-            verdicts[key].append(abs(ratios[key] - 1) <= goal)
+        compared = compare(prediction, measured, GOALS)
+        predicted = {key: c["predicted"] for key, c in compared.items()}
+        ratios = {key: c["ratio"] for key, c in compared.items()}
+        for key, c in compared.items():
+            verdicts[key].append(c["met"])
         lines.append(
             f"{arena:>9} | {predicted['step_s']:7.3f} / {measured['step_s']:7.3f} "
             f"{ratios['step_s']:6.2f} | {predicted['read_bytes'] / 1e6:8.1f} / "

@@ -19,9 +19,7 @@ import argparse
 import json
 import logging
 import shutil
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,11 +28,10 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.core.memory import peak_resident_bytes
 from infinity.planning.planner import DiskProfile
-from tools.benchmarks.bench_overlap import engine_bandwidth, mlp, store_deltas
-from tools.benchmarks.bench_plan import prediction_ratio
+from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
 from tools.common.cli import spawn_child
+from tools.common.measure import GOALS, compare, measure_steps
 from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 log = logging.getLogger("tools.benchmarks.plan_matrix")
@@ -45,7 +42,6 @@ FAMILIES = ("mlp-wide", "mlp-deep", "gpt", "llama", "lora")
 BUDGETS = {"most": 0.9, "half": 0.5, "quarter": 0.25}
 MODES: dict[str, bool | str] = {"auto": "auto", "step": False}
 PARAMS = ("cpu", "nvme")
-GOALS = {"step_s": 0.15, "read_bytes": 0.05, "write_bytes": 0.05, "peak_rss": 0.10}
 BUFFER_SIZE = 4 << 20
 
 Step = Callable[[], torch.Tensor]
@@ -142,27 +138,14 @@ def _train(args: argparse.Namespace, share: float) -> tuple[infinity.TieredStore
         store.close(restore_params=False)
         return None, {"fits": False, "error": str(exc)}
     loss = make_loss(model)
-    times = []
-    before: dict[str, Any] = {}
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            before = store.stats()
-        started = time.perf_counter()
+
+    def step() -> None:
         loss().backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - started)
-    after = store.stats()
-    return store, {
-        "fits": True,
-        "state_bytes": state,
-        "host_budget": budget,
-        "step_s": statistics.median(times),
-        **store_deltas(before, after, args.steps),
-        "peak_rss": peak_resident_bytes(),
-        "update_mode": after.get("update_mode"),
-    }
+
+    measured = measure_steps(store, step, args.warmup, args.steps)
+    return store, {"fits": True, "state_bytes": state, "host_budget": budget, **measured}
 
 
 def child_record(args: argparse.Namespace) -> dict:
@@ -194,13 +177,9 @@ def _row(cell: str, prediction: dict, measured: dict) -> tuple[str, dict[str, fl
         said = "fits" if prediction.get("fits", True) else "does not fit"
         ran = "ran" if measured.get("fits", True) else "did not attach"
         return f"{cell:32s} predicted: {said}; measured: {ran}", {}
-    pairs = {
-        "step_s": (prediction["step_seconds"], measured["step_s"]),
-        "read_bytes": (prediction["bytes_read"], measured["read_bytes"]),
-        "write_bytes": (prediction["bytes_written"], measured["write_bytes"]),
-        "peak_rss": (prediction["rss_peak_bytes"], measured["peak_rss"]),
-    }
-    ratios = {k: prediction_ratio(*v) for k, v in pairs.items()}
+    compared = compare(prediction, measured)
+    ratios = {key: c["ratio"] for key, c in compared.items()}
+    pairs = {key: (c["predicted"], c["measured"]) for key, c in compared.items()}
     step_p, step_m = pairs["step_s"]
     read_p, read_m = pairs["read_bytes"]
     write_p, write_m = pairs["write_bytes"]

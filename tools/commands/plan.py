@@ -24,6 +24,13 @@ until it fits), and the full model's recording is extrapolated from it
 every layer of the full model, built on the meta device, each event's compute scaled by the
 module's matmul FLOPs ratio. The CPU optimizer's time per element is then measured on large tensors.
 
+With --validate [STEPS] the best candidate that fits is then run here for real (the same model,
+batch, optimizer and loop, the candidate's configuration, the recording's swap directory), and
+its prediction is printed against what it measured: step time, bytes read and written per step
+and peak RSS, each with its ratio, and a verdict (tools/commands/plan_validation.py). Only a plan
+that can run here can be validated: not one for --ranks > 1, a GPU --device-profile or a
+scaled-down copy.
+
 With --ranks N (data-parallel GPUs under ZeRO-3) each rank is simulated holding, moving and
 updating 1/N of the state while computing the whole model on its own batch; --drives are shared
 by the ranks unless --own-drives gives each rank that many.
@@ -32,14 +39,14 @@ by the ranks unless --own-drives gives each rank that many.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +61,7 @@ from infinity.planning import planner
 from infinity.planning import scaled as planner_scaled
 from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
 from swap import NvmePathError, SwapConfigError, SwapSpaceError
+from tools.commands import plan_validation
 from tools.commands.plan_models import (
     MIN_BUFFER,
     OPTIMIZERS,
@@ -62,14 +70,15 @@ from tools.commands.plan_models import (
     measure_update_seconds,
     module_source,
     parameter_count,
+    quiet_transformers,
     record,
     scaled_changes,
 )
+from tools.commands.plan_report import Candidate, Plan, Table, candidate_json, table
 from tools.common.cli import config_size, guarded, parse, positive
 
 log = logging.getLogger("tools.commands.plan")
 
-GB = 1e9
 #: device memory of the GPU presets (data sheets: A100 SXM4 80 GB, H100 SXM5 80 GB, H200 SXM
 #: 141 GB of HBM)
 DEVICE_MEMORY = {"A100": 80 * 10**9, "H100": 80 * 10**9, "H200": 141 * 10**9}
@@ -302,24 +311,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the best candidate as a config file OffloadConfig.from_file loads",
     )
     add("--json", type=Path, metavar="FILE", help="write every candidate's prediction as JSON")
+    add(
+        "--validate",
+        type=positive(int),
+        nargs="?",
+        const=plan_validation.DEFAULT_STEPS,
+        metavar="STEPS",
+        help=f"then run the best candidate that fits here, {plan_validation.WARMUP} warm-up "
+        f"steps and STEPS measured ({plan_validation.DEFAULT_STEPS}), and print predicted "
+        "against measured step time, bytes per step and peak RSS "
+        "(one process, this machine, the model itself: not with --ranks > 1, a GPU "
+        "--device-profile or a scaled-down copy)",
+    )
     add("-v", "--verbose", action="store_true", help="log the runtime's INFO messages")
     return parser
 
 
 # ---------------------------------------------------------------------------- candidates
-
-
-@dataclass
-class Candidate:
-    config: OffloadConfig
-    result: dict[str, Any] = dataclasses.field(default_factory=dict)
-    reason: str = ""  # why it does not fit; empty when it does
-    bound: str = ""
-    busy: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def fits(self) -> bool:
-        return not self.reason
 
 
 def _align(nbytes: float) -> int:
@@ -460,29 +468,6 @@ def evaluate(
 # ---------------------------------------------------------------------------- the run
 
 
-@dataclass
-class Table:
-    """The candidates on one disk profile, best first."""
-
-    drives: int
-    disk: DiskProfile
-    ranked: list[Candidate]
-
-
-@dataclass
-class Plan:
-    header: list[tuple[str, str]]
-    tables: list[Table]
-    tokens: int
-    ranks: int
-    json: dict[str, Any]
-
-    @property
-    def ranked(self) -> list[Candidate]:
-        """The first table's candidates."""
-        return self.tables[0].ranked
-
-
 def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
     """One rank's share of ``drives`` drives of the --disk / --disk-gbps profile."""
     if args.disk is not None and args.disk_gbps is not None:
@@ -514,7 +499,21 @@ def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
     return striped
 
 
-def run(args: argparse.Namespace) -> Plan:
+@contextlib.contextmanager
+def swap_directory(args: argparse.Namespace) -> Iterator[Path]:
+    """Where the recorded steps (and --validate's run) swap: the first --nvme-path, or a
+    temporary directory removed afterwards."""
+    if args.nvme_path:
+        yield args.nvme_path[0]
+        return
+    temp_dir = Path(tempfile.mkdtemp(prefix="infinity-plan-"))
+    try:
+        yield temp_dir
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
     if args.steps < 2:
         raise UserError("--steps must be >= 2: the second step gives the compute times")
     disks = [(drives, disk_profile(args, drives)) for drives in args.drives]
@@ -537,33 +536,28 @@ def run(args: argparse.Namespace) -> Plan:
     full = source.make(meta=True)
     params = parameter_count(full)
     scaled = args.scaled or params > args.max_local_params
-    temp_dir: Path | None = None
-    if args.nvme_path:
-        swap_dir: Path = args.nvme_path[0]
+    if args.validate is not None:
+        refused = plan_validation.cannot_validate(args, gpu, scaled, params, total_ram)
+        if refused:
+            raise UserError(refused)
+    if scaled:
+        changes, small_params = scaled_changes(
+            source, full, args.scaled_layers, args.max_local_params
+        )
+        torch.manual_seed(0)
+        small = source.make(changes)
+        small_recording, recorded = record(source, small, args, swap_dir)
+        recording = planner_scaled.recording_for_scaled(small, small_recording, full)
+        what = (
+            f"a scaled-down copy ({', '.join(f'{k}={v}' for k, v in changes.items())}; "
+            f"{small_params / 1e6:.1f} M params), extrapolated to the full model"
+        )
     else:
-        swap_dir = temp_dir = Path(tempfile.mkdtemp(prefix="infinity-plan-"))
-    try:
-        if scaled:
-            changes, small_params = scaled_changes(
-                source, full, args.scaled_layers, args.max_local_params
-            )
-            torch.manual_seed(0)
-            small = source.make(changes)
-            small_recording, recorded = record(source, small, args, swap_dir)
-            recording = planner_scaled.recording_for_scaled(small, small_recording, full)
-            what = (
-                f"a scaled-down copy ({', '.join(f'{k}={v}' for k, v in changes.items())}; "
-                f"{small_params / 1e6:.1f} M params), extrapolated to the full model"
-            )
-        else:
-            torch.manual_seed(0)
-            model = source.make()
-            recording, recorded = record(source, model, args, swap_dir)
-            del model
-            what = "the model itself"
-    finally:
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        torch.manual_seed(0)
+        model = source.make()
+        recording, recorded = record(source, model, args, swap_dir)
+        del model
+        what = "the model itself"
     if gpu:
         rates.append(planner.measure_matmul_tflops(repeats=8))
         here_tflops = max(rates)
@@ -676,129 +670,24 @@ def run(args: argparse.Namespace) -> Plan:
             {
                 "drives": t.drives,
                 "disk": dataclasses.asdict(t.disk),
-                "candidates": [_candidate_json(c, tokens * args.ranks) for c in t.ranked],
+                "candidates": [candidate_json(c, tokens * args.ranks) for c in t.ranked],
             }
             for t in tables
         ],
     }
-    return Plan(header, tables, tokens, args.ranks, data)
 
-
-def _candidate_json(c: Candidate, tokens: int) -> dict[str, Any]:
-    return {
-        "config": c.config.to_dict(),
-        "fits": c.fits,
-        "reason": c.reason,
-        "bound": c.bound,
-        "busy_seconds": c.busy,
-        "tokens_per_second": tokens / c.result["step_seconds"] if c.fits else None,
-        **{k: v for k, v in c.result.items() if k not in ("disk", "device")},
-    }
-
-
-# ---------------------------------------------------------------------------- output
-
-
-def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "auto"
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
-    return f"{nbytes} B"
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.3g}"
-
-
-def table(plan: Plan, top: int) -> list[str]:
-    lines = [f"{name:<10} {value}" for name, value in plan.header]
-    for t in plan.tables:
-        disk = t.disk
-        lines += [
-            "",
-            f"{'disk':<10} {t.drives} drive(s): {disk.read_gbps:.3g} GB/s read, "
-            f"{disk.write_gbps:.3g} GB/s write"
-            f"{', shared' if disk.shared else ', side by side'} per rank "
-            f"({disk.source})",
-            "",
-        ]
-        lines += _ranked_lines(plan, t.ranked, top)
-    lines += [
-        "",
-        "per rank: bytes per step, peaks of each tier (host: the store's host tier) and "
-        "of the process's RSS; bound: the resource busiest in a step. Not modelled: "
-        "activations' memory, all-gathers between ranks.",
-    ]
-    return lines
-
-
-def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
-    lines: list[str] = []
-    columns = [
-        "#",
-        "param/optim",
-        "dtype",
-        "host budget",
-        "device budget",
-        "buffers",
-        "step s",
-        "tokens/s",
-        "read GB",
-        "write GB",
-        "peak dev",
-        "peak host",
-        "peak nvme",
-        "peak RSS",
-        "bound",
-    ]
-    rows = []
-    fitting = [c for c in ranked if c.fits]
-    for rank, c in enumerate(fitting[:top], 1):
-        cfg, r = c.config, c.result
-        rows.append(
-            [
-                str(rank),
-                f"{cfg.offload_param}/{cfg.offload_optimizer}",
-                cfg.precision.dtype,
-                _size(cfg.host_budget),
-                _size(cfg.device_budget),
-                f"{cfg.buffer_count} x {_size(cfg.buffer_size)}"
-                if "nvme" in (cfg.offload_param, cfg.offload_optimizer)
-                else "-",
-                f"{r['step_seconds']:.3g}",
-                f"{plan.tokens * plan.ranks / r['step_seconds']:,.0f}",
-                _gb(r["bytes_read"]),
-                _gb(r["bytes_written"]),
-                _size(r["peak_bytes"]["device"]),
-                _size(r["peak_bytes"]["host"]),
-                _size(r["peak_bytes"]["nvme"]),
-                _size(r["rss_peak_bytes"]),
-                c.bound,
-            ]
+    def replay(config: OffloadConfig, disk: DiskProfile, iterations: int) -> dict[str, Any]:
+        return planner.simulate(
+            skeleton_of(),
+            recording,
+            config.replace(device="cpu"),
+            disk,
+            device,
+            iterations=iterations,
+            cpu_memory=not gpu,
         )
-    if rows:
-        widths = [max(len(col), *(len(row[i]) for row in rows)) for i, col in enumerate(columns)]
-        lines.append("  ".join(col.ljust(w) for col, w in zip(columns, widths)).rstrip())
-        for row in rows:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    else:
-        lines.append("no candidate fits")
-    if len(fitting) > top:
-        lines.append(f"... and {len(fitting) - top} more that fit (--top, --json)")
-    misfits = [c for c in ranked if not c.fits]
-    if misfits:
-        lines += ["", f"{len(misfits)} candidate(s) do not fit:"]
-        for c in misfits:
-            cfg = c.config
-            lines.append(
-                f"  {cfg.offload_param}/{cfg.offload_optimizer} {cfg.precision.dtype} "
-                f"host {_size(cfg.host_budget)} device {_size(cfg.device_budget)} "
-                f"buffers {cfg.buffer_count} x {_size(cfg.buffer_size)}: {c.reason}"
-            )
-    return lines
+
+    return Plan(header, tables, tokens, args.ranks, data, replay)
 
 
 def write_config(plan: Plan, path: Path) -> OffloadConfig:
@@ -821,22 +710,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     if not args.verbose:
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-        except ImportError:
-            pass
+        quiet_transformers()
 
     def plan_and_write() -> None:
-        plan = run(args)
-        print("\n".join(table(plan, args.top)))
-        if args.write_config is not None:
-            write_config(plan, args.write_config)
-            print(
-                f"\nwrote the best candidate to {args.write_config} "
-                f"(OffloadConfig.from_file loads it)"
-            )
+        with swap_directory(args) as swap_dir:
+            plan = run(args, swap_dir)
+            print("\n".join(table(plan, args.top)), flush=True)
+            if args.write_config is not None:
+                write_config(plan, args.write_config)
+                print(
+                    f"\nwrote the best candidate to {args.write_config} "
+                    f"(OffloadConfig.from_file loads it)"
+                )
+            if args.validate is not None:
+                validation = plan_validation.validate(plan, args, swap_dir, args.validate)
+                plan.json["validation"] = validation
+                print("\n".join(plan_validation.lines(validation)))
         if args.json is not None:
             args.json.write_text(json.dumps(plan.json, indent=1, default=str) + "\n")
 

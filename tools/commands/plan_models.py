@@ -65,6 +65,15 @@ class ModelSource:
             ) from None
 
 
+def quiet_transformers() -> None:
+    """Hugging Face's own messages at error level only (when it is installed)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+
+
 def hf_source(path: Path) -> ModelSource:
     if not path.exists():
         raise UserError(

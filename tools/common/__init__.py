@@ -1,2 +1,2 @@
 """What the command-line tools and benchmarks share: argument parsing, units, aggregation, the
-machine's description, the demo's GPT."""
+machine's description, the demo's GPT, and a run measured against its prediction."""
