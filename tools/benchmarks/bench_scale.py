@@ -29,6 +29,12 @@ plus the other layers at the two-layer time's difference. Each step prints its r
 compute floor, to the I/O floor and to the larger of the two. The load average is printed at
 the start and the end (other work on the machine's cores moves both the step and the floor).
 
+Neither floor counts what the compute and the disk take from each other on few cores, so each
+step is also held against its overlap floor (:mod:`tools.benchmarks.contention`): a plain 2-layer
+step timed alone and beside the swap engine streaming reads and writes, and the engine's GB/s
+alone and beside that step, in a child process; the floor is the step's compute and bytes both
+running from its start, each slowed as measured, and the one left then finishing alone.
+
     python -m tools.benchmarks.bench_scale [--width 2560 --layers 32 --host-budget 4GiB
         --steps 4 --nvme-path DIR --save --json out.json]
     python -m tools.benchmarks.bench_scale --bf16 --compute-copies --state-dtype bf16
@@ -50,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +66,8 @@ import infinity
 from infinity.config import parse_size
 from infinity.core.memory import huge_page_allocations, peak_resident_bytes, warm_runtime
 from infinity.training.state_codecs import stored_nbytes
-from tools.benchmarks.bench_overlap import engine_bandwidth
+from tools.benchmarks import contention
+from tools.benchmarks.bench_overlap import engine_bandwidth, engine_settings
 from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
 GIB = 1 << 30
@@ -135,6 +143,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="(the child process) time plain PyTorch steps of 1 and 2 layers; print JSON",
     )
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="(the child process) time a 2-layer step and the engine alone and together",
+    )
     args = parser.parse_args(argv)
     args.bf16 = args.bf16 or args.compute_copies
     return args
@@ -150,42 +163,57 @@ def gpt_config(args: argparse.Namespace, layers: int) -> GPTConfig:
     )
 
 
-def plain_step_seconds(args: argparse.Namespace, layers: int, repeats: int = 3) -> float:
-    """Median seconds of plain PyTorch forward, backward and fused AdamW step of the GPT with
-    ``layers`` layers in memory (under bf16 autocast with ``--bf16``), after one untimed."""
+def plain_step(args: argparse.Namespace, layers: int) -> Callable[[], None]:
+    """One plain PyTorch forward, backward and fused AdamW step of the GPT with ``layers``
+    layers in memory (under bf16 autocast with ``--bf16``), as a call."""
     torch.manual_seed(0)
     model = TinyGPT(gpt_config(args, layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     generator = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(repeats + 1):
+
+    def step() -> None:
         tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator)
-        started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step:
-            times.append(time.perf_counter() - started)
+
+    return step
+
+
+def plain_step_seconds(args: argparse.Namespace, layers: int, repeats: int = 3) -> float:
+    """Median seconds of :func:`plain_step` with ``layers`` layers, after one untimed."""
+    step = plain_step(args, layers)
+    step()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def compute_floor(args: argparse.Namespace) -> dict[str, float]:
-    """The compute floor of a step of the whole GPT (see the module docstring), measured in a
-    child process: its memory stays out of this one's peaks."""
+def _child(args: argparse.Namespace, *flags: str) -> Any:
+    """The JSON a child run of this benchmark with ``flags`` (and the model's shape) prints."""
     command = [
         sys.executable,
         "-m",
         "tools.benchmarks.bench_scale",
-        "--compute-floor",
+        *flags,
         f"--width={args.width}",
         f"--vocab={args.vocab}",
         f"--context={args.context}",
         f"--batch={args.batch}",
     ] + (["--bf16"] if args.bf16 else [])
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    one, two = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compute_floor(args: argparse.Namespace) -> dict[str, float]:
+    """The compute floor of a step of the whole GPT (see the module docstring), measured in a
+    child process: its memory stays out of this one's peaks."""
+    one, two = _child(args, "--compute-floor")
     per_layer = max(two - one, 0.0)
     return {
         "one_layer_s": one,
@@ -193,6 +221,14 @@ def compute_floor(args: argparse.Namespace) -> dict[str, float]:
         "per_layer_s": per_layer,
         "floor_s": one + (args.layers - 1) * per_layer,
     }
+
+
+def overlap_contention(args: argparse.Namespace, swap: Path) -> dict[str, float]:
+    """How much the compute and the swap engine slow each other when they run at once
+    (:mod:`tools.benchmarks.contention`), measured in a child process on ``swap``: one plain
+    step of the GPT with two layers, alone and beside the engine streaming reads and writes."""
+    result: dict[str, float] = _child(args, "--contention", f"--nvme-path={swap}")
+    return result
 
 
 def load_average() -> str:
@@ -206,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compute_floor:
         print(json.dumps([plain_step_seconds(args, 1), plain_step_seconds(args, 2)]))
+        return 0
+    if args.contention:
+        huge_page_allocations()
+        assert args.nvme_path is not None
+        settings = engine_settings(infinity.OffloadConfig(offload_param="nvme"))
+        found = contention.measure(args.nvme_path, settings, plain_step(args, 2))
+        print(json.dumps(found.as_dict()))
         return 0
     logging.basicConfig(level=logging.WARNING, format="  %(name)s: %(message)s")
     # As a process started with THP_MEM_ALLOC_ENABLE=1 (docs/tuning.md), before any CPU tensor.
@@ -357,10 +400,21 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
         f"{floor_compute['one_layer_s']:.2f} + {args.layers - 1} x "
         f"{floor_compute['per_layer_s']:.2f} s; load average {load_average()}"
     )
+    both_at_once = overlap_contention(args, swap)
+    slowdown, retained = both_at_once["compute_slowdown"], both_at_once["io_retained"]
+    print(
+        f"both at once (a 2-layer plain step beside the engine streaming reads and writes): "
+        f"compute {both_at_once['compute_alone_s']:.2f} s alone, "
+        f"{both_at_once['compute_beside_io_s']:.2f} s beside the engine ({slowdown:.2f}x); "
+        f"the engine {both_at_once['io_alone_bps'] / 1e9:.2f} GB/s alone, "
+        f"{both_at_once['io_beside_compute_bps'] / 1e9:.2f} GB/s beside compute "
+        f"({retained:.0%} kept). Overlap floor: compute and I/O both from the step's start, "
+        f"each slowed so, the one left then alone"
+    )
     print(
         f"{'step':>4} {'s':>7} {'moved GB':>9} {'I/O floor s':>11} {'x I/O':>6} "
-        f"{'x compute':>9} {'x max':>6} {'stall s':>7} {'peak RSS GiB':>12} {'vs budget':>9}  "
-        f"update"
+        f"{'x compute':>9} {'x max':>6} {'overlap s':>9} {'x overlap':>9} {'stall s':>7} "
+        f"{'peak RSS GiB':>12} {'vs budget':>9}  update"
     )
     for index, record in enumerate(steps):
         moved = record["bytes_read"] + record["bytes_written"]
@@ -371,10 +425,14 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
         record["vs_compute_floor"] = record["step_s"] / compute_s if compute_s else None
         both = max(floor, compute_s)
         record["vs_max_floor"] = record["step_s"] / both if both else None
+        overlap = contention.overlapped_floor(compute_s, moved, combined, slowdown, retained)
+        record["overlap_floor_s"] = overlap
+        record["vs_overlap_floor"] = record["step_s"] / overlap
         print(
             f"{index:>4} {record['step_s']:>7.1f} {moved / 1e9:>9.2f} {floor:>11.1f} "
             f"{record['step_s'] / floor:>6.2f} {record['step_s'] / compute_s:>9.2f} "
-            f"{record['step_s'] / both:>6.2f} {record['stall_s']:>7.1f} "
+            f"{record['step_s'] / both:>6.2f} {overlap:>9.1f} {record['vs_overlap_floor']:>9.2f} "
+            f"{record['stall_s']:>7.1f} "
             f"{record['peak_rss'] / GIB:>12.2f} "
             f"{record['peak_rss'] / budget:>8.2f}x  {record['update_mode']}"
         )
@@ -406,9 +464,13 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
     median = ratios[len(ratios) // 2] if ratios else None
     median_step = statistics.median(r["step_s"] for r in steady)
     median_max = statistics.median(r["vs_max_floor"] for r in steady if r["vs_max_floor"])
+    median_overlap = statistics.median(r["overlap_floor_s"] for r in steady)
+    io_floor = statistics.median(r["io_floor_s"] for r in steady)
     print(
         f"steady steps: median {median_step:.1f} s, {median or 0:.2f}x the I/O floor, "
-        f"{median_step / compute_s:.2f}x the compute floor, {median_max:.2f}x the larger"
+        f"{median_step / compute_s:.2f}x the compute floor, {median_max:.2f}x the larger, "
+        f"{median_step / median_overlap:.2f}x the overlap floor ({median_overlap:.1f} s, itself "
+        f"{median_overlap / io_floor:.2f}x the I/O floor)"
     )
     return {
         "precision": {
@@ -417,6 +479,7 @@ def run(args: argparse.Namespace, model: torch.nn.Module, params: int, root: Pat
             "state_dtype": args.state_dtype,
         },
         "compute_floor": floor_compute,
+        "contention": both_at_once,
         "median_step_s": median_step,
         "median_vs_max_floor": median_max,
         "params": params,
