@@ -489,7 +489,18 @@ class Placement:
                 return end + in_step * index if self._step_will_update(shard) else use + 1.0
             return use
 
-        return next_use
+        # Each caller ranks its candidates and then keeps those needed after its horizon, both
+        # before it changes any state: one computation per shard serves both (the ranking alone
+        # was a tenth of the training thread's time on a 0.65 B GPT under a 1 GiB budget).
+        known: dict[Shard, float] = {}
+
+        def remembered(shard: Shard) -> float:
+            use = known.get(shard)
+            if use is None:
+                use = known[shard] = next_use(shard)
+            return use
+
+        return remembered
 
     @staticmethod
     def _evictable(shard: Shard) -> bool:
