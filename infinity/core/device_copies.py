@@ -360,7 +360,9 @@ class DeviceCopies:
         flat = tensor.view(-1)  # the storage that fill() gives its bytes
 
         def copy(shard: Shard, host: torch.Tensor) -> torch.cuda.Event | None:
-            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
+            return self.device.copy_in(
+                flat[shard.start : shard.start + shard.numel], host, shard.quant
+            )
 
         self.copy_to_device(
             entry,

@@ -70,6 +70,7 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
         # device copies that are the host copy itself (a CPU device, no autograd): no copy
         "lent_gathers": placement.lending.lent_gathers if placement else 0,
+        "lent_bytes": placement.lending.lent_bytes if placement else 0,
         # a CPU device's gathers that found no free range in its slab (fresh memory instead)
         "device_slab_misses": placement.device.slab_misses if placement else 0,
         "steps": store.stepping.steps,
@@ -114,6 +115,9 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         # optimizer, precision.optimizer_state_dtype): the bytes their transfers moved, and
         # what moving the values as they are would have taken
         "compression": _compression_stats(store),
+        # the parameters as stored between uses (precision.storage_dtype; int8/int4 quantize
+        # the weights): a forward that gathers each once moves these bytes to the device
+        "weights": _weight_stats(store),
         # saved activations moved off the device (offload_activations; None when 'none')
         "activations": store.activations.stats() if store.activations is not None else None,
     }
@@ -134,6 +138,22 @@ def _compression_stats(store: AttachedStore) -> dict[str, Any]:
         "compute_read": moved.compute_read if moved else 0,
         "compute_read_as_masters": moved.compute_read_as_masters if moved else 0,
         "compute_written": moved.compute_written if moved else 0,
+    }
+
+
+def _weight_stats(store: AttachedStore) -> dict[str, Any]:
+    entries = store.registry.entries
+    quantized = [e for e in entries if e.quantized]
+    return {
+        "storage_dtype": store.config.precision.storage_dtype,
+        "stored_bytes": sum(e.nbytes for e in entries),
+        # the quantized weights' bytes (codes and scales), and those of the tensors kept as
+        # they are (norms, biases, small ones)
+        "quantized_bytes": sum(e.nbytes for e in quantized),
+        "unquantized_bytes": sum(e.nbytes for e in entries if not e.quantized),
+        "quantized_params": len(quantized),
+        # the same parameters in the dtype they were given in
+        "given_bytes": sum(e.numel * (e.given_dtype or e.dtype).itemsize for e in entries),
     }
 
 

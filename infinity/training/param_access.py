@@ -528,7 +528,8 @@ class ParamAccess:
         # The masters themselves, not the cached device copy (rounded under mixed precision).
         self.placement.drop_device(entry, force=True)
         master = self.store.materialize(entry)
-        if entry.compute_dtype == entry.dtype:
+        # (a quantized weight's values are its decoded ones, in the compute dtype)
+        if entry.quantized or entry.compute_dtype == entry.dtype:
             if torch.equal(value, master):
                 return
             new = value
