@@ -229,6 +229,27 @@ def test_a_forward_moves_the_stored_bytes(tmp_path, kind: str) -> None:
         assert forwards * expected + arena < forwards * given // 2
 
 
+def test_decoded_copies_go_to_the_slab_without_autograd(tmp_path) -> None:
+    """On a CPU device without autograd a quantized weight's device copy is decoded into the
+    device tier's reusable slab (no fresh memory per gather); with autograd into a copy of its
+    own, which backward may keep."""
+    model = Net().eval()
+    with infinity.TieredStore(
+        config(tmp_path, "int8", host_budget=None, device_budget=64 * SHARD)
+    ) as store:
+        store.attach(model)
+        quantized = [e for e in store.registry.entries if e.quantized]
+        assert [e.name for e in quantized] == list(QUANTIZED)
+        with torch.no_grad():
+            model(ids())
+            assert all(e.resident and e.slab_offset is not None for e in quantized)
+            out = model(ids())
+        again = model(ids())  # autograd on: every copy its own
+        assert all(e.resident and e.slab_offset is None for e in quantized)
+        assert torch.equal(again, out)
+        assert store.stats()["device_slab_misses"] == 0
+
+
 def test_load_pretrained_quantizes_the_checkpoint(tmp_path) -> None:
     safetensors = pytest.importorskip("safetensors.torch")
     plain = Net().eval()

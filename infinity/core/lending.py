@@ -109,11 +109,14 @@ class HostLending:
         ``gather(lend=True)``): backward may use views of the weights saved in forward after
         their host copy was evicted and its slot reused; a copy of its own keeps them valid
         (see drop_device)."""
+        return self.can_stage(entry) and entry.compute_dtype == entry.dtype
+
+    def can_stage(self, entry: ParamEntry) -> bool:
+        """Whether the device copy may be a range of the slab (see :meth:`stage`): as
+        :meth:`can_lend`, whatever the dtypes (a weight stored quantized, or in another dtype,
+        is converted into it)."""
         return (
-            not self.device.cuda
-            and self.partition is None
-            and entry.compute_dtype == entry.dtype
-            and entry.index not in self.persistent
+            not self.device.cuda and self.partition is None and entry.index not in self.persistent
         )
 
     @staticmethod
