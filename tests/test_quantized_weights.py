@@ -404,3 +404,29 @@ def test_llama_generates_what_its_decoded_weights_do_in_ram(tmp_path, kind: str)
         assert weights["quantized_params"] == 2 + 2 * 7
         norms = sum(p.numel() * 4 for n, p in plain.named_parameters() if "norm" in n)
         assert weights["unquantized_bytes"] == norms
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check runs it on one)"
+)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_cuda_moves_the_stored_bytes_and_decodes_on_the_device(tmp_path, kind: str) -> None:
+    """On CUDA the stored bytes cross to the device, are decoded there on the copy stream, and
+    the output is that of the decoded weights computed on the device."""
+    cuda = torch.device("cuda")
+    plain = Net().eval()
+    reference = decoded_in_ram(plain, kind, 64).to(cuda)
+    tokens = ids().to(cuda)
+    with torch.no_grad():
+        expected = reference(tokens)
+    model = copy.deepcopy(plain)
+    with infinity.TieredStore(config(tmp_path, kind, device="cuda", host_budget=None)) as store:
+        store.attach(model)
+        with torch.no_grad():
+            before = store.stats()["bytes_to_device"]
+            first = model(tokens)
+            moved = store.stats()["bytes_to_device"] - before
+            second = model(tokens)
+        assert moved == stored_bytes(kind, plain, 64)  # the first forward gathers every weight
+    assert first.device.type == "cuda"
+    assert torch.equal(first, expected) and torch.equal(second, expected)
