@@ -304,6 +304,34 @@ def test_an_optimizer_is_refused(tmp_path) -> None:
     assert all(p.device.type == "cpu" for p in model.parameters())  # nothing was taken
 
 
+def test_backward_reaches_the_inputs_and_drops_the_quantized_weights_gradients(
+    tmp_path, caplog
+) -> None:
+    """Backward through quantized weights gives the inputs' gradients those of the decoded
+    weights do in RAM; the quantized weights' own gradients are dropped, said once."""
+    plain = Net().eval()
+    model = copy.deepcopy(plain)
+    reference = decoded_in_ram(plain, "int8", 64)
+    hidden = torch.randn(3, 7, 128, generator=torch.Generator().manual_seed(4))
+    expected = hidden.clone().requires_grad_(True)
+    reference.down(reference.norm(reference.up(expected))).sum().backward()
+    with infinity.TieredStore(config(tmp_path, "int8")) as store:
+        store.attach(model)
+        for _ in range(2):
+            given = hidden.clone().requires_grad_(True)
+            model.down(model.norm(model.up(given))).sum().backward()
+            assert given.grad is not None and torch.equal(given.grad, expected.grad)
+        assert model.up.weight.grad is None and model.up.bias.grad is not None
+        assert torch.equal(model.up.bias.grad, 2 * reference.up.bias.grad)  # accumulated
+        with torch.no_grad():
+            assert torch.equal(model(ids()), reference(ids()))  # nothing left held
+        with pytest.raises(infinity.ParameterAccessError, match="keeps no gradient"):
+            model.up.weight.grad = torch.ones(256, 128)
+        model.up.weight.grad = None  # nothing to clear, and nothing refused
+    warnings = [r for r in caplog.records if "gradient is discarded" in r.getMessage()]
+    assert len(warnings) == 1
+
+
 def test_weights_kept_on_the_device_are_refused(tmp_path) -> None:
     store = infinity.TieredStore(config(tmp_path, "int8", offload_param="none"))
     with pytest.raises(ConfigError, match="offload_param to 'cpu' or 'nvme'"):

@@ -26,6 +26,10 @@ The stored bytes of a run of whole units are the units' scales (fp32), for int4 
 (fp32), then the codes, so the float parts start 4-byte aligned where the shard's host copy
 starts. Rounding an element to its nearest level leaves an error of at most half a scale.
 
+Nothing can update a weight stored this way: attach refuses an optimizer, and backward through
+one reaches the inputs (and the unquantized parameters) while its own gradient is dropped, with
+one warning (``infinity.training.gradients``).
+
 Decoding writes the compute-dtype values straight into the destination (a range of the device
 copy): the codes are converted into it, then scaled (and offset) in place, in the destination's
 dtype. The same function gives the reference values a test compares against.
