@@ -62,14 +62,16 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
         "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
         "stall_seconds": placement.completions.stall_seconds if placement else 0.0,
-        # traffic between the device and host tiers; the seconds are the training thread's
-        # own synchronous copies (all of them without a GPU: the share of a step that a
-        # GPU's copy engine would take off the cores)
+        # traffic between the device and host tiers (a quantized weight's stored bytes, which
+        # are decoded on the way); the seconds are the training thread's own synchronous
+        # copies (all of them without a GPU: the share of a step that a GPU's copy engine
+        # would take off the cores)
         "bytes_to_device": placement.device.bytes_in if placement else 0,
         "bytes_from_device": placement.device.bytes_out if placement else 0,
         "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
         # device copies that are the host copy itself (a CPU device, no autograd): no copy
         "lent_gathers": placement.lending.lent_gathers if placement else 0,
+        # ... and their bytes: with bytes_to_device, what gathers made device copies of
         "lent_bytes": placement.lending.lent_bytes if placement else 0,
         # a CPU device's gathers that found no free range in its slab (fresh memory instead)
         "device_slab_misses": placement.device.slab_misses if placement else 0,
