@@ -43,6 +43,8 @@ OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: precision.optimizer_state_dtype: how per-element optimizer state is stored between steps
 STATE_DTYPES = ("fp32", "bf16", "int8")
+#: precision.storage_dtype: the dtypes above, or weights quantized for inference
+STORAGE_DTYPES = ("auto",) + DTYPES + ("int8", "int4")
 
 
 # --------------------------------------------------------------------------- sizes and keys
@@ -411,7 +413,18 @@ class PrecisionConfig(_Validated):
         instead of the master (half the bytes), and which the step writes as it updates the
         master; training is bit for bit that of ``precision.dtype`` alone. Memory: 2
         bytes/param for bf16/fp16 wherever the params live between uses; in training 2
-        bytes/param more on disk, and written per step.
+        bytes/param more on disk, and written per step. ``int8`` and ``int4`` (inference only:
+        a store attached without an optimizer, ``offload_param`` 'cpu' or 'nvme', one process)
+        store each float weight of 2+ dimensions and 1024+ elements quantized, once, and
+        decode it into the compute dtype on its way to the device; norms, biases and small
+        tensors stay in their dtype. ``int8``: symmetric, a scale per output channel (row), 1
+        byte/param. ``int4``: asymmetric, a scale and a minimum per group of
+        ``quant_group_size`` elements along the input dimension, about 0.56 bytes/param at
+        128 (see ``infinity.inference.quantized``). The model then computes with the rounded
+        weights.
+    quant_group_size: elements per int4 group (an even number >= 2 that divides every
+        quantized weight's input dimension; default 128). Smaller groups round closer and
+        store more scales (8 bytes per group).
     optimizer_state_dtype: how per-element optimizer state (Adam's two moments) is stored
         between steps: ``fp32`` (default: as the optimizer keeps it, bit-exact against plain
         PyTorch), ``bf16`` (rounded stochastically) or ``int8`` (blockwise: an 8-bit code per
@@ -438,7 +451,11 @@ class PrecisionConfig(_Validated):
         default=1.0, metadata=_rule(kind="float", lo=0, fix="use a positive scale such as 1")
     )
     storage_dtype: str = field(
-        default="auto", metadata=_rule(kind="choice", choices=("auto",) + DTYPES)
+        default="auto", metadata=_rule(kind="choice", choices=STORAGE_DTYPES)
+    )
+    quant_group_size: int = field(
+        default=128,
+        metadata=_rule(kind="int", lo=2, fix="use an even group size such as 128 or 64"),
     )
     optimizer_state_dtype: str = field(
         default="fp32", metadata=_rule(kind="choice", choices=STATE_DTYPES)
@@ -446,6 +463,13 @@ class PrecisionConfig(_Validated):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.quant_group_size % 2:
+            raise _bad(
+                "precision.quant_group_size",
+                self.quant_group_size,
+                "an even number (two int4 codes share a byte)",
+                f"use {self.quant_group_size + 1} or another even group size such as 128",
+            )
         if self.min_loss_scale == 0:
             raise _bad(
                 "precision.min_loss_scale",

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from infinity.inference.quantized import WeightQuantization  # noqa: E402
 from tools.benchmarks import bench_infer  # noqa: E402
 from tools.commands import generate  # noqa: E402
 
@@ -153,6 +154,56 @@ def test_bf16_compute_equals_the_plain_model_in_bf16(tmp_path, capsys, saved):
     assert summary["dtype"] == "bfloat16"
     assert summary["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
     assert summary["sequences"] == expected.tolist()
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_generate_what_their_decoded_values_do(tmp_path, capsys, saved, weights):
+    """--weights int8|int4: the ids of the model whose weights are the decoded ones, in RAM,
+    and the weights on NVMe in their stored bytes."""
+    model, path = saved["llama"]
+    plain = transformers.LlamaForCausalLM(model.config).eval()
+    plain.load_state_dict(model.state_dict())
+    quantization = WeightQuantization(weights, 32)
+    stored = 0
+    with torch.no_grad():
+        for name, param in plain.named_parameters():
+            quant = quantization.quantizer_for(name, param)
+            if quant is None:
+                stored += param.numel() * param.element_size()
+            else:
+                stored += quant.stored_bytes(param.numel())
+                param.copy_(quant.round_trip(param))
+        ids = torch.tensor([[5, 6, 7, 8]])
+        expected = plain.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )
+    argv = ["--model", str(path), "--nvme-path", str(tmp_path), "--token-ids", "5,6,7,8"]
+    argv += ["--weights", weights, "--group-size", "32", "--max-new-tokens", str(NEW_TOKENS)]
+    code, out, err = _run(capsys, *argv, "--disk-gbps", "1", "--json", *BUDGETS)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["sequences"] == expected.tolist()
+    assert summary["weights"] == weights
+    assert summary["weight_bytes"] == summary["weight_storage"]["stored_bytes"] == stored
+    # bytes per parameter: int8 one and a scale a row; int4 half and 8 bytes a group of 32
+    assert stored < sum(p.numel() for p in model.parameters()) * (1.1 if weights == "int8" else 0.8)
+    code, out, err = _run(capsys, *argv, "--disk-gbps", "1", *BUDGETS)
+    assert code == 0, err
+    assert f"weights {weights} " in out and "quantized" in out
+
+
+def test_a_group_size_that_does_not_divide_the_rows_is_one_line(tmp_path, capsys, saved):
+    _, path = saved["llama"]
+    code, _, err = _run(
+        capsys,
+        *("--model", str(path), "--nvme-path", str(tmp_path), "--token-ids", "1,2"),
+        *("--weights", "int4", "--group-size", "48", "--disk-gbps", "1", *BUDGETS),
+    )
+    assert code == 2 and "quant_group_size" in err and "Traceback" not in err
 
 
 def test_sampling_is_seeded(tmp_path, capsys, saved):

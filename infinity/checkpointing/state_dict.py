@@ -93,7 +93,7 @@ def install_state_dict_hooks(store: AttachedStore, model: nn.Module) -> list[Any
                 )
                 continue
             try:
-                flat = value.detach().to(device="cpu", dtype=entry.dtype).reshape(-1)
+                flat = value.detach().to(device="cpu", dtype=entry.values_dtype).reshape(-1)
             except Exception as ex:
                 error_msgs.append(
                     f'While copying the parameter named "{key}", whose dimensions in the model '
@@ -120,7 +120,7 @@ def install_state_dict_hooks(store: AttachedStore, model: nn.Module) -> list[Any
 
 def write_entry(store: AttachedStore, entry: ParamEntry, value: torch.Tensor) -> None:
     """Overwrites a parameter's values in every tier it lives in."""
-    flat = value.detach().reshape(-1).to(entry.dtype)
+    flat = value.detach().reshape(-1).to(entry.values_dtype)
     write_entry_pieces(store, entry, shard_part(flat))
 
 
@@ -140,7 +140,9 @@ def write_entry_pieces(
     placement.drop_device(entry, force=True)
     store.before_state_change(entry.shards)  # a checkpoint being saved copies them first
     for shard in entry.shards:
-        piece = piece_of(shard).reshape(-1).to(shard.dtype)
+        piece = piece_of(shard).reshape(-1)
+        if shard.quant is None:  # a quantized one is encoded from its values as they come
+            piece = piece.to(shard.dtype)
         # The whole value is replaced: no need to read the old one (which may be the very
         # corrupted or stale extent a checkpoint load is healing).
         placement.prepare_overwrite(shard)

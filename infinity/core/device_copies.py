@@ -144,8 +144,10 @@ class DeviceCopies:
         self.last_used[entry.index] = self.clock
         self.settle(entry)
         lending = self.lending
+        # A quantized weight is never lent (its host copy is codes), but may be staged.
+        stage = lend and (lending.can_lend(entry) or entry.quantized and lending.can_stage(entry))
         lend = lend and lending.can_lend(entry)
-        if entry.placeholder is not None and not lend:
+        if entry.placeholder is not None and not stage:
             self.drop_device(entry)  # every other use gets a copy of its own (see can_lend)
         if not entry.resident:
             if self.partition is not None:
@@ -154,7 +156,7 @@ class DeviceCopies:
                 self._assemble(members, defer=False)
             else:
                 self._make_device_room([entry])
-                if not (lend and (lending.lend(entry) or lending.stage(entry))):
+                if not ((lend and lending.lend(entry)) or (stage and lending.stage(entry))):
                     self._fill_device(entry)
         if hold:
             entry.holds += 1
@@ -360,7 +362,9 @@ class DeviceCopies:
         flat = tensor.view(-1)  # the storage that fill() gives its bytes
 
         def copy(shard: Shard, host: torch.Tensor) -> torch.cuda.Event | None:
-            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
+            return self.device.copy_in(
+                flat[shard.start : shard.start + shard.numel], host, shard.quant
+            )
 
         self.copy_to_device(
             entry,

@@ -80,6 +80,8 @@ class HostLending:
         self.persistent = persistent
         #: device copies lent by the host copy instead of copied (see can_lend)
         self.lent_gathers = 0
+        #: the bytes of those device copies (what copying them would have moved)
+        self.lent_bytes = 0
 
     def after_previous(self, shard: Shard) -> int | None:
         """The slot right after the previous shard of the same parameter, when that one fills
@@ -107,11 +109,14 @@ class HostLending:
         ``gather(lend=True)``): backward may use views of the weights saved in forward after
         their host copy was evicted and its slot reused; a copy of its own keeps them valid
         (see drop_device)."""
+        return self.can_stage(entry) and entry.compute_dtype == entry.dtype
+
+    def can_stage(self, entry: ParamEntry) -> bool:
+        """Whether the device copy may be a range of the slab (see :meth:`stage`): as
+        :meth:`can_lend`, whatever the dtypes (a weight stored quantized, or in another dtype,
+        is converted into it)."""
         return (
-            not self.device.cuda
-            and self.partition is None
-            and entry.compute_dtype == entry.dtype
-            and entry.index not in self.persistent
+            not self.device.cuda and self.partition is None and entry.index not in self.persistent
         )
 
     @staticmethod
@@ -153,6 +158,7 @@ class HostLending:
             self.registry.set_state(shard, _TO_DEVICE[shard.state])
         self._copies.mark_resident(entry)
         self.lent_gathers += 1
+        self.lent_bytes += entry.device_bytes
         return True
 
     def stage(self, entry: ParamEntry) -> bool:
@@ -167,7 +173,9 @@ class HostLending:
         flat = self.device.slab_view(offset, entry.compute_dtype, entry.numel)
 
         def copy(shard: Shard, host: torch.Tensor) -> torch.cuda.Event | None:
-            return self.device.copy_in(flat[shard.start : shard.start + shard.numel], host)
+            return self.device.copy_in(
+                flat[shard.start : shard.start + shard.numel], host, shard.quant
+            )
 
         self._copies.copy_to_device(
             entry, copy, undo=lambda: self.device.slab_give(offset, entry.device_bytes)

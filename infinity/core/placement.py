@@ -339,7 +339,7 @@ class Placement:
                 self.store_async(shard)
                 self.refresh_compute_copy(shard, write_back=True)
             else:
-                shard.host = self.host.allocate(shard.numel, shard.dtype)
+                shard.host = self.host.allocate(shard.host_numel, shard.dtype)
                 shard.fill_from(piece)
                 self.registry.set_state(shard, R.HOST)
 
@@ -359,7 +359,7 @@ class Placement:
             if offset is None:
                 return False
         shard.arena_offset = offset
-        shard.host = self.host.arena_view(offset, shard.dtype, shard.numel)
+        shard.host = self.host.arena_view(offset, shard.dtype, shard.host_numel)
         self.in_arena.add(shard)
         return True
 
@@ -853,7 +853,7 @@ class Placement:
         # A param shard that never had values (uninitialised):
         if shard.state is R.EMPTY and shard.kind is ShardKind.PARAM:
             if not self.nvme:
-                shard.host = self.host.allocate(shard.numel, shard.dtype)
+                shard.host = self.host.allocate(shard.host_numel, shard.dtype)
             elif not self._host_slot(shard, protect, horizon=0.0):
                 raise BudgetError(self._no_room(shard))
             self.registry.set_state(shard, R.HOST)

@@ -23,6 +23,7 @@ import torch
 from infinity.core.residency import Residency, check_transition
 
 if TYPE_CHECKING:
+    from infinity.inference.quantized import WeightQuantizer
     from infinity.observability.timeline import Transfer
     from infinity.ranks.partition import Partition
     from swap import Extent
@@ -69,6 +70,10 @@ class Shard:
     #: name (``precision.optimizer_state_dtype``; infinity.training.state_codecs); None: the
     #: values as they are
     encoding: str | None = None
+    #: a param shard stored quantized (precision.storage_dtype int8/int4, inference): how its
+    #: ``numel`` elements are kept in ``nbytes`` bytes (``dtype`` is then uint8); None: as
+    #: ``numel`` elements of ``dtype``
+    quant: WeightQuantizer | None = None
     #: a companion's param shard (the master it belongs to); None for a param shard
     owner: Shard | None = None
     state: Residency = Residency.EMPTY
@@ -105,7 +110,24 @@ class Shard:
 
     @property
     def nbytes(self) -> int:
+        if self.quant is not None:
+            return self.quant.stored_bytes(self.numel)
         return self.numel * self.dtype.itemsize
+
+    @property
+    def host_numel(self) -> int:
+        """Elements (of ``dtype``) of the host copy: ``numel``, or the stored bytes of a
+        quantized shard."""
+        return self.numel if self.quant is None else self.nbytes
+
+    def values_into(self, out: torch.Tensor, stored: torch.Tensor | None = None) -> None:
+        """Writes the values of ``stored`` (default the host copy) into ``out`` (``numel``
+        elements, flat): a copy, or a quantized shard decoded."""
+        source = self.host_copy() if stored is None else stored
+        if self.quant is None:
+            out.copy_(source)
+        else:
+            self.quant.decode(source, out)
 
     def host_copy(self) -> torch.Tensor:
         """The host copy, which the caller has made sure is there (``ensure_host``, a slot
@@ -136,6 +158,9 @@ class Shard:
         zero."""
         host = self.host
         assert host is not None, f"{self.id} has no host copy to fill"
+        if self.quant is not None:
+            self.quant.encode(values, host)  # never partitioned (one process)
+            return
         if self.real is None or self.real == self.numel:
             host.copy_(values)
             return
@@ -190,7 +215,22 @@ class ParamEntry:
         return self.shape.numel()
 
     @property
+    def quantized(self) -> bool:
+        """Whether the shards are stored quantized (``Shard.quant``)."""
+        return bool(self.shards) and self.shards[0].quant is not None
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The dtype values written into the parameter are taken in: its master dtype, or for
+        a quantized weight the dtype it was given in (it is encoded from that)."""
+        if self.quantized:
+            return self.given_dtype or self.compute_dtype
+        return self.dtype
+
+    @property
     def nbytes(self) -> int:
+        if self.quantized:
+            return sum(s.nbytes for s in self.shards)
         return self.numel * self.dtype.itemsize
 
     @property
@@ -230,18 +270,22 @@ class ShardRegistry:
         compute_dtype: torch.dtype | None = None,
         partition: Partition | None = None,
         storage_dtype: torch.dtype | None = None,
+        quant: WeightQuantizer | None = None,
     ) -> ParamEntry:
         """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
         masters are fp32 and the device copy is ``compute_dtype``; with ``storage_dtype``
         (inference) its floating-point values are kept in that dtype instead. With a
         ``partition`` (several data-parallel ranks) each shard is this rank's slice of its
-        piece."""
+        piece. With ``quant`` (inference, one process) its values are stored quantized, and
+        each shard holds whole units of the quantizer."""
         master = param.dtype
         compute = param.dtype
         if compute_dtype is not None and param.is_floating_point():
             master, compute = torch.float32, compute_dtype
         if storage_dtype is not None and param.is_floating_point():
             master = storage_dtype
+        if quant is not None:
+            master = torch.uint8
         entry = ParamEntry(
             name,
             param,
@@ -254,6 +298,9 @@ class ShardRegistry:
         )
         itemsize = master.itemsize
         per_shard = max(1, max_shard_bytes // itemsize)
+        if quant is not None:
+            unit_bytes = quant.stored_bytes(quant.unit)
+            per_shard = max(1, max_shard_bytes // unit_bytes) * quant.unit
         if partition is not None:
             per_shard *= partition.world  # each rank's slice of a piece fills at most a buffer
         numel = param.numel()
@@ -263,7 +310,7 @@ class ShardRegistry:
             shard_id = name if count == 1 else f"{name}#{k}"
             length = min(per_shard, numel - start)
             if partition is None:
-                shard = Shard(shard_id, entry, start, length, master)
+                shard = Shard(shard_id, entry, start, length, master, quant=quant)
             else:
                 first, per_rank, real = partition.slice_of(start, length)
                 shard = Shard(

@@ -51,6 +51,7 @@ from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError, CheckpointError, ConfigError
+from infinity.inference.quantized import WeightQuantization
 from infinity.observability.reporting import MemoryFigures, store_stats
 from infinity.observability.saved_activations import SavedActivationMeter
 from infinity.observability.timeline import Timeline
@@ -155,7 +156,11 @@ class TieredStore:
         self._rss_peak = 0
         precision = self.config.precision
         self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
-        self.storage_dtype = STORAGE_DTYPES[precision.storage_dtype]
+        self.storage_dtype = STORAGE_DTYPES.get(precision.storage_dtype)
+        #: precision.storage_dtype int8/int4: the weights stored quantized (inference)
+        self.weight_quantization = WeightQuantization.from_precision(
+            precision.storage_dtype, precision.quant_group_size
+        )
         #: with an optimizer, storage_dtype is that of the compute copies gathers read, kept
         #: beside the masters on NVMe (infinity.core.placement); None: gathers read the masters
         self._compute_copy_dtype: torch.dtype | None = None
@@ -292,6 +297,13 @@ class TieredStore:
             self._compute_copy_dtype = self.storage_dtype
             self.storage_dtype = None  # the masters stay as they are
         self.partition = Partition.join(process_group, self.config, self.device)
+        if self.weight_quantization is not None:
+            self.weight_quantization.check_attach(
+                training=optimizer is not None,
+                offload_param=self.config.offload_param,
+                partitioned=self.partition is not None,
+                slot_bytes=slot_size(self.config),
+            )
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
                 raise AttachError(
@@ -381,6 +393,7 @@ class TieredStore:
         slot = slot_size(config)
         if self.partition is not None and config.buffer_size is None:
             slot = self.partition.min_across(slot)  # the shards must be cut alike on every rank
+        quantization = self.weight_quantization
         for name, param in model.named_parameters():
             self.registry.add_param(
                 name,
@@ -389,6 +402,7 @@ class TieredStore:
                 compute_dtype=self.compute_dtype,
                 partition=self.partition,
                 storage_dtype=self.storage_dtype,
+                quant=quantization.quantizer_in_slot(name, param, slot) if quantization else None,
             )
         if not self.registry.entries:
             raise AttachError("the model has no parameters to offload")
@@ -687,7 +701,7 @@ class TieredStore:
                         owner._parameters[owner_name] = real
                     registry.rebind(entry, real)
                 elif entry.index in done:
-                    param.data = torch.empty(entry.shape, dtype=entry.dtype)
+                    param.data = torch.empty(entry.shape, dtype=entry.values_dtype)
             with torch.no_grad():
                 module.reset_parameters()
             for param in module._parameters.values():
@@ -923,6 +937,13 @@ class TieredStore:
                 f"attach() first (a store that only reports leaves the model as "
                 f"it is: checkpoint it with torch.distributed.checkpoint)"
             )
+        if self.weight_quantization is not None:
+            raise CheckpointError(
+                f"{what}() saves and restores training state, and weights stored quantized "
+                f"(precision.storage_dtype={self.weight_quantization.kind!r}) are for inference: "
+                f"load them with load_pretrained() or load_state_dict(); model.state_dict() "
+                f"gives their decoded values"
+            )
         if self._checkpoints is None:
             from infinity.checkpointing.checkpoint import Checkpointer
 
@@ -1043,7 +1064,10 @@ class TieredStore:
         """The parameter's current values as a new host tensor of its shape."""
         placement = self.placement
         assert placement is not None
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        # a quantized weight comes back decoded, in the dtype it computes in
+        out = torch.empty(
+            entry.shape, dtype=entry.compute_dtype if entry.quantized else entry.dtype
+        )
         flat = out.view(-1)
         if entry.resident:
             placement.settle(entry)
@@ -1055,7 +1079,7 @@ class TieredStore:
             host = shard.host
             assert host is not None  # ensured
             if shard.piece is None:
-                flat[shard.start : shard.start + shard.numel].copy_(host)
+                shard.values_into(flat[shard.start : shard.start + shard.numel], host)
             else:  # every rank's slice: a collective, on every rank
                 assert self.partition is not None  # only partitioned shards have pieces
                 start, numel = shard.piece

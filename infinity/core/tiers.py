@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch.types import Storage
@@ -25,6 +25,9 @@ from infinity.core.arena import SlotArena
 from infinity.errors import BudgetError
 from swap import ALIGNMENT, BufferPool, HostBuffer, advise_huge_pages, align_up, release_pages
 from swap.files import RangeAllocator
+
+if TYPE_CHECKING:
+    from infinity.inference.quantized import WeightQuantizer
 
 log = logging.getLogger(__name__)
 
@@ -229,19 +232,35 @@ class DeviceTier:
             storage.resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())
 
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+    def copy_in(
+        self, dst: torch.Tensor, src: torch.Tensor, quant: WeightQuantizer | None = None
+    ) -> torch.cuda.Event | None:
         """Copies host ``src`` into device ``dst``; on CUDA asynchronously on the copy stream.
-        Returns the event that marks completion (None when the copy is already done)."""
-        self.bytes_in += dst.numel() * dst.element_size()
+        With ``quant``, ``src`` is a quantized shard's stored bytes, decoded into ``dst`` (on
+        CUDA moved as they are and decoded on the device). ``bytes_in`` counts the bytes that
+        cross (``src``'s when quantized). Returns the event that marks completion (None when
+        the copy is already done)."""
+        if quant is None:
+            self.bytes_in += dst.numel() * dst.element_size()
+        else:
+            self.bytes_in += src.numel() * src.element_size()
         if not self.cuda:
             started = time.perf_counter()
-            dst.copy_(src)
+            if quant is None:
+                dst.copy_(src)
+            else:
+                quant.decode(src, dst)
             self.copy_seconds += time.perf_counter() - started
             return None
         stream = self.copy_stream
         assert stream is not None  # made on CUDA
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            if quant is None:
+                dst.copy_(src, non_blocking=True)
+            else:
+                stored = src.to(dst.device, non_blocking=True)
+                quant.decode(stored, dst)
+                stored.record_stream(stream)
             dst.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)

@@ -62,14 +62,17 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         "read_seconds": engine_stats.read_seconds if engine_stats else 0.0,
         "write_seconds": engine_stats.write_seconds if engine_stats else 0.0,
         "stall_seconds": placement.completions.stall_seconds if placement else 0.0,
-        # traffic between the device and host tiers; the seconds are the training thread's
-        # own synchronous copies (all of them without a GPU: the share of a step that a
-        # GPU's copy engine would take off the cores)
+        # traffic between the device and host tiers (a quantized weight's stored bytes, which
+        # are decoded on the way); the seconds are the training thread's own synchronous
+        # copies (all of them without a GPU: the share of a step that a GPU's copy engine
+        # would take off the cores)
         "bytes_to_device": placement.device.bytes_in if placement else 0,
         "bytes_from_device": placement.device.bytes_out if placement else 0,
         "device_copy_seconds": placement.device.copy_seconds if placement else 0.0,
         # device copies that are the host copy itself (a CPU device, no autograd): no copy
         "lent_gathers": placement.lending.lent_gathers if placement else 0,
+        # ... and their bytes: with bytes_to_device, what gathers made device copies of
+        "lent_bytes": placement.lending.lent_bytes if placement else 0,
         # a CPU device's gathers that found no free range in its slab (fresh memory instead)
         "device_slab_misses": placement.device.slab_misses if placement else 0,
         "steps": store.stepping.steps,
@@ -114,6 +117,9 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         # optimizer, precision.optimizer_state_dtype): the bytes their transfers moved, and
         # what moving the values as they are would have taken
         "compression": _compression_stats(store),
+        # the parameters as stored between uses (precision.storage_dtype; int8/int4 quantize
+        # the weights): a forward that gathers each once moves these bytes to the device
+        "weights": _weight_stats(store),
         # saved activations moved off the device (offload_activations; None when 'none')
         "activations": store.activations.stats() if store.activations is not None else None,
     }
@@ -134,6 +140,22 @@ def _compression_stats(store: AttachedStore) -> dict[str, Any]:
         "compute_read": moved.compute_read if moved else 0,
         "compute_read_as_masters": moved.compute_read_as_masters if moved else 0,
         "compute_written": moved.compute_written if moved else 0,
+    }
+
+
+def _weight_stats(store: AttachedStore) -> dict[str, Any]:
+    entries = store.registry.entries
+    quantized = [e for e in entries if e.quantized]
+    return {
+        "storage_dtype": store.config.precision.storage_dtype,
+        "stored_bytes": sum(e.nbytes for e in entries),
+        # the quantized weights' bytes (codes and scales), and those of the tensors kept as
+        # they are (norms, biases, small ones)
+        "quantized_bytes": sum(e.nbytes for e in quantized),
+        "unquantized_bytes": sum(e.nbytes for e in entries if not e.quantized),
+        "quantized_params": len(quantized),
+        # the same parameters in the dtype they were given in
+        "given_bytes": sum(e.numel * (e.given_dtype or e.dtype).itemsize for e in entries),
     }
 
 

@@ -58,6 +58,7 @@ from swap.files import RangeAllocator
 
 if TYPE_CHECKING:
     from infinity.core.attached import AttachedStore
+    from infinity.inference.quantized import WeightQuantizer
 
 
 log = logging.getLogger(__name__)
@@ -338,8 +339,11 @@ class _DeviceTier(DeviceTier):
         storage.resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())
 
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        nbytes = dst.numel() * dst.element_size()
+    def copy_in(
+        self, dst: torch.Tensor, src: torch.Tensor, quant: WeightQuantizer | None = None
+    ) -> None:
+        moved = dst if quant is None else src  # a quantized shard crosses as its stored bytes
+        nbytes = moved.numel() * moved.element_size()
         self.bytes_in += nbytes
         self.clock.advance(nbytes / (self.copy_gbps * GB))
         return None

@@ -11,6 +11,7 @@ the training thread.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -25,6 +26,8 @@ from infinity.observability.timeline import Timeline
 
 if TYPE_CHECKING:
     from infinity.ranks.partition import Partition
+
+log = logging.getLogger(__name__)
 
 
 class GradientSlots(Protocol):
@@ -82,6 +85,8 @@ class Gradients:
         #: entry index -> shards whose reduction is still under way, and whether a gradient
         #: of a nested backward is among them
         self._reducing: dict[int, tuple[int, bool]] = {}
+        #: a quantized weight's gradient was discarded, and said so
+        self._warned_quantized = False
 
     def set_loss_scale(self, scale: float) -> None:
         """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
@@ -113,6 +118,21 @@ class Gradients:
         every shard has its part (across ranks, once their reductions landed), the entry is
         among the :meth:`completed` ones (an update in backward waits for it), with
         ``nested`` (a gradient of a nested backward, which more may follow)."""
+        if entry.quantized:
+            # Stored rounded for inference: nothing could apply a gradient to it. Backward to
+            # the inputs (attributions) still runs; the weight's own gradient is dropped.
+            if not self._warned_quantized:
+                self._warned_quantized = True
+                log.warning(
+                    "'%s' is stored quantized (precision.storage_dtype int8/int4, for "
+                    "inference): its gradient is discarded (p.grad stays None), as are those of "
+                    "the other quantized weights; run the model under torch.no_grad(), or call "
+                    "requires_grad_(False) on its weights, to not compute them",
+                    entry.name,
+                )
+            if report:
+                self._complete.append((entry, nested))
+            return
         scale = self.loss_scale if unscale else 1.0
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)

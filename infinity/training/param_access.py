@@ -397,6 +397,12 @@ class ParamAccess:
 
     def _set_grad(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         entry = self._attached(param)
+        if entry.quantized and value is not None:
+            raise ParameterAccessError(
+                f"p.grad of '{entry.name}': the weight is stored quantized (precision."
+                f"storage_dtype int8/int4, for inference) and keeps no gradient; set p.grad only "
+                f"on weights stored as floats (storage_dtype 'auto', 'bf16' or 'fp32')"
+            )
         if isinstance(value, GradView) and value.entry is entry:
             value.check_current()
             return  # p.grad = p.grad
@@ -528,7 +534,8 @@ class ParamAccess:
         # The masters themselves, not the cached device copy (rounded under mixed precision).
         self.placement.drop_device(entry, force=True)
         master = self.store.materialize(entry)
-        if entry.compute_dtype == entry.dtype:
+        # (a quantized weight's values are its decoded ones, in the compute dtype)
+        if entry.quantized or entry.compute_dtype == entry.dtype:
             if torch.equal(value, master):
                 return
             new = value

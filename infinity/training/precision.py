@@ -27,7 +27,8 @@ from infinity.config import PrecisionConfig
 log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: precision.storage_dtype -> the dtype offloaded parameters are kept in (None: the masters')
+#: precision.storage_dtype -> the dtype offloaded parameters are kept in (None: the masters');
+#: int8 and int4 store weights quantized (infinity.inference.quantized) and are not here
 STORAGE_DTYPES = {
     "auto": None,
     "fp32": torch.float32,

@@ -12,12 +12,17 @@ own), their repetitions interleaved, the median forward over 1 x 128 tokens of:
     DONTNEED on every file of the offload directory);
   * ours: built on the meta device, attached with ``offload_param="nvme"`` under a 256 MiB host
     and 128 MiB device budget, ``load_pretrained``, warm-up forwards (the first records the
-    trace), then the timed ones.
+    trace), then the timed ones;
+  * ours-int8, ours-int4 (``--quantized``): the same with the weights stored quantized
+    (``precision.storage_dtype``, int4 in groups of ``--group-size``), decoded as they are read.
 Between rounds the swap engine reads 1 GiB with O_DIRECT on the same disk. It prints each
 system's median, ours / accelerate (goal <= 0.5), the floor max(ram, weight bytes / engine read
 GB/s) and ours / floor (goal <= 1.15), bytes read per forward against the weight bytes, whether
 ours gave the in-RAM logits, and then ``generate`` (greedy, a 32-token prompt, 16 new tokens)
-for batch 1, 8 and 32, attached and in RAM: tokens/s and bytes read per token.
+for batch 1, 8 and 32, attached and in RAM: tokens/s and bytes read per token. The quantized
+systems get the same figures against their own floor, max(ram, stored bytes / engine read
+GB/s) (goal <= 1.2), and in place of equality the share of positions whose top-1 next token is
+the in-RAM fp32 model's, and the largest logit difference.
 
     python -m tools.benchmarks.bench_infer [--quick] [--host-budget 256MiB --device-budget 128MiB]
 """
@@ -51,6 +56,8 @@ from tools.commands.generate import (
 )
 
 SYSTEMS = ("ram", "accelerate", "ours")
+#: ours with the weights stored quantized: --quantized picks which
+QUANTIZED_SYSTEMS = {"int8": "ours-int8", "int4": "ours-int4"}
 FULL = {
     "hidden": 1024,
     "layers": 12,
@@ -78,6 +85,7 @@ MARK = "@bench-infer@ "  # a worker's result lines on stdout (libraries print th
 ATOL = 1e-5
 GOAL_VS_ACCELERATE = 0.5
 GOAL_VS_FLOOR = 1.15
+GOAL_QUANTIZED_VS_FLOOR = 1.2
 
 
 # ---------------------------------------------------------------------------- workers
@@ -113,12 +121,19 @@ class Worker:
         model_dir = Path(spec["model_dir"])
         started = time.perf_counter()
         system = spec["system"]
-        if system == "ours":
+        self.stored_bytes = 0
+        if system.startswith("ours"):
             import infinity
 
             nvme = Path(spec["nvme"])
             config = offload_config(
-                nvme, spec["host_budget"], spec["device_budget"], spec["buffer_size"], device="cpu"
+                nvme,
+                spec["host_budget"],
+                spec["device_budget"],
+                spec["buffer_size"],
+                device="cpu",
+                weights=spec.get("weights", "auto"),
+                group_size=spec.get("group_size", 128),
             )
             self.store = infinity.TieredStore(config)
             self.model = build_empty_model(
@@ -126,6 +141,7 @@ class Worker:
             )
             self.store.attach(self.model, initialise=False)
             self.store.load_pretrained(model_dir)
+            self.stored_bytes = self.store.stats()["weights"]["stored_bytes"]
         else:
             from transformers import AutoModelForCausalLM
 
@@ -165,6 +181,8 @@ class Worker:
         result["equal"] = torch.equal(logits, expected)
         result["allclose"] = torch.allclose(logits, expected, rtol=ATOL, atol=ATOL)
         result["max_abs_diff"] = (logits - expected).abs().max().item()
+        # quantized weights change the logits: how often the next token stays the same
+        result["top1_agreement"] = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
         if before is not None and self.store is not None:
             after = self.store.stats()
             for key in ("bytes_read", "stall_seconds", "read_seconds"):
@@ -208,7 +226,9 @@ def worker_main(spec: dict[str, Any]) -> int:
     def reply(value: dict[str, Any]) -> None:
         print(MARK + json.dumps(value), flush=True)
 
-    reply({"ready": True, "setup_seconds": worker.setup_seconds})
+    reply(
+        {"ready": True, "setup_seconds": worker.setup_seconds, "stored_bytes": worker.stored_bytes}
+    )
     for line in sys.stdin:
         command = json.loads(line)
         if command["cmd"] == "forward":
@@ -322,6 +342,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="1GiB",
         help="bytes the swap engine reads per bandwidth measurement (%(default)s)",
     )
+    p.add_argument(
+        "--quantized",
+        default="int8,int4",
+        help="ours again with the weights stored in these formats (%(default)s; 'none': skip)",
+    )
+    p.add_argument("--group-size", type=int, default=128, help="int4's group (%(default)s)")
     p.add_argument("--json", type=Path, help="write every measurement to this JSON file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -346,6 +372,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     except ValueError as exc:  # ConfigError is a ValueError too
         p.error(str(exc))
+    kinds = [] if args.quantized == "none" else args.quantized.split(",")
+    if any(kind not in QUANTIZED_SYSTEMS for kind in kinds):
+        p.error(f"--quantized {args.quantized!r}: a list of int8, int4, or 'none'")
+    args.systems = SYSTEMS + tuple(QUANTIZED_SYSTEMS[kind] for kind in kinds)
     if args.reps < 1 or args.warmup < 1 or min(args.batches, default=1) < 1:
         p.error(
             "--reps, --warmup and batch sizes must be >= 1 (ours records its trace in the "
@@ -432,25 +462,32 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "args": {k: v for k, v in vars(args).items() if k not in ("json", "dir", "worker")},
     }
     try:
-        for system in SYSTEMS:  # one at a time: their setups would compete for the cores
-            remotes[system] = Remote({**base, "system": system}, root / f"{system}.log")
+        systems = args.systems
+        results["stored_bytes"] = {}
+        for system in systems:  # one at a time: their setups would compete for the cores
+            spec = {**base, "system": system, "group_size": args.group_size}
+            if system in QUANTIZED_SYSTEMS.values():
+                spec["weights"] = system.removeprefix("ours-")
+            remotes[system] = Remote(spec, root / f"{system}.log")
             ready = remotes[system].receive()
+            results["stored_bytes"][system] = ready["stored_bytes"]
             print(
                 f"  {system}: ready in {ready['setup_seconds']:.1f} s (+ {args.warmup} "
                 f"warm-up forwards)",
                 flush=True,
             )
-        forwards: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+        forwards: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         disk: list[float] = []
         with DiskProbe([work], args.disk_bytes, offload_config(work, None, None)) as probe:
             for rep in range(args.reps):
-                order = SYSTEMS[rep % 3 :] + SYSTEMS[: rep % 3]  # no system always goes first
+                # no system always goes first
+                order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
                 for system in order:
                     forwards[system].append(remotes[system].ask(cmd="forward"))
                 disk.append(probe.read())
                 print(
                     f"  round {rep + 1}: "
-                    + ", ".join(f"{s} {forwards[s][-1]['seconds']:.3f} s" for s in SYSTEMS)
+                    + ", ".join(f"{s} {forwards[s][-1]['seconds']:.3f} s" for s in systems)
                     + f", engine read {disk[-1] / 1e9:.2f} GB/s",
                     flush=True,
                 )
@@ -462,7 +499,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 system: remotes[system].ask(
                     cmd="generate", batch=batch, prompt=args.prompt_tokens, new=args.new_tokens
                 )
-                for system in ("ram", "ours")
+                for system in ("ram", "ours", *systems[len(SYSTEMS) :])
             }
         results["generate"] = generates
         results["load"] = (load_at_start, os.getloadavg()[0])
@@ -474,14 +511,14 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def summarize(results: dict[str, Any]) -> list[str]:
     forwards, weight_bytes = results["forwards"], results["weight_bytes"]
-    t = {s: median(forwards[s], "seconds") for s in SYSTEMS}
+    t = {s: median(forwards[s], "seconds") for s in forwards}
     disk = statistics.median(results["disk_read_bps"])
     io_floor = weight_bytes / disk
     floor = max(t["ram"], io_floor)
     ours = forwards["ours"]
     read = median(ours, "bytes_read")
     lines = ["", f"{'system':<12} {'median forward s':>17} {'min':>8} {'max':>8}"]
-    for s in SYSTEMS:
+    for s in forwards:
         times = [r["seconds"] for r in forwards[s]]
         lines.append(f"{s:<12} {t[s]:>17.3f} {min(times):>8.3f} {max(times):>8.3f}")
     drop = forwards["accelerate"][0]["cache_drop"]
@@ -527,25 +564,77 @@ def summarize(results: dict[str, Any]) -> list[str]:
         f"ours check       {check_text(ours)}",
         f"accelerate check {check_text(forwards['accelerate'])}",
     ]
+    lines += quantized_lines(results, t["ram"], disk)
     if results["generate"]:
         lines += [
             "",
             "generate (greedy, attached vs in RAM):",
-            f"{'batch':>5} {'prompt+new':>10} {'ours tok/s':>10} {'ram tok/s':>9} "
-            f"{'ours/ram':>8} {'prefill s':>9} {'decode s/tok':>12} {'MB read/tok':>11} "
-            f"{'stall':>6}  same ids as RAM",
+            f"{'system':<10} {'batch':>5} {'prompt+new':>10} {'tok/s':>8} {'ram tok/s':>9} "
+            f"{'vs ram':>6} {'prefill s':>9} {'decode s/tok':>12} {'MB read/tok':>11} "
+            f"{'stall':>6}  ids as RAM",
         ]
-        for batch, pair in results["generate"].items():
-            ours_g, ram_g = pair["ours"], pair["ram"]
-            same = ours_g["sequences"] == ram_g["sequences"]
-            lines.append(
-                f"{batch:>5} {ours_g['prompt_tokens']:>4}+{ours_g['new_tokens']:<5} "
-                f"{ours_g['tokens_per_second']:>10.2f} {ram_g['tokens_per_second']:>9.2f} "
-                f"{ours_g['tokens_per_second'] / ram_g['tokens_per_second']:>8.2f} "
-                f"{ours_g['prefill_seconds']:>9.3f} {ours_g['decode_seconds_per_token']:>12.3f} "
-                f"{ours_g['bytes_read_per_token'] / 1e6:>11.1f} {ours_g['stall_share']:>6.0%}  "
-                f"{'yes' if same else 'NO'}"
-            )
+        for batch, by_system in results["generate"].items():
+            ram_g = by_system["ram"]
+            for system, ours_g in by_system.items():
+                if system == "ram":
+                    continue
+                lines.append(
+                    f"{system:<10} {batch:>5} "
+                    f"{ours_g['prompt_tokens']:>4}+{ours_g['new_tokens']:<5} "
+                    f"{ours_g['tokens_per_second']:>8.2f} {ram_g['tokens_per_second']:>9.2f} "
+                    f"{ours_g['tokens_per_second'] / ram_g['tokens_per_second']:>6.2f} "
+                    f"{ours_g['prefill_seconds']:>9.3f} "
+                    f"{ours_g['decode_seconds_per_token']:>12.3f} "
+                    f"{ours_g['bytes_read_per_token'] / 1e6:>11.1f} "
+                    f"{ours_g['stall_share']:>6.0%}  {same_ids(ours_g, ram_g)}"
+                )
+    return lines
+
+
+def same_ids(ours: dict[str, Any], ram: dict[str, Any]) -> str:
+    """'yes', or the share of generated ids equal to the in-RAM run's (quantized weights)."""
+    if ours["sequences"] == ram["sequences"]:
+        return "yes"
+    pairs = [(a, b) for x, y in zip(ours["sequences"], ram["sequences"]) for a, b in zip(x, y)]
+    return f"{sum(a == b for a, b in pairs) / len(pairs):.0%} of positions"
+
+
+def quantized_lines(results: dict[str, Any], ram_seconds: float, disk: float) -> list[str]:
+    """The quantized systems against their floor, max(in RAM, stored bytes / engine read)."""
+    forwards = results["forwards"]
+    lines: list[str] = []
+    summary = results["summary"].setdefault("quantized", {})
+    for system, stored in results["stored_bytes"].items():
+        if system not in QUANTIZED_SYSTEMS.values():
+            continue
+        runs = forwards[system]
+        seconds = median(runs, "seconds")
+        floor = max(ram_seconds, stored / disk)
+        read = median(runs, "bytes_read")
+        ratio = seconds / floor
+        summary[system] = {
+            "median_seconds": seconds,
+            "stored_bytes": stored,
+            "floor": floor,
+            "vs_floor": ratio,
+            "bytes_read_per_forward": read,
+            "top1_agreement": min(r["top1_agreement"] for r in runs),
+            "max_abs_diff": max(r["max_abs_diff"] for r in runs),
+        }
+        lines += [
+            "",
+            f"{system:<16} {seconds:.3f} s per forward (median); weights stored in "
+            f"{stored / 1e9:.3f} GB ({stored / results['weight_bytes']:.0%} of fp32)",
+            f"  floor          {floor:.3f} s = max(in RAM {ram_seconds:.3f} s, {stored / 1e9:.3f}"
+            f" GB / {disk / 1e9:.2f} GB/s = {stored / disk:.3f} s)",
+            f"  vs floor       {ratio:.3f} (goal <= {GOAL_QUANTIZED_VS_FLOOR}): "
+            f"{verdict(ratio <= GOAL_QUANTIZED_VS_FLOOR)}",
+            f"  bytes read     {read / 1e9:.3f} GB per forward (median) = {read / stored:.0%} of "
+            f"the stored bytes",
+            f"  vs fp32 logits top-1 next token the same at "
+            f"{summary[system]['top1_agreement']:.1%} of positions, max abs diff "
+            f"{summary[system]['max_abs_diff']:.3g}",
+        ]
     return lines
 
 

@@ -2,7 +2,7 @@
 needs no network (the repository on PYTHONPATH; torch from the machine; ``liburing`` if it is
 there, else the thread backend, said once).
 
-1. The CUDA tests (``tests/test_cuda.py``).
+1. The CUDA tests (``tests/test_cuda.py``, and quantized weights decoded on the device).
 2. The host<->device link: pinned copies of 1 GiB each way, the best of three.
 3. The disk: the swap engine's write and read bandwidth on ``--nvme-path``.
 4. A training benchmark: a GPT-style model of about 1.3 B parameters in bf16, parameters and
@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_tests(figures: dict, out: Path) -> int:
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"),
+            "tests/test_quantized_weights.py::"
+            "test_cuda_moves_the_stored_bytes_and_decodes_on_the_device",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -4,6 +4,7 @@
     infinity-generate --model ./llama --token-ids 1,450,7483 --batch-size 8 --json
     infinity-generate --model ./llama --nvme-path /mnt/nvme0 --host-budget 256MiB --dtype bf16
     infinity-generate --model ./llama --batch-size 32 --offload-kv nvme --kv-budget 64MiB
+    infinity-generate --model ./llama --weights int4 --group-size 64
 
 The model is built on the meta device (``accelerate.init_empty_weights``: parameters without
 storage, buffers real), attached to a TieredStore with its parameters on NVMe and no optimizer,
@@ -14,7 +15,9 @@ prefill time, the decode time per token, bytes read per generated token, the rea
 against the disk's (measured at the start with the swap engine, or given with --disk-gbps) and
 the share of the run spent stalled on reads. With --offload-kv the KV cache's layers wait in host
 RAM or on NVMe between uses (``store.kv_cache``), and the KV bytes written and read per
-generated token are reported beside the weights'.
+generated token are reported beside the weights'. With --weights the weights are stored on NVMe
+in that format (``precision.storage_dtype``): int8 or int4 quantized once as they load and
+decoded into the compute dtype as they stream in, bf16 or fp32 converted.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity import OffloadConfig, TieredStore
+from infinity import OffloadConfig, PrecisionConfig, TieredStore
 from infinity.checkpointing.pretrained import checkpoint_files
 from infinity.config import format_size
 from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
@@ -139,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="compute dtype; weights are converted to it as they stream in, so bf16/fp16 halve "
         "the bytes read (default: the model's own)",
+    )
+    add(
+        "--weights",
+        choices=("auto", "fp32", "bf16", "int8", "int4"),
+        default="auto",
+        help="how the weights are stored on NVMe and read per forward: as the compute dtype "
+        "(auto), fp32, bf16, or quantized for inference: int8 (a scale per output channel, "
+        "about a quarter of fp32's bytes) or int4 (a scale and minimum per --group-size "
+        "elements, about an eighth) (%(default)s)",
+    )
+    add(
+        "--group-size",
+        type=positive(int),
+        default=128,
+        help="elements per int4 group; must divide the rows of every weight (%(default)s)",
     )
     add(
         "--prompt",
@@ -496,9 +514,11 @@ def offload_config(
     device_budget: int | None,
     buffer_size: int | None = None,
     device: str = "auto",
+    weights: str = "auto",
+    group_size: int = 128,
 ) -> OffloadConfig:
-    """Parameters on NVMe under the budgets, no optimizer; the swap buffers fill the host
-    budget."""
+    """Parameters on NVMe under the budgets, no optimizer, stored as ``weights``
+    (precision.storage_dtype); the swap buffers fill the host budget."""
     changes: dict[str, Any] = {}
     if host_budget is not None:
         if buffer_size is None:
@@ -515,6 +535,7 @@ def offload_config(
         host_budget=host_budget,
         device_budget=device_budget,
         device=device,
+        precision=PrecisionConfig(storage_dtype=weights, quant_group_size=group_size),
         **changes,
     )
 
@@ -595,7 +616,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     store: TieredStore | None = None
     try:
         config = offload_config(
-            nvme, args.host_budget, args.device_budget, args.buffer_size, args.device
+            nvme,
+            args.host_budget,
+            args.device_budget,
+            args.buffer_size,
+            args.device,
+            args.weights,
+            args.group_size,
         )
         disk_gbps = args.disk_gbps
         if disk_gbps is None:
@@ -646,6 +673,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "architecture": type(model).__name__,
         "parameters": sum(e.numel for e in store.registry.entries),
         "weight_bytes": stats["budgets"].get("params", 0),
+        # as stored (--weights), against the bytes they came in; quantized ones apart
+        "weights": args.weights,
+        "weight_storage": stats["weights"],
         "dtype": str(dtype).split(".")[-1],
         "device": str(store.device),
         "nvme_path": str(nvme),
@@ -671,7 +701,7 @@ def report(summary: dict[str, Any]) -> list[str]:
     disk = s["disk_read_gbps"]
     lines = [
         f"model      {s['model']} ({s['architecture']}, {s['parameters'] / 1e6:.1f} M params,"
-        f" {s['dtype']} weights {format_size(s['weight_bytes'])} on NVMe, loaded in "
+        f" {s['dtype']} compute, weights {weights_text(s)} on NVMe, loaded in "
         f"{s['load_seconds']:.1f} s)",
         f"store      device {s['device']}: device budget "
         f"{format_size(s['budgets'].get('device'))}, host budget "
@@ -720,6 +750,16 @@ def report(summary: dict[str, Any]) -> list[str]:
     ]
     width = max(len(name) for name, _ in rows)
     return lines + [""] + [f"{name:<{width}}  {value}" for name, value in rows]
+
+
+def weights_text(s: dict[str, Any]) -> str:
+    storage = s["weight_storage"]
+    if not storage["quantized_params"]:
+        return f"{s['weights']} {format_size(s['weight_bytes'])}"
+    return (
+        f"{s['weights']} {format_size(s['weight_bytes'])} ({storage['quantized_params']} "
+        f"quantized, {format_size(storage['given_bytes'])} as given)"
+    )
 
 
 def kv_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
