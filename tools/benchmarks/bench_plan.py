@@ -34,7 +34,7 @@ from tools.benchmarks.bench_overlap import (
     nvme_config,
 )
 from tools.common.cli import spawn_child
-from tools.common.measure import compare, measure_steps
+from tools.common.measure import compare, measure_steps, reset_peak
 
 log = logging.getLogger("tools.benchmarks.bench_plan")
 
@@ -86,6 +86,9 @@ def child_record(args: argparse.Namespace) -> dict:
         shared=True,
         source="swap engine, this run",
     )
+    # The recording's base RSS is the process's peak less its tiers: the disk measurement's
+    # buffers, freed by now, must not be in that peak (on a small model they were most of it).
+    reset_peak()
     store, measured = _train(args, args.record_arena)
     predictions = {}
     for arena in [args.record_arena, *args.arenas]:

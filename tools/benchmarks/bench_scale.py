@@ -68,6 +68,7 @@ from infinity.core.memory import huge_page_allocations, peak_resident_bytes, war
 from infinity.training.state_codecs import stored_nbytes
 from tools.benchmarks import contention
 from tools.benchmarks.bench_overlap import engine_bandwidth, engine_settings
+from tools.common.measure import reset_peak
 from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
 GIB = 1 << 30
@@ -92,15 +93,6 @@ def saved_bytes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]
         "compute-copy reads saved": delta("compute_read_as_masters") - delta("compute_read"),
         "compute-copy writes saved": -delta("compute_written"),
     }
-
-
-def reset_peak() -> None:
-    """VmHWM starts again from the RSS now (per-phase peaks); a no-op where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def state_bytes_per_param(args: argparse.Namespace) -> float:

@@ -31,7 +31,7 @@ import infinity
 from infinity.planning.planner import DiskProfile
 from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
 from tools.common.cli import spawn_child
-from tools.common.measure import GOALS, compare, measure_steps
+from tools.common.measure import GOALS, compare, measure_steps, reset_peak
 from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 log = logging.getLogger("tools.benchmarks.plan_matrix")
@@ -154,6 +154,9 @@ def child_record(args: argparse.Namespace) -> dict:
     probe = _config(args, 1 << 30)
     bandwidth = engine_bandwidth(args.nvme_path, args.disk_bytes, probe)
     disk = DiskProfile(bandwidth["read"] / 1e9, bandwidth["write"] / 1e9, shared=True)
+    # The recording's base RSS is the process's peak less its tiers: the disk measurement's
+    # buffers, freed by now, must not be in that peak (on a small model they were most of it).
+    reset_peak()
     store, measured = _train(args, BUDGETS["most"])
     if store is None:
         return {"recorded": measured, "predictions": {}}
