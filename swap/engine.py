@@ -677,6 +677,7 @@ class SwapEngine:
                 Future.set_exception(transfer.future, transfer.error)
             else:
                 Future.set_result(transfer.future, transfer.nbytes)
+            transfer.future.detach()
 
     # -- timeouts and quarantine (swap.timeouts) -------------------------------------------
     def _expire_overdue_locked(self, now: float) -> float | None:

@@ -60,22 +60,34 @@ class TransferFuture(Future):
 
     def __init__(self, transfer: Transfer) -> None:
         super().__init__()
-        self._transfer = transfer
+        self._transfer: Transfer | None = transfer
+
+    def detach(self) -> None:
+        """The outcome is this Future's own now (the dispatcher set it): forget the transfer.
+        The transfer refers to this future, so keeping it made a cycle that only the garbage
+        collector frees, and with it the transfer's buffer: a closed pool's memory stayed
+        mapped until a collection ran."""
+        self._transfer = None
 
     def done(self) -> bool:
-        return self._transfer.event.is_set() or super().done()
+        transfer = self._transfer
+        return (transfer is not None and transfer.event.is_set()) or super().done()
 
     def result(self, timeout: float | None = None) -> int:
         error = self.exception(timeout)
         if error is not None:
             raise error
-        return self._transfer.nbytes
+        transfer = self._transfer
+        return transfer.nbytes if transfer is not None else int(super().result())
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._transfer.event.wait(timeout):
+        transfer = self._transfer
+        if transfer is None:
+            return super().exception()
+        if not transfer.event.wait(timeout):
             # concurrent.futures' own TimeoutError: only an alias of the builtin from 3.11 on
             raise FutureTimeoutError(f"the transfer did not finish within {timeout} s")
-        return self._transfer.error
+        return transfer.error
 
 
 class Chain:

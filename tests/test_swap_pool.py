@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -10,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from swap import ALIGNMENT, BufferPool, PoolExhaustedError, SwapConfigError
+from swap import (
+    ALIGNMENT,
+    BufferPool,
+    EngineSettings,
+    HostBuffer,
+    PoolExhaustedError,
+    SwapConfigError,
+    SwapEngine,
+)
 from tests.waiting import GUARD, returns
 
 
@@ -140,3 +149,26 @@ def test_prefault_touches_every_page_and_can_be_left_to_first_use():
         assert _resident_bytes() - before >= size // 2 * 0.9
         assert int(buffer.tensor[size // 2 - 1]) == 7 and int(buffer.tensor[-1]) == 0
         buffer.release()
+
+
+def test_a_finished_transfer_keeps_no_cycle_that_holds_its_buffer(tmp_path):
+    """A resolved future forgets its transfer: otherwise transfer and future referred to each
+    other, and a closed pool's memory stayed mapped until the garbage collector ran."""
+    gc.collect()
+    gc.disable()
+    try:
+        with SwapEngine([tmp_path], EngineSettings()) as engine:
+            pool = BufferPool(1, 1 << 20)
+            extent = engine.allocate(1 << 20)
+            future = engine.write(extent, pool.buffers[0])
+            assert future.result() == 1 << 20
+            future.add_done_callback(lambda f: None)  # resolved: runs at once, as before
+            assert future.done() and future.exception() is None
+            engine.read(extent, pool.buffers[0]).result()
+            pool.close()
+            del pool
+        alive = [o for o in gc.get_objects() if isinstance(o, HostBuffer)]
+        assert alive == []
+        assert future.result() == 1 << 20  # the outcome outlives the transfer
+    finally:
+        gc.enable()
