@@ -80,8 +80,11 @@ bench-compile: $(STAMP)
 # Inference: a 219.7M-param Llama streamed from NVMe (attached, no optimizer) against the model
 # in RAM and accelerate's disk_offload (page cache dropped), each in its own process,
 # interleaved; then generate throughput at batch 1, 8 and 32. Drops the page cache (as root).
+# Then quant_quality: the demo GPT trained a few hundred steps, its held-out loss and top-1
+# agreement with the weights stored fp32, bf16, int8 and int4, against the model in RAM.
 bench-infer: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_infer
+	$(PY) -m tools.benchmarks.quant_quality
 
 # A GPT with a long sequence (activations most of the memory): activations kept, checkpointed,
 # offloaded to host memory and to NVMe (offload_activations); step time and device-tier peak.

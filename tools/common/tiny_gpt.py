@@ -87,12 +87,17 @@ def parameter_count(config: GPTConfig) -> int:
     return config.vocab_size * w + config.context * w + config.layers * block + 2 * w
 
 
-def synthetic_batches(config: GPTConfig, batch: int, seed: int = 0):
+def synthetic_batches(config: GPTConfig, batch: int, seed: int = 0, rule_seed: int | None = None):
     """An endless stream of (tokens, targets) from a fixed random text with learnable structure:
-    each next token is a deterministic function of the previous two, plus noise."""
+    each next token is a deterministic function of the previous two, plus noise.
+
+    ``seed`` draws the rule and the text; with ``rule_seed`` the rule is drawn from that instead,
+    so a stream with another ``seed`` and the same ``rule_seed`` is held-out text of the same
+    language (the rule of ``seed=rule_seed``)."""
     generator = torch.Generator().manual_seed(seed)
+    rules = generator if rule_seed is None else torch.Generator().manual_seed(rule_seed)
     vocab = config.vocab_size
-    table = torch.randint(0, vocab, (vocab, vocab), generator=generator)
+    table = torch.randint(0, vocab, (vocab, vocab), generator=rules)
     while True:
         seq = torch.empty(batch, config.context + 1, dtype=torch.long)
         seq[:, :2] = torch.randint(0, vocab, (batch, 2), generator=generator)
