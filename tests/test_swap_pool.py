@@ -159,6 +159,7 @@ def test_a_finished_transfer_keeps_no_cycle_that_holds_its_buffer(tmp_path):
     try:
         with SwapEngine([tmp_path], EngineSettings()) as engine:
             pool = BufferPool(1, 1 << 20)
+            mine = pool.buffers[0].address
             extent = engine.allocate(1 << 20)
             future = engine.write(extent, pool.buffers[0])
             assert future.result() == 1 << 20
@@ -167,7 +168,8 @@ def test_a_finished_transfer_keeps_no_cycle_that_holds_its_buffer(tmp_path):
             engine.read(extent, pool.buffers[0]).result()
             pool.close()
             del pool
-        alive = [o for o in gc.get_objects() if isinstance(o, HostBuffer)]
+        # (other tests' pools may be alive in this process: only this one's buffer counts)
+        alive = [o for o in gc.get_objects() if isinstance(o, HostBuffer) and o.address == mine]
         assert alive == []
         assert future.result() == 1 << 20  # the outcome outlives the transfer
     finally:
