@@ -34,7 +34,11 @@ from tests.waiting import GUARD, closes, until
 TIMEOUT = GUARD  # no test waits longer than this on anything: a hang fails the test instead
 BLOCK = 64 << 10
 SIZE = 3 * BLOCK + 5000  # three whole chunks and a short tail chunk
-REQUEST_TIMEOUT = 0.5
+#: the request timeout where a hang is injected: short, so it costs little
+HANG_TIMEOUT = 0.5
+#: elsewhere: on a loaded machine a small request has taken over a second, which must not turn
+#: a slow or failed request into a timeout the case does not expect
+REQUEST_TIMEOUT = 30.0
 
 
 def build(make_engine, directory: Path, backend: str, seed: int = 0, **settings):
@@ -80,7 +84,12 @@ CASES = [
 @pytest.mark.parametrize("kind,op", CASES)
 def test_fault_matrix(disk_dir, make_engine, buffers, backend, kind, op):
     before = set(threading.enumerate())
-    engine, faults = build(make_engine, disk_dir, backend)
+    engine, faults = build(
+        make_engine,
+        disk_dir,
+        backend,
+        request_timeout=HANG_TIMEOUT if kind == "hang" else REQUEST_TIMEOUT,
+    )
     source, sink, spare = buffers
     keep_data, v1, v2 = (random_bytes(SIZE, seed) for seed in (1, 2, 3))
     keep = engine.allocate(SIZE)
@@ -121,10 +130,10 @@ def test_fault_matrix(disk_dir, make_engine, buffers, backend, kind, op):
         assert "injected" in str(error.__cause__)
     elif kind == "hang":
         assert type(error) is TransferTimeoutError
-        assert error.path == path and error.offset == offset and error.timeout == REQUEST_TIMEOUT
+        assert error.path == path and error.offset == offset and error.timeout == HANG_TIMEOUT
         text = str(error)
         assert str(path) in text and f"offset {offset}" in text
-        assert f"request_timeout={REQUEST_TIMEOUT:g} s" in text and "quarantined" in text
+        assert f"request_timeout={HANG_TIMEOUT:g} s" in text and "quarantined" in text
         [held] = engine.quarantined()
         assert (held.path, held.offset, held.op) == (path, offset, op)
         assert held.buffer is (source if op == "write" else sink)
@@ -263,7 +272,9 @@ def test_a_slow_request_does_not_hold_up_the_others(disk_dir, make_engine, buffe
 
 
 def test_hung_slots_fail_queued_transfers_instead_of_hanging(disk_dir, make_engine, buffers):
-    engine, faults = build(make_engine, disk_dir, "threads", queue_depth=2)
+    engine, faults = build(
+        make_engine, disk_dir, "threads", queue_depth=2, request_timeout=HANG_TIMEOUT
+    )
     source = buffers[0]
     extent = engine.allocate(SIZE)  # four requests: two hang, two wait for a slot forever
     faults.inject("hang", times=None)
