@@ -13,16 +13,20 @@ own), their repetitions interleaved, the median forward over 1 x 128 tokens of:
   * ours: built on the meta device, attached with ``offload_param="nvme"`` under a 256 MiB host
     and 128 MiB device budget, ``load_pretrained``, warm-up forwards (the first records the
     trace), then the timed ones;
-  * ours-int8, ours-int4 (``--quantized``): the same with the weights stored quantized
-    (``precision.storage_dtype``, int4 in groups of ``--group-size``), decoded as they are read.
+  * ours-bf16, ours-int8, ours-int4 (``--weights``): the same with the weights stored in bf16
+    or quantized (``precision.storage_dtype``, int4 in groups of ``--group-size``), converted
+    as they are read, under a host budget scaled by the stored bytes per weight against fp32's
+    (a half, about a quarter, about a seventh): each holds the same share of its weights in
+    host memory as ours does, so every forward reads the rest from the disk (the device budget
+    is ours': device copies are in the compute dtype, fp32).
 Between rounds the swap engine reads 1 GiB with O_DIRECT on the same disk. It prints each
 system's median, ours / accelerate (goal <= 0.5), the floor max(ram, weight bytes / engine read
 GB/s) and ours / floor (goal <= 1.15), bytes read per forward against the weight bytes, whether
 ours gave the in-RAM logits, and then ``generate`` (greedy, a 32-token prompt, 16 new tokens)
-for batch 1, 8 and 32, attached and in RAM: tokens/s and bytes read per token. The quantized
-systems get the same figures against their own floor, max(ram, stored bytes / engine read
-GB/s) (goal <= 1.2), and in place of equality the share of positions whose top-1 next token is
-the in-RAM fp32 model's, and the largest logit difference.
+for batch 1, 8, 32 and 64, attached (every storage format) and in RAM: tokens/s and bytes read
+per token. The bf16 and quantized systems get the same figures against their own floor,
+max(ram, stored bytes / engine read GB/s) (goal <= 1.2), and in place of equality the share of
+positions whose top-1 next token is the in-RAM fp32 model's, and the largest logit difference.
 
     python -m tools.benchmarks.bench_infer [--quick] [--host-budget 256MiB --device-budget 128MiB]
 """
@@ -56,8 +60,8 @@ from tools.commands.generate import (
 )
 
 SYSTEMS = ("ram", "accelerate", "ours")
-#: ours with the weights stored quantized: --quantized picks which
-QUANTIZED_SYSTEMS = {"int8": "ours-int8", "int4": "ours-int4"}
+#: ours with the weights stored in another format: --weights picks which
+STORED_SYSTEMS = {"bf16": "ours-bf16", "int8": "ours-int8", "int4": "ours-int4"}
 FULL = {
     "hidden": 1024,
     "layers": 12,
@@ -67,7 +71,7 @@ FULL = {
     "host_budget": "256MiB",
     "device_budget": "128MiB",
     "reps": 5,
-    "batches": "1,8,32",
+    "batches": "1,8,32,64",
 }
 #: a 21 M-parameter model with budgets in the same proportion to it
 QUICK = {
@@ -89,6 +93,18 @@ GOAL_QUANTIZED_VS_FLOOR = 1.2
 
 
 # ---------------------------------------------------------------------------- workers
+
+
+def stored_share(kind: str, hidden: int, group_size: int) -> float:
+    """Bytes stored per weight element against fp32's 4 (the matrices, which are nearly all of
+    a Llama's bytes): bf16 2; int8 1 + an fp32 scale per row of ``hidden`` inputs; int4 half a
+    byte + an fp32 scale and minimum per group."""
+    per_element = {
+        "bf16": 2.0,
+        "int8": 1.0 + 4.0 / hidden,
+        "int4": 0.5 + 8.0 / group_size,
+    }[kind]
+    return per_element / 4.0
 
 
 def drop_page_cache(files: Sequence[Path]) -> str:
@@ -343,9 +359,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="bytes the swap engine reads per bandwidth measurement (%(default)s)",
     )
     p.add_argument(
-        "--quantized",
-        default="int8,int4",
-        help="ours again with the weights stored in these formats (%(default)s; 'none': skip)",
+        "--weights",
+        default="bf16,int8,int4",
+        help="ours again with the weights stored in these formats, under budgets scaled by "
+        "their bytes (%(default)s; 'none': skip)",
     )
     p.add_argument("--group-size", type=int, default=128, help="int4's group (%(default)s)")
     p.add_argument("--json", type=Path, help="write every measurement to this JSON file")
@@ -372,10 +389,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     except ValueError as exc:  # ConfigError is a ValueError too
         p.error(str(exc))
-    kinds = [] if args.quantized == "none" else args.quantized.split(",")
-    if any(kind not in QUANTIZED_SYSTEMS for kind in kinds):
-        p.error(f"--quantized {args.quantized!r}: a list of int8, int4, or 'none'")
-    args.systems = SYSTEMS + tuple(QUANTIZED_SYSTEMS[kind] for kind in kinds)
+    kinds = [] if args.weights == "none" else args.weights.split(",")
+    if any(kind not in STORED_SYSTEMS for kind in kinds):
+        p.error(f"--weights {args.weights!r}: a list of bf16, int8, int4, or 'none'")
+    args.systems = SYSTEMS + tuple(STORED_SYSTEMS[kind] for kind in kinds)
     if args.reps < 1 or args.warmup < 1 or min(args.batches, default=1) < 1:
         p.error(
             "--reps, --warmup and batch sizes must be >= 1 (ours records its trace in the "
@@ -466,14 +483,22 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         results["stored_bytes"] = {}
         for system in systems:  # one at a time: their setups would compete for the cores
             spec = {**base, "system": system, "group_size": args.group_size}
-            if system in QUANTIZED_SYSTEMS.values():
-                spec["weights"] = system.removeprefix("ours-")
+            if system in STORED_SYSTEMS.values():
+                kind = system.removeprefix("ours-")
+                share = stored_share(kind, shape["hidden"], args.group_size)
+                spec["weights"] = kind
+                spec["host_budget"] = int(args.host_budget * share)
             remotes[system] = Remote(spec, root / f"{system}.log")
             ready = remotes[system].receive()
             results["stored_bytes"][system] = ready["stored_bytes"]
+            budget = (
+                f", host budget {format_size(spec['host_budget'])}"
+                if system.startswith("ours")
+                else ""
+            )
             print(
                 f"  {system}: ready in {ready['setup_seconds']:.1f} s (+ {args.warmup} "
-                f"warm-up forwards)",
+                f"warm-up forwards){budget}",
                 flush=True,
             )
         forwards: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
@@ -600,12 +625,13 @@ def same_ids(ours: dict[str, Any], ram: dict[str, Any]) -> str:
 
 
 def quantized_lines(results: dict[str, Any], ram_seconds: float, disk: float) -> list[str]:
-    """The quantized systems against their floor, max(in RAM, stored bytes / engine read)."""
+    """The bf16 and quantized systems against their floor, max(in RAM, stored bytes / engine
+    read GB/s)."""
     forwards = results["forwards"]
     lines: list[str] = []
     summary = results["summary"].setdefault("quantized", {})
     for system, stored in results["stored_bytes"].items():
-        if system not in QUANTIZED_SYSTEMS.values():
+        if system not in STORED_SYSTEMS.values():
             continue
         runs = forwards[system]
         seconds = median(runs, "seconds")
