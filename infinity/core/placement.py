@@ -514,19 +514,27 @@ class Placement:
         )
 
     def _arena_victims(
-        self, protect: set[Shard], next_use: Callable[[Shard], float] | None
+        self,
+        protect: set[Shard],
+        horizon: float,
+        next_use: Callable[[Shard], float] | None,
     ) -> list[Shard]:
-        """Arena shards that may be evicted now, in the order the policy would evict them."""
-        # In registry order, so that ties (a shard's companions share its next use) break the
-        # same way in every run, and in the planner's replay of it.
-        candidates = sorted(
-            (
+        """Arena shards that may be evicted now and are next needed after ``horizon`` (see
+        :meth:`_beyond`), in the order the policy would evict them. Filtered before they are
+        ranked: once the arena is a window of reads ahead, most prefetches find nothing needed
+        after theirs, and then rank nothing."""
+        candidates = self._beyond(
+            [
                 s
                 for s in self.in_arena
                 if s not in protect and s not in self.pinned and self._evictable(s)
-            ),
-            key=_registry_order,
+            ],
+            horizon,
+            next_use,
         )
+        # In registry order, so that ties (a shard's companions share its next use) break the
+        # same way in every run, and in the planner's replay of it.
+        candidates.sort(key=_registry_order)
         return self.eviction.order(
             candidates, next_use, lambda s: self.copies.last_used.get(s.entry.index, -1)
         )
@@ -543,7 +551,7 @@ class Placement:
         evicts in policy order only: once write-backs under way will free the room, it waits
         for them rather than drop a clean shard needed sooner."""
         next_use = self._next_use()
-        candidates = self._beyond(self._arena_victims(protect, next_use), horizon, next_use)
+        candidates = self._arena_victims(protect, horizon, next_use)
         # Ahead of need (a horizon), a shard written back to make room goes first once its
         # write has landed, wherever the policy ranks it now: updates since then put fresher
         # dirty shards ahead of it (the ones just updated are needed last), and starting their
@@ -682,7 +690,7 @@ class Placement:
         if reclaimable >= reserve:
             return
         next_use = self._next_use()
-        victims = self._beyond(self._arena_victims(set(protect), next_use), horizon, next_use)
+        victims = self._arena_victims(set(protect), horizon, next_use)
         for shard in victims:
             if reclaimable >= reserve:
                 break
