@@ -444,14 +444,16 @@ class Placement:
         def next_use(shard: Shard) -> float:
             index = shard.entry.index
             update = last_backward.get(index)
-            trainable = shard.entry.param.requires_grad
+            # ``requires_grad`` is read only where it decides: on the parameter (a tensor
+            # subclass) each read is a __torch_function__ call, and a streamed forward ranks
+            # thousands of shards.
             if shard.kind is ShardKind.COMPUTE:
                 use = trace.next_use(index, position)
                 master = shard.owner
                 assert master is not None  # a companion
                 if shard.version != master.version:
                     return end + full  # stale: never read again
-                if masters_due and trainable and index not in stepped:
+                if masters_due and index not in stepped and shard.entry.param.requires_grad:
                     # Its update rewrites it: the gathers after that do not read these bytes.
                     rewrite = update - position if update is not None else end
                     if use >= rewrite:
@@ -477,7 +479,7 @@ class Placement:
             use = trace.next_use(index, position)
             if self.compute_copy(shard) is not None:
                 # Gathers read the compute copy: the master is next needed by its update.
-                if not trainable:
+                if not shard.entry.param.requires_grad:
                     return end + full
                 if update is not None:
                     ahead = update - position + 0.5
