@@ -316,6 +316,10 @@ CHILD = textwrap.dedent("""
     import infinity
 
     path, mode = sys.argv[1], sys.argv[2]
+    # As in a script started from a terminal: Ctrl-C raises KeyboardInterrupt. A test run
+    # started in the background by a non-interactive shell ignores SIGINT, and a child
+    # inherits that (Python then leaves it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if mode == "user-handler":
         def stop(signum, frame):
             print("user handler ran", flush=True)
