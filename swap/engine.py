@@ -195,6 +195,8 @@ class SwapEngine:
         self._quarantine = Quarantine()
         self._active: set[Transfer] = set()
         self._local = threading.local()
+        #: threads inside the pump loop now (a chain they hold may not be handed over yet)
+        self._pumpers: set[int] = set()
         self._closed = False
         #: finished transfers whose futures the dispatcher resolves, then None: it ends
         self._resolve: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
@@ -395,10 +397,13 @@ class SwapEngine:
         if getattr(self._local, "pumping", False):
             return
         self._local.pumping = True
+        me = threading.get_ident()
+        self._pumpers.add(me)
         try:
             with self.backend.plugged():  # one system call for the requests submitted here
                 self._pump_loop()
         finally:
+            self._pumpers.discard(me)
             self._local.pumping = False
 
     def _pump_loop(self) -> None:
@@ -415,7 +420,7 @@ class SwapEngine:
                     self._finish_locked(transfer)
                     self._notify_if_drained_locked()
                     continue
-                chain = Chain(pieces[0].file.drive, len(pieces))
+                chain = Chain(pieces[0].file.drive, len(pieces), threading.get_ident())
                 self._slots += 1
                 self._drive_slots[chain.drive] += 1
                 self._inflight += len(pieces)
@@ -436,6 +441,7 @@ class SwapEngine:
                     IORequest(transfer.op, piece.file.fd, piece.offset, piece.address, piece.length)
                     for piece in pieces
                 ]
+                chain.handed = True
                 self.backend.start_chain(requests, functools.partial(self._settle, pieces))
             except Exception as exc:
                 self._settle(pieces, [exc] * len(pieces))
@@ -783,6 +789,7 @@ class SwapEngine:
             # A plugged submit that an exception cut short (a signal handler raising SystemExit
             # in the training thread) may still hold requests this close would wait for.
             self.backend.flush()
+            self._settle_orphans()
         with self._lock:
             if self._closed:
                 return
@@ -831,6 +838,40 @@ class SwapEngine:
         self._resolve.put(None)
         if self._dispatcher is not threading.current_thread():
             self._dispatcher.join(max(1.0, deadline - time.monotonic()))
+
+    def _settle_orphans(self) -> None:
+        """Fails the requests a signal handler's exception left counted in flight or queued
+        but never given to the backend (it can raise between any two bytecodes of the thread
+        submitting them), then submits what is still queued: close would otherwise wait its
+        whole timeout (60 s by default) for completions that cannot come. Only chains whose
+        submitting thread has left the pump loop count: another thread's may be on its way."""
+        with self._lock:
+            pumping = set(self._pumpers)
+            orphans: dict[Chain, list[Piece]] = {}
+            for piece in self._flying:
+                chain = piece.chain
+                if (
+                    chain is not None
+                    and not chain.handed
+                    and not piece.settled
+                    and chain.owner not in pumping
+                ):
+                    orphans.setdefault(chain, []).append(piece)
+            if not pumping:
+                # Taken off a queue and then dropped by the exception: counted, gone.
+                self._queued = sum(len(drive_queue) for drive_queue in self._queues)
+        for pieces in orphans.values():
+            error = RuntimeError(
+                "never submitted: an exception raised by a signal handler interrupted the "
+                "thread submitting it"
+            )
+            self._settle(pieces, [error] * len(pieces))
+        if orphans:
+            log.warning(
+                "swap engine: %d request(s) that an interrupted submit never started fail",
+                sum(len(p) for p in orphans.values()),
+            )
+        self._pump()
 
     def _fail_active_locked(self) -> None:
         for transfer in list(self._active):

@@ -94,12 +94,17 @@ class Chain:
     """Requests of one transfer submitted together (``IOBackend.submit_chain``): they hold one
     queue slot of their drive until the last of them completes."""
 
-    __slots__ = ("drive", "left", "stalled")
+    __slots__ = ("drive", "left", "stalled", "owner", "handed")
 
-    def __init__(self, drive: int, left: int) -> None:
+    def __init__(self, drive: int, left: int, owner: int = 0) -> None:
         self.drive = drive
         self.left = left  # requests not completed yet, timed out ones included
         self.stalled = False  # one of them timed out: the slot may never free up
+        #: the thread that takes it from the queue and submits it
+        self.owner = owner
+        #: about to be given to the backend (set just before start_chain): until then a
+        #: signal handler raising in the owner leaves it counted in flight and never submitted
+        self.handed = False
 
 
 @dataclass(slots=True, eq=False)  # identity hashing: pieces live in sets

@@ -389,10 +389,11 @@ def finish(child: subprocess.Popen) -> tuple[str, str]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_swap_files_are_removed_when_the_process_is_signalled(tmp_path, signum):
     if signum == signal.SIGINT:
-        # KeyboardInterrupt can land anywhere in the training thread, including between the
-        # swap engine counting a request and submitting it (a known race, left open: the
-        # close then waits out its timeout). One retry on a fresh directory keeps that rare
-        # interleaving from failing the suite; two failures in a row still do.
+        # KeyboardInterrupt can land anywhere in the training thread. Between the swap engine
+        # counting a request and handing it to the backend, close() now fails the request at
+        # once; inside the backend's own submit a window remains (close then waits out its
+        # timeout). One retry on a fresh directory keeps that rare interleaving from failing
+        # the suite; two failures in a row still do.
         try:
             _signalled_run(tmp_path / "first", signum)
         except (AssertionError, pytest.fail.Exception):

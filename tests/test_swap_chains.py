@@ -297,3 +297,34 @@ def test_a_signal_during_the_submit_settles_each_request_once(make_engine, disk_
     assert engine._inflight == 0 and engine._slots == 0
     engine.write(extent, buffers[0]).result(TIMEOUT)  # the engine still works
     closes(engine.close)  # no request counted that will never complete
+
+
+@pytest.mark.parametrize("backend", ["threads", "uring"])
+def test_a_signal_before_the_submit_leaves_nothing_for_close_to_wait_for(
+    make_engine, disk_dir, buffers, backend
+):
+    """A signal handler's exception can surface after the engine counted a chain in flight
+    and before it gave the chain to the backend (a user's SIGTERM handler raising SystemExit
+    mid-step made the process wait out close_timeout at exit). close() fails that request at
+    once instead of waiting for a completion that cannot come, and a write queued behind it
+    still completes."""
+    engine = make_engine(disk_dir, backend, block_size=BLOCK, queue_depth=2, close_timeout=1.0)
+
+    class InterruptedOnce(set):
+        armed = True
+
+        def add(self, piece) -> None:
+            super().add(piece)
+            if InterruptedOnce.armed:  # the chain is counted in flight: a signal lands here
+                InterruptedOnce.armed = False
+                raise KeyboardInterrupt
+
+    engine._flying = InterruptedOnce(engine._flying)
+    lost, kept = engine.allocate(BLOCK), engine.allocate(BLOCK)
+    with pytest.raises(KeyboardInterrupt):
+        engine.write(lost, buffers[0])
+    assert engine._inflight == 1  # counted, never submitted
+    later = engine.write(kept, buffers[1])
+    closes(engine.close)  # gave up on nothing: the orphan failed at once, the write finished
+    assert later.result(TIMEOUT) == BLOCK
+    assert engine._inflight == 0 and engine._slots == 0
