@@ -194,8 +194,9 @@ class SwapEngine:
         self._flying: set[Piece] = set()  # in flight and not timed out
         self._quarantine = Quarantine()
         self._active: set[Transfer] = set()
-        self._local = threading.local()
-        #: threads inside the pump loop now (a chain they hold may not be handed over yet)
+        #: threads inside the pump loop now: a completion that arrives while its own thread is
+        #: pumping leaves the queue to that loop, and a chain they hold may not be handed
+        #: over yet (close() leaves it to them)
         self._pumpers: set[int] = set()
         self._closed = False
         #: finished transfers whose futures the dispatcher resolves, then None: it ends
@@ -394,17 +395,15 @@ class SwapEngine:
         # inside submit) leaves the queue to the running loop instead of recursing. That loop
         # re-checks the queues after every submit, so nothing is left behind. No user code runs
         # in here (callbacks run on the dispatcher), so the outer loop always gets back control.
-        if getattr(self._local, "pumping", False):
-            return
-        self._local.pumping = True
         me = threading.get_ident()
+        if me in self._pumpers:
+            return
         self._pumpers.add(me)
         try:
             with self.backend.plugged():  # one system call for the requests submitted here
                 self._pump_loop()
         finally:
             self._pumpers.discard(me)
-            self._local.pumping = False
 
     def _pump_loop(self) -> None:
         while True:

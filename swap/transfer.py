@@ -96,7 +96,7 @@ class Chain:
 
     __slots__ = ("drive", "left", "stalled", "owner", "handed")
 
-    def __init__(self, drive: int, left: int, owner: int = 0) -> None:
+    def __init__(self, drive: int, left: int, owner: int) -> None:
         self.drive = drive
         self.left = left  # requests not completed yet, timed out ones included
         self.stalled = False  # one of them timed out: the slot may never free up

@@ -50,7 +50,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from infinity.config import format_size, parse_size
+from infinity.config import DTYPE_BYTES, format_size, parse_size
+from infinity.inference.quantized import QUANTIZED_STORAGE, WeightQuantizer
 from tools.commands.generate import (
     DiskProbe,
     build_empty_model,
@@ -96,15 +97,12 @@ GOAL_QUANTIZED_VS_FLOOR = 1.2
 
 
 def stored_share(kind: str, hidden: int, group_size: int) -> float:
-    """Bytes stored per weight element against fp32's 4 (the matrices, which are nearly all of
-    a Llama's bytes): bf16 2; int8 1 + an fp32 scale per row of ``hidden`` inputs; int4 half a
-    byte + an fp32 scale and minimum per group."""
-    per_element = {
-        "bf16": 2.0,
-        "int8": 1.0 + 4.0 / hidden,
-        "int4": 0.5 + 8.0 / group_size,
-    }[kind]
-    return per_element / 4.0
+    """Bytes stored per weight element against fp32's (the matrices, which are nearly all of a
+    Llama's bytes), as the store keeps them: an int8 row of ``hidden`` inputs, an int4 group."""
+    if kind not in QUANTIZED_STORAGE:
+        return DTYPE_BYTES[kind] / DTYPE_BYTES["fp32"]
+    unit = hidden if kind == "int8" else group_size
+    return WeightQuantizer(kind, unit).stored_bytes(unit) / (unit * DTYPE_BYTES["fp32"])
 
 
 def drop_page_cache(files: Sequence[Path]) -> str:
