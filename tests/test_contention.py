@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from swap import EngineSettings
-from tools.benchmarks.contention import Contention, measure, overlapped_floor
+from swap import EngineSettings, SwapEngine
+from tools.benchmarks.contention import Contention, Stream, measure, overlapped_floor
 
 
 def test_without_contention_the_floor_is_the_larger_of_the_two() -> None:
@@ -41,3 +43,25 @@ def test_measure_times_both_alone_and_together(tmp_path) -> None:
     assert found.io_beside_compute_bps >= 0
     assert found.as_dict()["compute_slowdown"] == found.compute_slowdown
     assert not list(tmp_path.rglob("*")) or all(p.is_dir() for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("reads_only", [True, False])
+def test_a_stream_of_reads_only_writes_nothing_while_it_runs(tmp_path, reads_only) -> None:
+    with SwapEngine([tmp_path], EngineSettings()) as engine:
+        stream = Stream(engine, 2 << 20, reads_only=reads_only)
+        try:
+            before = engine.stats()  # the sources it reads back are written first
+            stream.run()
+            deadline = time.monotonic() + 60  # a guard against a hang, not a timing
+            while stream.moved < 16 << 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stream.pause()
+            after = engine.stats()
+        finally:
+            stream.close()
+    assert stream.moved >= 16 << 20
+    assert after.bytes_read > before.bytes_read
+    if reads_only:
+        assert after.bytes_written == before.bytes_written
+    else:
+        assert after.bytes_written - before.bytes_written >= 4 << 20

@@ -340,3 +340,46 @@ def test_bench_infer_help(capsys):
         bench_infer.main(["--help"])
     assert exit_info.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_bench_infer_holds_each_format_against_its_overlap_floor():
+    forward = {
+        "seconds": 0.5,
+        "cache_drop": "drop_caches",
+        "bytes_read": 1e9,
+        "stall_seconds": 0.0,
+        "read_seconds": 0.3,
+        "equal": True,
+        "allclose": True,
+        "max_abs_diff": 0.0,
+        "top1_agreement": 1.0,
+    }
+    systems = ("ram", "accelerate", "ours", "ours-int8")
+    results = {
+        "weight_bytes": 1e9,
+        "stored_bytes": {"ours": 1e9, "ours-int8": 0.25e9},
+        "forwards": {s: [dict(forward)] for s in systems},
+        "disk_read_bps": [2e9],
+        "load": (0.5, 0.5),
+        "generate": {},
+        # the in-RAM forward 0.4 s alone, 0.8 s beside the reads; reads keep all of 2 GB/s
+        "contention": {
+            "compute_alone_s": 0.4,
+            "compute_beside_io_s": 0.8,
+            "io_alone_bps": 2e9,
+            "io_beside_compute_bps": 2e9,
+            "compute_slowdown": 2.0,
+            "io_retained": 1.0,
+        },
+    }
+    results["forwards"]["ram"][0]["seconds"] = 0.4
+    text = "\n".join(bench_infer.summarize(results))
+    # fp32: 1 GB read by 0.5 s, when the forward has done 0.25 of its 0.4 s; 0.15 s alone after
+    assert results["summary"]["overlap_floor"] == pytest.approx(0.65)
+    assert "overlap floor    0.650 s, ours 0.769x it" in text
+    # int8: 0.25 GB read by 0.125 s (0.0625 s of compute done), then 0.3375 s alone
+    int8 = results["summary"]["quantized"]["ours-int8"]
+    assert int8["overlap_floor"] == pytest.approx(0.4625)
+    assert "overlap floor  0.463 s, ours 1.081x it (before decoding)" in text
+    del results["contention"]
+    assert "overlap floor    not measured" in "\n".join(bench_infer.summarize(results))

@@ -79,13 +79,15 @@ def overlapped_floor(
     return io_done_at + compute_s - io_done_at / slowdown
 
 
-class _Stream:
-    """The engine reading ``nbytes`` back while writing as many elsewhere, over and over, on a
-    thread of its own while running (between :meth:`run` and :meth:`pause`), counting the bytes
-    of each finished transfer."""
+class Stream:
+    """The engine reading ``nbytes`` back while writing as many elsewhere (or, ``reads_only``,
+    reading them alone, as a forward that streams weights does), over and over, on a thread of
+    its own while running (between :meth:`run` and :meth:`pause`), counting the bytes of each
+    finished transfer."""
 
-    def __init__(self, engine: SwapEngine, nbytes: int) -> None:
+    def __init__(self, engine: SwapEngine, nbytes: int, reads_only: bool = False) -> None:
         self._engine = engine
+        self._reads_only = reads_only
         self._pool = BufferPool(_IN_FLIGHT, _CHUNK)
         self._sources = [engine.allocate(min(_CHUNK, nbytes - o)) for o in range(0, nbytes, _CHUNK)]
         self._targets = [engine.allocate(e.nbytes) for e in self._sources]
@@ -112,8 +114,10 @@ class _Stream:
                 self._running.wait()
                 if self._closed:
                     return
-            index = turn // 2 % len(self._sources)
-            read = turn % 2 == 0
+            if self._reads_only:
+                index, read = turn % len(self._sources), True
+            else:
+                index, read = turn // 2 % len(self._sources), turn % 2 == 0
             extent = self._sources[index] if read else self._targets[index]
             if len(in_flight) >= _IN_FLIGHT:
                 future, size = in_flight.pop(0)
@@ -154,11 +158,13 @@ def measure(
     repeats: int = 5,
     warmup: int = 4,
     nbytes: int = 1 << 30,
+    reads_only: bool = False,
 ) -> Contention:
     """Times ``compute_unit`` alone and beside the engine streaming on ``path``, and the
-    engine's combined GB/s alone (as long as a compute unit, at least a second) and beside the
-    compute, interleaved ``repeats`` times after ``warmup`` untimed units (the first steps of a
-    fresh model fault in its memory); the medians of each."""
+    engine's GB/s (reads and writes combined, or ``reads_only``) alone (as long as a compute
+    unit, at least a second) and beside the compute, interleaved ``repeats`` times after
+    ``warmup`` untimed units (the first steps of a fresh model fault in its memory); the
+    medians of each."""
     for _ in range(warmup):
         compute_unit()
     alone: list[float] = []
@@ -166,7 +172,7 @@ def measure(
     io_alone: list[float] = []
     io_beside: list[float] = []
     with SwapEngine([path], settings) as engine:
-        stream = _Stream(engine, nbytes)
+        stream = Stream(engine, nbytes, reads_only)
         try:
             for _ in range(repeats):
                 alone.append(_timed(compute_unit))
