@@ -382,4 +382,10 @@ def test_bench_infer_holds_each_format_against_its_overlap_floor():
     assert int8["overlap_floor"] == pytest.approx(0.4625)
     assert "overlap floor  0.463 s, ours 1.081x it (before decoding)" in text
     del results["contention"]
+    results["decode_seconds"] = {"int8": 0.1}
+    text = "\n".join(bench_infer.summarize(results))
+    # the in-RAM forward and the decoding take the same cores: 0.4 + 0.1 s
+    assert results["summary"]["quantized"]["ours-int8"]["cpu_floor"] == pytest.approx(0.5)
+    assert "CPU floor      0.500 s = in RAM 0.400 s + decoding every stored weight once" in text
+    assert "(1.25x the floor); ours 1.000x it" in text
     assert "overlap floor    not measured" in "\n".join(bench_infer.summarize(results))

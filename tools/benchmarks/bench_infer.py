@@ -33,8 +33,9 @@ Those floors assume that reading costs the compute nothing. On a machine with fe
 worker also times its forward alone and beside the engine streaming reads
 (:mod:`tools.benchmarks.contention`), and each system is shown against its overlap floor too:
 its stored bytes read while the in-RAM forward computes, each slowed as measured. Nothing that
-reads its weights during the forward can beat that floor here; decoding a stored format is
-further work on top.
+reads its weights during the forward can beat that floor here. Decoding a stored format is
+further work for the same cores: the in-RAM worker times decoding every weight of each format
+once, and its CPU floor is the in-RAM forward plus that.
 
     python -m tools.benchmarks.bench_infer [--quick] [--host-budget 256MiB --device-budget 128MiB]
 """
@@ -60,7 +61,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infinity.config import DTYPE_BYTES, format_size, parse_size
-from infinity.inference.quantized import QUANTIZED_STORAGE, WeightQuantizer
+from infinity.inference.quantized import QUANTIZED_STORAGE, WeightQuantization, WeightQuantizer
 from tools.benchmarks import contention
 from tools.benchmarks.bench_overlap import engine_settings
 from tools.commands.generate import (
@@ -235,6 +236,34 @@ class Worker:
             shutil.rmtree(path, ignore_errors=True)
         return found.as_dict()
 
+    def decode_seconds(self, kinds: list[str], group_size: int, repeats: int = 3) -> dict:
+        """Per stored format: the seconds to convert every weight the format stores from its
+        stored bytes into the compute dtype once (median of ``repeats``), into buffers made
+        beforehand, as the store decodes into its device copies: the work a forward from that
+        format does beside the in-RAM one."""
+        out: dict[str, float] = {}
+        params = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        for kind in kinds:
+            quantization = WeightQuantization.from_precision(kind, group_size)
+            jobs: list[Any] = []
+            for name, param in params:
+                target = torch.empty(param.numel(), dtype=param.dtype)
+                quantizer = quantization.quantizer_for(name, param) if quantization else None
+                if quantizer is not None:
+                    stored = torch.empty(quantizer.stored_bytes(param.numel()), dtype=torch.uint8)
+                    quantizer.encode(param.reshape(-1), stored)
+                    jobs.append((quantizer.decode, stored, target))
+                elif kind == "bf16" and param.is_floating_point():
+                    jobs.append((_copy_into, param.reshape(-1).to(torch.bfloat16), target))
+            times = []
+            for _ in range(repeats + 1):  # the first faults the targets in
+                started = time.perf_counter()
+                for decode, stored, target in jobs:
+                    decode(stored, target)
+                times.append(time.perf_counter() - started)
+            out[kind] = statistics.median(times[1:])
+        return out
+
     def generate(self, batch: int, prompt: int, new: int) -> dict[str, Any]:
         vocab = self.model.config.vocab_size
         generator = torch.Generator().manual_seed(batch)
@@ -263,6 +292,10 @@ class Worker:
             self.store.close(restore_params=False)
 
 
+def _copy_into(stored: torch.Tensor, target: torch.Tensor) -> None:
+    target.copy_(stored)
+
+
 def worker_main(spec: dict[str, Any]) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -281,6 +314,8 @@ def worker_main(spec: dict[str, Any]) -> int:
             reply(worker.forward())
         elif command["cmd"] == "contention":
             reply(worker.contention())
+        elif command["cmd"] == "decode":
+            reply(worker.decode_seconds(command["kinds"], command["group_size"]))
         elif command["cmd"] == "generate":
             reply(worker.generate(command["batch"], command["prompt"], command["new"]))
         else:
@@ -552,6 +587,12 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         results["disk_read_bps"] = disk
         print("  the in-RAM forward alone and beside the engine's reads ...", flush=True)
         results["contention"] = remotes["ram"].ask(cmd="contention")
+        kinds = [s.removeprefix("ours-") for s in systems if s in STORED_SYSTEMS.values()]
+        if kinds:
+            print("  decoding every weight of each stored format, in RAM ...", flush=True)
+            results["decode_seconds"] = remotes["ram"].ask(
+                cmd="decode", kinds=kinds, group_size=args.group_size
+            )
         generates: dict[int, dict[str, Any]] = {}
         for batch in args.batches:
             generates[batch] = {
@@ -713,6 +754,10 @@ def quantized_lines(results: dict[str, Any], ram_seconds: float, disk: float) ->
         seconds = median(runs, "seconds")
         floor = max(ram_seconds, stored / disk)
         overlap = overlap_floor(results, ram_seconds, stored)
+        decode = results.get("decode_seconds", {}).get(system.removeprefix("ours-"))
+        # The in-RAM forward and the decoding both take the cores (the matrix multiplies all
+        # of them): a forward from stored weights cannot take less than the two added.
+        cpu_floor = ram_seconds + decode if decode is not None else None
         read = median(runs, "bytes_read")
         ratio = seconds / floor
         summary[system] = {
@@ -720,6 +765,8 @@ def quantized_lines(results: dict[str, Any], ram_seconds: float, disk: float) ->
             "stored_bytes": stored,
             "floor": floor,
             "overlap_floor": overlap,
+            "decode_seconds": decode,
+            "cpu_floor": cpu_floor,
             "vs_floor": ratio,
             "bytes_read_per_forward": read,
             "top1_agreement": min(r["top1_agreement"] for r in runs),
@@ -734,6 +781,14 @@ def quantized_lines(results: dict[str, Any], ram_seconds: float, disk: float) ->
             f"  vs floor       {ratio:.3f} (goal <= {GOAL_QUANTIZED_VS_FLOOR}): "
             f"{verdict(ratio <= GOAL_QUANTIZED_VS_FLOOR)}",
             f"  overlap floor  {overlap_text(seconds, overlap)} (before decoding)",
+            "  CPU floor      "
+            + (
+                f"{cpu_floor:.3f} s = in RAM {ram_seconds:.3f} s + decoding every stored "
+                f"weight once {decode:.3f} s ({cpu_floor / floor:.2f}x the floor); ours "
+                f"{seconds / cpu_floor:.3f}x it"
+                if cpu_floor is not None and decode is not None
+                else "not measured"
+            ),
             f"  bytes read     {read / 1e9:.3f} GB per forward (median) = {read / stored:.0%} of "
             f"the stored bytes",
             f"  vs fp32 logits top-1 next token the same at "
