@@ -10,6 +10,7 @@ import torch
 
 import infinity
 from infinity import ConfigError, OffloadConfig, TieredStore
+from infinity.training.optimizer import DecodeScratch
 from infinity.training.state_codecs import INT8_BLOCK, Bf16Codec, Int8Codec
 from tests.store_helpers import assert_equivalent, compare, fused_adamw, make_model, train
 from tools.common.tiny_gpt import GPTConfig
@@ -203,3 +204,33 @@ def test_compressed_state_with_the_state_in_memory_is_refused():
         )
     with pytest.raises(ConfigError, match="did you mean 'optimizer_state_dtype'"):
         OffloadConfig.from_dict({"precision": {"optimizer_state_dtyp": "bf16"}})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_state_decoded_into_reused_buffers_trains_as_fresh_tensors_do(dtype, tmp_path, monkeypatch):
+    def run(path):
+        model = make_model(MODEL)
+        store = TieredStore(state_config(path, dtype))
+        model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+        losses = train(model, optimizer, 3, config=MODEL)
+        params = {k: v.clone() for k, v in model.state_dict().items()}
+        store.close(restore_params=False)
+        return losses, params
+
+    held: list[int] = []
+    release = DecodeScratch.release
+
+    def recording_release(self: DecodeScratch) -> None:
+        held.append(self.nbytes)
+        release(self)
+
+    monkeypatch.setattr(DecodeScratch, "release", recording_release)
+    reused = run(tmp_path / "reused")
+    # the steps after the first decoded into the buffers, and each step's end let them go
+    assert len(held) >= 3 and max(held) > 0
+    monkeypatch.setattr(DecodeScratch, "take", lambda self, key, numel: None)
+    fresh = run(tmp_path / "fresh")
+    assert reused[0] == fresh[0]
+    assert reused[1].keys() == fresh[1].keys()
+    for key in reused[1]:
+        assert torch.equal(reused[1][key], fresh[1][key]), key

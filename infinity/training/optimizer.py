@@ -36,6 +36,45 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class DecodeScratch:
+    """The fp32 buffers an update group's compressed state is decoded into, one per state key
+    of ``capacity`` elements (the largest group's), reused by every group of a step: a fresh
+    tensor per group is mapped, faulted in and zeroed by the kernel, three times the conversion
+    itself on a 26M-element moment. Released at the end of each optimizer step, so that they
+    take no memory in forward; while they live they are the decoded state's transient, which
+    the memory plan reserves (two of the largest shard)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._taken: dict[str, int] = {}
+
+    def take(self, key: str, numel: int) -> torch.Tensor | None:
+        """``numel`` elements of key's buffer after those taken since the last reset, or None
+        where they would not fit (the caller decodes into a new tensor)."""
+        start = self._taken.get(key, 0)
+        if start + numel > self.capacity:
+            return None
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.empty(self.capacity, dtype=torch.float32)
+        self._taken[key] = start + numel
+        return buffer[start : start + numel]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def reset(self) -> None:
+        """The state decoded since the last reset is no longer used."""
+        self._taken.clear()
+
+    def release(self) -> None:
+        self._taken.clear()
+        self._buffers.clear()
+
+
 def _empty(shard: Shard, device: str = "cpu") -> torch.Tensor:
     return torch.empty(0, dtype=shard.dtype, device=device)
 
@@ -77,6 +116,7 @@ class OffloadedOptimizer(Optimizer):
         #: with a codec, the most elements the inner optimizer updates at once: the largest
         #: shard's, so that the decoded state is a transient of two of the largest shard
         self._group_numel = max((s.numel for s in shards), default=0)
+        self._decoded = DecodeScratch(self._group_numel)
         #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
         self._host_device = "meta" if placement.host.meta else "cpu"
         #: the inner optimizer's own time and the elements it updated; the steps' time less
@@ -150,8 +190,11 @@ class OffloadedOptimizer(Optimizer):
                 loss = closure()
         placement = self.placement
         started, busy = time.perf_counter(), placement.busy_seconds
-        with self.step_params.plain():  # once for the whole step, not per tile
-            self.store.stepping.run(self)
+        try:
+            with self.step_params.plain():  # once for the whole step, not per tile
+                self.store.stepping.run(self)
+        finally:
+            self._decoded.release()  # forward does not hold them
         # For the planner: the iteration's updates (in backward and in this step, with the
         # pipeline's bookkeeping around them) without their waits for the disk and their
         # device copies, per element updated (the median of the last steps: the first are
@@ -215,7 +258,10 @@ class OffloadedOptimizer(Optimizer):
             if companions:
                 state = self.inner.state[param]
                 for key, companion in companions.items():
-                    state[key] = self.state_values(shard, key, companion)
+                    into = None
+                    if companion.encoding is not None and self._host_device == "cpu":
+                        into = self._decoded.take(key, shard.numel)
+                    state[key] = self.state_values(shard, key, companion, into)
             bound.append((shard, companions))
         started = time.perf_counter()
         try:
@@ -231,6 +277,7 @@ class OffloadedOptimizer(Optimizer):
                     changed += self._stash_state(shard, companions)
                 param.grad = None
                 param.data = _empty(shard, self._host_device)
+            self._decoded.reset()  # the group's state is encoded back: the next one reuses them
         return changed
 
     def _stash_state(self, shard: Shard, companions: dict[str, Shard]) -> list[Shard]:
@@ -277,16 +324,18 @@ class OffloadedOptimizer(Optimizer):
         assert codec is not None and companion.encoding == codec.name  # made by this store
         codec.encode(value.detach().reshape(-1).float(), companion.host_copy(), key)
 
-    def state_values(self, shard: Shard, key: str, companion: Shard) -> torch.Tensor:
+    def state_values(
+        self, shard: Shard, key: str, companion: Shard, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The values of ``shard``'s state ``key`` that ``companion`` (on the host) holds, in
-        the shard's step shape: its host copy itself, or (kept in fewer bytes) decoded into a
-        new fp32 tensor."""
+        the shard's step shape: its host copy itself, or (kept in fewer bytes) decoded into
+        ``into`` (fp32, flat, the shard's elements) or else a new fp32 tensor."""
         stored = companion.host_copy()
         if companion.encoding is None:
             return stored.view(step_shape(shard))
         codec = self.codec
         assert codec is not None and companion.encoding == codec.name  # made by this store
-        return codec.decode(stored, shard.numel, key).view(step_shape(shard))
+        return codec.decode(stored, shard.numel, key, into).view(step_shape(shard))
 
     @staticmethod
     def state_dtype(companion: Shard) -> torch.dtype:

@@ -69,8 +69,11 @@ class StateCodec(Protocol):
         """Stores ``values`` (fp32, flat) into ``out`` (the companion's host copy, flat)."""
         ...
 
-    def decode(self, stored: torch.Tensor, numel: int, key: str) -> torch.Tensor:
-        """The fp32 values ``stored`` holds: a new flat tensor of ``numel`` elements."""
+    def decode(
+        self, stored: torch.Tensor, numel: int, key: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The fp32 values ``stored`` holds, flat, ``numel`` of them: written into ``out``
+        (fp32, flat, ``numel`` elements) and returned, or without it into a new tensor."""
         ...
 
 
@@ -125,8 +128,11 @@ class Bf16Codec:
             noisy.bitwise_and_(-(1 << 16))
             out[start : start + CHUNK].copy_(noisy.view(torch.float32))  # exact
 
-    def decode(self, stored: torch.Tensor, numel: int, key: str) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32, device=stored.device)
+    def decode(
+        self, stored: torch.Tensor, numel: int, key: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32, device=stored.device)
         if stored.device.type != "meta":
             out.copy_(stored[:numel])
         return out
@@ -217,8 +223,11 @@ class Int8Codec:
         if whole * self.block < n:
             apply(values[whole * self.block :], scale[whole:])
 
-    def decode(self, stored: torch.Tensor, numel: int, key: str) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32, device=stored.device)
+    def decode(
+        self, stored: torch.Tensor, numel: int, key: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32, device=stored.device)
         if stored.device.type == "meta":
             return out
         scales, codes = self.parts(stored, numel)
