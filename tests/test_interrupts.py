@@ -62,6 +62,31 @@ def test_an_interrupt_raised_in_a_wrapped_finalizer_is_raised_again_after_it():
     assert ran == [True]
 
 
+def test_an_interrupt_asked_again_while_another_finalizer_runs_is_not_lost():
+    """The interrupt a wrapped finalizer left pending is asked for again a moment later; when
+    that lands in a finalizer nobody wrapped (torch's, a library's), Python swallows it too."""
+
+    class Owner:
+        @interrupt_safe
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    class Plain:
+        def __del__(self) -> None:
+            _spin(5.0)  # the interrupt asked again lands in here
+
+    gc.collect()
+    gc.disable()
+    try:
+        owner, plain = Owner(), Plain()
+        with pytest.raises(KeyboardInterrupt):
+            del owner  # caught and left pending: asked again in REDELIVER_AFTER_S
+            del plain
+            _spin()
+    finally:
+        gc.enable()
+
+
 def _interrupt_once(original, exc: BaseException | type[BaseException] = KeyboardInterrupt):
     calls = []
 

@@ -13,12 +13,20 @@ store's root forward hook raises them again at the next forward (``raise_pending
 outside any finalizer. A KeyboardInterrupt is also asked for again a moment later by a timer
 (``_thread.interrupt_main``), for a loop that runs no hook of ours; asking at once would not do,
 as the main thread would handle the request at its next check, still inside the finalizer.
+
+That second request can land in a finalizer too, one nobody wrapped (torch's, a library's, the
+garbage collector's), and be swallowed the same way: under load, when backward frees many
+saved tensors at once, it was. So once an interrupt is pending, the interpreter's hook for
+exceptions it ignores (``sys.unraisablehook``, which Python provides to be replaced) takes a
+KeyboardInterrupt or SystemExit it is handed and leaves it pending again, instead of printing
+"Exception ignored"; anything else goes to the hook that was there before.
 """
 
 from __future__ import annotations
 
 import _thread
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from typing import ParamSpec
@@ -28,8 +36,11 @@ P = ParamSpec("P")
 #: how long the timer waits before asking again, so the finalizer has returned by then
 REDELIVER_AFTER_S = 0.05
 
-_lock = threading.Lock()
+#: re-entrant: a finalizer run by the collector inside a locked section may end in _rescue
+_lock = threading.RLock()
 _pending: BaseException | None = None
+#: the unraisable hook :func:`_rescue` replaced, which it hands everything else
+_previous_hook: Callable[[sys.UnraisableHookArgs], object] | None = None
 
 
 def interrupt_safe(finalizer: Callable[P, None]) -> Callable[P, None]:
@@ -51,6 +62,7 @@ def _leave_pending(exc: BaseException) -> None:
     with _lock:
         if _pending is None:
             _pending = exc
+    _rescue_ignored_interrupts()
     if not isinstance(exc, KeyboardInterrupt):
         return
     timer = threading.Timer(REDELIVER_AFTER_S, _redeliver)
@@ -59,6 +71,24 @@ def _leave_pending(exc: BaseException) -> None:
         timer.start()
     except RuntimeError:
         pass  # the interpreter is shutting down; the hooks still raise it, if any run
+
+
+def _rescue_ignored_interrupts() -> None:
+    """Puts :func:`_rescue` in front of ``sys.unraisablehook`` (unless it is there already)."""
+    global _previous_hook
+    with _lock:
+        if sys.unraisablehook is _rescue:
+            return
+        _previous_hook = sys.unraisablehook
+        sys.unraisablehook = _rescue
+
+
+def _rescue(unraisable: sys.UnraisableHookArgs) -> None:
+    exc = unraisable.exc_value
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        _leave_pending(exc)
+        return
+    (_previous_hook or sys.__unraisablehook__)(unraisable)
 
 
 def _take_pending() -> BaseException | None:
