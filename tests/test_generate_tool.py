@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from infinity.inference.quantized import WeightQuantization  # noqa: E402
-from tools.benchmarks import bench_infer  # noqa: E402
+from tools.benchmarks import bench_infer, infer_report  # noqa: E402
 from tools.commands import generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -373,7 +373,7 @@ def test_bench_infer_holds_each_format_against_its_overlap_floor():
         },
     }
     results["forwards"]["ram"][0]["seconds"] = 0.4
-    text = "\n".join(bench_infer.summarize(results))
+    text = "\n".join(infer_report.summarize(results))
     # fp32: 1 GB read by 0.5 s, when the forward has done 0.25 of its 0.4 s; 0.15 s alone after
     assert results["summary"]["overlap_floor"] == pytest.approx(0.65)
     assert "overlap floor    0.650 s, ours 0.769x it" in text
@@ -383,9 +383,9 @@ def test_bench_infer_holds_each_format_against_its_overlap_floor():
     assert "overlap floor  0.463 s, ours 1.081x it (before decoding)" in text
     del results["contention"]
     results["decode_seconds"] = {"int8": 0.1}
-    text = "\n".join(bench_infer.summarize(results))
+    text = "\n".join(infer_report.summarize(results))
     # the in-RAM forward and the decoding take the same cores: 0.4 + 0.1 s
     assert results["summary"]["quantized"]["ours-int8"]["cpu_floor"] == pytest.approx(0.5)
     assert "CPU floor      0.500 s = in RAM 0.400 s + decoding every stored weight once" in text
     assert "(1.25x the floor); ours 1.000x it" in text
-    assert "overlap floor    not measured" in "\n".join(bench_infer.summarize(results))
+    assert "overlap floor    not measured" in "\n".join(infer_report.summarize(results))
