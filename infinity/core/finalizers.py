@@ -41,6 +41,8 @@ _lock = threading.RLock()
 _pending: BaseException | None = None
 #: the unraisable hook :func:`_rescue` replaced, which it hands everything else
 _previous_hook: Callable[[sys.UnraisableHookArgs], object] | None = None
+#: set while :func:`_rescue` hands an exception to ``_previous_hook``
+_handing_on = threading.local()
 
 
 def interrupt_safe(finalizer: Callable[P, None]) -> Callable[P, None]:
@@ -88,7 +90,16 @@ def _rescue(unraisable: sys.UnraisableHookArgs) -> None:
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         _leave_pending(exc)
         return
-    (_previous_hook or sys.__unraisablehook__)(unraisable)
+    if getattr(_handing_on, "active", False):
+        # The hook we hand it to handed it back: one installed after ours, which we then put
+        # ourselves in front of again. Python's own hook ends the loop.
+        sys.__unraisablehook__(unraisable)
+        return
+    _handing_on.active = True
+    try:
+        (_previous_hook or sys.__unraisablehook__)(unraisable)
+    finally:
+        _handing_on.active = False
 
 
 def _take_pending() -> BaseException | None:
