@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from infinity.errors import ConfigError
+from swap import EngineSettings
 
 log = logging.getLogger("infinity.config")
 
@@ -387,6 +388,18 @@ class AioConfig(_Validated):
                 f"a multiple of {ALIGNMENT}",
                 "use a power of two such as 1048576 ('1MiB'); MB means 10**6 bytes",
             )
+
+    def engine_settings(self, **fields: Any) -> EngineSettings:
+        """The swap engine settings this section gives, with ``fields`` (``file_size``,
+        ``verify_checksums``, ...) that the engine's user decides."""
+        return EngineSettings(
+            backend=self.backend,
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            thread_count=self.thread_count,
+            request_timeout=self.request_timeout,
+            **fields,
+        )
 
 
 @dataclass(frozen=True)

@@ -879,3 +879,28 @@ def test_aio_request_timeout_is_validated_and_reaches_the_engine(tmp_path) -> No
     store.attach(torch.nn.Linear(8, 8))
     assert store.engine.settings.request_timeout == 7.5
     store.close()
+
+
+def test_every_engine_made_from_a_config_takes_its_whole_aio_section() -> None:
+    """The store, the KV cache's NVMe tier and the tools' disk probes build their engines
+    through ``AioConfig.engine_settings``: each aio key reaches them, not only some."""
+    aio = OffloadConfig.from_dict(
+        {
+            "aio": {
+                "backend": "threads",
+                "block_size": "256KiB",
+                "queue_depth": 3,
+                "thread_count": 2,
+                "request_timeout": 7.5,
+            }
+        }
+    ).aio
+    settings = aio.engine_settings(file_size=1 << 24, verify_checksums=False)
+    assert (settings.backend, settings.block_size, settings.queue_depth) == (
+        "threads",
+        256 << 10,
+        3,
+    )
+    assert (settings.thread_count, settings.request_timeout) == (2, 7.5)
+    assert (settings.file_size, settings.verify_checksums) == (1 << 24, False)
+    assert OffloadConfig().aio.engine_settings().request_timeout == 60.0

@@ -63,7 +63,7 @@ from infinity.training.param_access import ParamAccess
 from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
 from infinity.training.stepping import Stepping
 from infinity.training.update_timing import UpdateTiming, config_reasons
-from swap import EngineSettings, IOBackend, SwapEngine, SwapSpaceError, align_up
+from swap import IOBackend, SwapEngine, SwapSpaceError, align_up
 from swap.files import SwapDirectories
 
 if TYPE_CHECKING:
@@ -790,14 +790,8 @@ class TieredStore:
                         needed=per_drive,
                         available=free,
                     )
-        settings = EngineSettings(
-            backend=config.aio.backend,
-            block_size=config.aio.block_size,
-            queue_depth=config.aio.queue_depth,
-            thread_count=config.aio.thread_count,
-            file_size=align_up(per_drive),
-            verify_checksums=config.verify_checksums,
-            request_timeout=config.aio.request_timeout,
+        settings = config.aio.engine_settings(
+            file_size=align_up(per_drive), verify_checksums=config.verify_checksums
         )
         if self._engine_overrides:
             settings = dataclasses.replace(settings, **self._engine_overrides)

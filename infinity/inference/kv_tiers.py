@@ -22,7 +22,7 @@ import torch
 
 from infinity.config import AioConfig
 from infinity.errors import BudgetError
-from swap import ALIGNMENT, BufferPool, EngineSettings, Extent, HostBuffer, SwapEngine, align_up
+from swap import ALIGNMENT, BufferPool, Extent, HostBuffer, SwapEngine, align_up
 
 log = logging.getLogger(__name__)
 
@@ -218,14 +218,8 @@ class NvmeKVTier(KVTier):
     ) -> None:
         super().__init__(device)
         self.staging_bytes = align_up(staging_bytes) + 2 * ALIGNMENT  # one whole-layer segment
-        settings = EngineSettings(
-            backend=aio.backend,
-            block_size=aio.block_size,
-            queue_depth=aio.queue_depth,
-            thread_count=aio.thread_count,
-            request_timeout=aio.request_timeout,
-            file_size=max(64 << 20, 4 * self.staging_bytes),
-            verify_checksums=verify_checksums,
+        settings = aio.engine_settings(
+            file_size=max(64 << 20, 4 * self.staging_bytes), verify_checksums=verify_checksums
         )
         self.engine = SwapEngine([path], settings, label="kv")
         try:

@@ -69,7 +69,6 @@ from tools.benchmarks.bench_overlap import (
     DEEPSPEED_PEAK_RSS_GIB,
     DEEPSPEED_STEP_S,
     engine_bandwidth,
-    engine_settings,
     mlp,
     nvme_config,
     timed_steps,
@@ -173,7 +172,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     timed_steps(model, optimizer, args.warmup, args.batch, args.width)
     if args.child == "plain-io":
         probe = nvme_config(args.nvme_path, 1.0, 1.0, args.device_budget, args.buffer_size)
-        with StepIO(args.nvme_path, engine_settings(probe), args.io_read, args.io_write) as io:
+        with StepIO(args.nvme_path, probe.aio.engine_settings(), args.io_read, args.io_write) as io:
             times, computes = steps_beside_io(
                 model, optimizer, io, args.steps, args.batch, args.width
             )

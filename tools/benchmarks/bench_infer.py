@@ -43,7 +43,6 @@ once, and its CPU floor is the in-RAM forward plus that.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -63,7 +62,6 @@ from safetensors.torch import load_file, save_file
 from infinity.config import DTYPE_BYTES, format_size, parse_size
 from infinity.inference.quantized import QUANTIZED_STORAGE, WeightQuantization, WeightQuantizer
 from tools.benchmarks import contention
-from tools.benchmarks.bench_overlap import engine_settings
 from tools.benchmarks.infer_report import ATOL, STORED_SYSTEMS, SYSTEMS, summarize
 from tools.commands.generate import (
     DiskProbe,
@@ -221,9 +219,7 @@ class Worker:
 
         config = offload_config(path, None, None)
         # checksums as the store's reads verify them: their CPU is part of what reading costs
-        settings = dataclasses.replace(
-            engine_settings(config), verify_checksums=config.verify_checksums
-        )
+        settings = config.aio.engine_settings(verify_checksums=config.verify_checksums)
         try:
             found = contention.measure(path, settings, forward, warmup=1, reads_only=True)
         finally:

@@ -47,7 +47,7 @@ from torch import nn
 
 import infinity
 from infinity.core.memory import peak_resident_bytes
-from swap import BufferPool, EngineSettings, Extent, HostBuffer, SwapEngine
+from swap import BufferPool, Extent, HostBuffer, SwapEngine
 from tools.common.measure import store_deltas
 
 log = logging.getLogger("tools.benchmarks.bench_overlap")
@@ -111,16 +111,6 @@ def timed_steps(
                 (forward_done - started, backward_done - forward_done, ended - backward_done)
             )
     return times
-
-
-def engine_settings(config: infinity.OffloadConfig) -> EngineSettings:
-    """The swap engine settings of ``config``'s aio section."""
-    return EngineSettings(
-        backend=config.aio.backend,
-        block_size=config.aio.block_size,
-        queue_depth=config.aio.queue_depth,
-        thread_count=config.aio.thread_count,
-    )
 
 
 def nvme_config(
@@ -191,7 +181,7 @@ def engine_bandwidth(
     (submission, completions, checksums) on the cores a step computes on."""
     chunk = 64 << 20
     pool = BufferPool(4, chunk)
-    settings = engine_settings(config)
+    settings = config.aio.engine_settings()
     result = {}
     with SwapEngine([path], settings) as engine:
         extents = [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]

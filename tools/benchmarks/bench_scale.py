@@ -67,7 +67,7 @@ from infinity.config import parse_size
 from infinity.core.memory import huge_page_allocations, peak_resident_bytes, warm_runtime
 from infinity.training.state_codecs import stored_nbytes
 from tools.benchmarks import contention
-from tools.benchmarks.bench_overlap import engine_bandwidth, engine_settings
+from tools.benchmarks.bench_overlap import engine_bandwidth
 from tools.common.measure import reset_peak
 from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.contention:
         huge_page_allocations()
         assert args.nvme_path is not None
-        settings = engine_settings(infinity.OffloadConfig(offload_param="nvme"))
+        settings = infinity.OffloadConfig(offload_param="nvme").aio.engine_settings()
         found = contention.measure(args.nvme_path, settings, plain_step(args, 2))
         print(json.dumps(found.as_dict()))
         return 0

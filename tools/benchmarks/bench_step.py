@@ -49,7 +49,6 @@ from swap import BufferPool, SwapEngine
 from tools.benchmarks.bench_overlap import (
     duplex_order,
     engine_bandwidth,
-    engine_settings,
     mlp,
     run_transfers,
 )
@@ -95,7 +94,7 @@ def duplex_seconds(
     start to end together, as in a pipelined step.
     """
     pool = BufferPool(slots, chunk)
-    with SwapEngine([path], engine_settings(config)) as engine:
+    with SwapEngine([path], config.aio.engine_settings()) as engine:
 
         def extents(nbytes: int) -> list:
             return [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]

@@ -34,7 +34,6 @@ from infinity.config import format_size, load_json
 from infinity.errors import AttachError, BudgetError, ConfigError
 from swap import (
     BufferPool,
-    EngineSettings,
     NvmePathError,
     SwapConfigError,
     SwapEngine,
@@ -229,13 +228,7 @@ def disk_bandwidth(paths: list[Path], config: OffloadConfig) -> dict[str, float]
     the same one the store's io_seconds come from, so the two GB/s compare like for like."""
     chunk, depth = 16 << 20, 4 * len(paths)
     limit = 1 << 30
-    settings = EngineSettings(
-        backend=config.aio.backend,
-        block_size=config.aio.block_size,
-        queue_depth=config.aio.queue_depth,
-        thread_count=config.aio.thread_count,
-        file_size=limit // len(paths) + (chunk << 1),
-    )
+    settings = config.aio.engine_settings(file_size=limit // len(paths) + (chunk << 1))
     with (
         BufferPool(depth, chunk, name="demo-bandwidth") as pool,
         SwapEngine(paths, settings) as engine,

@@ -45,7 +45,6 @@ from infinity.config import format_size
 from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
 from swap import (
     BufferPool,
-    EngineSettings,
     NvmePathError,
     SwapConfigError,
     SwapEngine,
@@ -398,13 +397,8 @@ class DiskProbe:
         depth: int = 4,
     ) -> None:
         self.depth = depth * len(paths)
-        settings = EngineSettings(
-            backend=config.aio.backend,
-            block_size=config.aio.block_size,
-            queue_depth=config.aio.queue_depth,
-            thread_count=config.aio.thread_count,
-            file_size=nbytes // len(paths) + 2 * chunk,
-            verify_checksums=config.verify_checksums,
+        settings = config.aio.engine_settings(
+            file_size=nbytes // len(paths) + 2 * chunk, verify_checksums=config.verify_checksums
         )
         self.pool = BufferPool(self.depth, chunk, name="disk-probe")
         try:
