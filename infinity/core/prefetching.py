@@ -186,12 +186,17 @@ class TracePrefetching:
             # Only shards still on NVMe: the window ahead is mostly read already (with
             # streaming inference, the whole trace is walked at every event).
             for index in self.policy.wanted(self.follower):
+                shards = entries[index].shards
+                # A gather reads a shard itself unless the shard is on NVMe: an entry none of
+                # whose shards is there has nothing to read, whenever it is used.
+                if not any(shard.state is R.NVME for shard in shards):
+                    continue
                 use = trace.next_use(index, position)
                 if use == math.inf:
                     continue
                 # What the gather at that use reads: the master, or its compute copy.
                 backward = trace.events[int(position + use) % len(trace)].kind == BACKWARD
-                for shard in entries[index].shards:
+                for shard in shards:
                     source = self._placement.gather_source(shard, backward)
                     if source.state is R.NVME:
                         yield source, use + 0.5
