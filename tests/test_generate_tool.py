@@ -381,6 +381,18 @@ def test_bench_infer_holds_each_format_against_its_overlap_floor():
     int8 = results["summary"]["quantized"]["ours-int8"]
     assert int8["overlap_floor"] == pytest.approx(0.4625)
     assert "overlap floor  0.463 s, ours 1.081x it (before decoding)" in text
+    assert "both floors    not measured" in text and "decoding here  not measured" in text
+    # both: the forward and the decoding (0.4 + 0.1 s) beside the int8 reads: 0.25 GB read by
+    # 0.125 s (0.0625 s of the 0.5 s done), then 0.4375 s alone
+    results["decode_seconds"] = {"int8": 0.1}
+    results["forwards"]["ours-int8"][0]["device_copy_seconds"] = 0.12
+    text = "\n".join(infer_report.summarize(results))
+    int8 = results["summary"]["quantized"]["ours-int8"]
+    assert int8["both_floors"] == pytest.approx(0.5625)
+    assert int8["device_copy_seconds"] == pytest.approx(0.12)
+    assert "both floors    0.562 s = the two above at once" in text
+    assert "(1.41x the floor, goal 1.2x); ours 0.889x it" in text
+    assert "decoding here  0.120 s per forward (median)" in text
     del results["contention"]
     results["decode_seconds"] = {"int8": 0.1}
     text = "\n".join(infer_report.summarize(results))

@@ -203,7 +203,7 @@ class Worker:
         result["top1_agreement"] = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
         if before is not None and self.store is not None:
             after = self.store.stats()
-            for key in ("bytes_read", "stall_seconds", "read_seconds"):
+            for key in ("bytes_read", "stall_seconds", "read_seconds", "device_copy_seconds"):
                 result[key] = after[key] - before[key]
         return result
 
