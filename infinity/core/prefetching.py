@@ -180,6 +180,8 @@ class TracePrefetching:
         budget = self.prefetch_bytes
         if budget is not None:
             budget -= sum(s.nbytes for s in self._placement.in_arena if s.state is R.NVME_LOADING)
+        if not self.registry.on_nvme:  # everything is read already (the host tier holds it)
+            return math.inf if budget is None else budget
         entries = self.registry.entries
 
         def wanted() -> Iterator[tuple[Shard, float]]:

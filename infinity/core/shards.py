@@ -261,6 +261,9 @@ class ShardRegistry:
         self._written_unread: set[str] = set()
         self.unread_writes = 0
         self.unread_write_bytes = 0
+        #: shards (masters and companions) whose only copy is on NVMe: while none is, nothing
+        #: is there to read ahead
+        self.on_nvme = 0
 
     def add_param(
         self,
@@ -335,6 +338,7 @@ class ShardRegistry:
         with self.lock:
             check_transition(shard.id, shard.state, new)
             old, shard.state = shard.state, new
+            self.on_nvme += (new is Residency.NVME) - (old is Residency.NVME)
             if old is Residency.HOST_STORING and new is Residency.HOST_NVME:
                 self._written_unread.add(shard.id)
             elif shard.id in self._written_unread:

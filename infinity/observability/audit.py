@@ -67,6 +67,11 @@ def audit(placement: Any) -> list[str]:
     for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
         if start < end:
             problems.append(f"arena ranges of {a} and {b} overlap")
+    on_nvme = sum(s.state is R.NVME for s in shards)
+    if placement.registry.on_nvme != on_nvme:
+        problems.append(
+            f"the registry counts {placement.registry.on_nvme} shards only on NVMe, {on_nvme} are"
+        )
     resident = {e for e in placement.registry.entries if e.resident}
     on_device = placement.copies.on_device
     if resident != on_device:
