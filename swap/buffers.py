@@ -51,7 +51,7 @@ class HostBuffer:
 
     def view(self, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
         """A torch tensor of ``numel`` elements of ``dtype`` over this buffer's bytes."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         end = byte_offset + numel * itemsize
         if byte_offset % itemsize:
             raise ValueError(
