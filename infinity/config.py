@@ -19,18 +19,23 @@ Fractions are allowed when the result is a whole number of bytes (``"1.5G"``).
 
 from __future__ import annotations
 
-import difflib
-import json
 import logging
-import math
 import os
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
+from infinity.config_rules import (
+    Rule,
+    Validated,
+    bad_value,
+    check_keys,
+    field_rule,
+    format_size,
+    load_json,
+    parse_size,
+)
 from infinity.errors import ConfigError
 from swap import EngineSettings
 
@@ -48,290 +53,11 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 STORAGE_DTYPES = ("auto",) + DTYPES + ("int8", "int4")
 
 
-# --------------------------------------------------------------------------- sizes and keys
-
-_SIZE_RE = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-
-
-def parse_size(value: int | float | str, *, name: str = "size") -> int:
-    """Bytes from an int, an integral float (``5e8``, common in DeepSpeed JSON) or a size string.
-
-    Raises ConfigError naming ``name`` for anything that is not a whole, non-negative byte count.
-    """
-    amount, _ = _parse_size_parts(value, name)
-    return amount
-
-
-def _parse_size_parts(value: object, name: str) -> tuple[int, bool]:
-    """(bytes, whether a unit was written); the DeepSpeed mapping reads unit-less as elements."""
-    if isinstance(value, bool):
-        raise _bad(
-            name,
-            value,
-            "a byte count (integer or string such as '64MiB')",
-            "true/false is not a size; write a number",
-        )
-    if isinstance(value, int):
-        exact, unit = Fraction(value), False
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise _bad(name, value, "a finite byte count", "write a number such as 67108864")
-        exact, unit = Fraction(value), False
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise _bad(
-                name,
-                value,
-                "a byte count such as 67108864, '64MiB', '512MB' or '1.5G'",
-                "units are B, K/KiB, M/MiB, G/GiB, T/TiB (x1024) and KB, MB, GB, TB (x1000)",
-            )
-        exact = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
-        unit = bool(match.group(2))
-    else:
-        raise _bad(
-            name,
-            value,
-            "a byte count (integer or string such as '64MiB')",
-            f"got a {type(value).__name__}",
-        )
-    if exact.denominator != 1 or exact < 0:
-        raise _bad(
-            name, value, "a whole, non-negative number of bytes", "round it to a whole byte count"
-        )
-    return int(exact), unit
-
-
-def format_size(n: int | None) -> str:
-    """Human-readable binary size (``'64.0 MiB'``) for logs; ``None`` reads as ``'auto'``."""
-    if n is None:
-        return "auto"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def check_keys(data: Mapping[str, Any], valid: Iterable[str], where: str) -> None:
-    """Raise ConfigError for keys of ``data`` not in ``valid``, suggesting the closest valid key."""
-    valid = list(valid)
-    problems = []
-    for key in data:
-        if key in valid:
-            continue
-        if not isinstance(key, str):
-            problems.append(f"key {key!r} in {where} is not a string")
-            continue
-        close = difflib.get_close_matches(key, valid, n=1)
-        if close:
-            problems.append(f"unknown key {key!r} in {where}; did you mean {close[0]!r}?")
-        else:
-            problems.append(
-                f"unknown key {key!r} in {where}; valid keys are: " + ", ".join(sorted(valid))
-            )
-    if problems:
-        first = next(k for k in data if k not in valid)
-        raise ConfigError("\n".join(problems), field=str(first))
-
-
-def load_json(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A JSON object from ``path``; missing files and bad JSON become ConfigErrors."""
-    path = Path(path).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read config file {path}: {exc.strerror or exc}; check the path"
-        ) from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
-            f"column {exc.colno}"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} must hold a JSON object ({{...}}), not a {type(data).__name__}"
-        )
-    return data
-
-
-def _bad(name: str, value: object, expected: str, fix: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r} is invalid: expected {expected}; {fix}", field=name)
-
-
-# --------------------------------------------------------------------------- field validation
-
-
-@dataclass(frozen=True)
-class _Rule:
-    kind: str  # int | float | bool | bool_or_auto | choice | paths | device
-    #                                | section
-    lo: float | None = None
-    hi: float | None = None
-    optional: bool = False  # None allowed
-    choices: tuple[str, ...] = ()
-    size: bool = False  # byte count: size strings accepted in from_dict
-    fix: str = ""  # what to do, appended to the message
-
-
-def _rule(**kwargs: Any) -> dict[str, _Rule]:
-    return {"rule": _Rule(**kwargs)}
-
-
-def _describe_range(rule: _Rule) -> str:
-    noun = {"int": "an integer", "float": "a number"}[rule.kind]
-    if rule.lo is not None and rule.hi is not None:
-        text = f"{noun} in {rule.lo:g}..{rule.hi:g}"
-    elif rule.lo is not None:
-        text = f"{noun} >= {rule.lo:g}"
-    else:
-        text = noun
-    return f"None or {text}" if rule.optional else text
-
-
-class _Validated:
-    """Checks every field against its ``_Rule`` after construction, normalising in place."""
-
-    _section: ClassVar[str] = ""
-
-    def _name(self, attr: str) -> str:
-        return f"{self._section}.{attr}" if self._section else attr
-
-    def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            rule: _Rule | None = f.metadata.get("rule")
-            if rule is not None:
-                value = self._check(self._name(f.name), getattr(self, f.name), rule, f)
-                object.__setattr__(self, f.name, value)
-
-    @staticmethod
-    def _check(name: str, value: Any, rule: _Rule, spec: Any) -> Any:
-        if value is None and rule.optional:
-            return None
-        fix = rule.fix or f"set {name} within that range"
-        if rule.kind in ("int", "float"):
-            expected = _describe_range(rule)
-            if rule.size and isinstance(value, str):
-                value = parse_size(value, name=name)  # "64MiB" reads the same everywhere
-            numeric = (int,) if rule.kind == "int" else (int, float)
-            if isinstance(value, bool) or not isinstance(value, numeric):
-                hint = (
-                    "in Python, pass an int (or use parse_size / from_dict for strings like "
-                    "'64MiB')"
-                    if rule.size and isinstance(value, str)
-                    else f"got a {type(value).__name__}, write it as a number"
-                )
-                raise _bad(name, value, expected, hint)
-            number = float(value) if rule.kind == "float" else value
-            if rule.kind == "float" and not math.isfinite(number):
-                raise _bad(name, value, f"a finite number ({expected})", fix)
-            if (rule.lo is not None and number < rule.lo) or (
-                rule.hi is not None and number > rule.hi
-            ):
-                raise _bad(name, value, expected, fix)
-            return number
-        if rule.kind == "bool":
-            if not isinstance(value, bool):
-                raise _bad(name, value, "true or false", f"got a {type(value).__name__}")
-            return value
-        if rule.kind == "bool_or_auto":
-            if isinstance(value, str) and value.lower() == "auto":
-                return "auto"
-            if not isinstance(value, bool):
-                raise _bad(name, value, "true, false or 'auto'", f"got {value!r}")
-            return value
-        if rule.kind == "choice":
-            if not isinstance(value, str) or value not in rule.choices:
-                allowed = ", ".join(repr(c) for c in rule.choices)
-                close = [c for c in rule.choices if isinstance(value, str) and c == value.lower()]
-                hint = f"did you mean {close[0]!r}?" if close else f"pick one of {allowed}"
-                raise _bad(name, value, f"one of {allowed}", hint)
-            return value
-        if rule.kind == "device":
-            return _check_device(name, value)
-        if rule.kind == "paths":
-            return _normalise_paths(name, value)
-        if rule.kind == "section":
-            section_cls = spec.default_factory
-            if not isinstance(value, section_cls):
-                raise _bad(
-                    name,
-                    value,
-                    f"a {section_cls.__name__} instance",
-                    "pass the dataclass, or a dict through from_dict/replace",
-                )
-            return value
-        raise AssertionError(f"unknown rule kind {rule.kind}")
-
-
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
-
-
-def _check_device(name: str, value: Any) -> str:
-    if type(value).__name__ == "device" and type(value).__module__.startswith("torch"):
-        value = str(value)  # accept torch.device without importing torch here
-    match = _DEVICE_RE.match(value) if isinstance(value, str) else None
-    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
-        raise _bad(
-            name,
-            value,
-            "'auto', 'cpu', 'cuda' or 'cuda:N'",
-            "'auto' picks cuda when available, else cpu",
-        )
-    return value
-
-
-def _normalise_paths(name: str, value: Any) -> tuple[Path, ...]:
-    items = [value] if isinstance(value, (str, os.PathLike)) else value
-    if not isinstance(items, (list, tuple)):
-        raise _bad(
-            name, value, "a path or a list of paths", "use [] for a private temporary directory"
-        )
-    out: list[Path] = []
-    for item in items:
-        if isinstance(item, str) and not item.strip():
-            raise _bad(name, value, "non-empty paths", "use [] for a private temporary directory")
-        if not isinstance(item, (str, os.PathLike)):
-            raise _bad(
-                name,
-                value,
-                "a path or a list of paths",
-                f"entry {item!r} is a {type(item).__name__}",
-            )
-        path = Path(item).expanduser()
-        if path in out:
-            raise _bad(
-                name, value, "distinct directories", f"{path} is listed twice; list each drive once"
-            )
-        out.append(path)
-    return tuple(out)
-
-
 # --------------------------------------------------------------------------- the dataclasses
 
 
 @dataclass(frozen=True)
-class AioConfig(_Validated):
+class AioConfig(Validated):
     """How swap I/O is issued to the drives (same names as ``swap.engine.EngineSettings``).
 
     backend: ``auto`` probes each swap directory once and uses ``uring`` (io_uring + O_DIRECT)
@@ -352,26 +78,26 @@ class AioConfig(_Validated):
 
     _section: ClassVar[str] = "aio"
 
-    backend: str = field(default="auto", metadata=_rule(kind="choice", choices=BACKENDS))
+    backend: str = field(default="auto", metadata=field_rule(kind="choice", choices=BACKENDS))
     block_size: int = field(
         default=1 << 20,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int",
             lo=ALIGNMENT,
             size=True,
             fix="use a multiple of 4096 such as '1MiB' (note MB means 10**6 bytes)",
         ),
     )
-    queue_depth: int = field(default=8, metadata=_rule(kind="int", lo=1, hi=1024))
+    queue_depth: int = field(default=8, metadata=field_rule(kind="int", lo=1, hi=1024))
     thread_count: int | None = field(
         default=None,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int", lo=1, hi=1024, optional=True, fix="use null to follow queue_depth"
         ),
     )
     request_timeout: float | None = field(
         default=60.0,
-        metadata=_rule(
+        metadata=field_rule(
             kind="float",
             lo=0.001,
             optional=True,
@@ -382,7 +108,7 @@ class AioConfig(_Validated):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size % ALIGNMENT:
-            raise _bad(
+            raise bad_value(
                 "aio.block_size",
                 self.block_size,
                 f"a multiple of {ALIGNMENT}",
@@ -403,7 +129,7 @@ class AioConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class PrecisionConfig(_Validated):
+class PrecisionConfig(Validated):
     """Numeric format of the working parameters and, for fp16, the loss scaler.
 
     dtype: compute dtype of the working params: ``fp32``, ``bf16`` or ``fp16``. Memory: 4 bytes
@@ -450,41 +176,41 @@ class PrecisionConfig(_Validated):
 
     _section: ClassVar[str] = "precision"
 
-    dtype: str = field(default="fp32", metadata=_rule(kind="choice", choices=DTYPES))
+    dtype: str = field(default="fp32", metadata=field_rule(kind="choice", choices=DTYPES))
     loss_scale: float = field(
         default=0.0,
-        metadata=_rule(
+        metadata=field_rule(
             kind="float", lo=0, fix="use 0 for dynamic loss scaling or a positive static scale"
         ),
     )
-    initial_scale_power: int = field(default=16, metadata=_rule(kind="int", lo=0, hi=63))
-    loss_scale_window: int = field(default=1000, metadata=_rule(kind="int", lo=1))
-    hysteresis: int = field(default=2, metadata=_rule(kind="int", lo=1))
+    initial_scale_power: int = field(default=16, metadata=field_rule(kind="int", lo=0, hi=63))
+    loss_scale_window: int = field(default=1000, metadata=field_rule(kind="int", lo=1))
+    hysteresis: int = field(default=2, metadata=field_rule(kind="int", lo=1))
     min_loss_scale: float = field(
-        default=1.0, metadata=_rule(kind="float", lo=0, fix="use a positive scale such as 1")
+        default=1.0, metadata=field_rule(kind="float", lo=0, fix="use a positive scale such as 1")
     )
     storage_dtype: str = field(
-        default="auto", metadata=_rule(kind="choice", choices=STORAGE_DTYPES)
+        default="auto", metadata=field_rule(kind="choice", choices=STORAGE_DTYPES)
     )
     quant_group_size: int = field(
         default=128,
-        metadata=_rule(kind="int", lo=2, fix="use an even group size such as 128 or 64"),
+        metadata=field_rule(kind="int", lo=2, fix="use an even group size such as 128 or 64"),
     )
     optimizer_state_dtype: str = field(
-        default="fp32", metadata=_rule(kind="choice", choices=STATE_DTYPES)
+        default="fp32", metadata=field_rule(kind="choice", choices=STATE_DTYPES)
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.quant_group_size % 2:
-            raise _bad(
+            raise bad_value(
                 "precision.quant_group_size",
                 self.quant_group_size,
                 "an even number (two int4 codes share a byte)",
                 f"use {self.quant_group_size + 1} or another even group size such as 128",
             )
         if self.min_loss_scale == 0:
-            raise _bad(
+            raise bad_value(
                 "precision.min_loss_scale",
                 self.min_loss_scale,
                 "a number > 0",
@@ -498,7 +224,7 @@ class PrecisionConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class BatchConfig(_Validated):
+class BatchConfig(Validated):
     """Batch sizes, informational for trainers and tools (DeepSpeed's batch keys).
 
     train_batch_size: samples per optimizer step over all processes (None = unspecified).
@@ -512,19 +238,19 @@ class BatchConfig(_Validated):
     _section: ClassVar[str] = "batch"
 
     train_batch_size: int | None = field(
-        default=None, metadata=_rule(kind="int", lo=1, optional=True)
+        default=None, metadata=field_rule(kind="int", lo=1, optional=True)
     )
     micro_batch_size: int | None = field(
-        default=None, metadata=_rule(kind="int", lo=1, optional=True)
+        default=None, metadata=field_rule(kind="int", lo=1, optional=True)
     )
-    gradient_accumulation_steps: int = field(default=1, metadata=_rule(kind="int", lo=1))
+    gradient_accumulation_steps: int = field(default=1, metadata=field_rule(kind="int", lo=1))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.train_batch_size is not None and self.micro_batch_size is not None:
             step = self.micro_batch_size * self.gradient_accumulation_steps
             if self.train_batch_size % step:
-                raise _bad(
+                raise bad_value(
                     "batch.train_batch_size",
                     self.train_batch_size,
                     f"a multiple of micro_batch_size x gradient_accumulation_steps = {step}",
@@ -553,7 +279,7 @@ def derived_buffer_size(host_budget: int | None) -> int:
 
 
 @dataclass(frozen=True)
-class OffloadConfig(_Validated):
+class OffloadConfig(Validated):
     """Everything the offload runtime needs to know; see the module docstring for the formats.
 
     device: where compute runs: ``auto`` (cuda if available else cpu), ``cpu``, ``cuda``,
@@ -688,24 +414,24 @@ class OffloadConfig(_Validated):
     aio, precision, batch: see AioConfig, PrecisionConfig, BatchConfig.
     """
 
-    device: str = field(default="auto", metadata=_rule(kind="device"))
+    device: str = field(default="auto", metadata=field_rule(kind="device"))
     offload_param: str = field(
-        default="nvme", metadata=_rule(kind="choice", choices=OFFLOAD_TARGETS)
+        default="nvme", metadata=field_rule(kind="choice", choices=OFFLOAD_TARGETS)
     )
     offload_optimizer: str = field(
-        default="none", metadata=_rule(kind="choice", choices=OFFLOAD_TARGETS)
+        default="none", metadata=field_rule(kind="choice", choices=OFFLOAD_TARGETS)
     )
     offload_activations: str = field(
-        default="none", metadata=_rule(kind="choice", choices=OFFLOAD_TARGETS)
+        default="none", metadata=field_rule(kind="choice", choices=OFFLOAD_TARGETS)
     )
-    nvme_path: tuple[Path, ...] = field(default=(), metadata=_rule(kind="paths"))
+    nvme_path: tuple[Path, ...] = field(default=(), metadata=field_rule(kind="paths"))
     buffer_count: int = field(
         default=5,
-        metadata=_rule(kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"),
+        metadata=field_rule(kind="int", lo=1, fix="use 2 or more so swap I/O overlaps compute"),
     )
     buffer_size: int | None = field(
         default=None,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int",
             lo=ALIGNMENT,
             optional=True,
@@ -713,44 +439,46 @@ class OffloadConfig(_Validated):
             fix="use at least 4096 bytes, e.g. '64MiB', or null to derive it",
         ),
     )
-    pin_memory: bool = field(default=True, metadata=_rule(kind="bool"))
+    pin_memory: bool = field(default=True, metadata=field_rule(kind="bool"))
     max_in_cpu: int = field(
         default=0,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int", lo=0, size=True, fix="use 0 to keep no params cached in host RAM"
         ),
     )
     device_budget: int | None = field(
         default=None,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"
         ),
     )
     host_budget: int | None = field(
         default=None,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int", lo=1, optional=True, size=True, fix="use null to let the store derive it"
         ),
     )
     prefetch_depth: int = field(
-        default=2, metadata=_rule(kind="int", lo=0, fix="use 0 to disable prefetch")
+        default=2, metadata=field_rule(kind="int", lo=0, fix="use 0 to disable prefetch")
     )
     prefetch_bytes: int | None = field(
         default=None,
-        metadata=_rule(kind="int", lo=0, optional=True, size=True, fix="use null for no byte cap"),
+        metadata=field_rule(
+            kind="int", lo=0, optional=True, size=True, fix="use null for no byte cap"
+        ),
     )
-    param_persistence_threshold: int = field(default=0, metadata=_rule(kind="int", lo=0))
+    param_persistence_threshold: int = field(default=0, metadata=field_rule(kind="int", lo=0))
     gradient_clipping: float = field(
-        default=0.0, metadata=_rule(kind="float", lo=0, fix="use 0 to disable clipping")
+        default=0.0, metadata=field_rule(kind="float", lo=0, fix="use 0 to disable clipping")
     )
-    keep_swap_files: bool = field(default=False, metadata=_rule(kind="bool"))
-    verify_checksums: bool = field(default=True, metadata=_rule(kind="bool"))
-    fused_optimizer: bool = field(default=True, metadata=_rule(kind="bool"))
-    step_in_backward: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
-    overlap_comm: bool = field(default=True, metadata=_rule(kind="bool"))
+    keep_swap_files: bool = field(default=False, metadata=field_rule(kind="bool"))
+    verify_checksums: bool = field(default=True, metadata=field_rule(kind="bool"))
+    fused_optimizer: bool = field(default=True, metadata=field_rule(kind="bool"))
+    step_in_backward: bool | str = field(default="auto", metadata=field_rule(kind="bool_or_auto"))
+    overlap_comm: bool = field(default=True, metadata=field_rule(kind="bool"))
     reduce_bucket_size: int = field(
         default=64 << 20,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int",
             lo=1,
             size=True,
@@ -760,25 +488,27 @@ class OffloadConfig(_Validated):
     )
     allgather_bucket_size: int = field(
         default=64 << 20,
-        metadata=_rule(kind="int", lo=1, size=True, fix="use a positive size, e.g. '64MiB'"),
+        metadata=field_rule(kind="int", lo=1, size=True, fix="use a positive size, e.g. '64MiB'"),
     )
     prefetch_bucket_size: int = field(
         default=64 << 20,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int", lo=0, size=True, fix="use 0 to start all-gathers only on demand"
         ),
     )
-    reshard_after_forward: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
-    restore_params: bool | str = field(default="auto", metadata=_rule(kind="bool_or_auto"))
+    reshard_after_forward: bool | str = field(
+        default="auto", metadata=field_rule(kind="bool_or_auto")
+    )
+    restore_params: bool | str = field(default="auto", metadata=field_rule(kind="bool_or_auto"))
     checkpoint_staging: int = field(
         default=64 << 20,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int", lo=ALIGNMENT, size=True, fix="use at least 4096 bytes, e.g. '64MiB'"
         ),
     )
     zero_stage: int = field(
         default=3,
-        metadata=_rule(
+        metadata=field_rule(
             kind="int",
             lo=1,
             hi=3,
@@ -786,11 +516,11 @@ class OffloadConfig(_Validated):
             "partitioned), 2 (gradients and optimizer state) or 1 (optimizer state)",
         ),
     )
-    aio: AioConfig = field(default_factory=AioConfig, metadata=_rule(kind="section"))
+    aio: AioConfig = field(default_factory=AioConfig, metadata=field_rule(kind="section"))
     precision: PrecisionConfig = field(
-        default_factory=PrecisionConfig, metadata=_rule(kind="section")
+        default_factory=PrecisionConfig, metadata=field_rule(kind="section")
     )
-    batch: BatchConfig = field(default_factory=BatchConfig, metadata=_rule(kind="section"))
+    batch: BatchConfig = field(default_factory=BatchConfig, metadata=field_rule(kind="section"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -972,11 +702,11 @@ def _build(cls: type, data: Any, where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         f = known[key]
-        rule: _Rule = f.metadata["rule"]
+        rule: Rule = f.metadata["rule"]
         if rule.kind == "section":
             value = _build(f.default_factory, value, key)  # type: ignore[arg-type]
         elif rule.size and isinstance(value, (str, float)) and not isinstance(value, bool):
-            section = getattr(cls, "_section", "")  # a _Validated class's section name
+            section = getattr(cls, "_section", "")  # a Validated class's section name
             prefix = f"{section}." if section else ""
             value = parse_size(value, name=prefix + key)
         kwargs[key] = value

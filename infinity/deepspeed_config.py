@@ -35,12 +35,11 @@ from infinity.config import (
     BatchConfig,
     OffloadConfig,
     PrecisionConfig,
-    _normalise_paths,
-    _parse_size_parts,
     check_keys,
     format_size,
     load_json,
 )
+from infinity.config_rules import normalise_paths, parse_size_parts
 from infinity.errors import ConfigError
 
 log = logging.getLogger("infinity.config")
@@ -476,7 +475,7 @@ def _map_offload(
         raw = m.get(section, "nvme_path", f"{path}.nvme_path")
         if raw is not _ABSENT and raw is not None:
             if device == "nvme":
-                paths += [p for p in _normalise_paths(f"{path}.nvme_path", raw) if p not in paths]
+                paths += [p for p in normalise_paths(f"{path}.nvme_path", raw) if p not in paths]
                 m.origin["nvme_path"] = f"{path}.nvme_path"
             else:
                 m.notes.append(f"{path}.nvme_path is ignored because {name} goes to {device!r}")
@@ -527,7 +526,7 @@ def _map_aio(m: _Mapper, aio: Mapping[str, Any]) -> None:
     if block is not _ABSENT:
         m.put(
             "aio.block_size",
-            _parse_size_parts(block, "aio.block_size")[0]
+            parse_size_parts(block, "aio.block_size")[0]
             if isinstance(block, (str, float))
             else block,
             "aio.block_size",
@@ -565,7 +564,7 @@ def _convert_elements(m: _Mapper) -> None:
     itemsize = DTYPE_BYTES[dtype]
     converted = []
     for ours, path, raw in m.elements:
-        amount, has_unit = _parse_size_parts(raw, path)
+        amount, has_unit = parse_size_parts(raw, path)
         nbytes = amount if has_unit else amount * itemsize
         if not has_unit:
             converted.append(f"{path} {amount} -> {ours} {nbytes} ({format_size(nbytes)})")
