@@ -35,7 +35,9 @@ worker also times its forward alone and beside the engine streaming reads
 its stored bytes read while the in-RAM forward computes, each slowed as measured. Nothing that
 reads its weights during the forward can beat that floor here. Decoding a stored format is
 further work for the same cores: the in-RAM worker times decoding every weight of each format
-once, and its CPU floor is the in-RAM forward plus that.
+once, and its CPU floor is the in-RAM forward plus that. Both floors at once are that sum with
+the stored bytes read beside it, each slowed as measured; beside them each stored format shows
+the decoding the store did in its own forwards.
 
     python -m tools.benchmarks.bench_infer [--quick] [--host-budget 256MiB --device-budget 128MiB]
 """
