@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import infinity
+from infinity.core.trace import Trace
 from infinity.planning import planner
 from infinity.planning.planner import DiskProfile, PlanError, device_profile
+from infinity.planning.simulated_time import Contention
 from tests.store_helpers import SMALL, make_model
 from tools.common.tiny_gpt import synthetic_batches
 
@@ -165,6 +167,64 @@ def test_time_follows_the_disk_and_the_device() -> None:
         min(slow["iterations"]["step_seconds"]),
         max(slow["iterations"]["step_seconds"]),
     )
+
+
+def test_contention_slows_compute_beside_the_disk_and_the_recorded_share_comes_out() -> None:
+    store, _, _ = _run(_config(), steps=3)
+    measured = Contention(compute_slowdown=2.0, io_retained=0.5, source="measured in a test")
+    slow_disk = DiskProfile(0.05, 0.05)
+    optimizer = store.optimizer
+    assert optimizer is not None
+    try:
+        read, written, working, waited = planner.recording_of(store).iteration_io or (0, 0, 0, 0)
+        stats = store.stats()
+        assert 0 < read <= stats["bytes_read"] and 0 < written <= stats["bytes_written"]
+        assert working > 0 and waited >= 0
+        # A recording that moved nothing: its compute ran alone.
+        optimizer.last_iteration_io = (0, 0, 1.0, 0.0)
+        plain = store.predict(disk=slow_disk)
+        contended = store.predict(disk=slow_disk, contention=measured)
+        on_gpu = store.predict(
+            disk=slow_disk, device=device_profile("H100", here_tflops=0.1), contention=measured
+        )
+        # 25 MB at 0.05 GB/s kept the disk busy for 0.5 of the recorded 2 s: a quarter of the
+        # compute ran beside it, slowed 2x, so 1/1.25 of the recorded compute is its own.
+        optimizer.last_iteration_io = (25 * 10**6, 0, 2.0, 0.0)
+        beside = store.predict(disk=slow_disk, contention=Contention(2.0, 1.0, "quarter"))
+        alone = store.predict(disk=slow_disk)
+    finally:
+        store.close()
+    assert "not measured" in plain["contention"]["source"]
+    assert contended["contention"]["source"] == "measured in a test"
+    assert contended["contention"]["recorded_disk_share"] == 0.0
+    assert contended["step_seconds"] > plain["step_seconds"]
+    assert on_gpu["contention"]["source"].startswith("not applied: H100")
+    assert on_gpu["contention"]["compute_slowdown"] == 1.0
+    assert math.isclose(beside["contention"]["recorded_disk_share"], 0.25)
+    for resource in ("compute", "CPU optimizer"):
+        assert math.isclose(
+            1.25 * beside["resource_seconds"][resource], alone["resource_seconds"][resource]
+        ), resource
+
+
+def test_recorded_disk_share_is_the_bytes_at_the_disk_s_speed_over_the_working_time() -> None:
+    recording = planner.Recording(trace=Trace(), training=True)
+    disk = DiskProfile(1.0, 2.0, shared=True)
+    none = Contention()
+    assert planner.recorded_disk_share(recording, disk, none) == 0.0  # not recorded
+    recording.iteration_io = (10**9 // 2, 10**9, 4.0, 0.0)  # 0.5 s + 0.5 s of the disk in 4 s
+    assert math.isclose(planner.recorded_disk_share(recording, disk, none), 0.25)
+    side_by_side = DiskProfile(1.0, 2.0, shared=False)  # the longer direction
+    assert math.isclose(planner.recorded_disk_share(recording, side_by_side, none), 0.125)
+    # beside compute the disk keeps half its speed: busy twice as long
+    assert math.isclose(planner.recorded_disk_share(recording, disk, Contention(1.5, 0.5)), 0.5)
+    # the disk's 0.25 s while the training thread waited ran alone, not beside compute
+    recording.iteration_io = (10**9 // 2, 10**9, 4.0, 0.25)
+    assert math.isclose(planner.recorded_disk_share(recording, disk, none), 0.1875)
+    recording.iteration_io = (10**9, 0, 4.0, 2.0)  # it waited longer than the disk worked
+    assert planner.recorded_disk_share(recording, disk, none) == 0.0
+    recording.iteration_io = (10**10, 0, 1.0, 0.0)
+    assert planner.recorded_disk_share(recording, disk, none) == 1.0  # at most all of it
 
 
 def test_a_budget_that_cannot_hold_one_module_does_not_fit() -> None:

@@ -944,14 +944,19 @@ class TieredStore:
             self._checkpoints = Checkpointer(self)
         return self._checkpoints
 
-    def predict(self, disk: Any = None, device: Any = None, **overrides: Any) -> dict[str, Any]:
+    def predict(
+        self, disk: Any = None, device: Any = None, contention: Any = None, **overrides: Any
+    ) -> dict[str, Any]:
         """What this model's iteration would cost with the config's fields replaced by ``overrides``
         (``host_budget``, ``device_budget``, ``buffer_count``, ``buffer_size``, ``prefetch_depth``,
         ``offload_param``, ``offload_optimizer``, ``precision``, ...), on ``disk`` (an
         :class:`infinity.planning.planner.DiskProfile`; default: this run's disk as its engine saw
         it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile`; default this
-        machine). Needs two recorded iterations. Returns ``step_seconds`` (the mean of the
-        replayed iterations) with ``step_seconds_spread`` (their fastest and slowest),
+        machine) and ``contention`` (an :class:`~infinity.planning.simulated_time.Contention`:
+        how compute and the disk slow each other here, as measured; default: not at all, and
+        the result's ``contention`` says it was not measured). Needs two recorded
+        iterations. Returns ``step_seconds`` (the mean of the replayed iterations) with
+        ``step_seconds_spread`` (their fastest and slowest),
         ``phase_seconds`` (forward, backward, step), ``bytes_read``/``bytes_written`` per
         iteration, ``resource_seconds`` (compute, the optimizer, copies, the disk) and ``bound``
         (the busiest of them), ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds``,
@@ -962,7 +967,7 @@ class TieredStore:
         that hold no bytes: see :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
 
-        return predict(self, overrides, disk=disk, device=device)
+        return predict(self, overrides, disk=disk, device=device, contention=contention)
 
     # -- called by the step and the hooks ---------------------------------------------------------
     def after_step(self, optimizer: OffloadedOptimizer, first: bool) -> None:

@@ -14,6 +14,11 @@ simulated time. What is decided is therefore what the store would decide; only t
 * **the disk**: one queue of transfers at the disk profile's read and write bandwidth; reads and
   writes share one budget (``DiskProfile.shared``) as on this machine's virtio disk, or run side
   by side. A transfer completes at a simulated time, and waiting for it moves the clock there.
+* **contention** (given as measured, :class:`Contention`): while a transfer is in flight the
+  compute, the optimizer and the device copies run ``compute_slowdown`` times slower and the disk
+  keeps ``io_retained`` of its bandwidth (``simulated_time.py``). The recorded compute already ran
+  slowed for the share of it its own bytes kept the disk busy (``Recording.iteration_io``,
+  :func:`recorded_disk_share`); the replay takes that out first.
 
 Memory: the tiers' peak bytes are exact (the same accounting); peak RSS is predicted as the
 recorded process's RSS less its tiers' peak bytes, plus the candidate's.
@@ -52,6 +57,12 @@ from infinity.core.shards import ParamEntry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace
 from infinity.errors import BudgetError, InfinityError
+from infinity.planning.simulated_time import (
+    NO_CONTENTION,
+    Contention,
+    SimulatedClock,
+    SimulatedEngine,
+)
 from infinity.training.update_timing import config_reasons
 from swap import EngineStats, align_up
 from swap.files import RangeAllocator
@@ -183,123 +194,11 @@ def device_profile(name: str, here_tflops: float | None = None) -> DeviceProfile
 
 
 # -- simulated time -----------------------------------------------------------------------------
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.stalled = 0.0
-
-    def advance(self, seconds: float) -> None:
-        self.now += max(0.0, seconds)
-
-    def wait_until(self, when: float) -> None:
-        if when > self.now:
-            self.stalled += when - self.now
-            self.now = when
-
-
-class _Future:
-    """A transfer that completes at a simulated time; waiting for it moves the clock there."""
-
-    def __init__(self, clock: _Clock, done_at: float, nbytes: int) -> None:
-        self._clock = clock
-        self.done_at = done_at
-        self.nbytes = nbytes
-
-    def done(self) -> bool:
-        return self._clock.now >= self.done_at
-
-    def result(self, timeout: float | None = None) -> int:
-        self._clock.wait_until(self.done_at)
-        return self.nbytes
-
-    def exception(self, timeout: float | None = None) -> None:
-        self._clock.wait_until(self.done_at)
-        return None
-
-    def add_done_callback(self, callback: Any) -> None:
-        callback(self)
-
-
-@dataclass(frozen=True)
-class _Extent:
-    serial: int
-    nbytes: int
-
-
-class _Space:
-    def __init__(self) -> None:
-        self.allocated_bytes = 0
-
-
-class _Engine:
-    """The swap engine's interface over simulated time: one queue of transfers at the disk
-    profile's bandwidth (two queues when reads and writes do not share it)."""
-
-    backend_name = "simulated"
-    keep_files = False
-
-    def __init__(self, clock: _Clock, disk: DiskProfile) -> None:
-        self.clock = clock
-        self.disk = disk
-        self.space = _Space()
-        self._free_at = {"read": 0.0, "write": 0.0}
-        self._serial = 0
-        self._counts: dict[str, Any] = {
-            "bytes_read": 0,
-            "bytes_written": 0,
-            "read_seconds": 0.0,
-            "write_seconds": 0.0,
-            "read_requests": 0,
-            "write_requests": 0,
-        }
-
-    def allocate(self, nbytes: int) -> _Extent:
-        self._serial += 1
-        self.space.allocated_bytes += nbytes
-        return _Extent(self._serial, nbytes)
-
-    def free(self, extent: _Extent) -> None:
-        self.space.allocated_bytes -= extent.nbytes
-
-    def idle_at(self) -> float:
-        """When the transfers queued so far are done."""
-        return max(self._free_at.values())
-
-    def _transfer(self, op: str, nbytes: int) -> _Future:
-        queue = "read" if self.disk.shared else op
-        gbps = self.disk.read_gbps if op == "read" else self.disk.write_gbps
-        start = max(self.clock.now, self._free_at[queue])
-        done = start + nbytes / (gbps * GB)
-        self._free_at[queue] = done
-        counts = self._counts
-        counts[f"bytes_{'read' if op == 'read' else 'written'}"] += nbytes
-        counts[f"{op}_seconds"] += done - start
-        counts[f"{op}_requests"] += 1
-        return _Future(self.clock, done, nbytes)
-
-    def read(self, extent: _Extent, buffer: Any, *, nbytes: int | None = None, **_: Any) -> _Future:
-        return self._transfer("read", extent.nbytes if nbytes is None else nbytes)
-
-    def write(
-        self, extent: _Extent, buffer: Any, *, nbytes: int | None = None, **_: Any
-    ) -> _Future:
-        return self._transfer("write", extent.nbytes if nbytes is None else nbytes)
-
-    def quarantined(self) -> list:
-        return []
-
-    def stats(self) -> EngineStats:
-        return EngineStats(**self._counts)
-
-    def close(self) -> None:
-        pass
-
-
 class _DeviceTier(DeviceTier):
     """The device tier on the meta device; a copy takes simulated time."""
 
     def __init__(
-        self, budget: int, clock: _Clock, copy_gbps: float, host_memory: bool, copies: int
+        self, budget: int, clock: SimulatedClock, copy_gbps: float, host_memory: bool, copies: int
     ) -> None:
         super().__init__(torch.device("meta"), budget, copies)
         self.clock = clock
@@ -345,13 +244,13 @@ class _DeviceTier(DeviceTier):
         moved = dst if quant is None else src  # a quantized shard crosses as its stored bytes
         nbytes = moved.numel() * moved.element_size()
         self.bytes_in += nbytes
-        self.clock.advance(nbytes / (self.copy_gbps * GB))
+        self.clock.compute(nbytes / (self.copy_gbps * GB))
         return None
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = src.numel() * src.element_size()
         self.bytes_out += nbytes
-        self.clock.advance(nbytes / (self.copy_gbps * GB))
+        self.clock.compute(nbytes / (self.copy_gbps * GB))
 
 
 # -- the replay ---------------------------------------------------------------------------------
@@ -377,6 +276,12 @@ class Recording:
     #: watched (its config kept them in the step from the start), and the loop is taken to
     #: allow them
     loop_update_reasons: list[str] | None = None
+    #: the last recorded iteration's bytes read and written, its working seconds (less the
+    #: training thread's waits) and those waits (``OffloadedOptimizer.last_iteration_io``): its
+    #: compute ran slowed by the disk for as long as those bytes kept the disk busy beyond the
+    #: waits, which the replay takes out (:func:`recorded_disk_share`) before it slows compute
+    #: beside its own transfers
+    iteration_io: tuple[int, int, float, float] | None = None
 
 
 def recording_of(store: AttachedStore) -> Recording:
@@ -399,9 +304,11 @@ def recording_of(store: AttachedStore) -> Recording:
         )
     optimizer = store.optimizer
     per_element = 0.0
+    iteration_io = None
     optimizer_class, options = None, {}
     if optimizer is not None:
         per_element = optimizer.step_seconds_per_element
+        iteration_io = optimizer.last_iteration_io
         inner = optimizer.inner
         optimizer_class = type(inner)
         accepted = inspect.signature(optimizer_class.__init__).parameters
@@ -436,6 +343,7 @@ def recording_of(store: AttachedStore) -> Recording:
         optimizer_class,
         options,
         loop_reasons,
+        iteration_io,
     )
 
 
@@ -481,6 +389,7 @@ def predict(
     disk: DiskProfile | None = None,
     device: DeviceProfile | None = None,
     iterations: int = ITERATIONS,
+    contention: Contention | None = None,
 ) -> dict[str, Any]:
     """See :meth:`TieredStore.predict`."""
     recording = recording_of(store)
@@ -494,6 +403,7 @@ def predict(
         device,
         iterations,
         cpu_memory=store.device.type == "cpu",
+        contention=contention,
     )
 
 
@@ -505,12 +415,17 @@ def simulate(
     device: DeviceProfile | None = None,
     iterations: int = ITERATIONS,
     cpu_memory: bool = True,
+    contention: Contention | None = None,
 ) -> dict[str, Any]:
     """Attaches a store for ``config`` to ``model`` (its parameters on the meta device, in the
     order the recording's trace numbers them), replays ``iterations`` of the recorded trace
     through it, and reports the mean of those after the first :data:`WARMUP` (at least the
     last; see :meth:`TieredStore.predict` for the keys).
-    ``cpu_memory``: the device tier's bytes are host memory (they count in the RSS)."""
+    ``cpu_memory``: the device tier's bytes are host memory (they count in the RSS).
+    ``contention``: how compute and the disk slow each other on this machine (measured, as
+    ``tools/benchmarks/contention.py`` does); None: not at all, and the result says it was not
+    measured. It applies to a CPU device only: a GPU profile's compute does not share the
+    cores with the engine (its CPU optimizer does, which is not modelled)."""
     from infinity.core.store import TieredStore  # the simulated store is one
 
     if recording.training and recording.optimizer_class is not None and not recording.trace.grads:
@@ -534,11 +449,21 @@ def simulate(
         offload_activations="none",
     )
     device = device or DeviceProfile("this machine")
-    clock = _Clock()
+    contention = contention or NO_CONTENTION
+    if device.link_gbps is not None and contention.measured:
+        contention = dataclasses.replace(
+            NO_CONTENTION,
+            source=f"not applied: {device.name} computes beside the engine's threads, not on "
+            f"the cores they use ({contention.source})",
+        )
+    # The recorded compute ran slowed by the disk for part of it: out of it, what ran alone.
+    recorded_share = recorded_disk_share(recording, disk, contention)
+    alone = 1.0 / (1.0 + (contention.compute_slowdown - 1.0) * recorded_share)
+    clock = SimulatedClock(contention)
     copy_gbps = device.link_gbps or recording.copy_gbps
     host_memory = device.link_gbps is None  # a CPU device: the device tier is host memory
     simulated_cpu = cpu_memory and host_memory
-    engine = _Engine(clock, disk)
+    engine = SimulatedEngine(clock, disk)
 
     class Simulated(TieredStore):
         def __init__(self, config: OffloadConfig) -> None:
@@ -591,10 +516,16 @@ def simulate(
         assert sim.placement is not None  # attached with something to place
         sim.placement.drain()
         if sim.engine is not None:
-            clock.wait_until(engine.idle_at())
+            clock.wait_idle()
         clock.stalled = 0.0
         phases = _replay(
-            sim, recording, clock, device.compute_scale, iterations, lend=device.link_gbps is None
+            sim,
+            recording,
+            clock,
+            device.compute_scale * alone,
+            alone,
+            iterations,
+            lend=device.link_gbps is None,
         )
     except BudgetError as exc:
         result.update(fits=False, error=str(exc))
@@ -606,7 +537,7 @@ def simulate(
     device_peak = stats["peak_bytes"]["device"]
     result.update(phases)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if optimizer else 0
-    result["resource_seconds"] = resource_seconds(result, recording, disk, device, trainable)
+    result["resource_seconds"] = resource_seconds(result, recording, disk, device, trainable, alone)
     result["bound"] = max(result["resource_seconds"], key=result["resource_seconds"].get)
     result["peak_bytes"] = {
         "device": device_peak,
@@ -617,6 +548,10 @@ def simulate(
     # where the replayed steps ran their updates at the end, and why not in backward
     result["update_mode"] = stats["update_mode"]
     result["update_mode_reasons"] = stats["update_mode_reasons"]
+    result["contention"] = {
+        **contention.as_dict(),
+        "recorded_disk_share": recorded_share,
+    }
     result["rss_peak_bytes"] = (
         recording.base_rss
         + host_peak
@@ -625,20 +560,45 @@ def simulate(
     return result
 
 
+def recorded_disk_share(recording: Recording, disk: DiskProfile, contention: Contention) -> float:
+    """The share of the recorded iteration's compute that ran beside the disk, as the replay
+    itself would see it: the disk's seconds for the iteration's bytes at ``disk``'s bandwidth,
+    less the training thread's waits (the disk ran alone then, at full speed), slowed beside
+    compute as ``contention`` says, over the iteration's working seconds. So a candidate moving
+    the recorded bytes gets back the slowing its compute was recorded with, and one moving more
+    or fewer gets more or less.
+
+    (The engine's own busy time is not used: it counts a transfer in flight until its
+    completion is reaped, which on few cores waits for the compute, and it put 30-54% of the
+    validation matrix's recorded MLP steps beside the disk where their bytes needed 10-20%.)"""
+    if recording.iteration_io is None:
+        return 0.0
+    read, written, working, waited = recording.iteration_io
+    if working <= 0:
+        return 0.0
+    read_s = read / (disk.read_gbps * GB)
+    write_s = written / (disk.write_gbps * GB)
+    alone = read_s + write_s if disk.shared else max(read_s, write_s)
+    beside = max(0.0, alone - waited) / contention.io_retained
+    return min(1.0, beside / working)
+
+
 def resource_seconds(
     result: dict[str, Any],
     recording: Recording,
     disk: DiskProfile,
     device: DeviceProfile,
     trainable: int,
+    alone: float = 1.0,
 ) -> dict[str, float]:
     """Each resource's busy seconds in a predicted step (``result``: :func:`simulate`'s):
     the one with the most bounds it (the step is at least its time). In the simulation,
     compute, the optimizer and device copies run one after another on the training thread;
-    the disk's transfers overlap them. ``trainable``: the elements the optimizer updates."""
+    the disk's transfers overlap them. ``trainable``: the elements the optimizer updates;
+    ``alone``: the recorded seconds' share that ran without the disk slowing them."""
     gpu = device.link_gbps is not None
-    optimizer_s = trainable * recording.step_seconds_per_element
-    compute_s = sum(recording.trace.compute) * device.compute_scale
+    optimizer_s = trainable * recording.step_seconds_per_element * alone
+    compute_s = sum(recording.trace.compute) * device.compute_scale * alone
     copies = max(0.0, result["step_seconds"] - result["stall_seconds"] - compute_s - optimizer_s)
     read_s = result["bytes_read"] / (disk.read_gbps * GB)
     write_s = result["bytes_written"] / (disk.write_gbps * GB)
@@ -668,10 +628,17 @@ def _disk_from(store: AttachedStore) -> DiskProfile:
 
 
 def _replay(
-    sim: Any, recorded: Recording, clock: _Clock, scale: float, iterations: int, lend: bool
+    sim: Any,
+    recorded: Recording,
+    clock: SimulatedClock,
+    scale: float,
+    step_scale: float,
+    iterations: int,
+    lend: bool,
 ) -> dict[str, Any]:
     """Runs ``iterations`` of the recorded trace through the simulated store (the first
-    records its own trace, as a real run's first does) and measures the last."""
+    records its own trace, as a real run's first does) and measures the last. ``scale``
+    multiplies the recorded compute seconds, ``step_scale`` the optimizer's."""
     trace = recorded.trace
     placement = sim.placement
     entries = sim.registry.entries
@@ -680,7 +647,7 @@ def _replay(
         inner_step = optimizer.inner.step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
-            clock.advance(
+            clock.compute(
                 sum(
                     p.numel()
                     for group in optimizer.inner.param_groups
@@ -688,6 +655,7 @@ def _replay(
                     if p.grad is not None
                 )
                 * recorded.step_seconds_per_element
+                * step_scale
             )
             return inner_step(*args, **kwargs)
 
@@ -709,7 +677,7 @@ def _replay(
             used = [entries[i] for i in event.entries]
             for entry in used:
                 placement.gather(entry, lend=lend and not recorded.training)
-            clock.advance(trace.compute[position] * scale)
+            clock.compute(trace.compute[position] * scale)
             if event.kind == FORWARD:
                 for entry in used:
                     placement.release(entry)

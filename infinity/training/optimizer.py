@@ -32,6 +32,7 @@ from infinity.training.step_params import StepParams
 
 if TYPE_CHECKING:
     from infinity.core.attached import AttachedStore
+    from infinity.core.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,11 @@ class OffloadedOptimizer(Optimizer):
         self._rate_mark = (0, 0.0)
         self.last_copies: tuple[int, float] | None = None
         self._copies_mark: tuple[int, float] | None = None
+        #: the last iteration's bytes read and written, its working seconds (its wall time less
+        #: the training thread's waits for the disk) and those waits: the planner works out from
+        #: them how much of the recorded compute ran beside the disk (Recording.iteration_io)
+        self.last_iteration_io: tuple[int, int, float, float] | None = None
+        self._io_mark: tuple[int, int, float, float] | None = None
         #: the kernel choices ("fused", "foreach") of the user's groups, which the store may
         #: have overridden inside: checkpoints carry the user's, loads keep the store's
         self._user_kernels = user_kernels or [{} for _ in inner.param_groups]
@@ -213,7 +219,22 @@ class OffloadedOptimizer(Optimizer):
         if self._copies_mark is not None:
             self.last_copies = (copies[0] - self._copies_mark[0], copies[1] - self._copies_mark[1])
         self._copies_mark = copies
+        self._mark_iteration_io(placement)
         return loss
+
+    def _mark_iteration_io(self, placement: Placement) -> None:
+        engine = placement.engine
+        stats = engine.stats() if engine is not None else None
+        mark = (
+            stats.bytes_read if stats is not None else 0,
+            stats.bytes_written if stats is not None else 0,
+            time.perf_counter(),
+            placement.completions.stall_seconds,
+        )
+        if self._io_mark is not None:
+            read, written, wall, waited = (now - then for now, then in zip(mark, self._io_mark))
+            self.last_iteration_io = (int(read), int(written), max(0.0, wall - waited), waited)
+        self._io_mark = mark
 
     def update(self, tile: list[Shard], grad_multiplier: float = 1.0) -> list[Shard]:
         """Runs the inner optimizer over ``tile``, whose host copies, gradients and (when
