@@ -21,6 +21,17 @@ from tools.commands import plan  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DISK = ["--disk-gbps", "1.5,1"]
+#: a 2-layer TinyGPT from its module path, small enough to record in a few seconds
+TINY_GPT = [
+    "--module",
+    "tools.common.tiny_gpt:TinyGPT",
+    "--args",
+    '{"layers": 2, "width": 32, "vocab_size": 64}',
+    "--batch",
+    "2",
+    "--seq-len",
+    "16",
+]
 #: one candidate: everything on NVMe, a host budget far below the state, so every step streams
 STREAMING = [
     "--offload-param",
@@ -130,21 +141,40 @@ def test_table_and_written_config_load(tmp_path, capsys):
 
 
 def test_module_path_and_this_machine(tmp_path, capsys):
-    code, out, err = _run(
-        capsys,
-        "--module",
-        "tools.common.tiny_gpt:TinyGPT",
-        "--args",
-        '{"layers": 2, "width": 32, "vocab_size": 64}',
-        "--batch",
-        "2",
-        "--seq-len",
-        "16",
-        *DISK,
-        *STREAMING,
-    )
+    code, out, err = _run(capsys, *TINY_GPT, *DISK, *STREAMING)
     assert code == 0, err
     assert "tools.common.tiny_gpt:TinyGPT" in out and "nvme/nvme" in out
+    assert "contention not measured: compute and the disk" in out
+
+
+def test_contention_measured_here_or_given(tmp_path, capsys):
+    """--contention measure times the model's plain step alone and beside the engine on the
+    swap directory; given figures are replayed as they are. Either reaches every prediction."""
+    common = [
+        *TINY_GPT,
+        *DISK,
+        *STREAMING,
+        "--nvme-path",
+        str(tmp_path),
+    ]
+    plans = {}
+    for given in ("measure", "1.5,0.5"):
+        report = tmp_path / f"{given}.json"
+        code, out, err = _run(capsys, *common, "--contention", given, "--json", str(report))
+        assert code == 0, err
+        plans[given] = json.loads(report.read_text())
+        assert "beside the disk" in out
+    measured = plans["measure"]["contention"]
+    assert measured["source"].startswith("measured here: the model's plain step took")
+    assert measured["compute_slowdown"] >= 1.0 and 0.0 < measured["io_retained"] <= 1.0
+    given = plans["1.5,0.5"]
+    assert given["contention"] == {
+        "compute_slowdown": 1.5,
+        "io_retained": 0.5,
+        "source": "--contention",
+    }
+    fitting = [c for c in given["tables"][0]["candidates"] if c["fits"]]
+    assert fitting and all(c["contention"]["source"] == "--contention" for c in fitting)
 
 
 def _plan_json(capsys, tmp_path: Path, config_dir: Path, name: str) -> dict:
@@ -337,7 +367,15 @@ def test_budget_below_one_module_does_not_fit(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing config", "bad disk json", "missing disk json", "no disk", "bad module", "bad args"],
+    [
+        "missing config",
+        "bad disk json",
+        "missing disk json",
+        "no disk",
+        "bad module",
+        "bad args",
+        "bad contention",
+    ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     config_dir = _config_dir(tmp_path, "llama")
@@ -350,6 +388,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         "no disk": ["--hf-config", str(config_dir)],
         "bad module": ["--module", "tools.common.tiny_gpt:Nope", *DISK],
         "bad args": ["--module", "tools.common.tiny_gpt:TinyGPT", "--args", "{layers", *DISK],
+        "bad contention": ["--hf-config", str(config_dir), *DISK, "--contention", "0.5,2"],
     }[case]
     code, out, err = _run(capsys, *argv)
     assert code == 2
@@ -362,6 +401,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         "no disk": "--disk-gbps",
         "bad module": "Nope",
         "bad args": "JSON",
+        "bad contention": "SLOWDOWN,RETAINED",
     }[case]
     assert expected in lines[0]
 
@@ -395,18 +435,6 @@ def test_extrapolated_trace_of_a_sequential_stack(tmp_path):
     assert extrapolated.trace.events == expected.trace.events
     if hasattr(expected.trace, "grads"):
         assert extrapolated.trace.grads == expected.trace.grads
-
-
-TINY_GPT = [
-    "--module",
-    "tools.common.tiny_gpt:TinyGPT",
-    "--args",
-    '{"layers": 2, "width": 32, "vocab_size": 64}',
-    "--batch",
-    "2",
-    "--seq-len",
-    "16",
-]
 
 
 def test_validate_runs_the_best_candidate_and_compares(tmp_path, capsys):

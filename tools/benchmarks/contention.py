@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infinity.planning import simulated_time as planner_time
 from swap import BufferPool, EngineSettings, SwapEngine
 
 #: each transfer of the stream
@@ -51,6 +52,19 @@ class Contention:
     def io_retained(self) -> float:
         """The share of its GB/s the engine keeps while compute runs (1.0: all of it)."""
         return self.io_beside_compute_bps / self.io_alone_bps
+
+    def for_planner(self, what: str) -> planner_time.Contention:
+        """These figures as the planner's replay takes them (``what``: the compute unit timed),
+        a slowdown below 1 or a share above 1 (noise) taken as none."""
+        return planner_time.Contention(
+            compute_slowdown=max(1.0, self.compute_slowdown),
+            io_retained=min(1.0, max(self.io_retained, 1e-3)),
+            source=(
+                f"measured here: {what} took {self.compute_alone_s:.3f} s alone and "
+                f"{self.compute_beside_io_s:.3f} s beside the engine streaming, which kept "
+                f"{self.io_beside_compute_bps / 1e9:.2f} of its {self.io_alone_bps / 1e9:.2f} GB/s"
+            ),
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {

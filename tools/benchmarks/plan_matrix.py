@@ -10,6 +10,10 @@ budget runs in a process of its own (its peak RSS its own). Printed per cell: pr
 measured step time (goal: within 15%), bytes read and written per step (within 5%) and peak RSS
 (within 10%), then the worst cell of each.
 
+Before a family's cells, a process of its own measures how the family's plain training step and
+the swap engine slow each other here (``tools/benchmarks/contention.py``), which every prediction
+of the family then replays (``--no-contention``: predicted as if they did not).
+
     python -m tools.benchmarks.plan_matrix [--families mlp-wide,gpt --params nvme --modes auto]
 """
 
@@ -29,6 +33,8 @@ from torch import nn
 
 import infinity
 from infinity.planning.planner import DiskProfile
+from infinity.planning.simulated_time import Contention
+from tools.benchmarks import contention
 from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
 from tools.common.cli import spawn_child
 from tools.common.measure import GOALS, compare, measure_steps, reset_peak
@@ -148,6 +154,26 @@ def _train(args: argparse.Namespace, share: float) -> tuple[infinity.TieredStore
     return store, {"fits": True, "state_bytes": state, "host_budget": budget, **measured}
 
 
+def child_contention(args: argparse.Namespace) -> dict:
+    """How the family's plain training step (in memory, no store) and the swap engine slow each
+    other here: what the planner's replay takes as this machine's contention."""
+    model, make_loss = build(args.family)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    loss = make_loss(model)
+
+    def step() -> None:
+        loss().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    config = _config(args, 1 << 30)
+    settings = config.aio.engine_settings(verify_checksums=config.verify_checksums)
+    found = contention.measure(
+        args.nvme_path, settings, step, repeats=3, warmup=2, nbytes=args.disk_bytes
+    )
+    return found.for_planner(f"a plain {args.family} step").as_dict()
+
+
 def child_record(args: argparse.Namespace) -> dict:
     # The disk first, with the engine's settings alone (no model is built twice: a first one's
     # freed heap would count against the budget at attach)
@@ -161,11 +187,22 @@ def child_record(args: argparse.Namespace) -> dict:
     if store is None:
         return {"recorded": measured, "predictions": {}}
     state = measured["state_bytes"]
-    predictions = {}
+    predictions, uncontended = {}, {}
+    measured_contention = Contention(**json.loads(args.contention)) if args.contention else None
     for name, share in BUDGETS.items():
-        predictions[name] = store.predict(disk=disk, host_budget=int(share * state))
+        budget = int(share * state)
+        predictions[name] = store.predict(
+            disk=disk, contention=measured_contention, host_budget=budget
+        )
+        if measured_contention is not None:  # the same without it, to show what it changes
+            uncontended[name] = store.predict(disk=disk, host_budget=budget).get("step_seconds")
     store.close(restore_params=False)
-    return {"recorded": measured, "predictions": predictions, "state_bytes": state}
+    return {
+        "recorded": measured,
+        "predictions": predictions,
+        "uncontended_step_seconds": uncontended,
+        "state_bytes": state,
+    }
 
 
 def child_run(args: argparse.Namespace) -> dict:
@@ -175,7 +212,9 @@ def child_run(args: argparse.Namespace) -> dict:
     return measured
 
 
-def _row(cell: str, prediction: dict, measured: dict) -> tuple[str, dict[str, float]]:
+def _row(
+    cell: str, prediction: dict, measured: dict, uncontended: float | None = None
+) -> tuple[str, dict[str, float]]:
     if not prediction.get("fits", True) or not measured.get("fits", True):
         said = "fits" if prediction.get("fits", True) else "does not fit"
         ran = "ran" if measured.get("fits", True) else "did not attach"
@@ -193,6 +232,7 @@ def _row(cell: str, prediction: dict, measured: dict) -> tuple[str, dict[str, fl
         f"{write_p / 1e6:7.1f}/{write_m / 1e6:7.1f} {ratios['write_bytes']:5.2f} | "
         f"{rss_p / GIB:5.2f}/{rss_m / GIB:5.2f} {ratios['peak_rss']:5.2f} "
         f"[{prediction.get('bound', '?')}]"
+        + (f" step {uncontended / step_m:.2f} without contention" if uncontended else "")
     )
     return line, ratios
 
@@ -208,7 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--disk-bytes", type=int, default=256 << 20, help="bytes of the disk measurement")
     add("--nvme-path", type=Path, default=None)
     add("--json", type=Path, default=None)
-    add("--child", choices=("record", "run"), help=argparse.SUPPRESS)
+    add(
+        "--no-contention",
+        action="store_true",
+        help="predict as if compute and the disk did not slow each other (not measured)",
+    )
+    add("--child", choices=("contention", "record", "run"), help=argparse.SUPPRESS)
+    add("--contention", help=argparse.SUPPRESS)
     add("--family", help=argparse.SUPPRESS)
     add("--mode", help=argparse.SUPPRESS)
     add("--budget", help=argparse.SUPPRESS)
@@ -221,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         if isinstance(args.params, str) and "," in args.params:
             raise SystemExit("--child needs one --params")
-        result = child_record(args) if args.child == "record" else child_run(args)
+        children = {"contention": child_contention, "record": child_record, "run": child_run}
+        result = children[args.child](args)
         print(json.dumps(result, default=float))
         return 0
     own_dir = args.nvme_path is None
@@ -238,6 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     try:
         for family in args.families.split(","):
+            contention_json = ""
+            if not args.no_contention:
+                found = spawn_child(
+                    "tools.benchmarks.plan_matrix",
+                    [f"--family={family}", "--params=nvme", "--mode=auto", f"--nvme-path={root}"],
+                    ["--child=contention", f"--disk-bytes={args.disk_bytes}"],
+                )
+                contention_json = json.dumps(found)
+                print(f"contention ({family}): {found['source']}", flush=True)
             for params in args.params.split(","):
                 for mode in args.modes.split(","):
                     common = [
@@ -250,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"--disk-bytes={args.disk_bytes}",
                     ]
                     module = "tools.benchmarks.plan_matrix"
-                    record = spawn_child(module, common, ["--child=record"])
+                    record = spawn_child(
+                        module, common, ["--child=record", f"--contention={contention_json}"]
+                    )
                     for budget in BUDGETS:
                         measured = spawn_child(
                             module, common, ["--child=run", f"--budget={budget}"]
@@ -264,7 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                                 + record["recorded"].get("error", "?"),
                             },
                         )
-                        line, ratios = _row(cell, prediction, measured)
+                        line, ratios = _row(
+                            cell,
+                            prediction,
+                            measured,
+                            record.get("uncontended_step_seconds", {}).get(budget),
+                        )
                         print(line, flush=True)
                         cells[cell] = {"predicted": prediction, "measured": measured}
                         if prediction.get("fits", True) != measured.get("fits", True):

@@ -60,6 +60,7 @@ from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.planning import planner
 from infinity.planning import scaled as planner_scaled
 from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
+from infinity.planning.simulated_time import Contention, ContentionError
 from swap import NvmePathError, SwapConfigError, SwapSpaceError
 from tools.commands import plan_validation
 from tools.commands.plan_models import (
@@ -67,6 +68,7 @@ from tools.commands.plan_models import (
     OPTIMIZERS,
     UserError,
     hf_source,
+    measure_contention,
     measure_update_seconds,
     module_source,
     parameter_count,
@@ -115,6 +117,22 @@ def _gbps_pair(text: str) -> tuple[float, float]:
             f"expected READ,WRITE in GB/s such as 3.5,2.8 (or one number for both), got {text!r}"
         )
     return (values[0], values[-1])
+
+
+def given_contention(text: str | None) -> Contention | str | None:
+    """--contention: None (not measured), "measure", or the figures given."""
+    if text is None or text.strip() == "measure":
+        return None if text is None else "measure"
+    try:
+        slowdown, retained = (float(p) for p in text.split(","))
+        return Contention(slowdown, retained, source="--contention")
+    except (ValueError, ContentionError) as exc:
+        raise UserError(
+            f"--contention expects 'measure' or SLOWDOWN,RETAINED such as 1.3,0.8 (compute "
+            f"beside the disk over alone, >= 1; the disk's share of its GB/s kept beside "
+            f"compute, in (0, 1]), got {text!r}"
+            + (f": {exc}" if isinstance(exc, ContentionError) else "")
+        ) from exc
 
 
 def _counts(text: str) -> list[int]:
@@ -204,6 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="reads and writes share the drives' bandwidth (most NVMe drives under mixed load; "
         "default) or run side by side",
+    )
+    add(
+        "--contention",
+        default=None,
+        metavar="measure|SLOWDOWN,RETAINED",
+        help="how compute and the disk slow each other on the machine planned for: 'measure' "
+        "times the model's plain step here alone and beside the engine streaming on the swap "
+        "directory; or the compute's slowdown beside the disk (>= 1) and the share of the "
+        "disk's GB/s kept beside compute (0-1]. Default: not measured, taken as none (on few "
+        "cores streaming candidates then come out optimistic)",
     )
     add(
         "--device-profile",
@@ -438,11 +466,19 @@ def evaluate(
     host_ram: int,
     device_mem: int,
     ranks: int,
+    contention: Contention | None = None,
 ) -> None:
     """Simulates one candidate and judges it against the caps."""
     config = candidate.config.replace(device="cpu")  # the simulation runs anywhere
     result = planner.simulate(
-        skeleton_of(), recording, config, disk, device, iterations=2, cpu_memory=not gpu
+        skeleton_of(),
+        recording,
+        config,
+        disk,
+        device,
+        iterations=2,
+        cpu_memory=not gpu,
+        contention=contention,
     )
     candidate.result = result
     if not result["fits"]:
@@ -517,6 +553,7 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
     if args.steps < 2:
         raise UserError("--steps must be >= 2: the second step gives the compute times")
     disks = [(drives, disk_profile(args, drives)) for drives in args.drives]
+    given = given_contention(args.contention)  # refused before anything is recorded
     gpu_name = args.device_profile.strip()
     gpu = gpu_name.lower() not in ("this machine", "this", "cpu", "here")
     # The best of a few measurements, before and after the recorded steps: on a shared
@@ -575,6 +612,12 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
         optimizer_source = "measured here on 8M-element tensors"
     else:
         optimizer_source = "measured in the recorded steps"
+    contention = given if isinstance(given, Contention) else None
+    if given == "measure":
+        torch.manual_seed(0)
+        contention = measure_contention(
+            source, source.make(changes) if scaled else source.make(), args, swap_dir
+        )
 
     def skeleton_of() -> nn.Module:  # a fresh one per simulation (attach takes it over)
         return planner_scaled.skeleton(full, args.ranks)
@@ -598,6 +641,7 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
                 host_ram,
                 device_mem,
                 args.ranks,
+                contention,
             )
             ranked.append(candidate)
         ranked.sort(
@@ -655,6 +699,14 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
             else "1",
         ),
         ("host RAM", format_size(host_ram)),
+        (
+            "contention",
+            f"compute x {contention.compute_slowdown:.2f} beside the disk, the disk keeps "
+            f"{contention.io_retained:.0%} beside compute ({contention.source})"
+            if contention is not None
+            else "not measured: compute and the disk are taken not to slow each other "
+            "(--contention measure)",
+        ),
     ]
     data = {
         "model": source.label,
@@ -666,6 +718,7 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
         "device": dataclasses.asdict(device),
         "compute_seconds_here": compute_seconds,
         "step_seconds_per_element": recording.step_seconds_per_element,
+        "contention": contention.as_dict() if contention is not None else None,
         "tables": [
             {
                 "drives": t.drives,
@@ -685,6 +738,7 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
             device,
             iterations=iterations,
             cpu_memory=not gpu,
+            contention=contention,
         )
 
     return Plan(header, tables, tokens, args.ranks, data, replay)

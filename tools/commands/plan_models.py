@@ -25,6 +25,8 @@ from infinity import OffloadConfig, TieredStore
 from infinity.config import ALIGNMENT
 from infinity.planning import planner
 from infinity.planning.planner import Recording
+from infinity.planning.simulated_time import Contention
+from tools.benchmarks import contention
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -351,6 +353,26 @@ def record(
         "step_seconds": min(seconds[1:]),
         "compute_seconds": sum(recording.trace.compute),
     }
+
+
+def measure_contention(
+    source: ModelSource, model: nn.Module, args: argparse.Namespace, swap_dir: Path
+) -> Contention:
+    """How ``model``'s plain training step (in memory, no store) and the swap engine, streaming
+    reads and writes on ``swap_dir`` with the store's engine settings, slow each other here."""
+    generator = torch.Generator().manual_seed(0)
+    optimizer = OPTIMIZERS[args.optimizer](model.parameters())
+
+    def step() -> None:
+        call_args, kwargs = inputs_for(source, model, args.batch, args.seq_len, generator)
+        loss_of(model(*call_args, **kwargs)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    config = OffloadConfig(offload_param="nvme", nvme_path=(swap_dir,))
+    settings = config.aio.engine_settings(verify_checksums=config.verify_checksums)
+    found = contention.measure(swap_dir, settings, step, repeats=3, warmup=2, nbytes=256 << 20)
+    return found.for_planner("the model's plain step")
 
 
 def measure_update_seconds(optimizer: str, numel: int = 1 << 23, repeats: int = 3) -> float:
