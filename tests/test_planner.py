@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.core.memory import peak_resident_bytes
 from infinity.core.trace import Trace
 from infinity.planning import planner
 from infinity.planning.planner import DiskProfile, PlanError, device_profile
@@ -225,6 +226,23 @@ def test_recorded_disk_share_is_the_bytes_at_the_disk_s_speed_over_the_working_t
     assert planner.recorded_disk_share(recording, disk, none) == 0.0
     recording.iteration_io = (10**10, 0, 1.0, 0.0)
     assert planner.recorded_disk_share(recording, disk, none) == 1.0  # at most all of it
+
+
+def test_predicted_rss_is_at_least_attach_s_own_peak() -> None:
+    """A model built whole in memory is whole while attach writes it out: a budget whose tiers
+    stay below that peak is predicted at it (it did not depend on the budget when measured)."""
+    store, _, _ = _run(_config(), steps=2)
+    try:
+        attach_peak = store.stats()["rss_bound"]["attach_peak"]
+        recording = planner.recording_of(store)
+        prediction = store.predict(disk=INSTANT)
+    finally:
+        store.close()
+    assert 0 < attach_peak <= peak_resident_bytes()
+    assert recording.attach_peak_rss == attach_peak
+    peaks = prediction["peak_bytes"]
+    training = recording.base_rss + peaks["host"] + peaks["device"]
+    assert prediction["rss_peak_bytes"] == max(training, attach_peak)
 
 
 def test_a_budget_that_cannot_hold_one_module_does_not_fit() -> None:

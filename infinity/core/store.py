@@ -142,6 +142,9 @@ class TieredStore:
         self.memory_plan: MemoryPlan | None = None
         #: the process's RSS at attach without the model's parameters (the bound's fixed part)
         self._process_bytes = 0
+        #: the process's peak RSS (VmHWM) when attach returned: a model built whole in host
+        #: memory is whole while attach writes it out, a peak training may never reach again
+        self._attach_peak = 0
         #: saved activations held in host memory, counted for the bound (a CPU device)
         self.activation_meter: SavedActivationMeter | None = None
         #: the last checkpoint saved (its path, and the steps done then), for close's warning
@@ -347,6 +350,7 @@ class TieredStore:
         except BaseException:
             self._teardown(restore=True)
             raise
+        self._attach_peak = peak_resident_bytes()
         # The user's optimizer, wrapped (an OffloadedOptimizer is a torch Optimizer); None when
         # none was given.
         return model, self.optimizer if optimizer is not None else None
@@ -1012,8 +1016,8 @@ class TieredStore:
 
     def rss_bound(self) -> dict[str, int] | None:
         """The bound on the process's peak RSS and its terms (see infinity.core.budgets), with
-        the saved activations' peak as measured so far and the process's own peak (VmHWM);
-        None before attach."""
+        the saved activations' peak as measured so far, the process's own peak (VmHWM) and its
+        peak when attach returned (``attach_peak``); None before attach."""
         plan = self.memory_plan
         if plan is None:
             return None
@@ -1041,6 +1045,7 @@ class TieredStore:
             "activations": activations,
             "bound": static + outside + activations,
             "peak": peak_resident_bytes(),
+            "attach_peak": self._attach_peak,
         }
 
     def stats(self) -> dict[str, Any]:

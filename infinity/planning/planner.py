@@ -21,7 +21,8 @@ simulated time. What is decided is therefore what the store would decide; only t
   :func:`recorded_disk_share`); the replay takes that out first.
 
 Memory: the tiers' peak bytes are exact (the same accounting); peak RSS is predicted as the
-recorded process's RSS less its tiers' peak bytes, plus the candidate's.
+recorded process's RSS less its tiers' peak bytes, plus the candidate's, or the recorded attach's
+own peak where that is higher (a model built whole in memory is whole while attach writes it out).
 
 Where updates run (``step_in_backward='auto'``) is decided by the same code as well: the
 candidate's config (its arena's room, gradient clipping, fp16 loss scaling) and what the
@@ -282,6 +283,10 @@ class Recording:
     #: waits, which the replay takes out (:func:`recorded_disk_share`) before it slows compute
     #: beside its own transfers
     iteration_io: tuple[int, int, float, float] | None = None
+    #: the process's peak RSS when attach returned (``rss_bound()["attach_peak"]``): with the
+    #: model built whole in host memory, attach's own peak, which the budget did not change in
+    #: the runs measured; 0: not known (a recording extrapolated from a smaller copy)
+    attach_peak_rss: int = 0
 
 
 def recording_of(store: AttachedStore) -> Recording:
@@ -330,6 +335,7 @@ def recording_of(store: AttachedStore) -> Recording:
     # process's own peak is exact, but may be older than the store (then the prediction errs
     # high, the safe side for a memory plan).
     rss = max(stats["rss_peak_bytes"], peak_resident_bytes())
+    bound = stats["rss_bound"] or {}
     timing = store.update_timing
     loop_reasons = None
     if timing is not None and timing.loop_reasons is not None:
@@ -344,6 +350,7 @@ def recording_of(store: AttachedStore) -> Recording:
         options,
         loop_reasons,
         iteration_io,
+        bound.get("attach_peak", 0),
     )
 
 
@@ -552,10 +559,13 @@ def simulate(
         **contention.as_dict(),
         "recorded_disk_share": recorded_share,
     }
-    result["rss_peak_bytes"] = (
+    # Training's peak, or attach's own where that was higher (a model built whole in memory,
+    # under a budget whose tiers stay below it).
+    result["rss_peak_bytes"] = max(
         recording.base_rss
         + host_peak
-        + (device_peak if cpu_memory and device.link_gbps is None else 0)
+        + (device_peak if cpu_memory and device.link_gbps is None else 0),
+        recording.attach_peak_rss,
     )
     return result
 

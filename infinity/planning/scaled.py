@@ -283,7 +283,8 @@ def recording_for_scaled(
     out.compute = out_compute
     if hasattr(out, "grads"):
         out.grads = out_grads
-    return dataclasses.replace(small, trace=out)
+    # (the copy's attach peak says nothing of how the full model will be built)
+    return dataclasses.replace(small, trace=out, attach_peak_rss=0)
 
 
 def _module_path(modules: dict[str, nn.Module], name: str) -> str:
