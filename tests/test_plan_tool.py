@@ -166,7 +166,10 @@ def test_contention_measured_here_or_given(tmp_path, capsys):
         assert "beside the disk" in out
     measured = plans["measure"]["contention"]
     assert measured["source"].startswith("measured here: the model's plain step took")
-    assert measured["compute_slowdown"] >= 1.0 and 0.0 < measured["io_retained"] <= 1.0
+    assert measured["compute_slowdown"] >= 1.0
+    # the tiny model's step is milliseconds: timed in a row for long enough to see transfers
+    # finish beside it, or the disk would seem to stop
+    assert 0.05 < measured["io_retained"] <= 1.0
     given = plans["1.5,0.5"]
     assert given["contention"] == {
         "compute_slowdown": 1.5,

@@ -15,6 +15,7 @@ perfectly; it can beat it only by doing less work.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -173,14 +174,24 @@ def measure(
     warmup: int = 4,
     nbytes: int = 1 << 30,
     reads_only: bool = False,
+    window: float = 1.0,
 ) -> Contention:
     """Times ``compute_unit`` alone and beside the engine streaming on ``path``, and the
     engine's GB/s (reads and writes combined, or ``reads_only``) alone (as long as a compute
     unit, at least a second) and beside the compute, interleaved ``repeats`` times after
     ``warmup`` untimed units (the first steps of a fresh model fault in its memory); the
-    medians of each."""
+    medians of each. A unit shorter than ``window`` seconds is run as many times in a row as
+    fill it, and timed per unit: the engine counts bytes as its transfers finish, and a few
+    milliseconds would see none finish."""
     for _ in range(warmup):
         compute_unit()
+    once = _timed(compute_unit)
+    runs = max(1, math.ceil(window / once)) if once > 0 else 1
+
+    def batch() -> None:
+        for _ in range(runs):
+            compute_unit()
+
     alone: list[float] = []
     beside: list[float] = []
     io_alone: list[float] = []
@@ -189,20 +200,20 @@ def measure(
         stream = Stream(engine, nbytes, reads_only)
         try:
             for _ in range(repeats):
-                alone.append(_timed(compute_unit))
+                alone.append(_timed(batch))
                 stream.run()
                 moved = stream.moved
                 io_alone.append(_timed(lambda: time.sleep(max(1.0, alone[-1]))))
                 io_alone[-1] = (stream.moved - moved) / io_alone[-1]
                 moved = stream.moved
-                beside.append(_timed(compute_unit))
+                beside.append(_timed(batch))
                 io_beside.append((stream.moved - moved) / beside[-1])
                 stream.pause()
         finally:
             stream.close()
     return Contention(
-        compute_alone_s=statistics.median(alone),
-        compute_beside_io_s=statistics.median(beside),
+        compute_alone_s=statistics.median(alone) / runs,
+        compute_beside_io_s=statistics.median(beside) / runs,
         io_alone_bps=statistics.median(io_alone),
         io_beside_compute_bps=statistics.median(io_beside),
     )
