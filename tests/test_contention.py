@@ -34,15 +34,29 @@ def test_measure_times_both_alone_and_together(tmp_path) -> None:
     def compute() -> None:
         calls.append(sum(i * i for i in range(20_000)))
 
-    found = measure(tmp_path, EngineSettings(), compute, repeats=2, warmup=1, nbytes=4 << 20)
+    found = measure(
+        tmp_path, EngineSettings(), compute, repeats=2, warmup=1, nbytes=4 << 20, window=0.0
+    )
     assert isinstance(found, Contention)
-    assert len(calls) == 1 + 2 * 2  # warm-up, then alone and beside per repeat
+    assert len(calls) == 1 + 1 + 2 * 2  # warm-up, one to size the window, alone and beside
     assert found.compute_alone_s > 0 and found.compute_beside_io_s > 0
     # the stream moved bytes both alone (at least a second) and beside the compute
     assert found.io_alone_bps > 0
     assert found.io_beside_compute_bps >= 0
     assert found.as_dict()["compute_slowdown"] == found.compute_slowdown
     assert not list(tmp_path.rglob("*")) or all(p.is_dir() for p in tmp_path.rglob("*"))
+
+
+def test_a_short_unit_is_timed_in_a_row_long_enough_to_see_transfers_finish(tmp_path) -> None:
+    calls = []
+
+    def compute() -> None:  # milliseconds: no 64 MiB transfer finishes within one
+        calls.append(sum(i * i for i in range(2_000)))
+
+    found = measure(tmp_path, EngineSettings(), compute, repeats=1, warmup=1, nbytes=4 << 20)
+    timed = len(calls) - 2  # after the warm-up and the unit that sized the window
+    assert timed % 2 == 0 and timed // 2 > 1  # alone and beside, each as many units in a row
+    assert found.io_beside_compute_bps > 0
 
 
 @pytest.mark.parametrize("reads_only", [True, False])
