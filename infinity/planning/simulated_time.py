@@ -11,8 +11,9 @@ and works it off as the clock moves:
   (:class:`Contention`): the compute takes ``compute_slowdown`` times its seconds alone and the
   disk keeps ``io_retained`` of its bandwidth. On a machine with few cores the engine's threads
   (submission, completion, checksums) take cores from torch's intra-op threads, and the
-  computation's memory traffic slows the copies the engine makes; on two cores the compute of a
-  step beside the engine's streaming took 1.2-1.4x as long as alone.
+  computation's memory traffic slows the copies the engine makes; on two cores the plain steps
+  of the planner's validation matrix took 1.1-1.9x as long beside the engine's streaming as
+  alone (``docs/scaling.md``).
 
 With no contention (both 1.0, :data:`NO_CONTENTION`) this is the earlier model exactly: the
 disk's transfers complete at fixed times and compute advances the clock by its seconds.

@@ -23,10 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infinity.planning import simulated_time as planner_time
 from swap import BufferPool, EngineSettings, SwapEngine
+
+if TYPE_CHECKING:
+    from infinity.config import OffloadConfig
 
 #: each transfer of the stream
 _CHUNK = 64 << 20
@@ -164,6 +167,17 @@ def _timed(call: Callable[[], None]) -> float:
     started = time.perf_counter()
     call()
     return time.perf_counter() - started
+
+
+def measure_for_planner(
+    path: Path, config: OffloadConfig, step: Callable[[], None], what: str, nbytes: int
+) -> planner_time.Contention:
+    """The planner's figures for ``step`` (a plain training step; ``what`` names it) beside the
+    engine streaming ``nbytes`` on ``path`` with the settings ``config`` gives the store's
+    engine, checksums included: 3 interleaved repeats after 2 warm-up steps."""
+    settings = config.aio.engine_settings(verify_checksums=config.verify_checksums)
+    found = measure(path, settings, step, repeats=3, warmup=2, nbytes=nbytes)
+    return found.for_planner(what)
 
 
 def measure(

@@ -166,12 +166,9 @@ def child_contention(args: argparse.Namespace) -> dict:
         optimizer.step()
         optimizer.zero_grad()
 
-    config = _config(args, 1 << 30)
-    settings = config.aio.engine_settings(verify_checksums=config.verify_checksums)
-    found = contention.measure(
-        args.nvme_path, settings, step, repeats=3, warmup=2, nbytes=args.disk_bytes
-    )
-    return found.for_planner(f"a plain {args.family} step").as_dict()
+    return contention.measure_for_planner(
+        args.nvme_path, _config(args, 1 << 30), step, f"a plain {args.family} step", args.disk_bytes
+    ).as_dict()
 
 
 def child_record(args: argparse.Namespace) -> dict:

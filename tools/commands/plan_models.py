@@ -370,9 +370,9 @@ def measure_contention(
         optimizer.zero_grad()
 
     config = OffloadConfig(offload_param="nvme", nvme_path=(swap_dir,))
-    settings = config.aio.engine_settings(verify_checksums=config.verify_checksums)
-    found = contention.measure(swap_dir, settings, step, repeats=3, warmup=2, nbytes=256 << 20)
-    return found.for_planner("the model's plain step")
+    return contention.measure_for_planner(
+        swap_dir, config, step, "the model's plain step", 256 << 20
+    )
 
 
 def measure_update_seconds(optimizer: str, numel: int = 1 << 23, repeats: int = 3) -> float:
