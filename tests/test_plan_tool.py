@@ -3,6 +3,7 @@ scaled-down copy (infinity.planning.scaled.recording_for_scaled)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -178,6 +179,32 @@ def test_contention_measured_here_or_given(tmp_path, capsys):
     }
     fitting = [c for c in given["tables"][0]["candidates"] if c["fits"]]
     assert fitting and all(c["contention"]["source"] == "--contention" for c in fitting)
+
+
+def test_disk_given_with_its_combined_rate(tmp_path, capsys):
+    assert plan._gbps_pair("3") == (3.0, 3.0, None)
+    assert plan._gbps_pair("3,2") == (3.0, 2.0, None)
+    assert plan._gbps_pair("3,2,1.5") == (3.0, 2.0, 1.5)
+    for bad in ("1,2,3,4", "1,0", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="READ,WRITE"):
+            plan._gbps_pair(bad)
+    report = tmp_path / "plan.json"
+    code, out, err = _run(
+        capsys,
+        *TINY_GPT,
+        "--disk-gbps",
+        "1.5,1,0.6",
+        *STREAMING,
+        "--nvme-path",
+        str(tmp_path),
+        "--json",
+        str(report),
+    )
+    assert code == 0, err
+    assert "0.6 GB/s both at once" in out
+    table = json.loads(report.read_text())["tables"][0]
+    assert table["disk"]["combined_gbps"] == 0.6
+    assert any(c["fits"] for c in table["candidates"])
 
 
 def _plan_json(capsys, tmp_path: Path, config_dir: Path, name: str) -> dict:

@@ -208,6 +208,25 @@ def test_contention_slows_compute_beside_the_disk_and_the_recorded_share_comes_o
         ), resource
 
 
+def test_a_disk_slower_with_reads_and_writes_mixed_slows_the_prediction() -> None:
+    store, _, _ = _run(_config(), steps=2)
+    try:
+        plain = store.predict(disk=DiskProfile(0.05, 0.05))
+        implied = store.predict(disk=DiskProfile(0.05, 0.05, combined_gbps=0.05))
+        mixed = store.predict(disk=DiskProfile(0.05, 0.05, combined_gbps=0.025))
+    finally:
+        store.close()
+    # a combined rate equal to what the two directions imply changes nothing
+    assert implied["step_seconds"] == plain["step_seconds"]
+    assert mixed["disk"]["combined_gbps"] == 0.025
+    # the step reads and writes at once for part of it, not all: slower, at most twice
+    assert plain["step_seconds"] < mixed["step_seconds"] < 2 * plain["step_seconds"]
+    assert (mixed["bytes_read"], mixed["bytes_written"]) == (
+        plain["bytes_read"],
+        plain["bytes_written"],
+    )
+
+
 def test_recorded_disk_share_is_the_bytes_at_the_disk_s_speed_over_the_working_time() -> None:
     recording = planner.Recording(trace=Trace(), training=True)
     disk = DiskProfile(1.0, 2.0, shared=True)

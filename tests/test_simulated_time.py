@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from infinity.planning.planner import DiskProfile
+from infinity.planning.planner import DiskProfile, PlanError
 from infinity.planning.simulated_time import (
     NO_CONTENTION,
     Contention,
@@ -90,3 +90,62 @@ def test_no_contention_says_it_was_not_measured() -> None:
     assert not NO_CONTENTION.measured
     assert "not measured" in NO_CONTENTION.as_dict()["source"]
     assert Contention(1.2, 0.8, "here").measured
+
+
+def test_reads_and_writes_in_flight_together_go_at_the_mixed_pace() -> None:
+    clock = SimulatedClock(mixed_efficiency=0.5)
+    engine = SimulatedEngine(clock, DISK)
+    read = engine.read(SimulatedExtent(1, GBYTE), None)
+    write = engine.write(SimulatedExtent(2, GBYTE), None)  # shared: behind the read
+    # both directions in flight: the read's second of work takes two
+    read.result()
+    assert math.isclose(clock.now, 2.0)
+    # the write alone then goes at full pace
+    write.result()
+    assert math.isclose(clock.now, 3.0) and math.isclose(clock.stalled, 3.0)
+
+
+def test_one_direction_alone_keeps_its_pace_and_compute_meets_both() -> None:
+    clock = SimulatedClock(mixed_efficiency=0.5)
+    engine = SimulatedEngine(clock, DISK)
+    reads = [engine.read(SimulatedExtent(i, GBYTE // 2), None) for i in range(2)]
+    reads[-1].result()
+    assert math.isclose(clock.now, 1.0)  # reads alone: no mixed pace
+    # beside compute that retains half the disk, mixed traffic goes at a quarter: a 0.25 s
+    # read and a 0.25 s write take 1 s of compute for the read, then the write alone at half
+    clock = SimulatedClock(Contention(1.0, 0.5, "test"), mixed_efficiency=0.5)
+    engine = SimulatedEngine(clock, DISK)
+    read = engine.read(SimulatedExtent(1, GBYTE // 4), None)
+    write = engine.write(SimulatedExtent(2, GBYTE // 4), None)
+    clock.compute(1.0)
+    assert read.done() and not write.done()
+    clock.compute(0.5)
+    assert write.done() and math.isclose(clock.now, 1.5)
+
+
+def test_side_by_side_directions_both_slow_while_mixed() -> None:
+    clock = SimulatedClock(mixed_efficiency=0.5)
+    engine = SimulatedEngine(clock, DiskProfile(1.0, 1.0, shared=False))
+    read = engine.read(SimulatedExtent(1, GBYTE), None)
+    write = engine.write(SimulatedExtent(2, GBYTE // 2), None)
+    write.result()  # 0.5 s of work at half pace
+    assert math.isclose(clock.now, 1.0) and not read.done()
+    read.result()  # its last 0.5 s alone
+    assert math.isclose(clock.now, 1.5)
+
+
+def test_the_disk_profile_s_mixed_efficiency() -> None:
+    assert DiskProfile(4.0, 4.0).mixed_efficiency == 1.0  # not measured
+    assert DiskProfile(4.0, 4.0, combined_gbps=2.0).mixed_efficiency == 0.5
+    assert DiskProfile(4.0, 4.0, combined_gbps=5.0).mixed_efficiency == 1.0
+    # shared: 1 GB each way takes 1/4 + 1/2 s alone, 2 GB in 0.75 s is 2.67 GB/s
+    assert math.isclose(DiskProfile(4.0, 2.0, combined_gbps=2.0).mixed_efficiency, 0.75)
+    # side by side: the slower direction's pace, both ways
+    assert DiskProfile(4.0, 2.0, shared=False, combined_gbps=2.0).mixed_efficiency == 0.5
+    striped = DiskProfile(4.0, 2.0, combined_gbps=2.0).scaled(2).per_rank(4)
+    assert (striped.read_gbps, striped.write_gbps, striped.combined_gbps) == (2.0, 1.0, 1.0)
+    assert math.isclose(striped.mixed_efficiency, 0.75)
+    with pytest.raises(PlanError, match="combined GB/s must be > 0"):
+        DiskProfile(4.0, 4.0, combined_gbps=0.0)
+    with pytest.raises(ContentionError, match="mixed_efficiency must be in"):
+        SimulatedClock(mixed_efficiency=1.5)

@@ -95,12 +95,16 @@ class PlanError(InfinityError, ValueError):
 class DiskProfile:
     """What the drives do: GB/s (10**9 bytes) for reads and writes, and whether the two share
     one budget (a read slows a write down, as on this machine's virtio disk and most single
-    NVMe drives under mixed load) or run side by side."""
+    NVMe drives under mixed load) or run side by side. ``combined_gbps``, where measured, is
+    the bytes of both directions per second of a pass that reads and writes as much at once
+    (``bench_overlap.engine_bandwidth(combined=True)``): below what the two alone imply, the
+    replay slows the disk to it while reads and writes are both in flight."""
 
     read_gbps: float
     write_gbps: float
     shared: bool = True
     source: str = ""
+    combined_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.read_gbps > 0 and self.write_gbps > 0):
@@ -108,6 +112,24 @@ class DiskProfile:
                 f"a disk profile needs read and write GB/s > 0, got "
                 f"{self.read_gbps} and {self.write_gbps}"
             )
+        if self.combined_gbps is not None and not self.combined_gbps > 0:
+            raise PlanError(
+                f"a disk profile's combined GB/s must be > 0 (or None: not measured), got "
+                f"{self.combined_gbps}"
+            )
+
+    @property
+    def mixed_efficiency(self) -> float:
+        """The combined rate measured over the rate the two directions alone imply for as many
+        bytes each way (shared: one after the other; side by side: the slower's pace), at most
+        1.0; 1.0 without a combined figure."""
+        if self.combined_gbps is None:
+            return 1.0
+        if self.shared:
+            implied = 2.0 / (1.0 / self.read_gbps + 1.0 / self.write_gbps)
+        else:
+            implied = 2.0 * min(self.read_gbps, self.write_gbps)
+        return min(1.0, self.combined_gbps / implied)
 
     @classmethod
     def from_bench_json(cls, path: str | Path, shared: bool = True) -> DiskProfile:
@@ -132,7 +154,18 @@ class DiskProfile:
             self,
             read_gbps=self.read_gbps * drives,
             write_gbps=self.write_gbps * drives,
+            combined_gbps=None if self.combined_gbps is None else self.combined_gbps * drives,
             source=f"{drives} x {self.source or 'profile'}",
+        )
+
+    def per_rank(self, ranks: int) -> DiskProfile:
+        """One rank's share when ``ranks`` ranks use these drives at once."""
+        return dataclasses.replace(
+            self,
+            read_gbps=self.read_gbps / ranks,
+            write_gbps=self.write_gbps / ranks,
+            combined_gbps=None if self.combined_gbps is None else self.combined_gbps / ranks,
+            source=f"{self.source or 'profile'}, shared by {ranks} ranks",
         )
 
 
@@ -466,7 +499,7 @@ def simulate(
     # The recorded compute ran slowed by the disk for part of it: out of it, what ran alone.
     recorded_share = recorded_disk_share(recording, disk, contention)
     alone = 1.0 / (1.0 + (contention.compute_slowdown - 1.0) * recorded_share)
-    clock = SimulatedClock(contention)
+    clock = SimulatedClock(contention, disk.mixed_efficiency)
     copy_gbps = device.link_gbps or recording.copy_gbps
     host_memory = device.link_gbps is None  # a CPU device: the device tier is host memory
     simulated_cpu = cpu_memory and host_memory

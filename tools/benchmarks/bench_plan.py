@@ -15,6 +15,7 @@ measured: step time (goal: within 20%), bytes read and written per step (within 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -26,12 +27,11 @@ from pathlib import Path
 import torch
 
 import infinity
-from infinity.planning.planner import DiskProfile
 from tools.benchmarks.bench_overlap import (
     DEFAULT_HOST_BUDGET,
-    engine_bandwidth,
     mlp,
     nvme_config,
+    store_disk_profile,
 )
 from tools.common.cli import spawn_child
 from tools.common.measure import compare, measure_steps, reset_peak
@@ -79,13 +79,7 @@ def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore
 def child_record(args: argparse.Namespace) -> dict:
     """Runs the recorded configuration, measures the disk, predicts the others."""
     probe = nvme_config(args.nvme_path, args.host_budget, args.record_arena, args.device_budget)
-    bandwidth = engine_bandwidth(args.nvme_path, args.disk_bytes, probe)
-    disk = DiskProfile(
-        bandwidth["read"] / 1e9,
-        bandwidth["write"] / 1e9,
-        shared=True,
-        source="swap engine, this run",
-    )
+    disk = store_disk_profile(args.nvme_path, args.disk_bytes, probe)
     # The recording's base RSS is the process's peak less its tiers: the disk measurement's
     # buffers, freed by now, must not be in that peak (on a small model they were most of it).
     reset_peak()
@@ -96,7 +90,7 @@ def child_record(args: argparse.Namespace) -> dict:
         predictions[str(arena)] = store.predict(disk=disk, buffer_count=config.buffer_count)
     store.close(restore_params=False)
     return {
-        "disk": {"read_gbps": disk.read_gbps, "write_gbps": disk.write_gbps},
+        "disk": dataclasses.asdict(disk),
         "recorded": measured,
         "predictions": predictions,
     }
@@ -111,8 +105,9 @@ def child_run(args: argparse.Namespace) -> dict:
 def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
     disk = record["disk"]
     lines = [
-        f"disk (swap engine, this run): read {disk['read_gbps']:.2f} GB/s, write "
-        f"{disk['write_gbps']:.2f} GB/s, one shared budget",
+        f"disk ({disk['source']}): read {disk['read_gbps']:.2f} GB/s, write "
+        f"{disk['write_gbps']:.2f} GB/s, both at once {disk['combined_gbps']:.2f} GB/s, one "
+        f"shared budget",
         "",
         f"{'arena GiB':>9} | {'step s pred/meas':>17} {'ratio':>6} | "
         f"{'read MB pred/meas':>18} {'ratio':>6} | {'write MB pred/meas':>19} "

@@ -106,17 +106,20 @@ USER_ERRORS = (
 # ---------------------------------------------------------------------------- arguments
 
 
-def _gbps_pair(text: str) -> tuple[float, float]:
+def _gbps_pair(text: str) -> tuple[float, float, float | None]:
+    """--disk-gbps READ,WRITE[,COMBINED] (one number: read and write alike)."""
     parts = [p for p in text.split(",") if p.strip()]
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
         values = ()
-    if len(values) not in (1, 2) or not all(v > 0 for v in values):
+    if len(values) not in (1, 2, 3) or not all(v > 0 for v in values):
         raise argparse.ArgumentTypeError(
-            f"expected READ,WRITE in GB/s such as 3.5,2.8 (or one number for both), got {text!r}"
+            f"expected READ,WRITE in GB/s such as 3.5,2.8 (or one number for both), and "
+            f"optionally the combined GB/s of reading and writing at once (3.5,2.8,2.4), got "
+            f"{text!r}"
         )
-    return (values[0], values[-1])
+    return (values[0], values[1 if len(values) > 1 else 0], values[2] if len(values) == 3 else None)
 
 
 def given_contention(text: str | None) -> Contention | str | None:
@@ -205,8 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--disk-gbps",
         type=_gbps_pair,
-        metavar="READ,WRITE",
-        help="the drive's profile as GB/s (10**9 bytes/s) read and write",
+        metavar="READ,WRITE[,COMBINED]",
+        help="the drive's profile as GB/s (10**9 bytes/s) read and write, and optionally both "
+        "directions' bytes per second while reading and writing at once (bench_overlap's "
+        "combined pass); below what the two alone imply, the disk is slowed to it while both "
+        "directions are in flight",
     )
     add(
         "--drives",
@@ -516,8 +522,14 @@ def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
             )
         single = DiskProfile.from_bench_json(args.disk, shared=args.disk_shared)
     elif args.disk_gbps is not None:
-        read_gbps, write_gbps = args.disk_gbps
-        single = DiskProfile(read_gbps, write_gbps, shared=args.disk_shared, source="--disk-gbps")
+        read_gbps, write_gbps, combined_gbps = args.disk_gbps
+        single = DiskProfile(
+            read_gbps,
+            write_gbps,
+            shared=args.disk_shared,
+            source="--disk-gbps",
+            combined_gbps=combined_gbps,
+        )
     else:
         raise UserError(
             "no disk profile: pass --disk bench.json (infinity-bench --json) or "
@@ -526,12 +538,7 @@ def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
     striped = single.scaled(drives) if drives > 1 else single
     if args.ranks > 1 and not args.own_drives:
         # One rank's share of drives every rank uses at once.
-        return dataclasses.replace(
-            striped,
-            read_gbps=striped.read_gbps / args.ranks,
-            write_gbps=striped.write_gbps / args.ranks,
-            source=f"{striped.source or 'profile'}, shared by {args.ranks} ranks",
-        )
+        return striped.per_rank(args.ranks)
     return striped
 
 

@@ -98,7 +98,8 @@ def table(plan: Plan, top: int) -> list[str]:
             "",
             f"{'disk':<10} {t.drives} drive(s): {disk.read_gbps:.3g} GB/s read, "
             f"{disk.write_gbps:.3g} GB/s write"
-            f"{', shared' if disk.shared else ', side by side'} per rank "
+            + (f", {disk.combined_gbps:.3g} GB/s both at once" if disk.combined_gbps else "")
+            + f"{', shared' if disk.shared else ', side by side'} per rank "
             f"({disk.source})",
             "",
         ]
