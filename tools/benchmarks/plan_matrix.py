@@ -14,15 +14,23 @@ Before a family's cells, a process of its own measures how the family's plain tr
 the swap engine slow each other here (``tools/benchmarks/contention.py``), which every prediction
 of the family then replays (``--no-contention``: predicted as if they did not).
 
+This machine's speed drifts by more than the step-time goal over minutes, so each place and mode
+is done in ``--passes`` interleaved passes (default 3; the budgets' order reversed in every other
+one), each a recording and a run per budget. A cell is judged on the median over the passes of
+predicted over measured within one pass: a recording and the runs it predicts are minutes apart at
+most, and one pass on a slow or fast stretch of the machine does not decide the cell.
+
     python -m tools.benchmarks.plan_matrix [--families mlp-wide,gpt --params nvme --modes auto]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,10 +40,9 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.planning.planner import DiskProfile
 from infinity.planning.simulated_time import Contention
 from tools.benchmarks import contention
-from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
+from tools.benchmarks.bench_overlap import mlp, store_disk_profile
 from tools.common.cli import spawn_child
 from tools.common.measure import GOALS, compare, measure_steps, reset_peak
 from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
@@ -49,6 +56,11 @@ BUDGETS = {"most": 0.9, "half": 0.5, "quarter": 0.25}
 MODES: dict[str, bool | str] = {"auto": "auto", "step": False}
 PARAMS = ("cpu", "nvme")
 BUFFER_SIZE = 4 << 20
+#: parts of the model each budget is also predicted without, and what the summary calls them
+ALTERNATIVES = {
+    "contention": "without contention",
+    "mixed directions": "without the disk's slower pace with reads and writes mixed",
+}
 
 Step = Callable[[], torch.Tensor]
 
@@ -174,9 +186,7 @@ def child_contention(args: argparse.Namespace) -> dict:
 def child_record(args: argparse.Namespace) -> dict:
     # The disk first, with the engine's settings alone (no model is built twice: a first one's
     # freed heap would count against the budget at attach)
-    probe = _config(args, 1 << 30)
-    bandwidth = engine_bandwidth(args.nvme_path, args.disk_bytes, probe)
-    disk = DiskProfile(bandwidth["read"] / 1e9, bandwidth["write"] / 1e9, shared=True)
+    disk = store_disk_profile(args.nvme_path, args.disk_bytes, _config(args, 1 << 30))
     # The recording's base RSS is the process's peak less its tiers: the disk measurement's
     # buffers, freed by now, must not be in that peak (on a small model they were most of it).
     reset_peak()
@@ -184,20 +194,31 @@ def child_record(args: argparse.Namespace) -> dict:
     if store is None:
         return {"recorded": measured, "predictions": {}}
     state = measured["state_bytes"]
-    predictions, uncontended = {}, {}
+    predictions: dict[str, dict] = {}
+    # each budget's step predicted without one of the model's parts, to show what it changes
+    without: dict[str, dict[str, Any]] = {part: {} for part in ALTERNATIVES}
     measured_contention = Contention(**json.loads(args.contention)) if args.contention else None
+    unmixed = dataclasses.replace(disk, combined_gbps=None)
     for name, share in BUDGETS.items():
         budget = int(share * state)
         predictions[name] = store.predict(
             disk=disk, contention=measured_contention, host_budget=budget
         )
-        if measured_contention is not None:  # the same without it, to show what it changes
-            uncontended[name] = store.predict(disk=disk, host_budget=budget).get("step_seconds")
+        if measured_contention is not None:
+            without["contention"][name] = store.predict(disk=disk, host_budget=budget).get(
+                "step_seconds"
+            )
+        if disk.mixed_efficiency < 1.0:
+            without["mixed directions"][name] = store.predict(
+                disk=unmixed, contention=measured_contention, host_budget=budget
+            ).get("step_seconds")
     store.close(restore_params=False)
     return {
         "recorded": measured,
         "predictions": predictions,
-        "uncontended_step_seconds": uncontended,
+        "without": without,
+        "disk": dataclasses.asdict(disk),
+        "mixed_efficiency": disk.mixed_efficiency,
         "state_bytes": state,
     }
 
@@ -209,29 +230,70 @@ def child_run(args: argparse.Namespace) -> dict:
     return measured
 
 
-def _row(
-    cell: str, prediction: dict, measured: dict, uncontended: float | None = None
-) -> tuple[str, dict[str, float]]:
-    if not prediction.get("fits", True) or not measured.get("fits", True):
-        said = "fits" if prediction.get("fits", True) else "does not fit"
-        ran = "ran" if measured.get("fits", True) else "did not attach"
-        return f"{cell:32s} predicted: {said}; measured: {ran}", {}
-    compared = compare(prediction, measured)
-    ratios = {key: c["ratio"] for key, c in compared.items()}
-    pairs = {key: (c["predicted"], c["measured"]) for key, c in compared.items()}
-    step_p, step_m = pairs["step_s"]
-    read_p, read_m = pairs["read_bytes"]
-    write_p, write_m = pairs["write_bytes"]
-    rss_p, rss_m = pairs["peak_rss"]
+def judge(passes: list[tuple[dict, dict]]) -> dict[str, Any]:
+    """One cell over its passes, each a (prediction, measurement) pair taken minutes apart.
+    ``agreed``: whether every pass ran as its prediction said (``predicted_fits`` and ``ran``
+    per pass); ``ratios``: for each goal the median over the passes of predicted/measured (none
+    unless every pass predicted a fit and ran); ``predicted``/``measured``: each figure's median
+    over the passes; ``step_spread``: the slowest measured step over the fastest; ``bound``: the
+    resource the predictions named most often."""
+    if not passes:
+        raise ValueError("a cell needs at least one pass")
+    predicted_fit = [prediction.get("fits", True) for prediction, _ in passes]
+    ran = [measured.get("fits", True) for _, measured in passes]
+    agreed = predicted_fit == ran
+    out: dict[str, Any] = {
+        "agreed": agreed,
+        "predicted_fits": predicted_fit,
+        "ran": ran,
+        "ratios": {},
+        "predicted": {},
+        "measured": {},
+        "step_spread": None,
+        "bound": None,
+    }
+    if not (all(predicted_fit) and all(ran)):
+        return out
+    compared = [compare(prediction, measured) for prediction, measured in passes]
+    for key in compared[0]:
+        out["ratios"][key] = statistics.median(c[key]["ratio"] for c in compared)
+        out["predicted"][key] = statistics.median(c[key]["predicted"] for c in compared)
+        out["measured"][key] = statistics.median(c[key]["measured"] for c in compared)
+    bounds = [str(prediction.get("bound", "?")) for prediction, _ in passes]
+    out["bound"] = max(set(bounds), key=bounds.count)
+    steps = [c["step_s"]["measured"] for c in compared]
+    out["step_spread"] = max(steps) / min(steps) if min(steps) > 0 else float("inf")
+    return out
+
+
+def _row(cell: str, judged: dict[str, Any], uncontended: list[float]) -> str:
+    """The cell's line; ``uncontended``: each pass's step predicted without contention over its
+    measured step."""
+    if not judged["ratios"]:
+        said = "fits" if all(judged["predicted_fits"]) else "does not fit"
+        ran = "ran" if all(judged["ran"]) else "did not attach"
+        if not judged["agreed"]:
+            said = "fits in passes " + _passes(judged["predicted_fits"])
+            ran = "ran in passes " + _passes(judged["ran"])
+        return f"{cell:32s} predicted: {said}; measured: {ran}"
+    ratios, predicted, measured = judged["ratios"], judged["predicted"], judged["measured"]
     line = (
-        f"{cell:32s} {step_p:6.3f}/{step_m:6.3f} {ratios['step_s']:5.2f} | "
-        f"{read_p / 1e6:7.1f}/{read_m / 1e6:7.1f} {ratios['read_bytes']:5.2f} | "
-        f"{write_p / 1e6:7.1f}/{write_m / 1e6:7.1f} {ratios['write_bytes']:5.2f} | "
-        f"{rss_p / GIB:5.2f}/{rss_m / GIB:5.2f} {ratios['peak_rss']:5.2f} "
-        f"[{prediction.get('bound', '?')}]"
-        + (f" step {uncontended / step_m:.2f} without contention" if uncontended else "")
+        f"{cell:32s} {predicted['step_s']:6.3f}/{measured['step_s']:6.3f} "
+        f"{ratios['step_s']:5.2f} x{judged['step_spread']:4.2f} | "
+        f"{predicted['read_bytes'] / 1e6:7.1f}/{measured['read_bytes'] / 1e6:7.1f} "
+        f"{ratios['read_bytes']:5.2f} | "
+        f"{predicted['write_bytes'] / 1e6:7.1f}/{measured['write_bytes'] / 1e6:7.1f} "
+        f"{ratios['write_bytes']:5.2f} | "
+        f"{predicted['peak_rss'] / GIB:5.2f}/{measured['peak_rss'] / GIB:5.2f} "
+        f"{ratios['peak_rss']:5.2f} [{judged['bound']}]"
     )
-    return line, ratios
+    if uncontended:
+        line += f" step {statistics.median(uncontended):.2f} without contention"
+    return line
+
+
+def _passes(flags: list[bool]) -> str:
+    return ",".join(str(i + 1) for i, flag in enumerate(flags) if flag) or "none"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--params", default=",".join(PARAMS), help="comma list of %(default)s")
     add("--modes", default=",".join(MODES), help="comma list of %(default)s")
     add("--steps", type=int, default=5, help="timed steps after the warm-up")
+    add(
+        "--passes",
+        type=int,
+        default=3,
+        help="interleaved passes per place and mode, each a recording and a run per budget",
+    )
     add("--warmup", type=int, default=3)
     add("--disk-bytes", type=int, default=256 << 20, help="bytes of the disk measurement")
     add("--nvme-path", type=Path, default=None)
@@ -260,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.passes < 1:
+        raise SystemExit(f"--passes must be at least 1, got {args.passes}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.child:
         if isinstance(args.params, str) and "," in args.params:
@@ -275,9 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     missed: dict[str, list[str]] = {key: [] for key in GOALS}
     compared = 0
     wrong_fit: list[str] = []  # the prediction said it fits and it did not, or the reverse
+    alternative_ratios: dict[str, dict[str, float]] = {part: {} for part in ALTERNATIVES}
+    efficiencies: list[float] = []  # the disk's pace with both directions, per recording
     header = (
-        f"{'family / params / mode / budget':32s} {'step s pred/meas':>19s} | "
+        f"{'family / params / mode / budget':32s} {'step s pred/meas ratio spread':>29s} | "
         f"{'read MB pred/meas':>21s} | {'write MB pred/meas':>21s} | {'RSS GiB pred/meas':>17s}"
+    )
+    print(
+        f"medians over {args.passes} interleaved passes; ratio: predicted/measured within a "
+        f"pass; spread: the slowest measured step over the fastest",
+        flush=True,
     )
     print(header, flush=True)
     try:
@@ -302,35 +379,33 @@ def main(argv: list[str] | None = None) -> int:
                         f"--warmup={args.warmup}",
                         f"--disk-bytes={args.disk_bytes}",
                     ]
-                    module = "tools.benchmarks.plan_matrix"
-                    record = spawn_child(
-                        module, common, ["--child=record", f"--contention={contention_json}"]
-                    )
+                    runs: dict[str, list[tuple[dict, dict]]] = {b: [] for b in BUDGETS}
+                    without: dict[str, dict[str, list[float]]] = {p: {} for p in ALTERNATIVES}
+                    for number in range(args.passes):
+                        _one_pass(
+                            args, common, contention_json, number, runs, without, efficiencies
+                        )
                     for budget in BUDGETS:
-                        measured = spawn_child(
-                            module, common, ["--child=run", f"--budget={budget}"]
-                        )
                         cell = f"{family} / {params} / {mode} / {budget}"
-                        prediction = record["predictions"].get(
-                            budget,
-                            {
-                                "fits": False,
-                                "error": "the recording did not attach: "
-                                + record["recorded"].get("error", "?"),
-                            },
-                        )
-                        line, ratios = _row(
-                            cell,
-                            prediction,
-                            measured,
-                            record.get("uncontended_step_seconds", {}).get(budget),
-                        )
-                        print(line, flush=True)
-                        cells[cell] = {"predicted": prediction, "measured": measured}
-                        if prediction.get("fits", True) != measured.get("fits", True):
+                        judged = judge(runs[budget])
+                        contention_off = without["contention"].get(budget, [])
+                        print(_row(cell, judged, contention_off), flush=True)
+                        cells[cell] = {
+                            "judged": judged,
+                            "passes": [
+                                {"predicted": prediction, "measured": measured}
+                                for prediction, measured in runs[budget]
+                            ],
+                            "without": {p: without[p].get(budget, []) for p in ALTERNATIVES},
+                        }
+                        if not judged["agreed"]:
                             wrong_fit.append(cell)
-                        compared += bool(ratios)
-                        for key, ratio in ratios.items():
+                        compared += bool(judged["ratios"])
+                        for part in ALTERNATIVES:
+                            ratios = without[part].get(budget)
+                            if judged["ratios"] and ratios:
+                                alternative_ratios[part][cell] = statistics.median(ratios)
+                        for key, ratio in judged["ratios"].items():
                             off = abs(ratio - 1)
                             if off > worst[key][0]:
                                 worst[key] = (off, cell)
@@ -358,9 +433,57 @@ def main(argv: list[str] | None = None) -> int:
             f"cells; worst {off:.1%} off ({cell or '-'})"
             + (f"; missed: {', '.join(missed[key])}" if missed[key] else "")
         )
+    if efficiencies:
+        print(
+            f"the disk's pace with reads and writes mixed, as measured before each recording: "
+            f"{min(efficiencies):.0%}-{max(efficiencies):.0%} of what the two directions alone "
+            f"imply (median {statistics.median(efficiencies):.0%})"
+        )
+    for part, label in ALTERNATIVES.items():
+        by_cell = alternative_ratios[part]
+        if by_cell:
+            within = sum(abs(r - 1) <= GOALS["step_s"] for r in by_cell.values())
+            print(
+                f"step time within {GOALS['step_s']:.0%} if predicted {label}: {within} of "
+                f"{len(by_cell)} cells"
+            )
     if args.json:
         args.json.write_text(json.dumps(cells, default=float, indent=1))
     return 0
+
+
+def _one_pass(
+    args: argparse.Namespace,
+    common: list[str],
+    contention_json: str,
+    number: int,
+    runs: dict[str, list[tuple[dict, dict]]],
+    without: dict[str, dict[str, list[float]]],
+    efficiencies: list[float],
+) -> None:
+    """One recording and a run per budget (in reverse order on odd passes), appended to
+    ``runs`` as (prediction, measurement) pairs; ``without[part][budget]`` gains the step
+    predicted without that part of the model over the run's, and ``efficiencies`` the disk's
+    measured pace with reads and writes mixed."""
+    module = "tools.benchmarks.plan_matrix"
+    record = spawn_child(module, common, ["--child=record", f"--contention={contention_json}"])
+    if "mixed_efficiency" in record:
+        efficiencies.append(record["mixed_efficiency"])
+    order = list(BUDGETS) if number % 2 == 0 else list(reversed(BUDGETS))
+    for budget in order:
+        measured = spawn_child(module, common, ["--child=run", f"--budget={budget}"])
+        prediction = record["predictions"].get(
+            budget,
+            {
+                "fits": False,
+                "error": "the recording did not attach: " + record["recorded"].get("error", "?"),
+            },
+        )
+        runs[budget].append((prediction, measured))
+        for part, steps in record.get("without", {}).items():
+            step = steps.get(budget)
+            if step and measured.get("fits", True) and measured.get("step_s"):
+                without[part].setdefault(budget, []).append(step / measured["step_s"])
 
 
 if __name__ == "__main__":
