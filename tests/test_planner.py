@@ -257,7 +257,9 @@ def test_predicted_rss_is_at_least_attach_s_own_peak() -> None:
         prediction = store.predict(disk=INSTANT)
     finally:
         store.close()
-    assert 0 < attach_peak <= peak_resident_bytes()
+    # VmHWM can read a little lower later than it did at attach: the kernel counts RSS in
+    # per-CPU batches and sums them approximately (a read 68 KiB below an earlier one was seen)
+    assert 0 < attach_peak <= peak_resident_bytes() + (1 << 20)
     assert recording.attach_peak_rss == attach_peak
     peaks = prediction["peak_bytes"]
     training = recording.base_rss + peaks["host"] + peaks["device"]
