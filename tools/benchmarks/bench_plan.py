@@ -1,15 +1,15 @@
 """The planner against the store: predictions for budgets not run yet, then runs with them.
 
 On bench_overlap's model (default: 24 x Linear(2048), fp32, batch 16, 100.7 M parameters; params
-and AdamW state on NVMe under one host budget) it records one configuration (a staging arena of
-``--record-arena`` GiB), asks ``store.predict`` for the arenas of ``--arenas`` with the disk's
-read and write bandwidth measured through the swap engine in the same run, then runs each of
+and AdamW state on NVMe, 1.6 GB of training state) it records one configuration (a staging
+arena of ``--record-arena`` GiB, and a host budget of as much unless ``--host-budget`` says),
+asks ``store.predict`` for the arenas of ``--arenas`` with the disk's read and write bandwidth
+measured through the swap engine in the same run (in the store's own requests), then runs each of
 them, every run in a process of its own (its peak RSS is its own), and prints predicted against
 measured: step time (goal: within 20%), bytes read and written per step (within 5%) and peak RSS
 (within 10%).
 
-    python -m tools.benchmarks.bench_plan [--record-arena 1.6 --arenas 1.35,1.0,0.7
-                                          --host-budget 2.14]
+    python -m tools.benchmarks.bench_plan [--record-arena 1.6 --arenas 1.35,1.0,0.7]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 import infinity
+from infinity.planning.planner import DiskProfile
 from tools.benchmarks.bench_overlap import (
-    DEFAULT_HOST_BUDGET,
     mlp,
     nvme_config,
     store_disk_profile,
@@ -47,9 +47,12 @@ UPDATE_MODES: dict[str, bool | str] = {"auto": "auto", "step": False}
 
 
 def _config(args: argparse.Namespace, arena: float) -> infinity.OffloadConfig:
+    # The host budget bounds the whole process; one larger than the arena holds more of the
+    # state in the host tier than the arena does (by default the two are one, as in
+    # bench_budget: with a 2.14 GiB budget the whole 1.6 GB state stayed in RAM at every arena)
     return nvme_config(
         args.nvme_path,
-        args.host_budget,
+        args.host_budget or arena,
         arena,
         args.device_budget,
         args.buffer_size,
@@ -76,18 +79,25 @@ def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore
     return store, measure_steps(store, step, args.warmup, args.steps)
 
 
+def child_disk(args: argparse.Namespace) -> dict:
+    """The disk in the recorded configuration's requests, in a process of its own: its buffers
+    (64 MiB, as many as the arena holds) stayed in the process's RSS once freed, and the
+    recording's base RSS (its peak less its tiers) then counted 0.36 GiB too many."""
+    disk = store_disk_profile(args.nvme_path, args.disk_bytes, _config(args, args.record_arena))
+    return dataclasses.asdict(disk)
+
+
 def child_record(args: argparse.Namespace) -> dict:
-    """Runs the recorded configuration, measures the disk, predicts the others."""
-    probe = nvme_config(args.nvme_path, args.host_budget, args.record_arena, args.device_budget)
-    disk = store_disk_profile(args.nvme_path, args.disk_bytes, probe)
-    # The recording's base RSS is the process's peak less its tiers: the disk measurement's
-    # buffers, freed by now, must not be in that peak (on a small model they were most of it).
+    """Runs the recorded configuration and predicts the others on the measured disk."""
+    disk = DiskProfile(**json.loads(args.disk_json))
     reset_peak()
     store, measured = _train(args, args.record_arena)
     predictions = {}
     for arena in [args.record_arena, *args.arenas]:
         config = _config(args, arena)
-        predictions[str(arena)] = store.predict(disk=disk, buffer_count=config.buffer_count)
+        predictions[str(arena)] = store.predict(
+            disk=disk, host_budget=config.host_budget, buffer_count=config.buffer_count
+        )
     store.close(restore_params=False)
     return {
         "disk": dataclasses.asdict(disk),
@@ -164,7 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=10, help="timed steps after the warm-up")
     add("--warmup", type=int, default=3)
     add("--repeats", type=int, default=2, help="measured runs per predicted arena")
-    add("--host-budget", type=float, default=DEFAULT_HOST_BUDGET, help="GiB")
+    add(
+        "--host-budget",
+        type=float,
+        default=None,
+        help="GiB, the same for every arena (default: each arena's own size)",
+    )
     add("--device-budget", type=float, default=0.1, help="GiB")
     add("--buffer-size", type=int, default=64 << 20)
     add("--record-arena", type=float, default=1.6, help="GiB of the recorded run's arena")
@@ -183,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         "step, the default) or step (in optimizer.step())",
     )
     add("--nvme-path", type=Path, default=None)
-    add("--child", choices=("record", "run"), help=argparse.SUPPRESS)
+    add("--child", choices=("disk", "record", "run"), help=argparse.SUPPRESS)
+    add("--disk-json", help=argparse.SUPPRESS)
     add("--arena", type=float, help=argparse.SUPPRESS)
     return parser
 
@@ -193,18 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.child:
-        result = child_record(args) if args.child == "record" else child_run(args)
+        children = {"disk": child_disk, "record": child_record, "run": child_run}
+        result = children[args.child](args)
         print(json.dumps(result, default=float))
         return 0
     own_dir = args.nvme_path is None
     args.nvme_path = args.nvme_path or Path(tempfile.mkdtemp(prefix="bench-plan-"))
     args.forward = [
+        *([f"--host-budget={args.host_budget}"] if args.host_budget else []),
         f"--layers={args.layers}",
         f"--width={args.width}",
         f"--batch={args.batch}",
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
-        f"--host-budget={args.host_budget}",
         f"--device-budget={args.device_budget}",
         f"--buffer-size={args.buffer_size}",
         f"--record-arena={args.record_arena}",
@@ -214,13 +231,18 @@ def main(argv: list[str] | None = None) -> int:
         f"--update-mode={args.update_mode}",
     ]
     try:
+        budget = f"{args.host_budget} GiB" if args.host_budget else "the arena's size"
         print(
-            f"recording at a {args.record_arena} GiB arena (host budget {args.host_budget} "
-            f"GiB, updates: {args.update_mode}), predicting "
-            f"{', '.join(map(str, args.arenas))} GiB ...",
+            f"recording at a {args.record_arena} GiB arena (host budget {budget}, updates: "
+            f"{args.update_mode}), predicting {', '.join(map(str, args.arenas))} GiB ...",
             flush=True,
         )
-        record = spawn_child("tools.benchmarks.bench_plan", args.forward, ["--child=record"])
+        disk = spawn_child("tools.benchmarks.bench_plan", args.forward, ["--child=disk"])
+        record = spawn_child(
+            "tools.benchmarks.bench_plan",
+            args.forward,
+            ["--child=record", f"--disk-json={json.dumps(disk)}"],
+        )
         runs: dict[str, list[dict]] = {str(a): [] for a in args.arenas}
         for repeat in range(args.repeats):  # interleaved: the machine's drift hits them all
             for arena in args.arenas:
