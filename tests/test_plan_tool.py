@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
+from infinity.config import format_size  # noqa: E402
 from infinity.planning import planner  # noqa: E402
 from infinity.planning import scaled as planner_scaled  # noqa: E402
 from tools.commands import plan  # noqa: E402
@@ -205,6 +206,45 @@ def test_disk_given_with_its_combined_rate(tmp_path, capsys):
     table = json.loads(report.read_text())["tables"][0]
     assert table["disk"]["combined_gbps"] == 0.6
     assert any(c["fits"] for c in table["candidates"])
+
+
+def test_disk_measured_here_in_each_candidate_s_requests(tmp_path, capsys):
+    report = tmp_path / "plan.json"
+    code, out, err = _run(
+        capsys,
+        *TINY_GPT,
+        "--disk",
+        "measure",
+        "--offload-optimizer",
+        "nvme,cpu",
+        "--buffer-size",
+        "64KiB,128KiB",
+        "--nvme-path",
+        str(tmp_path),
+        "--json",
+        str(report),
+    )
+    assert code == 0, err
+    assert "measured here per candidate" in out
+    candidates = json.loads(report.read_text())["tables"][0]["candidates"]
+    on_nvme = [
+        c
+        for c in candidates
+        if "nvme" in (c["config"]["offload_param"], c["config"]["offload_optimizer"])
+    ]
+    assert on_nvme and len(on_nvme) < len(candidates)
+    shapes = set()
+    for c in on_nvme:
+        disk, config = c["disk"], c["config"]
+        assert disk["read_gbps"] > 0 and disk["write_gbps"] > 0 and disk["combined_gbps"] > 0
+        assert disk["source"] == (
+            f"measured here, {format_size(config['buffer_size'])} requests x "
+            f"{config['buffer_count']} in flight"
+        )
+        shapes.add((config["buffer_size"], config["buffer_count"]))
+    assert len(shapes) > 1  # each shape measured on its own
+    # nothing on NVMe, nothing measured
+    assert all("disk" not in c for c in candidates if c not in on_nvme)
 
 
 def _plan_json(capsys, tmp_path: Path, config_dir: Path, name: str) -> dict:
@@ -405,6 +445,7 @@ def test_budget_below_one_module_does_not_fit(tmp_path, capsys):
         "bad module",
         "bad args",
         "bad contention",
+        "two disks",
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
@@ -419,6 +460,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         "bad module": ["--module", "tools.common.tiny_gpt:Nope", *DISK],
         "bad args": ["--module", "tools.common.tiny_gpt:TinyGPT", "--args", "{layers", *DISK],
         "bad contention": ["--hf-config", str(config_dir), *DISK, "--contention", "0.5,2"],
+        "two disks": ["--hf-config", str(config_dir), *DISK, "--disk", "measure"],
     }[case]
     code, out, err = _run(capsys, *argv)
     assert code == 2
@@ -432,6 +474,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         "bad module": "Nope",
         "bad args": "JSON",
         "bad contention": "SLOWDOWN,RETAINED",
+        "two disks": "not both",
     }[case]
     assert expected in lines[0]
 

@@ -31,6 +31,12 @@ and peak RSS, each with its ratio, and a verdict (tools/commands/plan_validation
 that can run here can be validated: not one for --ranks > 1, a GPU --device-profile or a
 scaled-down copy.
 
+With --disk measure the disk is measured here, on the swap directory, in each candidate's own
+requests (its buffer_size, buffer_count of them in flight): each direction alone and both at
+once. A drive's best point (infinity-bench) can be well above what a store's buffers get from it:
+4 MiB reads, four or five in flight, moved 20% fewer GB/s than 64 MiB ones on the disk this was
+built on.
+
 With --ranks N (data-parallel GPUs under ZeRO-3) each rank is simulated holding, moving and
 updating 1/N of the state while computing the whole model on its own batch; --drives are shared
 by the ranks unless --own-drives gives each rank that many.
@@ -62,6 +68,7 @@ from infinity.planning import scaled as planner_scaled
 from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
 from infinity.planning.simulated_time import Contention, ContentionError
 from swap import NvmePathError, SwapConfigError, SwapSpaceError
+from tools.benchmarks.bench_overlap import store_disk_profile
 from tools.commands import plan_validation
 from tools.commands.plan_models import (
     MIN_BUFFER,
@@ -104,6 +111,9 @@ USER_ERRORS = (
 
 
 # ---------------------------------------------------------------------------- arguments
+
+#: stands for the profile --disk measure will measure, when the arguments are checked
+_PLACEHOLDER = DiskProfile(1.0, 1.0, source="--disk measure")
 
 
 def _gbps_pair(text: str) -> tuple[float, float, float | None]:
@@ -201,9 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--optimizer", choices=tuple(OPTIMIZERS), default="adamw", help="(%(default)s)")
     add(
         "--disk",
-        type=Path,
-        metavar="BENCH_JSON",
-        help="the drive's profile: infinity-bench --json output",
+        metavar="BENCH_JSON|measure",
+        help="the drive's profile: infinity-bench --json output, or 'measure': measured here on "
+        "the swap directory in each candidate's own requests (buffer_size bytes, buffer_count "
+        "in flight), about a second per request shape",
     )
     add(
         "--disk-gbps",
@@ -510,15 +521,28 @@ def evaluate(
 # ---------------------------------------------------------------------------- the run
 
 
-def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
-    """One rank's share of ``drives`` drives of the --disk / --disk-gbps profile."""
+#: --disk measure
+MEASURE = "measure"
+#: bytes each direction moves in one measurement of --disk measure
+MEASURED_BYTES = 256 << 20
+
+
+def disk_profile(
+    args: argparse.Namespace, drives: int, measured: DiskProfile | None = None
+) -> DiskProfile:
+    """One rank's share of ``drives`` drives of the --disk / --disk-gbps profile, or of
+    ``measured`` (one drive, measured here for --disk measure)."""
     if args.disk is not None and args.disk_gbps is not None:
         raise UserError("pass either --disk or --disk-gbps, not both")
-    if args.disk is not None:
-        if not args.disk.is_file():
+    if measured is not None:
+        single = measured
+    elif args.disk == MEASURE:
+        raise UserError("--disk measure: the disk is measured per candidate, after recording")
+    elif args.disk is not None:
+        if not Path(args.disk).is_file():
             raise UserError(
                 f"--disk {args.disk} does not exist: pass infinity-bench --json "
-                f"output, or --disk-gbps READ,WRITE"
+                f"output, --disk measure, or --disk-gbps READ,WRITE"
             )
         single = DiskProfile.from_bench_json(args.disk, shared=args.disk_shared)
     elif args.disk_gbps is not None:
@@ -532,14 +556,48 @@ def disk_profile(args: argparse.Namespace, drives: int) -> DiskProfile:
         )
     else:
         raise UserError(
-            "no disk profile: pass --disk bench.json (infinity-bench --json) or "
-            "--disk-gbps READ,WRITE"
+            "no disk profile: pass --disk bench.json (infinity-bench --json), --disk measure "
+            "or --disk-gbps READ,WRITE"
         )
     striped = single.scaled(drives) if drives > 1 else single
     if args.ranks > 1 and not args.own_drives:
         # One rank's share of drives every rank uses at once.
         return striped.per_rank(args.ranks)
     return striped
+
+
+class MeasuredDisk:
+    """--disk measure: the swap directory's disk in a configuration's own requests, measured
+    once per request shape (bytes per buffer, buffers in flight)."""
+
+    def __init__(self, path: Path, shared: bool, nbytes: int = MEASURED_BYTES) -> None:
+        self.path = path
+        self.shared = shared
+        self.nbytes = nbytes
+        self.profiles: dict[tuple[int, int], DiskProfile] = {}
+
+    def of(self, config: OffloadConfig) -> DiskProfile:
+        shape = (config.swap_buffer_size(), config.buffer_count)
+        if shape not in self.profiles:
+            probe = config.replace(device="cpu", nvme_path=(self.path,))
+            measured = store_disk_profile(self.path, self.nbytes, probe)
+            self.profiles[shape] = dataclasses.replace(
+                measured, shared=self.shared, source=f"measured here, {_shape_text(shape)}"
+            )
+            log.info("disk %s", self.profiles[shape])
+        return self.profiles[shape]
+
+    def summary(self) -> str:
+        """Each measured shape's GB/s, for the table's disk line."""
+        return "; ".join(
+            f"{_shape_text(shape)}: {p.read_gbps:.3g} read, {p.write_gbps:.3g} write, "
+            f"{p.combined_gbps or 0:.3g} both at once"
+            for shape, p in sorted(self.profiles.items())
+        )
+
+
+def _shape_text(shape: tuple[int, int]) -> str:
+    return f"{format_size(shape[0])} requests x {shape[1]} in flight"
 
 
 @contextlib.contextmanager
@@ -559,7 +617,9 @@ def swap_directory(args: argparse.Namespace) -> Iterator[Path]:
 def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
     if args.steps < 2:
         raise UserError("--steps must be >= 2: the second step gives the compute times")
-    disks = [(drives, disk_profile(args, drives)) for drives in args.drives]
+    measuring = args.disk == MEASURE
+    disk_profile(args, 1, _PLACEHOLDER if measuring else None)  # refused before recording
+    measured_disk = MeasuredDisk(swap_dir, args.disk_shared) if measuring else None
     given = given_contention(args.contention)  # refused before anything is recorded
     gpu_name = args.device_profile.strip()
     gpu = gpu_name.lower() not in ("this machine", "this", "cpu", "here")
@@ -634,15 +694,23 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
     compute_seconds = sum(recording.trace.compute)
     configs = candidates(skeleton, gpu, host_ram, device_mem, args.ranks, recording.base_rss, args)
     tables = []
-    for drives, disk in disks:
+    for drives in args.drives:
+        disk = None if measured_disk else disk_profile(args, drives)
         ranked = []
         for config in configs:
             candidate = Candidate(config)
+            if measured_disk is not None and "nvme" in (
+                config.offload_param,
+                config.offload_optimizer,
+            ):
+                candidate.disk = disk_profile(args, drives, measured_disk.of(config))
+            # a candidate that keeps nothing on NVMe has no disk to measure
+            on = candidate.disk or disk or _PLACEHOLDER
             evaluate(
                 candidate,
                 skeleton_of,
                 recording,
-                disk,
+                on,
                 device,
                 gpu,
                 host_ram,
@@ -654,6 +722,12 @@ def run(args: argparse.Namespace, swap_dir: Path) -> Plan:
         ranked.sort(
             key=lambda c: (not c.fits, c.result.get("step_seconds", math.inf) if c.fits else 0.0)
         )
+        if disk is None:  # measured per candidate: the table shows the best's, and names all
+            assert measured_disk is not None
+            best = next((c.disk for c in ranked if c.disk is not None), _PLACEHOLDER)
+            disk = dataclasses.replace(
+                best, source=f"measured here per candidate: {measured_disk.summary() or 'none'}"
+            )
         tables.append(Table(drives, disk, ranked))
     tokens = args.batch * (args.seq_len or 1)
     ideal = ""

@@ -25,6 +25,8 @@ class Candidate:
     reason: str = ""  # why it does not fit; empty when it does
     bound: str = ""
     busy: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: its own disk profile, where measured per candidate (--disk measure); else the table's
+    disk: DiskProfile | None = None
 
     @property
     def fits(self) -> bool:
@@ -68,6 +70,7 @@ def candidate_json(c: Candidate, tokens: int) -> dict[str, Any]:
         "busy_seconds": c.busy,
         "tokens_per_second": tokens / c.result["step_seconds"] if c.fits else None,
         **{k: v for k, v in c.result.items() if k not in ("disk", "device")},
+        **({"disk": dataclasses.asdict(c.disk)} if c.disk is not None else {}),
     }
 
 

@@ -141,7 +141,7 @@ def validate(plan: Plan, args: argparse.Namespace, swap_dir: Path, steps: int) -
     best = fitting[0]
     config = best.config if best.config.nvme_path else best.config.replace(nvme_path=dirs)
     assert plan.replay is not None  # run() sets it
-    prediction = plan.replay(best.config, table.disk, planner.ITERATIONS)
+    prediction = plan.replay(best.config, best.disk or table.disk, planner.ITERATIONS)
     spec = {
         "hf_config": str(args.hf_config) if args.hf_config is not None else None,
         "module": args.module,
