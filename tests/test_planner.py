@@ -10,7 +10,9 @@ budgets are checked against real runs with those budgets the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from typing import Any
 
 import pytest
@@ -262,8 +264,43 @@ def test_predicted_rss_is_at_least_attach_s_own_peak() -> None:
     assert 0 < attach_peak <= peak_resident_bytes() + (1 << 20)
     assert recording.attach_peak_rss == attach_peak
     peaks = prediction["peak_bytes"]
-    training = recording.base_rss + peaks["host"] + peaks["device"]
+    # the heap kept nothing for reuse, so training's peak is the first step's base plus the tiers
+    assert not recording.heap_reuse and recording.bounded_base_rss > 0
+    training = recording.bounded_base_rss + peaks["host"] + peaks["device"]
     assert prediction["rss_peak_bytes"] == max(training, attach_peak)
+
+
+class _Line:
+    """A memory plan's heap line and what reuse wants, as numbers."""
+
+    def __init__(self, line: int, wanted: int) -> None:
+        self.line, self.wanted = line, wanted
+
+    def heap_line(self, process: int) -> int:
+        assert process == 300
+        return self.line
+
+    def heap_reuse_wanted(self, largest: int, host_device: bool) -> int:
+        return self.wanted
+
+
+def test_training_rss_keeps_reused_heap_only_where_the_line_leaves_room() -> None:
+    trace = Trace()
+    # the recording's heap kept 360 bytes for reuse: 700 besides the tiers, 340 bounded
+    reused = planner.Recording(
+        trace, True, base_rss=700, bounded_base_rss=340, process_rss=300, heap_reuse=True
+    )
+    rss = planner.training_rss
+    assert rss(reused, None, 1000, 10, True) == 1340  # no host budget: no reuse
+    assert rss(reused, _Line(1400, 100), 1000, 10, True) == 1340  # 60 under the line < 100
+    assert rss(reused, _Line(2000, 100), 1000, 10, True) == 1700  # room: it keeps them
+    assert rss(reused, _Line(1500, 100), 1000, 10, True) == 1500  # ends where RSS passes it
+    # a recording with a bounded heap: nothing known of what reuse keeps
+    bounded = dataclasses.replace(reused, base_rss=340, heap_reuse=False)
+    assert rss(bounded, _Line(2000, 100), 1000, 10, True) == 1340
+    # no bounded base known (an older or extrapolated recording): as measured
+    unknown = dataclasses.replace(reused, bounded_base_rss=0)
+    assert rss(unknown, _Line(1400, 100), 1000, 10, True) == 1700
 
 
 def test_a_budget_that_cannot_hold_one_module_does_not_fit() -> None:
@@ -317,7 +354,7 @@ def test_update_seconds_count_once_as_updates_in_either_mode(monkeypatch, in_bac
     the replay counts them twice (once in the trace, once as updates) and a recorded rate from
     the first step alone stands for every later one."""
     clock = _Clock()
-    monkeypatch.setattr(planner.time, "perf_counter", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
     model = make_model()
     config = _config(
         offload_param="cpu",

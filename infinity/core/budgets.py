@@ -228,6 +228,21 @@ class MemoryPlan:
         """The RSS bound without the saved activations."""
         return process + self.host + self.device_outside_host + self.transient_outside
 
+    def heap_line(self, process: int) -> int:
+        """The RSS under which freed heap blocks are kept for reuse (``infinity.core.memory.
+        HeapWatch``): the bound without the saved activations, less the transients, which come
+        on top of whatever the heap keeps, and less a margin: RSS is sampled where the heap
+        grows, and may pass the line in between."""
+        limit = self.static_bound(process)
+        return limit - self.transient_reserved - self.transient_outside - limit // 64
+
+    def heap_reuse_wanted(self, largest: int, cpu_device: bool) -> int:
+        """What keeping one step's large temporaries in the heap is expected to add: the device
+        tier's copies where they are host memory outside the host budget, and a few gradients
+        and autograd temporaries of the largest parameter (``largest`` bytes)."""
+        device = self.device if cpu_device and not self.device_in_host else 0
+        return device + 4 * largest
+
 
 def plan_memory(
     config: Any,

@@ -176,6 +176,7 @@ class TieredStore:
         self.update_timing: UpdateTiming | None = None
         #: with a host budget: RSS kept under the budgets' line while heap blocks are reused
         self._heap_watch: HeapWatch | None = None
+        self._bounded_base = 0  # RSS besides the tiers in the first step (0: not seen)
         #: overlap the step's reads, updates and writes (False: one after another, which only
         #: benchmarks want, to show what the pipeline saves)
         self.pipeline_step = True
@@ -489,12 +490,8 @@ class TieredStore:
         plan = self.memory_plan
         assert plan is not None
         if config.host_budget is not None:
-            # The line: the RSS bound without the saved activations (infinity.core.budgets),
-            # less the transients, which come on top of whatever the heap keeps, and less a
-            # margin: RSS is sampled where the heap grows, and may pass the line in between.
             limit = plan.static_bound(process_bytes)
-            transients = plan.transient_reserved + plan.transient_outside
-            self._heap_watch = HeapWatch(limit - transients - limit // 64)
+            self._heap_watch = HeapWatch(plan.heap_line(process_bytes))
             log.info(
                 "RSS bound %d bytes: process %d + host_budget %d + device outside it %d + "
                 "transients outside it %d, plus saved activations (measured: "
@@ -985,14 +982,22 @@ class TieredStore:
             largest = max(e.nbytes for e in self.registry.entries)
             plan = self.memory_plan
             assert plan is not None  # made by attach
-            device = plan.device if self.device.type == "cpu" and not plan.device_in_host else 0
+            # The process besides its tiers with the heap bounded, as the first step saw it:
+            # what a prediction for a budget that leaves no room for reuse starts from.
+            usage = self.placement.device.usage if self.placement is not None else None
+            host_usage = self.placement.host.usage if self.placement is not None else None
+            tiers = (host_usage.peak if host_usage else 0) + (
+                usage.peak if usage is not None and self.device.type == "cpu" else 0
+            )
+            self._bounded_base = max(0, self._heap_watch.seen_peak - tiers)
             # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
             # state and gradients in host tensors) exists only now; the line moves up by it.
             gradients = self.placement.gradients if self.placement is not None else None
             outside = (
                 gradients.grad_peak if gradients is not None and not gradients.grads_on_nvme else 0
             ) + (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
-            self._heap_watch.start(largest, device + 4 * largest, outside=outside)
+            wanted = plan.heap_reuse_wanted(largest, self.device.type == "cpu")
+            self._heap_watch.start(largest, wanted, outside=outside)
         self.watch_heap()
         self._sample_memory()
 
@@ -1046,6 +1051,7 @@ class TieredStore:
             "bound": static + outside + activations,
             "peak": peak_resident_bytes(),
             "attach_peak": self._attach_peak,
+            "bounded_base": self._bounded_base,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -284,7 +284,7 @@ def recording_for_scaled(
     if hasattr(out, "grads"):
         out.grads = out_grads
     # (the copy's attach peak says nothing of how the full model will be built)
-    return dataclasses.replace(small, trace=out, attach_peak_rss=0)
+    return dataclasses.replace(small, trace=out, attach_peak_rss=0, bounded_base_rss=0)
 
 
 def _module_path(modules: dict[str, nn.Module], name: str) -> str:
