@@ -27,6 +27,7 @@ def test_reuse_starts_only_with_room_under_the_line():
     tight.check()
     assert tight.seen_peak >= rss
     assert not tight.start(largest=1 << 20, extra=64 << 20) and not tight.active
+    assert not tight.started
     roomy = HeapWatch(rss + (1 << 30))
     roomy.check()
     assert roomy.start(largest=1 << 20, extra=64 << 20) and roomy.active
@@ -40,8 +41,11 @@ def test_passing_the_line_turns_reuse_off_for_good():
     watch.limit = 1  # the process is now past the line
     watch.check()
     assert not watch.active and watch.gave_up_at > 1
+    # it ran: the process's peak may hold what it kept (the planner takes that out)
+    assert watch.started
     watch.limit = resident_bytes() + (1 << 30)  # room again: reuse stays off
     assert not watch.start(largest=1 << 20, extra=0) and not watch.active
+    assert watch.started
 
 
 def _attached(tmp_path, offload_optimizer: str):

@@ -264,9 +264,9 @@ def test_predicted_rss_is_at_least_attach_s_own_peak() -> None:
     assert 0 < attach_peak <= peak_resident_bytes() + (1 << 20)
     assert recording.attach_peak_rss == attach_peak
     peaks = prediction["peak_bytes"]
-    # the heap kept nothing for reuse, so training's peak is the first step's base plus the tiers
+    # the heap kept nothing for reuse, so training's peak is the recorded base plus the tiers
     assert not recording.heap_reuse and recording.bounded_base_rss > 0
-    training = recording.bounded_base_rss + peaks["host"] + peaks["device"]
+    training = recording.base_rss + peaks["host"] + peaks["device"]
     assert prediction["rss_peak_bytes"] == max(training, attach_peak)
 
 
@@ -295,9 +295,10 @@ def test_training_rss_keeps_reused_heap_only_where_the_line_leaves_room() -> Non
     assert rss(reused, _Line(1400, 100), 1000, 10, True) == 1340  # 60 under the line < 100
     assert rss(reused, _Line(2000, 100), 1000, 10, True) == 1700  # room: it keeps them
     assert rss(reused, _Line(1500, 100), 1000, 10, True) == 1500  # ends where RSS passes it
-    # a recording with a bounded heap: nothing known of what reuse keeps
-    bounded = dataclasses.replace(reused, base_rss=340, heap_reuse=False)
-    assert rss(bounded, _Line(2000, 100), 1000, 10, True) == 1340
+    # a recording with a bounded heap: its peak as measured, whatever the first step saw
+    bounded = dataclasses.replace(reused, base_rss=400, heap_reuse=False)
+    assert rss(bounded, _Line(2000, 100), 1000, 10, True) == 1400
+    assert rss(bounded, _Line(1400, 100), 1000, 10, True) == 1400
     # no bounded base known (an older or extrapolated recording): as measured
     unknown = dataclasses.replace(reused, bounded_base_rss=0)
     assert rss(unknown, _Line(1400, 100), 1000, 10, True) == 1700

@@ -234,6 +234,7 @@ class HeapWatch:
         self.decided = False  # start() was called: samples matter only while reuse runs
         self.seen_peak = 0  # the highest RSS a check saw
         self.gave_up_at: int | None = None  # the RSS that ended reuse, if it ended
+        self.started = False  # reuse ran at some point (the process's peak may hold its blocks)
 
     def start(self, largest: int, extra: int, outside: int = 0) -> bool:
         """Starts reuse if the line leaves ``extra`` bytes above the RSS seen so far: what
@@ -250,6 +251,7 @@ class HeapWatch:
             )
             return False
         self.active = reuse_heap_blocks(largest)
+        self.started = self.started or self.active
         return self.active
 
     def stop(self) -> None:

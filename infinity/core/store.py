@@ -1052,6 +1052,7 @@ class TieredStore:
             "peak": peak_resident_bytes(),
             "attach_peak": self._attach_peak,
             "bounded_base": self._bounded_base,
+            "heap_reused": int(self._heap_watch is not None and self._heap_watch.started),
         }
 
     def stats(self) -> dict[str, Any]:

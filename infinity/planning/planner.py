@@ -188,9 +188,10 @@ class Recording:
     attach_peak_rss: int = 0
     #: the process's RSS besides the tiers in the first step, before freed heap blocks were
     #: kept for reuse (``rss_bound()["bounded_base"]``; 0: not known), the process's own bytes
-    #: before attach (``rss_bound()["process"]``), and whether the heap kept blocks when the
-    #: recording was read: ``base_rss`` then holds what reuse kept, which a budget with no room
-    #: for it does not (:func:`training_rss`)
+    #: before attach (``rss_bound()["process"]``), and whether the heap kept blocks at some
+    #: point (``rss_bound()["heap_reused"]``, though reuse may have ended where RSS passed the
+    #: line): ``base_rss`` then holds what reuse kept, which a budget with no room for it does
+    #: not (:func:`training_rss`)
     bounded_base_rss: int = 0
     process_rss: int = 0
     heap_reuse: bool = False
@@ -260,7 +261,7 @@ def recording_of(store: AttachedStore) -> Recording:
         bound.get("attach_peak", 0),
         bound.get("bounded_base", 0),
         bound.get("process", 0),
-        bool(stats.get("heap_reuse")),
+        bool(bound.get("heap_reused")),
     )
 
 
@@ -496,15 +497,18 @@ def training_rss(
     MLP kept 0.36 GiB under a 1.6 GiB budget and none under 1.35 GiB, with the same tiers):
     reuse starts after the first step only if the line leaves room for it, and ends for good
     where RSS passes the line (``infinity.core.memory.HeapWatch``)."""
-    if not recording.bounded_base_rss:
+    if not (recording.heap_reuse and recording.bounded_base_rss):
+        # Nothing kept to take out. (The first step's RSS besides the tiers is no base for the
+        # steps after it by itself: taken as one, it put the validation matrix's peaks for the
+        # demo GPT and the Llama 11-19% low.)
         return recording.base_rss + tiers
-    bounded = recording.bounded_base_rss + tiers
+    bounded = min(recording.bounded_base_rss, recording.base_rss) + tiers
     if plan is None or not recording.process_rss:
         return bounded
     line = plan.heap_line(recording.process_rss)
     if line - bounded < plan.heap_reuse_wanted(largest, host_device):
         return bounded  # reuse never starts
-    kept = max(0, recording.base_rss - recording.bounded_base_rss) if recording.heap_reuse else 0
+    kept = max(0, recording.base_rss - recording.bounded_base_rss)
     # reuse that passes the line ends there, after RSS reached it
     return bounded + kept if bounded + kept <= line else max(bounded, line)
 
