@@ -984,18 +984,18 @@ class TieredStore:
             assert plan is not None  # made by attach
             # The process besides its tiers with the heap bounded, as the first step saw it:
             # what a prediction for a budget that leaves no room for reuse starts from.
-            usage = self.placement.device.usage if self.placement is not None else None
-            host_usage = self.placement.host.usage if self.placement is not None else None
-            tiers = (host_usage.peak if host_usage else 0) + (
-                usage.peak if usage is not None and self.device.type == "cpu" else 0
+            placement = self.placement
+            assert placement is not None  # made by attach
+            tiers = placement.host.usage.peak + (
+                placement.device.usage.peak if self.device.type == "cpu" else 0
             )
             self._bounded_base = max(0, self._heap_watch.seen_peak - tiers)
             # Host memory the user keeps outside the tiers (offload_optimizer="cpu": optimizer
             # state and gradients in host tensors) exists only now; the line moves up by it.
-            gradients = self.placement.gradients if self.placement is not None else None
-            outside = (
-                gradients.grad_peak if gradients is not None and not gradients.grads_on_nvme else 0
-            ) + (0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state))
+            gradients = placement.gradients
+            outside = (0 if gradients.grads_on_nvme else gradients.grad_peak) + (
+                0 if optimizer.swap_state else host_tensor_bytes(optimizer.inner.state)
+            )
             wanted = plan.heap_reuse_wanted(largest, self.device.type == "cpu")
             self._heap_watch.start(largest, wanted, outside=outside)
         self.watch_heap()

@@ -99,6 +99,7 @@ class DiskQueue:
 
     def add(self, seconds: float, direction: str = "read") -> float:
         """Queues ``seconds`` of work; returns the work mark at which it is done."""
+        self._drop_done()  # only what is in flight is kept, over however long a replay
         self.submitted += seconds
         self._transfers.append((self.submitted, direction))
         self._in_flight[direction] = self._in_flight.get(direction, 0) + 1

@@ -81,8 +81,8 @@ def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore
 
 def child_disk(args: argparse.Namespace) -> dict:
     """The disk in the recorded configuration's requests, in a process of its own: its buffers
-    (64 MiB, as many as the arena holds) stayed in the process's RSS once freed, and the
-    recording's base RSS (its peak less its tiers) then counted 0.36 GiB too many."""
+    (64 MiB, as many as the arena holds: 1.6 GB at the default) are not to be in the peak RSS
+    the recording's base is taken from."""
     disk = store_disk_profile(args.nvme_path, args.disk_bytes, _config(args, args.record_arena))
     return dataclasses.asdict(disk)
 
