@@ -6,6 +6,7 @@ import ctypes.util
 
 import pytest
 
+from infinity.core import memory
 from infinity.core.memory import HeapWatch, bound_heap_retention, resident_bytes
 from swap import huge_pages_on_request
 
@@ -189,3 +190,20 @@ def test_the_environment_has_the_last_word_on_huge_pages():
     if huge_pages_on_request():
         asked, _ = _huge_page_child("late", variable="1")  # set before the process started
         assert asked["stat"] is True and asked["faults"] < 1024
+
+
+def test_minor_faults_count_fresh_pages_and_fault_seconds_prices_them():
+    import mmap
+
+    pages = 1024
+    region = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    before = memory.minor_faults()
+    for offset in range(0, len(region), mmap.PAGESIZE):
+        region[offset] = 1
+    assert memory.minor_faults() - before >= pages
+    region.close()
+    seconds = memory.fault_seconds()
+    # a fault is about a microsecond here (0 only where a loaded machine slowed the refill
+    # it is measured against more than the faults)
+    assert 0.0 <= seconds < 1e-3
+    assert memory.fault_seconds() == seconds  # measured once per process

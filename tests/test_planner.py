@@ -304,6 +304,53 @@ def test_training_rss_keeps_reused_heap_only_where_the_line_leaves_room() -> Non
     assert rss(unknown, _Line(1400, 100), 1000, 10, True) == 1700
 
 
+def test_a_budget_without_room_for_heap_reuse_pays_its_temporaries_faults() -> None:
+    """A recording whose heap reused freed blocks faulted fewer pages after its first step than
+    in it; a candidate whose budget leaves no room for reuse faults them all every step, at the
+    recorded seconds per fault, and one with room is predicted as recorded."""
+    store, _, _ = _run(_config(), steps=3)
+    try:
+        recorded = planner.recording_of(store)
+        events = len(recorded.trace.events)
+        trace = dataclasses.replace(
+            recorded.trace, recorded_faults=[1000] * events, faults=[200.0] * events
+        )
+        counted = dataclasses.replace(
+            recorded, trace=trace, heap_reuse=True, fault_seconds=1e-4, bounded_base_rss=1
+        )
+        # the line is drawn above the recorded process: a huge one leaves room, a huge first-
+        # step base none
+        room = dataclasses.replace(counted, process_rss=1 << 40)
+        no_room = dataclasses.replace(counted, process_rss=1, bounded_base_rss=1 << 40)
+        uncounted = dataclasses.replace(no_room, trace=recorded.trace, fault_seconds=0.0)
+
+        def predicted(recording: planner.Recording) -> dict[str, Any]:
+            model = planner._clone(store.model, store.registry.entries)
+            return planner.simulate(model, recording, store.config, INSTANT)
+
+        kept, faulted, unknown = predicted(room), predicted(no_room), predicted(uncounted)
+    finally:
+        store.close()
+    extra = events * 800 * 1e-4
+    assert kept["heap"]["reuse"] is True and kept["heap"]["extra_seconds"] == 0.0
+    assert faulted["heap"]["reuse"] is False
+    assert math.isclose(faulted["heap"]["extra_seconds"], extra)
+    assert math.isclose(faulted["step_seconds"] - kept["step_seconds"], extra, rel_tol=1e-6)
+    assert math.isclose(
+        faulted["resource_seconds"]["compute"] - kept["resource_seconds"]["compute"], extra
+    )
+    assert (faulted["bytes_read"], faulted["bytes_written"]) == (
+        kept["bytes_read"],
+        kept["bytes_written"],
+    )
+    # without fault counts the prediction says what it left out
+    assert unknown["heap"]["extra_seconds"] == 0.0
+    assert unknown["heap"]["note"].startswith("not modelled")
+    assert math.isclose(unknown["step_seconds"], kept["step_seconds"], rel_tol=1e-6)
+    assert planner.fault_compute(counted) == [800 * 1e-4] * events
+    assert planner.fault_compute(uncounted) is None
+
+
 def test_a_budget_that_cannot_hold_one_module_does_not_fit() -> None:
     store, _, _ = _run(_config(), steps=2)
     try:

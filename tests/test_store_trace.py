@@ -303,3 +303,39 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
         trace.next_use(s.entry.index, position) for s in masters
     ]
     store.close()
+
+
+def _fault_pages(pages: int) -> None:
+    """Writes ``pages`` fresh anonymous pages: as many minor faults."""
+    import mmap
+
+    region = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    for offset in range(0, len(region), mmap.PAGESIZE):
+        region[offset] = 1
+    region.close()
+
+
+def test_the_follower_counts_each_event_s_page_faults():
+    """The recorded iteration's faults per event as they were; the followed ones' as the median
+    of the last few: what the planner prices for a heap that keeps no freed blocks."""
+    follower = TraceFollower()
+    events = [Event(FORWARD, 0, ()), Event(FORWARD, 1, ()), Event(BACKWARD, 1, ())]
+    pages = 2048
+
+    def iteration(touched: set[int]) -> None:
+        follower.start_iteration("train")
+        for position, event in enumerate(events):
+            follower.observe(event)
+            if position in touched:
+                _fault_pages(pages)
+        follower.pause()
+
+    iteration({0, 2})  # recorded: the first and last events fault fresh pages
+    for _ in range(5):
+        iteration({1})  # followed: only the second does
+    trace = follower.traces["train"]
+    assert len(trace.recorded_faults) == len(trace.faults) == len(events)
+    first, middle, last = trace.recorded_faults
+    assert first >= pages and last >= pages and middle < pages
+    first, middle, last = trace.faults
+    assert middle >= pages and first < pages and last < pages

@@ -963,8 +963,10 @@ class TieredStore:
         (the busiest of them), ``peak_bytes`` per tier, ``rss_peak_bytes``, ``stall_seconds``,
         ``update_mode`` and ``update_mode_reasons`` (where the updates would run, as
         ``stats()`` says: decided by the config's own reasons and by what this run's loop did
-        between backward and ``optimizer.step()``) and ``fits`` (False with the ``error`` that
-        attach or the first gather would raise). Runs the store's own placement over tensors
+        between backward and ``optimizer.step()``), ``heap`` (whether the candidate's heap
+        would keep freed blocks for reuse, and the seconds its temporaries' page faults add
+        where this run's heap did and the candidate's would not) and ``fits`` (False with the
+        ``error`` that attach or the first gather would raise). Runs the store's own placement over tensors
         that hold no bytes: see :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
 

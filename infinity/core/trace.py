@@ -17,6 +17,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from infinity.core.memory import minor_faults
+
 log = logging.getLogger(__name__)
 
 FORWARD = "fwd"
@@ -46,6 +48,13 @@ class Trace:
     #: work, the median of the last iterations that followed this trace (for the planner)
     compute: list[float] = field(default_factory=list)
     _samples: dict[int, collections.deque] = field(default_factory=dict, repr=False)
+    #: the process's minor page faults in the same spans, the median of the same iterations,
+    #: and in the recorded iteration itself (the first, whose heap kept no freed blocks: see
+    #: ``infinity.core.memory``): what a run whose heap never reuses blocks faults afresh
+    #: every step, which the planner prices for a budget without room for reuse
+    faults: list[float] = field(default_factory=list)
+    _fault_samples: dict[int, collections.deque] = field(default_factory=dict, repr=False)
+    recorded_faults: list[int] = field(default_factory=list)
     #: (events observed so far, entry index) for each gradient completed in backward, in the
     #: order autograd completed them (not always right after the entry's last event)
     grads: list[tuple[int, int]] = field(default_factory=list)
@@ -55,6 +64,8 @@ class Trace:
         position = len(self.events)
         self.events.append(event)
         self.compute.append(0.0)
+        self.faults.append(0.0)
+        self.recorded_faults.append(0)
         self.forward_events += event.kind == FORWARD
         for entry in event.entries:
             self.uses.setdefault(entry, []).append(position)
@@ -98,8 +109,8 @@ class TraceFollower:
         self.following: Trace | None = None
         self.diverged_iterations = 0
         self._warned = False
-        #: (time, the store's busy seconds then) at the last event of a followed iteration
-        self._mark: tuple[float, float] | None = None
+        #: (time, the store's busy seconds, the process's minor faults) at the last event
+        self._mark: tuple[float, float, int] | None = None
 
     def start_iteration(self, mode: object) -> None:
         self._finish_iteration()
@@ -161,16 +172,23 @@ class TraceFollower:
         self._mark = None
 
     def _clock(self, busy: float) -> None:
-        now = time.perf_counter()
-        following = self.following
-        if following is not None and self._mark is not None and 0 < self.position <= len(following):
-            then, busy_then = self._mark
+        now, faults = time.perf_counter(), minor_faults()
+        following, recording = self.following, self.recording
+        if self._mark is not None and 0 < self.position:
+            then, busy_then, faults_then = self._mark
             position = self.position - 1
-            samples = following._samples.setdefault(position, collections.deque(maxlen=5))
-            samples.append(max(0.0, now - then - (busy - busy_then)))
-            # One iteration on a busy machine can be far off; the median of a few is not.
-            following.compute[position] = statistics.median(samples)
-        self._mark = (now, busy) if following is not None else None
+            if following is not None and position < len(following):
+                samples = following._samples.setdefault(position, collections.deque(maxlen=5))
+                samples.append(max(0.0, now - then - (busy - busy_then)))
+                # One iteration on a busy machine can be far off; the median of a few is not.
+                following.compute[position] = statistics.median(samples)
+                counts = following._fault_samples.setdefault(position, collections.deque(maxlen=5))
+                counts.append(faults - faults_then)
+                following.faults[position] = statistics.median(counts)
+            elif recording is not None and position < len(recording):
+                recording.recorded_faults[position] = faults - faults_then
+        tracked = following is not None or recording is not None
+        self._mark = (now, busy, faults) if tracked else None
 
     def _diverged(self, why: str) -> None:
         self.diverged_iterations += 1

@@ -37,6 +37,7 @@ fails, and the prediction says so (``fits`` False, with the error naming the mod
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import inspect
 import logging
@@ -49,14 +50,16 @@ from torch import nn
 
 from infinity.checkpointing.state_dict import write_entry_pieces
 from infinity.config import OffloadConfig
-from infinity.core.budgets import MemoryPlan
-from infinity.core.memory import peak_resident_bytes
+from infinity.core.memory import fault_seconds, peak_resident_bytes
 from infinity.core.shards import ParamEntry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace
 from infinity.errors import BudgetError
 
-# the profiles are part of the planner's interface: re-exported as they were before the split
+# the profiles and the heap's figures are part of the planner's interface: re-exported
+from infinity.planning.heap import fault_compute as fault_compute
+from infinity.planning.heap import heap_report, heap_reuse_starts
+from infinity.planning.heap import training_rss as training_rss
 from infinity.planning.profiles import GPU_EFFICIENCY as GPU_EFFICIENCY
 from infinity.planning.profiles import GPU_PRESETS as GPU_PRESETS
 from infinity.planning.profiles import DeviceProfile, DiskProfile, PlanError
@@ -195,6 +198,11 @@ class Recording:
     bounded_base_rss: int = 0
     process_rss: int = 0
     heap_reuse: bool = False
+    #: wall seconds a minor page fault adds to compute in the recorded process
+    #: (``infinity.core.memory.fault_seconds``; 0: not measured). With the trace's fault counts
+    #: (``Trace.recorded_faults``, ``Trace.faults``) it prices the temporaries a budget without
+    #: room for heap reuse faults afresh each step, which a recording that reused did not
+    fault_seconds: float = 0.0
 
 
 def recording_of(store: AttachedStore) -> Recording:
@@ -262,6 +270,8 @@ def recording_of(store: AttachedStore) -> Recording:
         bound.get("bounded_base", 0),
         bound.get("process", 0),
         bool(bound.get("heap_reused")),
+        # measured only where it is used: a recording whose heap reused blocks
+        fault_seconds() if bound.get("heap_reused") and any(trace.recorded_faults) else 0.0,
     )
 
 
@@ -334,6 +344,7 @@ def simulate(
     iterations: int = ITERATIONS,
     cpu_memory: bool = True,
     contention: Contention | None = None,
+    extra: list[float] | None = None,
 ) -> dict[str, Any]:
     """Attaches a store for ``config`` to ``model`` (its parameters on the meta device, in the
     order the recording's trace numbers them), replays ``iterations`` of the recorded trace
@@ -343,8 +354,21 @@ def simulate(
     ``contention``: how compute and the disk slow each other on this machine (measured, as
     ``tools/benchmarks/contention.py`` does); None: not at all, and the result says it was not
     measured. It applies to a CPU device only: a GPU profile's compute does not share the
-    cores with the engine (its CPU optimizer does, which is not modelled)."""
+    cores with the engine (its CPU optimizer does, which is not modelled).
+
+    Where the recorded heap kept freed blocks for reuse and the candidate's budget leaves no
+    room for them (:func:`heap_reuse_starts`), its large temporaries fault afresh every step:
+    the replay runs again with what those faults cost added to each event's compute
+    (``extra``, seconds per event: :func:`fault_compute`). The result's ``heap`` says whether
+    the candidate reuses, and what that added."""
     from infinity.core.store import TieredStore  # the simulated store is one
+
+    given = config
+    host_device = cpu_memory and (device is None or device.link_gbps is None)
+    priced = None
+    if extra is None and recording.heap_reuse and config.host_budget is not None and host_device:
+        priced = fault_compute(recording)
+    spare = copy.deepcopy(model) if priced else None  # attach hooks the one it is given
 
     if recording.training and recording.optimizer_class is not None and not recording.trace.grads:
         raise PlanError(
@@ -444,6 +468,7 @@ def simulate(
             alone,
             iterations,
             lend=device.link_gbps is None,
+            extra=extra,
         )
     except BudgetError as exc:
         result.update(fits=False, error=str(exc))
@@ -455,7 +480,9 @@ def simulate(
     device_peak = stats["peak_bytes"]["device"]
     result.update(phases)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if optimizer else 0
-    result["resource_seconds"] = resource_seconds(result, recording, disk, device, trainable, alone)
+    result["resource_seconds"] = resource_seconds(
+        result, recording, disk, device, trainable, alone, sum(extra) if extra else 0.0
+    )
     result["bound"] = max(result["resource_seconds"], key=result["resource_seconds"].get)
     result["peak_bytes"] = {
         "device": device_peak,
@@ -472,45 +499,18 @@ def simulate(
     }
     # Training's peak, or attach's own where that was higher (a model built whole in memory,
     # under a budget whose tiers stay below it).
-    host_device = cpu_memory and device.link_gbps is None
     tiers = host_peak + (device_peak if host_device else 0)
     largest = max((e.nbytes for e in sim.registry.entries), default=0)
+    plan = sim.memory_plan if config.host_budget is not None else None  # no budget: glibc's own
     result["rss_peak_bytes"] = max(
-        training_rss(
-            recording,
-            sim.memory_plan if config.host_budget is not None else None,  # no budget, no reuse
-            tiers,
-            largest,
-            host_device,
-        ),
-        recording.attach_peak_rss,
+        training_rss(recording, plan, tiers, largest, host_device), recording.attach_peak_rss
     )
+    reuse = heap_reuse_starts(recording, plan, tiers, largest, host_device)
+    if priced is not None and spare is not None and reuse is False:
+        args = (recording, given, disk, device, iterations, cpu_memory, contention)
+        return simulate(spare, *args, extra=priced)
+    result["heap"] = heap_report(recording, reuse, extra, host_device)
     return result
-
-
-def training_rss(
-    recording: Recording, plan: MemoryPlan | None, tiers: int, largest: int, host_device: bool
-) -> int:
-    """A candidate's peak RSS in training: the recording's process besides its tiers, plus the
-    candidate's ``tiers``. Where the recording's heap kept freed blocks for reuse and the
-    candidate's budget (``plan``) leaves no room for them, the store keeps none (the 100.7 M
-    MLP kept 0.36 GiB under a 1.6 GiB budget and none under 1.35 GiB, with the same tiers):
-    reuse starts after the first step only if the line leaves room for it, and ends for good
-    where RSS passes the line (``infinity.core.memory.HeapWatch``)."""
-    if not (recording.heap_reuse and recording.bounded_base_rss):
-        # Nothing kept to take out. (The first step's RSS besides the tiers is no base for the
-        # steps after it by itself: taken as one, it put the validation matrix's peaks for the
-        # demo GPT and the Llama 11-19% low.)
-        return recording.base_rss + tiers
-    bounded = min(recording.bounded_base_rss, recording.base_rss) + tiers
-    if plan is None or not recording.process_rss:
-        return bounded
-    line = plan.heap_line(recording.process_rss)
-    if line - bounded < plan.heap_reuse_wanted(largest, host_device):
-        return bounded  # reuse never starts
-    kept = max(0, recording.base_rss - recording.bounded_base_rss)
-    # reuse that passes the line ends there, after RSS reached it
-    return bounded + kept if bounded + kept <= line else max(bounded, line)
 
 
 def recorded_disk_share(recording: Recording, disk: DiskProfile, contention: Contention) -> float:
@@ -543,15 +543,17 @@ def resource_seconds(
     device: DeviceProfile,
     trainable: int,
     alone: float = 1.0,
+    extra: float = 0.0,
 ) -> dict[str, float]:
     """Each resource's busy seconds in a predicted step (``result``: :func:`simulate`'s):
     the one with the most bounds it (the step is at least its time). In the simulation,
     compute, the optimizer and device copies run one after another on the training thread;
     the disk's transfers overlap them. ``trainable``: the elements the optimizer updates;
-    ``alone``: the recorded seconds' share that ran without the disk slowing them."""
+    ``alone``: the recorded seconds' share that ran without the disk slowing them; ``extra``:
+    seconds the replay added to the recorded compute (:func:`fault_compute`)."""
     gpu = device.link_gbps is not None
     optimizer_s = trainable * recording.step_seconds_per_element * alone
-    compute_s = sum(recording.trace.compute) * device.compute_scale * alone
+    compute_s = (sum(recording.trace.compute) + extra) * device.compute_scale * alone
     copies = max(0.0, result["step_seconds"] - result["stall_seconds"] - compute_s - optimizer_s)
     read_s = result["bytes_read"] / (disk.read_gbps * GB)
     write_s = result["bytes_written"] / (disk.write_gbps * GB)
@@ -588,10 +590,12 @@ def _replay(
     step_scale: float,
     iterations: int,
     lend: bool,
+    extra: list[float] | None = None,
 ) -> dict[str, Any]:
     """Runs ``iterations`` of the recorded trace through the simulated store (the first
     records its own trace, as a real run's first does) and measures the last. ``scale``
-    multiplies the recorded compute seconds, ``step_scale`` the optimizer's."""
+    multiplies the recorded compute seconds (plus ``extra``'s, per event), ``step_scale`` the
+    optimizer's."""
     trace = recorded.trace
     placement = sim.placement
     entries = sim.registry.entries
@@ -630,7 +634,8 @@ def _replay(
             used = [entries[i] for i in event.entries]
             for entry in used:
                 placement.gather(entry, lend=lend and not recorded.training)
-            clock.compute(trace.compute[position] * scale)
+            added = extra[position] if extra is not None else 0.0
+            clock.compute((trace.compute[position] + added) * scale)
             if event.kind == FORWARD:
                 for entry in used:
                     placement.release(entry)
