@@ -4,10 +4,11 @@ On bench_overlap's model (default: 24 x Linear(2048), fp32, batch 16, 100.7 M pa
 and AdamW state on NVMe, 1.6 GB of training state) it records one configuration (a staging
 arena of ``--record-arena`` GiB, and a host budget of as much unless ``--host-budget`` says),
 asks ``store.predict`` for the arenas of ``--arenas`` with the disk's read and write bandwidth
-measured through the swap engine in the same run (in the store's own requests), then runs each of
-them, every run in a process of its own (its peak RSS is its own), and prints predicted against
-measured: step time (goal: within 20%), bytes read and written per step (within 5%) and peak RSS
-(within 10%).
+measured through the swap engine in the same run (in the store's own requests) and how the
+model's plain step and the engine slow each other here (``tools/benchmarks/contention.py``;
+``--no-contention``: predicted as if they did not), then runs each of them, every run in a
+process of its own (its peak RSS is its own), and prints predicted against measured: step time
+(goal: within 20%), bytes read and written per step (within 5%) and peak RSS (within 10%).
 
     python -m tools.benchmarks.bench_plan [--record-arena 1.6 --arenas 1.35,1.0,0.7]
 """
@@ -28,6 +29,8 @@ import torch
 
 import infinity
 from infinity.planning.planner import DiskProfile
+from infinity.planning.simulated_time import Contention
+from tools.benchmarks import contention
 from tools.benchmarks.bench_overlap import (
     mlp,
     nvme_config,
@@ -87,20 +90,43 @@ def child_disk(args: argparse.Namespace) -> dict:
     return dataclasses.asdict(disk)
 
 
+def child_contention(args: argparse.Namespace) -> dict:
+    """How the model's plain training step (in memory, no store) and the swap engine, with the
+    recorded configuration's settings, slow each other here."""
+    model = mlp(args.layers, args.width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(1)
+
+    def step() -> None:
+        model(torch.randn(args.batch, args.width, generator=generator)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    config = _config(args, args.record_arena)
+    what = f"a plain step of the {args.layers} x {args.width} MLP"
+    found = contention.measure_for_planner(args.nvme_path, config, step, what, args.disk_bytes)
+    return found.as_dict()
+
+
 def child_record(args: argparse.Namespace) -> dict:
     """Runs the recorded configuration and predicts the others on the measured disk."""
     disk = DiskProfile(**json.loads(args.disk_json))
+    measured_contention = Contention(**json.loads(args.contention)) if args.contention else None
     reset_peak()
     store, measured = _train(args, args.record_arena)
     predictions = {}
     for arena in [args.record_arena, *args.arenas]:
         config = _config(args, arena)
         predictions[str(arena)] = store.predict(
-            disk=disk, host_budget=config.host_budget, buffer_count=config.buffer_count
+            disk=disk,
+            contention=measured_contention,
+            host_budget=config.host_budget,
+            buffer_count=config.buffer_count,
         )
     store.close(restore_params=False)
     return {
         "disk": dataclasses.asdict(disk),
+        "contention": measured_contention.as_dict() if measured_contention else None,
         "recorded": measured,
         "predictions": predictions,
     }
@@ -118,6 +144,7 @@ def report(record: dict, runs: dict[str, list[dict]]) -> list[str]:
         f"disk ({disk['source']}): read {disk['read_gbps']:.2f} GB/s, write "
         f"{disk['write_gbps']:.2f} GB/s, both at once {disk['combined_gbps']:.2f} GB/s, one "
         f"shared budget",
+        f"contention: {(record.get('contention') or {}).get('source', 'not measured')}",
         "",
         f"{'arena GiB':>9} | {'step s pred/meas':>17} {'ratio':>6} | "
         f"{'read MB pred/meas':>18} {'ratio':>6} | {'write MB pred/meas':>19} "
@@ -197,9 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="where updates run: auto (step_in_backward='auto': in backward from the second "
         "step, the default) or step (in optimizer.step())",
     )
+    add(
+        "--no-contention",
+        action="store_true",
+        help="predict as if compute and the disk did not slow each other (not measured)",
+    )
     add("--nvme-path", type=Path, default=None)
-    add("--child", choices=("disk", "record", "run"), help=argparse.SUPPRESS)
+    add("--child", choices=("contention", "disk", "record", "run"), help=argparse.SUPPRESS)
     add("--disk-json", help=argparse.SUPPRESS)
+    add("--contention", help=argparse.SUPPRESS)
     add("--arena", type=float, help=argparse.SUPPRESS)
     return parser
 
@@ -209,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.child:
-        children = {"disk": child_disk, "record": child_record, "run": child_run}
+        children = {
+            "contention": child_contention,
+            "disk": child_disk,
+            "record": child_record,
+            "run": child_run,
+        }
         result = children[args.child](args)
         print(json.dumps(result, default=float))
         return 0
@@ -238,10 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         disk = spawn_child("tools.benchmarks.bench_plan", args.forward, ["--child=disk"])
+        found = ""
+        if not args.no_contention:
+            measured = spawn_child(
+                "tools.benchmarks.bench_plan", args.forward, ["--child=contention"]
+            )
+            found = json.dumps(measured)
+            print(f"contention: {measured['source']}", flush=True)
         record = spawn_child(
             "tools.benchmarks.bench_plan",
             args.forward,
-            ["--child=record", f"--disk-json={json.dumps(disk)}"],
+            ["--child=record", f"--disk-json={json.dumps(disk)}", f"--contention={found}"],
         )
         runs: dict[str, list[dict]] = {str(a): [] for a in args.arenas}
         for repeat in range(args.repeats):  # interleaved: the machine's drift hits them all
