@@ -93,7 +93,7 @@ bench-activations: $(STAMP)
 
 # The planner's predictions for three budgets against runs with them (the 100.7M MLP), then its
 # validation matrix: five model families x three host budgets x both update modes x params on
-# cpu and on NVMe, each cell three times in interleaved passes (about 50 minutes here).
+# cpu and on NVMe, each cell three times in interleaved passes (about an hour here).
 bench-plan: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_plan
 	$(PY) -m tools.benchmarks.plan_matrix
