@@ -966,8 +966,8 @@ class TieredStore:
         between backward and ``optimizer.step()``), ``heap`` (whether the candidate's heap
         would keep freed blocks for reuse, and the seconds its temporaries' page faults add
         where this run's heap did and the candidate's would not) and ``fits`` (False with the
-        ``error`` that attach or the first gather would raise). Runs the store's own placement over tensors
-        that hold no bytes: see :mod:`infinity.planning.planner`."""
+        ``error`` that attach or the first gather would raise). Runs the store's own placement
+        over tensors that hold no bytes: see :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
 
         return predict(self, overrides, disk=disk, device=device, contention=contention)
