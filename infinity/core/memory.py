@@ -40,6 +40,11 @@ import torch
 
 from swap import huge_pages_on_request
 
+try:
+    import resource
+except ImportError:  # not a POSIX platform
+    resource = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -176,10 +181,9 @@ def _trim_heap() -> None:
 def minor_faults() -> int:
     """The process's minor page faults so far (every thread's), 0 where unavailable. A fault
     is a page first touched: under a host budget each large temporary faults its pages afresh
-    every step, which heap reuse avoids (the module docstring)."""
-    try:
-        import resource
-    except ImportError:  # not a POSIX platform
+    every step, which heap reuse avoids (the module docstring). Runs at every trace event:
+    one system call."""
+    if resource is None:
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -256,9 +260,7 @@ def peak_resident_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        import resource
-    except ImportError:  # not a POSIX platform
+    if resource is None:
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

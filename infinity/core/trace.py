@@ -47,14 +47,14 @@ class Trace:
     #: less the store's stalls and device copies: the module's compute and the loop's own
     #: work, the median of the last iterations that followed this trace (for the planner)
     compute: list[float] = field(default_factory=list)
-    _samples: dict[int, collections.deque] = field(default_factory=dict, repr=False)
     #: the process's minor page faults in the same spans, the median of the same iterations,
     #: and in the recorded iteration itself (the first, whose heap kept no freed blocks: see
     #: ``infinity.core.memory``): what a run whose heap never reuses blocks faults afresh
     #: every step, which the planner prices for a budget without room for reuse
     faults: list[float] = field(default_factory=list)
-    _fault_samples: dict[int, collections.deque] = field(default_factory=dict, repr=False)
     recorded_faults: list[int] = field(default_factory=list)
+    #: position -> the last iterations' (seconds, faults) after that event
+    _samples: dict[int, collections.deque] = field(default_factory=dict, repr=False)
     #: (events observed so far, entry index) for each gradient completed in backward, in the
     #: order autograd completed them (not always right after the entry's last event)
     grads: list[tuple[int, int]] = field(default_factory=list)
@@ -179,12 +179,10 @@ class TraceFollower:
             position = self.position - 1
             if following is not None and position < len(following):
                 samples = following._samples.setdefault(position, collections.deque(maxlen=5))
-                samples.append(max(0.0, now - then - (busy - busy_then)))
+                samples.append((max(0.0, now - then - (busy - busy_then)), faults - faults_then))
                 # One iteration on a busy machine can be far off; the median of a few is not.
-                following.compute[position] = statistics.median(samples)
-                counts = following._fault_samples.setdefault(position, collections.deque(maxlen=5))
-                counts.append(faults - faults_then)
-                following.faults[position] = statistics.median(counts)
+                following.compute[position] = statistics.median(s for s, _ in samples)
+                following.faults[position] = statistics.median(f for _, f in samples)
             elif recording is not None and position < len(recording):
                 recording.recorded_faults[position] = faults - faults_then
         tracked = following is not None or recording is not None

@@ -23,6 +23,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,11 +68,10 @@ def _store(args: argparse.Namespace, arena: float) -> infinity.TieredStore:
     return infinity.TieredStore(_config(args, arena))
 
 
-def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore, dict]:
-    """The model attached under ``arena``, warmed up, then timed: median step, bytes/step."""
-    model = mlp(args.layers, args.width)
-    store = _store(args, arena)
-    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+def _training_step(
+    args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Callable[[], None]:
+    """One training step of the benchmark's loop on a fresh batch (the same batches each run)."""
     generator = torch.Generator().manual_seed(1)
 
     def step() -> None:
@@ -79,6 +79,15 @@ def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore
         optimizer.step()
         optimizer.zero_grad()
 
+    return step
+
+
+def _train(args: argparse.Namespace, arena: float) -> tuple[infinity.TieredStore, dict]:
+    """The model attached under ``arena``, warmed up, then timed: median step, bytes/step."""
+    model = mlp(args.layers, args.width)
+    store = _store(args, arena)
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    step = _training_step(args, model, optimizer)
     return store, measure_steps(store, step, args.warmup, args.steps)
 
 
@@ -94,14 +103,7 @@ def child_contention(args: argparse.Namespace) -> dict:
     """How the model's plain training step (in memory, no store) and the swap engine, with the
     recorded configuration's settings, slow each other here."""
     model = mlp(args.layers, args.width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1)
-
-    def step() -> None:
-        model(torch.randn(args.batch, args.width, generator=generator)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
+    step = _training_step(args, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     config = _config(args, args.record_arena)
     what = f"a plain step of the {args.layers} x {args.width} MLP"
     found = contention.measure_for_planner(args.nvme_path, config, step, what, args.disk_bytes)
