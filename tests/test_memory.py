@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+import math
 
 import pytest
 
@@ -203,7 +204,7 @@ def test_minor_faults_count_fresh_pages_and_fault_seconds_prices_them():
     assert memory.minor_faults() - before >= pages
     region.close()
     seconds = memory.fault_seconds()
-    # a fault is about a microsecond here (0 only where a loaded machine slowed the refill
-    # it is measured against more than the faults)
-    assert 0.0 <= seconds < 1e-3
+    # a fault is about a microsecond here, but a timing is no test: only that it is a price
+    # (0 where a loaded machine slowed the refill it is measured against more than the faults)
+    assert seconds >= 0.0 and math.isfinite(seconds)
     assert memory.fault_seconds() == seconds  # measured once per process
