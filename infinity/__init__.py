@@ -19,10 +19,17 @@ framework only when used): ``infinity.hf.InfinityTrainer`` (Hugging Face Trainer
 import importlib
 from typing import Any
 
-from infinity.config import AioConfig, BatchConfig, OffloadConfig, PrecisionConfig
+from infinity.config import (
+    AioConfig,
+    BatchConfig,
+    OffloadConfig,
+    PrecisionConfig,
+    read_deepspeed_with,
+)
 from infinity.core.lifecycle import store_of
 from infinity.core.residency import Residency, ResidencyError
 from infinity.core.store import TieredStore
+from infinity.deepspeed_config import DEEPSPEED
 from infinity.errors import (
     AttachError,
     BudgetError,
@@ -33,6 +40,9 @@ from infinity.errors import (
     RankError,
 )
 from infinity.inference import KVOffloadConfig, offloaded_kv_cache
+
+# The DeepSpeed reader builds through infinity.config, which therefore cannot import it.
+read_deepspeed_with(DEEPSPEED)
 
 __all__ = [
     "AioConfig",

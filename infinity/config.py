@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from infinity.config_rules import (
     Rule,
@@ -278,6 +278,35 @@ def derived_buffer_size(host_budget: int | None) -> int:
     return max(ALIGNMENT, min(size, eighth))
 
 
+class ForeignFormat(Protocol):
+    """Another tool's config format, read into an :class:`OffloadConfig`. The DeepSpeed one
+    (:mod:`infinity.deepspeed_config`) builds its configs through this module, so this module
+    does not import it: the package hands it over once (:func:`read_deepspeed_with`)."""
+
+    #: top-level keys of the format: a file holding one this module does not know is read by it
+    top_level_keys: frozenset[str]
+
+    def read(self, source: Mapping[str, Any] | str | os.PathLike[str]) -> OffloadConfig:
+        """The config ``source`` (a dict, or the path of its JSON file) describes."""
+        ...
+
+
+_deepspeed: ForeignFormat | None = None
+
+
+def read_deepspeed_with(reader: ForeignFormat) -> None:
+    """Sets the reader ``OffloadConfig.from_deepspeed`` and ``from_file`` use for DeepSpeed
+    configs (``import infinity`` sets :mod:`infinity.deepspeed_config`'s)."""
+    global _deepspeed
+    _deepspeed = reader
+
+
+def _deepspeed_format() -> ForeignFormat:
+    if _deepspeed is None:  # every import of infinity.config runs the package's __init__ first
+        raise ConfigError("no DeepSpeed config reader: import infinity first")
+    return _deepspeed
+
+
 @dataclass(frozen=True)
 class OffloadConfig(Validated):
     """Everything the offload runtime needs to know; see the module docstring for the formats.
@@ -287,9 +316,13 @@ class OffloadConfig(Validated):
     offload_param: where parameters live between uses: ``none`` (device; device memory holds
         the whole model), ``cpu`` (host RAM holds all params at dtype bytes/param), ``nvme``
         (swap files hold them; host RAM holds at most max_in_cpu bytes plus the swap buffers).
-    offload_optimizer: where optimizer state lives: ``none`` (device), ``cpu`` or ``nvme``.
-        With ``offload_param='none'`` and this offloaded (ZeRO-Offload), every parameter stays
-        on the device and its fp32 master moves with the optimizer state.
+    offload_optimizer: where optimizer state lives: ``none``, ``cpu`` or ``nvme``. ``none``
+        and ``cpu`` both keep it in host RAM as the optimizer made it (outside host_budget:
+        ``stats()['rss_bound']['optimizer_outside_host']``), updated on the host, except that
+        with ``offload_param='none'`` and fp32 nothing is offloaded and ``none`` leaves the
+        optimizer on the device. With ``offload_param='none'`` and this offloaded
+        (ZeRO-Offload), every parameter stays on the device and its fp32 master moves with the
+        optimizer state.
         Memory: Adam keeps about 12 bytes/param (fp32 master, momentum, variance) on that tier.
     offload_activations: where the tensors autograd saves in forward (activations) wait for
         backward: ``none`` (the device, as without the store), ``cpu`` (host RAM) or ``nvme``
@@ -562,20 +595,17 @@ class OffloadConfig(Validated):
     def from_file(cls, path: str | os.PathLike[str]) -> OffloadConfig:
         """Load a JSON file, native or DeepSpeed (recognised by DeepSpeed-only top-level keys)."""
         data = load_json(path)
-        from infinity import deepspeed_config as ds  # the mapping imports this module
-
+        deepspeed = _deepspeed_format()
         # "aio" and "gradient_clipping" exist in both formats, so they decide nothing.
-        if not any(k in ds.TOP_LEVEL_KEYS and k not in _FIELD_NAMES for k in data):
+        if not any(k in deepspeed.top_level_keys and k not in _FIELD_NAMES for k in data):
             return cls.from_dict(data)
         log.debug("%s holds a DeepSpeed config", path)
-        return ds.from_deepspeed(data)
+        return deepspeed.read(data)
 
     @classmethod
     def from_deepspeed(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> OffloadConfig:
         """Map a DeepSpeed config (dict, or path to its JSON); see ``infinity.deepspeed_config``."""
-        from infinity import deepspeed_config as ds
-
-        return ds.from_deepspeed(source)
+        return _deepspeed_format().read(source)
 
     def replace(self, **changes: Any) -> OffloadConfig:
         """A validated copy with ``changes``; sections may be given as dicts of changes to merge."""

@@ -589,3 +589,69 @@ def _construct(m: _Mapper) -> OffloadConfig:
         if origin is None or origin == exc.field:
             raise
         raise ConfigError(f"{exc} (set by DeepSpeed key {origin!r})", field=exc.field) from exc
+
+
+def mapped_keys() -> tuple[str, ...]:
+    """Every DeepSpeed key path this mapping turns into a setting (the docs' reference is
+    generated from it)."""
+    zero = "zero_optimization"
+    sections = ("zero_optimization", "aio", "fp16", "bf16", "bfloat16")
+    return (
+        tuple(k for k in _MAPPED_TOP if k not in sections)
+        + tuple(f"{zero}.{k}" for k in _ZERO_MAPPED if not k.startswith("offload_"))
+        + tuple(f"{zero}.offload_param.{k}" for k in _PARAM_KEYS)
+        + tuple(f"{zero}.offload_optimizer.{k}" for k in _OPTIMIZER_MAPPED)
+        + tuple(f"aio.{k}" for k in _AIO_MAPPED)
+        + tuple(f"fp16.{k}" for k in _FP16_MAPPED)
+        + ("bf16.enabled", "bfloat16.enabled")
+    )
+
+
+def unused_keys() -> dict[str, dict[str, str]]:
+    """The DeepSpeed keys accepted without effect, by group: {group: {key path: why}}."""
+    zero = "zero_optimization"
+    distributed = "a DeepSpeed multi-GPU feature this runtime does not have; ignored"
+    below_stage3 = "used at stage 3 only (DeepSpeed ignores it below too)"
+    return {
+        "zero_optimization": {
+            **{f"{zero}.{k}": why for k, why in _ZERO_NOT_USED.items()},
+            **{f"{zero}.{k}": f"fixed here: {why}" for k, why in _ZERO_COMM_FIXED.items()},
+            **{f"{zero}.{k}": distributed for k in _ZERO_DISTRIBUTED},
+            f"{zero}.stage3_prefetch_bucket_size (stage < 3)": below_stage3,
+            f"{zero}.stage3_param_persistence_threshold (stage < 3)": below_stage3,
+        },
+        "offload_optimizer": {
+            f"{zero}.offload_optimizer.{k}": "infinity overlaps optimizer-state I/O with "
+            "compute on its own and offloads all optimizer state"
+            for k in _OPTIMIZER_NOT_USED
+        },
+        "aio": {
+            f"aio.{k}": "not applicable: GPUDirect Storage is not used; data moves through "
+            "the pinned host swap buffers"
+            for k in _AIO_NOT_APPLICABLE
+        },
+        "fp16 and bf16": {
+            **{
+                f"fp16.{k}": "infinity keeps fp32 masters with the optimizer state"
+                for k in _FP16_NOT_USED
+            },
+            **{
+                f"bf16.{k}": "infinity keeps fp32 masters with the optimizer state"
+                for k in _BF16_NOT_USED
+            },
+        },
+        "top level": {k: "another DeepSpeed feature, not offloading; ignored" for k in _OTHER_TOP},
+    }
+
+
+class _DeepSpeedFormat:
+    """This module as the config's reader of DeepSpeed configs (``config.ForeignFormat``)."""
+
+    top_level_keys = TOP_LEVEL_KEYS
+
+    def read(self, source: Mapping[str, Any] | str | os.PathLike[str]) -> OffloadConfig:
+        return from_deepspeed(source)
+
+
+#: handed to infinity.config by the package (``read_deepspeed_with``)
+DEEPSPEED = _DeepSpeedFormat()

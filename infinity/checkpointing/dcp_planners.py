@@ -31,11 +31,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from infinity.checkpointing.async_save import AsyncSave
 from infinity.core.residency import Residency as R
-from infinity.core.shards import Shard
+from infinity.core.shards import Shard, state_companions
 from infinity.errors import CheckpointError
 from infinity.training.optimizer import (
     OffloadedOptimizer,
-    state_companions,
     step_param_of,
     step_shape,
 )

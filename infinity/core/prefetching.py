@@ -19,10 +19,9 @@ from typing import Protocol
 
 from infinity.core.policies import PrefetchPolicy
 from infinity.core.residency import Residency as R
-from infinity.core.shards import Shard, ShardKind, ShardRegistry
+from infinity.core.shards import Shard, ShardKind, ShardRegistry, state_companions
 from infinity.core.tiers import HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
-from infinity.training.optimizer import state_companions
 
 
 class ReadsAndWrites(Protocol):

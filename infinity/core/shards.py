@@ -49,6 +49,8 @@ class ShardKind(Enum):
 GRAD_KEY = "grad"
 #: the key of a param shard's compute copy in ``Shard.companions``
 COMPUTE_KEY = "compute"
+#: the prefix of an optimizer-state companion's key in ``Shard.companions`` (then the state key)
+OPTIM_PREFIX = "optim:"
 
 
 @dataclass(eq=False)
@@ -363,3 +365,12 @@ class ShardRegistry:
                 }
                 for s in self.shards.values()
             }
+
+
+def state_companions(shard: Shard) -> dict[str, Shard]:
+    """The shard's optimizer-state companions that hold values, by state key."""
+    return {
+        kind[len(OPTIM_PREFIX) :]: companion
+        for kind, companion in shard.companions.items()
+        if kind.startswith(OPTIM_PREFIX) and companion.state is not Residency.EMPTY
+    }

@@ -25,7 +25,7 @@ import torch
 from torch.optim import Optimizer
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import ParamEntry, Shard, ShardRegistry
+from infinity.core.shards import OPTIM_PREFIX, ParamEntry, Shard, ShardRegistry, state_companions
 from infinity.errors import AttachError
 from infinity.training.state_codecs import StateCodec, codec_for
 from infinity.training.step_params import StepParams
@@ -241,6 +241,7 @@ class OffloadedOptimizer(Optimizer):
         swapped) optimizer-state companions are on the host. Returns the optimizer-state
         companions it filled or changed, for the caller to write back."""
         self.store.before_state_change(tile)  # a checkpoint being saved copies them first
+        self.placement.copies.wait_host_reads(tile)  # device copies still reading the masters
         changed: list[Shard] = []
         for group in self._groups(tile):
             changed += self._update(group, grad_multiplier)
@@ -561,18 +562,8 @@ def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> b
     return True
 
 
-OPTIM_PREFIX = "optim:"
 #: param-group keys that choose an update kernel, not the optimisation
 KERNEL_KEYS = ("fused", "foreach")
-
-
-def state_companions(shard: Shard) -> dict[str, Shard]:
-    """The shard's optimizer-state companions that hold values, by state key."""
-    return {
-        kind[len(OPTIM_PREFIX) :]: companion
-        for kind, companion in shard.companions.items()
-        if kind.startswith(OPTIM_PREFIX) and companion.state is not R.EMPTY
-    }
 
 
 def step_param_of(shard: Shard) -> torch.nn.Parameter:

@@ -38,13 +38,15 @@ from typing import Protocol
 
 import torch
 
+# the stored sizes are the budgets' too (core): re-exported for the codecs' users
+from infinity.core.state_sizes import INT8_BLOCK as INT8_BLOCK
+from infinity.core.state_sizes import stored_nbytes as stored_nbytes
+
 #: per-element state known to be non-negative (second moments and accumulators of squares):
 #: int8 codes them without a sign, over more octaves
 NON_NEGATIVE_KEYS = frozenset(
     {"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"}
 )
-#: elements per int8 block (one fp32 scale each)
-INT8_BLOCK = 2048
 #: elements converted at a time (a multiple of the int8 block)
 CHUNK = 1 << 20
 #: a float32's bits shifted right by this keep its exponent and top three mantissa bits
@@ -264,11 +266,3 @@ def codec_for(name: str, seed: int = 0) -> StateCodec | None:
     if name == "int8":
         return Int8Codec(seed)
     raise ValueError(f"unknown optimizer state dtype {name!r}")
-
-
-def stored_nbytes(name: str, numel: int) -> int:
-    """Bytes of one fp32 state tensor of ``numel`` elements stored as ``name``
-    (``precision.optimizer_state_dtype``)."""
-    if name == "int8":
-        return numel + 4 * -(-numel // INT8_BLOCK)
-    return numel * {"fp32": 4, "bf16": 2}[name]

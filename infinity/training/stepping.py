@@ -19,9 +19,8 @@ from collections.abc import Set
 from typing import TYPE_CHECKING
 
 from infinity.core.residency import Residency as R
-from infinity.core.shards import GRAD_KEY, ParamEntry, Shard
+from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, state_companions
 from infinity.errors import BudgetError
-from infinity.training.optimizer import state_companions
 from infinity.training.precision import global_norm
 
 if TYPE_CHECKING:
