@@ -12,18 +12,12 @@ import pytest
 import torch
 
 import infinity
-import infinity.observability.timeline as timeline_module
+import infinity.core.timeline as timeline_module
 import infinity.observability.trace_export as trace_export
-from infinity.observability.timeline import (
-    PROFILER_RANGES,
-    Span,
-    Timeline,
-    Transfer,
-    subtract,
-    union,
-)
+from infinity.cli.common.tiny_gpt import GPTConfig
+from infinity.core.timeline import PROFILER_RANGES, Span, Transfer, subtract, union
+from infinity.observability.timeline import Timeline
 from tests.store_helpers import fused_adamw, make_model, train
-from tools.common.tiny_gpt import GPTConfig
 
 TINY = GPTConfig(vocab_size=64, context=16, layers=2, width=32, heads=4)
 STEPS = 2

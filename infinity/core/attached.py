@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from infinity.core.budgets import MemoryPlan
     from infinity.core.placement import Placement
     from infinity.core.shards import ParamEntry, Shard, ShardRegistry
+    from infinity.core.timeline import Timeline
     from infinity.core.trace import TraceFollower
-    from infinity.observability.timeline import Timeline
     from infinity.ranks.partition import Partition
     from infinity.training.activations import ActivationOffload
     from infinity.training.hooks import HookSet

@@ -38,7 +38,7 @@ from typing import Protocol
 from infinity.core.residency import Residency as R
 from infinity.core.shards import Shard, ShardRegistry
 from infinity.core.tiers import HostTier
-from infinity.observability.timeline import Timeline
+from infinity.core.timeline import Timeline
 from swap import SwapEngine, SwapError, align_up
 
 # The placement's logger: its transfer warnings keep the name users filter them by.

@@ -23,8 +23,8 @@ import torch
 from infinity.core.residency import Residency, check_transition
 
 if TYPE_CHECKING:
+    from infinity.core.timeline import Transfer
     from infinity.inference.quantized import WeightQuantizer
-    from infinity.observability.timeline import Transfer
     from infinity.ranks.partition import Partition
     from swap import Extent
 

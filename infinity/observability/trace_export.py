@@ -1,4 +1,4 @@
-"""Views of a recorded :class:`~infinity.observability.timeline.Timeline`: a Chrome trace and a PNG
+"""Views of a recorded :class:`~infinity.core.timeline.Timeline`: a Chrome trace and a PNG
 plot.
 
 Chrome trace (``Timeline.export_chrome``; open in https://ui.perfetto.dev or chrome://tracing)
@@ -46,7 +46,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from infinity.observability.timeline import Timeline, Transfer, summarise
+from infinity.core.timeline import Timeline, Transfer, summarise
 
 log = logging.getLogger(__name__)
 
