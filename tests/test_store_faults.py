@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.checkpointing.state_dict import write_entry
 from infinity.config import AioConfig
+from infinity.core.overwrite import write_entry
 from infinity.core.residency import Residency as R
 from infinity.errors import BudgetError
 from swap import FaultInjectingBackend, IntegrityError, SwapIOError, TransferTimeoutError

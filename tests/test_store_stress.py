@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.checkpointing.state_dict import write_entry
+from infinity.core.overwrite import write_entry
 from infinity.errors import BudgetError
 
 WIDTH = 32  # a weight is 4 KiB: one slot

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
-from infinity.checkpointing.state_dict import write_entry
+from infinity.core.overwrite import write_entry
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch, LRUEviction
 from infinity.core.residency import TRANSITIONS, Residency, ResidencyError, check_transition
 from infinity.core.shards import ShardKind

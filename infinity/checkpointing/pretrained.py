@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from infinity.checkpointing.state_dict import write_entry_pieces
+from infinity.core.overwrite import write_entry_pieces
 from infinity.core.shards import ParamEntry, Shard
 from infinity.errors import CheckpointError
 

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infinity.checkpointing.state_dict import write_entry_pieces
 from infinity.config import OffloadConfig
 from infinity.core.memory import fault_seconds, peak_resident_bytes
+from infinity.core.overwrite import write_entry_pieces
 from infinity.core.shards import ParamEntry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Trace

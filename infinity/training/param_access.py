@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infinity.checkpointing.state_dict import write_entry
+from infinity.core.overwrite import write_entry
 from infinity.core.shards import ParamEntry
 from infinity.errors import AttachError, BudgetError, ParameterAccessError
 from infinity.training.grad_view import GradView
