@@ -21,15 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tools.commands.demo
+	$(PY) -m infinity.cli.demo
 
 # The demo on 2 data-parallel ranks (torchrun, gloo), ZeRO stage 3: each rank swaps 1/2 of the state.
 demo-dist: $(STAMP)
-	$(PY) -m tools.commands.demo_dist
+	$(PY) -m infinity.cli.demo_dist
 
 # The README's Hugging Face Trainer recipe (InfinityTrainer) on 2 ranks, the same summary per rank.
 demo-trainer: $(STAMP)
-	$(PY) -m tools.commands.demo_dist --trainer
+	$(PY) -m infinity.cli.demo_dist --trainer
 
 # Lint, format and types first (ruff and mypy at constraints.txt's versions, configured in
 # pyproject.toml), then the suite: .ci/run calls this on a clean clone. The suite runs on one
@@ -55,13 +55,13 @@ lint: $(STAMP)
 # Speed and memory targets are checked here, against baselines measured in the same run (fio,
 # plain PyTorch), never by timed assertions in the tests.
 bench: $(STAMP)
-	$(PY) -m tools.commands.bench --quick
+	$(PY) -m infinity.cli.bench --quick
 	$(PY) -m tools.benchmarks.bench_overlap --repeats 1
 	$(PY) -m tools.benchmarks.bench_clip --repeats 2
 	$(PY) -m tools.benchmarks.bench_step --layers 12 --host-budget 256MiB --buffer-size 16MiB
 
 bench-full: $(STAMP)
-	$(PY) -m tools.commands.bench
+	$(PY) -m infinity.cli.bench
 	$(PY) -m tools.benchmarks.bench_overlap
 	$(PY) -m tools.benchmarks.bench_clip
 	$(PY) -m tools.benchmarks.bench_step

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 import infinity
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 MODEL = GPTConfig(vocab_size=512, context=64, layers=8, width=256, heads=4, dropout=0.1)
 BATCH = 8  # sequences per rank and step

@@ -21,7 +21,7 @@ from torch.utils.data import DistributedSampler
 
 import infinity
 import infinity.checkpointing.storage
-from tools.common.tiny_gpt import GPTConfig, TinyGPT
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT
 
 MODEL = GPTConfig(vocab_size=64, context=16, layers=4, width=32, heads=4, dropout=0.1)
 SEQUENCES = 32  # the data set; each rank takes BATCH of them per step

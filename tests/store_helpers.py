@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 import infinity
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 SMALL = GPTConfig(vocab_size=64, context=16, layers=8, width=32, heads=4)
 

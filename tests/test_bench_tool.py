@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from swap import BufferPool, EngineSettings
-from swap.probe import choose_backend
-from tools.commands import bench
-from tools.common.aggregate import harmonic_mean, summarize
-from tools.common.units import format_size, parse_size
-from tools.disk import aiofiles_baseline
-from tools.disk.fio import FioError, FioJob, parse_fio_json
-from tools.disk.gil_probe import InterferenceResult, Window, measure_interference
-from tools.disk.recommend import (
+from infinity.cli import bench
+from infinity.cli.common.aggregate import harmonic_mean, summarize
+from infinity.cli.common.units import format_size, parse_size
+from infinity.cli.disk import aiofiles_baseline
+from infinity.cli.disk.fio import FioError, FioJob, parse_fio_json
+from infinity.cli.disk.gil_probe import InterferenceResult, Window, measure_interference
+from infinity.cli.disk.recommend import (
     AIO_KEYS,
     CONFIG_KEYS,
     Candidate,
@@ -29,8 +27,10 @@ from tools.disk.recommend import (
     recommend,
     write_config,
 )
-from tools.disk.report import aiofiles_lines, summary_lines
-from tools.disk.sweep import Point, PointResult, Sample, fill_pattern
+from infinity.cli.disk.report import aiofiles_lines, summary_lines
+from infinity.cli.disk.sweep import Point, PointResult, Sample, fill_pattern
+from swap import BufferPool, EngineSettings
+from swap.probe import choose_backend
 
 MIB = 1 << 20
 

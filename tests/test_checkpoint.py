@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from tests.dist_helpers import run_ranks
 from tests.store_helpers import SMALL, make_model
-from tools.common.tiny_gpt import synthetic_batches
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6  # the uninterrupted run
@@ -284,7 +284,7 @@ def test_extra_takes_json_and_tensors_but_nothing_pickled(tmp_path):
 
 def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tools.commands.export import main as export_main
+    from infinity.cli.export import main as export_main
 
     config = transformers.LlamaConfig(
         vocab_size=128,

@@ -11,8 +11,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from tests.store_helpers import SMALL, fused_adamw, make_model
-from tools.common.tiny_gpt import synthetic_batches
 
 STEPS = 5
 

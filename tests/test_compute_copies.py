@@ -10,9 +10,9 @@ import torch
 
 import infinity
 from infinity import AttachError, OffloadConfig, TieredStore
+from infinity.cli.common.tiny_gpt import GPTConfig, synthetic_batches
 from infinity.core.shards import COMPUTE_KEY
 from tests.store_helpers import fused_adamw, make_model, train
-from tools.common.tiny_gpt import GPTConfig, synthetic_batches
 
 MODEL = GPTConfig(vocab_size=64, context=16, layers=4, width=64, heads=4)
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from infinity.cli.common.contention import Contention, Stream, measure, overlapped_floor
 from swap import EngineSettings, SwapEngine
-from tools.benchmarks.contention import Contention, Stream, measure, overlapped_floor
 
 
 def test_without_contention_the_floor_is_the_larger_of_the_two() -> None:

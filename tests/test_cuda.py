@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 from tests.store_helpers import SMALL, make_model
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check runs these on one)"

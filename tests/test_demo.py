@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.commands import demo
+from infinity.cli import demo
 
 TINY = [
     "--layers",

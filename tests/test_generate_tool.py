@@ -1,4 +1,4 @@
-"""infinity-generate (tools/commands/generate.py) on tiny Hugging Face models, and bench_infer's
+"""infinity-generate (infinity/cli/generate.py) on tiny Hugging Face models, and bench_infer's
 CLI."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from infinity.cli import generate  # noqa: E402
 from infinity.inference.quantized import WeightQuantization  # noqa: E402
 from tools.benchmarks import bench_infer, infer_report  # noqa: E402
-from tools.commands import generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,7 +35,7 @@ sys.modules["liburing"] = None  # as on a machine without the package: importing
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 import torch, infinity
 from tests.store_helpers import make_model, SMALL
-from tools.common.tiny_gpt import synthetic_batches
+from infinity.cli.common.tiny_gpt import synthetic_batches
 model = make_model()
 store = infinity.TieredStore(infinity.OffloadConfig(
     offload_param="nvme", offload_optimizer="nvme", buffer_size=8192, buffer_count=8,

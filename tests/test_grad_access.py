@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from infinity.errors import ParameterAccessError
 from tests.store_helpers import SMALL, compare, fused_adamw, make_model, train
-from tools.common.tiny_gpt import synthetic_batches
 
 # Small buffers: the embedding and the MLP weights are cut into several shards each, and the
 # arena (8 x 8 KiB) holds a fraction of masters, gradients and Adam moments, so gradients go

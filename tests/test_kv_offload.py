@@ -252,7 +252,7 @@ def test_generate_tool_offloads_the_kv_cache(
     pytest.importorskip("accelerate")
     import json
 
-    from tools.commands import generate as generate_tool
+    from infinity.cli import generate as generate_tool
 
     model = llama()
     saved = tmp_path / "model"

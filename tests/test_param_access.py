@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from infinity.errors import BudgetError, ParameterAccessError
 from swap import align_up
 from tests.store_helpers import SMALL, fused_adamw, make_model, train
-from tools.common.tiny_gpt import synthetic_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 NVME = {
@@ -37,7 +37,7 @@ _CHILD = textwrap.dedent("""
     import torch
     import infinity
     from tests.store_helpers import SMALL, fused_adamw, make_model
-    from tools.common.tiny_gpt import synthetic_batches
+    from infinity.cli.common.tiny_gpt import synthetic_batches
 
     # Updates in optimizer.step(): clip_grad_value reads gradients the first step did not.
     configs = {"nvme": dict(offload_param="nvme", offload_optimizer="nvme", buffer_size=8192,

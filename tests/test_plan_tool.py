@@ -1,4 +1,4 @@
-"""infinity-plan (tools/commands/plan.py) on tiny models, and the planner's extrapolation from a
+"""infinity-plan (infinity/cli/plan.py) on tiny models, and the planner's extrapolation from a
 scaled-down copy (infinity.planning.scaled.recording_for_scaled)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
+from infinity.cli import plan  # noqa: E402
 from infinity.config import format_size  # noqa: E402
 from infinity.planning import planner  # noqa: E402
 from infinity.planning import scaled as planner_scaled  # noqa: E402
-from tools.commands import plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,7 +26,7 @@ DISK = ["--disk-gbps", "1.5,1"]
 #: a 2-layer TinyGPT from its module path, small enough to record in a few seconds
 TINY_GPT = [
     "--module",
-    "tools.common.tiny_gpt:TinyGPT",
+    "infinity.cli.common.tiny_gpt:TinyGPT",
     "--args",
     '{"layers": 2, "width": 32, "vocab_size": 64}',
     "--batch",
@@ -145,7 +145,7 @@ def test_table_and_written_config_load(tmp_path, capsys):
 def test_module_path_and_this_machine(tmp_path, capsys):
     code, out, err = _run(capsys, *TINY_GPT, *DISK, *STREAMING)
     assert code == 0, err
-    assert "tools.common.tiny_gpt:TinyGPT" in out and "nvme/nvme" in out
+    assert "infinity.cli.common.tiny_gpt:TinyGPT" in out and "nvme/nvme" in out
     assert "contention not measured: compute and the disk" in out
 
 
@@ -457,8 +457,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         "bad disk json": ["--hf-config", str(config_dir), "--disk", str(bad_json)],
         "missing disk json": ["--hf-config", str(config_dir), "--disk", str(tmp_path / "x")],
         "no disk": ["--hf-config", str(config_dir)],
-        "bad module": ["--module", "tools.common.tiny_gpt:Nope", *DISK],
-        "bad args": ["--module", "tools.common.tiny_gpt:TinyGPT", "--args", "{layers", *DISK],
+        "bad module": ["--module", "infinity.cli.common.tiny_gpt:Nope", *DISK],
+        "bad args": [
+            "--module",
+            "infinity.cli.common.tiny_gpt:TinyGPT",
+            "--args",
+            "{layers",
+            *DISK,
+        ],
         "bad contention": ["--hf-config", str(config_dir), *DISK, "--contention", "0.5,2"],
         "two disks": ["--hf-config", str(config_dir), *DISK, "--disk", "measure"],
     }[case]
@@ -482,7 +488,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
 def test_extrapolated_trace_of_a_sequential_stack(tmp_path):
     """An nn.Sequential of Linear, ReLU, ... (tools.benchmarks.bench_overlap's MLP) repeats every
     other child; the extrapolated trace is the one the full stack records."""
-    from tools.benchmarks.bench_overlap import mlp
+    from tools.common.workloads import mlp
 
     def recorded(model: torch.nn.Module) -> planner.Recording:
         config = infinity.OffloadConfig(
@@ -565,8 +571,8 @@ def test_validate_runs_the_best_candidate_and_compares(tmp_path, capsys):
 
 def test_measured_steps_leave_the_warm_up_out(tmp_path):
     """measure_steps' bytes per step are the store's counters over the timed steps only."""
-    from tools.benchmarks.bench_overlap import mlp
-    from tools.common.measure import measure_steps
+    from infinity.cli.common.measure import measure_steps
+    from tools.common.workloads import mlp
 
     config = infinity.OffloadConfig(
         device="cpu",
@@ -621,8 +627,8 @@ def test_validate_refuses_what_cannot_run_here(capsys, case):
 
 
 def test_verdict_names_what_missed():
-    from tools.commands.plan_validation import verdict
-    from tools.common.measure import compare
+    from infinity.cli.common.measure import compare
+    from infinity.cli.plan_validation import verdict
 
     prediction = {"step_seconds": 1.0, "bytes_read": 100, "bytes_written": 0, "rss_peak_bytes": 90}
     measured = {"step_s": 1.1, "read_bytes": 100, "write_bytes": 0, "peak_rss": 100}

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from infinity.core.memory import peak_resident_bytes
 from infinity.core.trace import Trace
 from infinity.planning import planner
 from infinity.planning.planner import DiskProfile, PlanError, device_profile
 from infinity.planning.simulated_time import Contention
 from tests.store_helpers import SMALL, make_model
-from tools.common.tiny_gpt import synthetic_batches
 
 SHARD = 1 << 14
 INSTANT = DiskProfile(read_gbps=math.inf, write_gbps=math.inf)  # done when issued

@@ -8,9 +8,9 @@ import torch
 
 import infinity
 from infinity import OffloadConfig, TieredStore
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from infinity.training.precision import LossScaler
 from tests.store_helpers import SMALL, assert_equivalent, fused_adamw, make_model, train
-from tools.common.tiny_gpt import synthetic_batches
 
 
 def _fast_adamw(params):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from infinity.cli.common.tiny_gpt import GPTConfig
 from tools.benchmarks.quant_quality import Storage, evaluate, held_out_batches, train
-from tools.common.tiny_gpt import GPTConfig
 
 
 def test_stored_weights_keep_the_trained_model_quality(tmp_path) -> None:

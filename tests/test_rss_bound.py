@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT
 from infinity.core.memory import resident_bytes
-from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
 pytestmark = pytest.mark.skipif(
     resident_bytes() == 0 or not os.path.exists("/proc/self/clear_refs"),
@@ -37,7 +37,7 @@ import json, os, sys
 import torch
 import infinity
 from infinity.core.memory import peak_resident_bytes, resident_bytes
-from tools.common.tiny_gpt import GPTConfig, TinyGPT
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT
 
 path, host = sys.argv[1], int(sys.argv[2])
 peaks = {}

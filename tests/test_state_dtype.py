@@ -10,10 +10,10 @@ import torch
 
 import infinity
 from infinity import ConfigError, OffloadConfig, TieredStore
+from infinity.cli.common.tiny_gpt import GPTConfig
 from infinity.training.optimizer import DecodeScratch
 from infinity.training.state_codecs import INT8_BLOCK, Bf16Codec, Int8Codec
 from tests.store_helpers import assert_equivalent, compare, fused_adamw, make_model, train
-from tools.common.tiny_gpt import GPTConfig
 
 MODEL = GPTConfig(vocab_size=64, context=16, layers=4, width=64, heads=4)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from swap import EngineSettings
-from tools.benchmarks.step_io import CHUNK, StepIO, steps_beside_io
+from tools.common.step_io import CHUNK, StepIO, steps_beside_io
 
 
 def test_each_step_moves_its_bytes_and_waits_for_them(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from infinity.cli.common.tiny_gpt import GPTConfig
 from tests.store_helpers import (
     SMALL,
     assert_equivalent,
@@ -12,7 +13,6 @@ from tests.store_helpers import (
     fused_adamw,
     make_model,
 )
-from tools.common.tiny_gpt import GPTConfig
 
 STEPS = 20
 

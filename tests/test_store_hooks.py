@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import infinity
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 GPT = GPTConfig(vocab_size=64, context=16, layers=3, width=32, heads=4)
 # The model (~170 KB) is larger than the staging arena (2 x 64 KiB) and the device budget, so

@@ -11,8 +11,8 @@ import math
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from tests.store_helpers import SMALL, make_model
-from tools.common.tiny_gpt import synthetic_batches
 
 
 def _loop(

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from infinity.errors import BudgetError, ConfigError
 from infinity.training.update_timing import UpdateMode
 from tests.store_helpers import SMALL, assert_equivalent, fused_adamw, make_model
-from tools.common.tiny_gpt import synthetic_batches
 
 #: masters and Adam state swapped every step (a quarter of SMALL's training state in the arena)
 TIGHT = {

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 import infinity
+from infinity.cli.common.tiny_gpt import synthetic_batches
 from tests.dist_helpers import run_ranks
 from tests.store_helpers import SMALL, fused_adamw, make_model
 from tests.waiting import GUARD
-from tools.common.tiny_gpt import synthetic_batches
 
 STEPS = 8
 BATCH = 2  # per rank and micro-batch
@@ -628,7 +628,7 @@ import torch, torch.distributed as dist
 sys.path.insert(0, os.environ["REPO"])
 import infinity
 from tests.store_helpers import make_model, fused_adamw, SMALL
-from tools.common.tiny_gpt import synthetic_batches
+from infinity.cli.common.tiny_gpt import synthetic_batches
 rank = int(os.environ["RANK"])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

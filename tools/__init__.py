@@ -1,2 +1,2 @@
-"""Command-line tools around the swap layer: ``infinity-bench`` (tools.commands.bench) and
-helpers."""
+"""The repository's benchmarks and development scripts (not packaged): ``tools.benchmarks`` on
+top, ``tools.common`` (what they share) below, both over the library's ``infinity.cli``."""

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 import infinity
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 from infinity.core.memory import peak_resident_bytes
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
 CONFIGS = ("keep", "checkpoint", "offload cpu", "offload nvme")
 

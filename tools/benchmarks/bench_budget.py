@@ -29,7 +29,7 @@ compute; they are counted as the floor's (a GPU's copy engine would take them of
 
 That floor takes the cores and the disk each on its own. Three lines beside it show what they cost
 each other on this machine: plain PyTorch with the step's bytes moved through the same swap engine
-from each step's start (``tools.benchmarks.step_io``: the best overlap any schedule can have, so the
+from each step's start (``tools.common.step_io``: the best overlap any schedule can have, so the
 floor with the contention is max(that compute + the device copies, its bytes)); plain PyTorch beside
 fio in another process at the step's read and write rates (the machine's share of the contention,
 where fio is installed); and the I/O path's own CPU at the step's bytes (process CPU seconds per
@@ -58,6 +58,9 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.cli.common.args import spawn_child
+from infinity.cli.common.transfers import engine_bandwidth
+from infinity.cli.disk.fio import find_fio
 from infinity.core.memory import (
     bound_heap_retention,
     huge_page_allocations,
@@ -65,17 +68,14 @@ from infinity.core.memory import (
     peak_resident_bytes,
     resident_bytes,
 )
-from tools.benchmarks.bench_overlap import (
+from tools.common.step_io import StepIO, fio_beside, steps_beside_io
+from tools.common.workloads import (
     DEEPSPEED_PEAK_RSS_GIB,
     DEEPSPEED_STEP_S,
-    engine_bandwidth,
     mlp,
     nvme_config,
     timed_steps,
 )
-from tools.benchmarks.step_io import StepIO, fio_beside, steps_beside_io
-from tools.common.cli import spawn_child
-from tools.disk.fio import find_fio
 
 log = logging.getLogger("tools.benchmarks.bench_budget")
 

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.cli.common.transfers import engine_bandwidth
 from infinity.config import parse_size
-from tools.benchmarks.bench_overlap import engine_bandwidth, mlp
+from tools.common.workloads import mlp
 
 
 def add_scale_arguments(parser: argparse.ArgumentParser, steps_help: str = "") -> None:

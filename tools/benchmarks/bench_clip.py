@@ -39,15 +39,9 @@ from pathlib import Path
 import torch
 
 import infinity
+from infinity.cli.common.measure import store_deltas
 from infinity.core.memory import peak_resident_bytes
-from tools.benchmarks.bench_overlap import (
-    DEFAULT_ARENAS,
-    add_run_arguments,
-    mlp,
-    nvme_config,
-    timed_steps,
-)
-from tools.common.measure import store_deltas
+from tools.common.workloads import DEFAULT_ARENAS, add_run_arguments, mlp, nvme_config, timed_steps
 
 log = logging.getLogger("tools.benchmarks.bench_clip")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import infinity
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
 CONFIGS = ("plain eager", "plain compiled", "attached eager", "attached compiled")
 

@@ -45,14 +45,9 @@ from typing import Any
 
 import torch
 
+from infinity.cli.common.measure import store_deltas
 from infinity.core.memory import peak_resident_bytes
-from tools.benchmarks.bench_overlap import (
-    add_run_arguments,
-    mlp,
-    nvme_config,
-    timed_steps,
-)
-from tools.common.measure import store_deltas
+from tools.common.workloads import add_run_arguments, mlp, nvme_config, timed_steps
 
 PROJECT = Path(__file__).resolve().parents[2]
 #: the peer harness (its README, the DeepSpeed script), beside the project's checkout

@@ -31,7 +31,7 @@ positions whose top-1 next token is the in-RAM fp32 model's, and the largest log
 Those floors assume that reading costs the compute nothing. On a machine with few cores it does
 (the engine's submission and completion threads share the cores with torch's), so the in-RAM
 worker also times its forward alone and beside the engine streaming reads
-(:mod:`tools.benchmarks.contention`), and each system is shown against its overlap floor too:
+(:mod:`infinity.cli.common.contention`), and each system is shown against its overlap floor too:
 its stored bytes read while the in-RAM forward computes, each slowed as measured. Nothing that
 reads its weights during the forward can beat that floor here. Decoding a stored format is
 further work for the same cores: the in-RAM worker times decoding every weight of each format
@@ -61,17 +61,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from infinity.config import DTYPE_BYTES, format_size, parse_size
-from infinity.inference.quantized import QUANTIZED_STORAGE, WeightQuantization, WeightQuantizer
-from tools.benchmarks import contention
-from tools.benchmarks.infer_report import ATOL, STORED_SYSTEMS, SYSTEMS, summarize
-from tools.commands.generate import (
+from infinity.cli.common import contention
+from infinity.cli.generate import (
     DiskProbe,
     build_empty_model,
     inspect_model_dir,
     offload_config,
     timed_generate,
 )
+from infinity.config import DTYPE_BYTES, format_size, parse_size
+from infinity.inference.quantized import QUANTIZED_STORAGE, WeightQuantization, WeightQuantizer
+from tools.benchmarks.infer_report import ATOL, STORED_SYSTEMS, SYSTEMS, summarize
 
 FULL = {
     "hidden": 1024,

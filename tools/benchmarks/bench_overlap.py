@@ -37,193 +37,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 import infinity
+from infinity.cli.common.measure import store_deltas
+from infinity.cli.common.transfers import engine_bandwidth
 from infinity.core.memory import peak_resident_bytes
-from infinity.planning.planner import DiskProfile
-from swap import BufferPool, Extent, HostBuffer, SwapEngine
-from tools.common.measure import store_deltas
+from tools.common.workloads import (
+    DEEPSPEED_PEAK_RSS_GIB,
+    DEEPSPEED_STEP_S,
+    DEFAULT_ARENAS,
+    add_run_arguments,
+    mlp,
+    nvme_config,
+    timed_steps,
+)
 
 log = logging.getLogger("tools.benchmarks.bench_overlap")
-
-#: DeepSpeed 0.19.8 ZeRO-3 on this machine type with params and optimizer state on NVMe, for the
-#: default model (quoted from the project's measurements, not re-run here)
-DEEPSPEED_STEP_S = 2.73
-DEEPSPEED_PEAK_RSS_GIB = 6.43
-
-
-def mlp(layers: int, width: int, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
-
-
-def timed_steps(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    batch: int,
-    width: int,
-    phases: list[tuple[float, float, float]] | None = None,
-    after_backward: Callable[[], object] | None = None,
-    at_start: Callable[[], object] | None = None,
-    at_end: Callable[[], object] | None = None,
-    after_forward: Callable[[], object] | None = None,
-) -> list[float]:
-    """Seconds per training step; with ``phases``, also appends each step's (forward,
-    backward, optimizer step + zero_grad) seconds to it. ``after_backward`` (e.g. a
-    ``clip_grad_norm_`` call) runs between ``loss.backward()`` and ``optimizer.step()``; its
-    time counts in the step and in the third phase. ``at_start`` runs as the step's clock
-    starts, ``at_end`` after ``zero_grad`` (e.g. waiting for work started at the start): it
-    counts in the step, in none of the phases. ``after_forward`` runs between forward and
-    backward (a counter's snapshot); its time counts in the step and in the second phase."""
-    generator = torch.Generator().manual_seed(1)
-    times = []
-    for _ in range(steps):
-        x = torch.randn(batch, width, generator=generator)
-        started = time.perf_counter()
-        if at_start is not None:
-            at_start()
-        loss = model(x).square().mean()
-        forward_done = time.perf_counter()
-        if after_forward is not None:
-            after_forward()
-        loss.backward()
-        backward_done = time.perf_counter()
-        if after_backward is not None:
-            after_backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ended = time.perf_counter()
-        if at_end is not None:
-            at_end()
-        times.append(time.perf_counter() - started)
-        if phases is not None:
-            phases.append(
-                (forward_done - started, backward_done - forward_done, ended - backward_done)
-            )
-    return times
-
-
-def nvme_config(
-    nvme_path: Path,
-    host_budget: float,
-    arena: float,
-    device_budget: float,
-    buffer_size: int = 64 << 20,
-    offload_optimizer: str = "nvme",
-    **settings: Any,
-) -> infinity.OffloadConfig:
-    """The store configuration of an NVMe run: parameters on NVMe, the optimizer state where
-    ``offload_optimizer`` says, a staging arena of ``arena`` GiB in slots of ``buffer_size``
-    bytes, under host and device budgets in GiB; ``settings`` are further OffloadConfig keys."""
-    return infinity.OffloadConfig(
-        offload_param="nvme",
-        offload_optimizer=offload_optimizer,
-        nvme_path=(nvme_path,),
-        buffer_size=buffer_size,
-        buffer_count=max(2, int(arena * 2**30) // buffer_size),
-        host_budget=int(host_budget * 2**30),
-        device_budget=int(device_budget * 2**30),
-        **settings,
-    )
-
-
-def run_transfers(
-    calls: list[tuple[Callable[..., Any], Extent]], buffers: Sequence[HostBuffer]
-) -> float:
-    """Runs ``call(extent, buffer)`` for each pair in order, one per buffer in flight (the
-    oldest waited for before a buffer is reused); returns the seconds they all took."""
-    started = time.perf_counter()
-    futures: list[Future] = []
-    for i, (call, extent) in enumerate(calls):
-        if len(futures) >= len(buffers):
-            futures.pop(0).result()
-        futures.append(call(extent, buffers[i % len(buffers)]))
-    for future in futures:
-        future.result()
-    return time.perf_counter() - started
-
-
-def duplex_order(
-    engine: SwapEngine, sources: Sequence[Extent], targets: Sequence[Extent]
-) -> list[tuple[Callable[..., Any], Extent]]:
-    """Reads of ``sources`` and writes of ``targets`` interleaved by bytes (the next goes to
-    whichever stream is further behind), so both run from start to end together, as in a
-    pipelined step: the calls for :func:`run_transfers`."""
-    order: list[tuple[Callable[..., Any], Extent]] = []
-    r = w = 0
-    while r < len(sources) or w < len(targets):
-        if w >= len(targets) or (r < len(sources) and r / len(sources) <= w / len(targets)):
-            order.append((engine.read, sources[r]))
-            r += 1
-        else:
-            order.append((engine.write, targets[w]))
-            w += 1
-    return order
-
-
-def engine_bandwidth(
-    path: Path,
-    nbytes: int,
-    config: infinity.OffloadConfig,
-    combined: bool = False,
-    requests: tuple[int, int] | None = None,
-) -> dict:
-    """Bytes per second writing then reading ``nbytes`` through the swap engine on ``path``;
-    with ``combined``, also reading them back while writing as many elsewhere (bytes of both
-    directions over the time both took: what a step that reads and writes at once gets) and
-    ``cpu_per_byte``, the process's CPU seconds per byte of that pass: the I/O path's own cost
-    (submission, completions, checksums) on the cores a step computes on. The transfers are
-    64 MiB, four in flight, or ``requests`` = (bytes, in flight): a store moves its shards
-    ``buffer_size`` at a time, and on this machine's disk 4 MiB reads, four or five in flight,
-    moved 20% fewer GB/s than 64 MiB ones."""
-    chunk, in_flight = requests or (64 << 20, 4)
-    pool = BufferPool(in_flight, chunk)
-    settings = config.aio.engine_settings()
-    result = {}
-    with SwapEngine([path], settings) as engine:
-        extents = [engine.allocate(min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
-
-        result["write"] = nbytes / run_transfers([(engine.write, e) for e in extents], pool.buffers)
-        result["read"] = nbytes / run_transfers([(engine.read, e) for e in extents], pool.buffers)
-        if combined:
-            others = [engine.allocate(e.nbytes) for e in extents]
-            mixed = [
-                pair
-                for r, w in zip(extents, others)
-                for pair in ((engine.read, r), (engine.write, w))
-            ]
-            cpu = time.process_time()
-            result["combined"] = 2 * nbytes / run_transfers(mixed, pool.buffers)
-            result["cpu_per_byte"] = (time.process_time() - cpu) / (2 * nbytes)
-    pool.close()
-    return result
-
-
-def store_disk_profile(path: Path, nbytes: int, config: infinity.OffloadConfig) -> DiskProfile:
-    """The planner's disk profile for a store with ``config`` on ``path``: each direction and
-    both at once, measured in the store's own requests (``buffer_size`` bytes, ``buffer_count``
-    in flight)."""
-    requests = (config.swap_buffer_size(), config.buffer_count)
-    bandwidth = engine_bandwidth(path, nbytes, config, combined=True, requests=requests)
-    return DiskProfile(
-        bandwidth["read"] / 1e9,
-        bandwidth["write"] / 1e9,
-        shared=True,
-        source=f"swap engine, this run ({requests[0] / (1 << 20):g} MiB requests, "
-        f"{config.buffer_count} in flight)",
-        combined_gbps=bandwidth["combined"] / 1e9,
-    )
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -277,30 +109,6 @@ def run_one(args: argparse.Namespace) -> dict:
         )
         store.close(restore_params=False)
     return out
-
-
-#: the host budget of the default run, GiB: a third of DeepSpeed's peak RSS (#3 reports there)
-DEFAULT_HOST_BUDGET = round(DEEPSPEED_PEAK_RSS_GIB / 3, 2)
-#: staging arenas of the default run, GiB: one that caches all but a few of the 1.6 GB of
-#: state, one that streams about half of it every step, one where the disk dominates the step
-DEFAULT_ARENAS = (1.35, 1.0, 0.7)
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
-    """The model, step-count and placement options this benchmark shares with bench_clip."""
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=repeats, help="interleaved runs per config")
-    parser.add_argument("--nvme-path", type=Path, default=None)
-    parser.add_argument(
-        "--host-budget",
-        type=float,
-        default=DEFAULT_HOST_BUDGET,
-        help="GiB for the host tier (default: %(default)s)",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

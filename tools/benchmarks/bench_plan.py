@@ -5,7 +5,7 @@ and AdamW state on NVMe, 1.6 GB of training state) it records one configuration 
 arena of ``--record-arena`` GiB, and a host budget of as much unless ``--host-budget`` says),
 asks ``store.predict`` for the arenas of ``--arenas`` with the disk's read and write bandwidth
 measured through the swap engine in the same run (in the store's own requests) and how the
-model's plain step and the engine slow each other here (``tools/benchmarks/contention.py``;
+model's plain step and the engine slow each other here (``infinity/cli/common/contention.py``;
 ``--no-contention``: predicted as if they did not), then runs each of them, every run in a
 process of its own (its peak RSS is its own), and prints predicted against measured: step time
 (goal: within 20%), bytes read and written per step (within 5%) and peak RSS (within 10%).
@@ -29,16 +29,13 @@ from pathlib import Path
 import torch
 
 import infinity
+from infinity.cli.common import contention
+from infinity.cli.common.args import spawn_child
+from infinity.cli.common.measure import compare, measure_steps, reset_peak
+from infinity.cli.common.transfers import store_disk_profile
 from infinity.planning.planner import DiskProfile
 from infinity.planning.simulated_time import Contention
-from tools.benchmarks import contention
-from tools.benchmarks.bench_overlap import (
-    mlp,
-    nvme_config,
-    store_disk_profile,
-)
-from tools.common.cli import spawn_child
-from tools.common.measure import compare, measure_steps, reset_peak
+from tools.common.workloads import mlp, nvme_config
 
 log = logging.getLogger("tools.benchmarks.bench_plan")
 

@@ -30,7 +30,7 @@ compute floor, to the I/O floor and to the larger of the two. The load average i
 the start and the end (other work on the machine's cores moves both the step and the floor).
 
 Neither floor counts what the compute and the disk take from each other on few cores, so each
-step is also held against its overlap floor (:mod:`tools.benchmarks.contention`): a plain 2-layer
+step is also held against its overlap floor (:mod:`infinity.cli.common.contention`): a plain 2-layer
 step timed alone and beside the swap engine streaming reads and writes, and the engine's GB/s
 alone and beside that step, in a child process; the floor is the step's compute and bytes both
 running from its start, each slowed as measured, and the one left then finishing alone.
@@ -63,13 +63,13 @@ from typing import Any
 import torch
 
 import infinity
+from infinity.cli.common import contention
+from infinity.cli.common.measure import reset_peak
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT
+from infinity.cli.common.transfers import engine_bandwidth
 from infinity.config import parse_size
 from infinity.core.memory import huge_page_allocations, peak_resident_bytes, warm_runtime
 from infinity.training.state_codecs import stored_nbytes
-from tools.benchmarks import contention
-from tools.benchmarks.bench_overlap import engine_bandwidth
-from tools.common.measure import reset_peak
-from tools.common.tiny_gpt import GPTConfig, TinyGPT
 
 GIB = 1 << 30
 #: a checkpoint's bytes per parameter: masters and two moments
@@ -217,7 +217,7 @@ def compute_floor(args: argparse.Namespace) -> dict[str, float]:
 
 def overlap_contention(args: argparse.Namespace, swap: Path) -> dict[str, float]:
     """How much the compute and the swap engine slow each other when they run at once
-    (:mod:`tools.benchmarks.contention`), measured in a child process on ``swap``: one plain
+    (:mod:`infinity.cli.common.contention`), measured in a child process on ``swap``: one plain
     step of the GPT with two layers, alone and beside the engine streaming reads and writes."""
     result: dict[str, float] = _child(args, "--contention", f"--nvme-path={swap}")
     return result

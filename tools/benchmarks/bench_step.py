@@ -44,16 +44,12 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from infinity.cli.common.transfers import engine_bandwidth, run_transfers
+from infinity.cli.demo import DEMO_LR, HEADS
 from infinity.config import parse_size
 from swap import BufferPool, SwapEngine
-from tools.benchmarks.bench_overlap import (
-    duplex_order,
-    engine_bandwidth,
-    mlp,
-    run_transfers,
-)
-from tools.commands.demo import DEMO_LR, HEADS
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from tools.common.workloads import duplex_order, mlp
 
 #: --state-loss: the state dtypes compared, and how far each final loss may be from fp32's
 STATE_DTYPE_TARGETS = {"fp32": 0.0, "bf16": 0.01, "int8": 0.02}

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tools.commands.demo import build_parser, learning_rate, split_paths
+from infinity.cli.demo import build_parser, learning_rate, split_paths
 
 PROJECT = Path(__file__).resolve().parents[2]
 VARIANTS = ("plain", "trainer", "loop")
@@ -62,9 +62,9 @@ def worker(args: argparse.Namespace) -> None:
     import transformers
 
     from infinity import TieredStore
+    from infinity.cli.demo import rank_config
+    from infinity.cli.demo_trainer import TextDataset, llama
     from infinity.integrations.hf import InfinityTrainer
-    from tools.commands.demo_dist import rank_config
-    from tools.commands.demo_trainer import _Text, llama
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.variant != "plain":
         store = TieredStore(rank_config(args, model, split_paths(args.nvme_path)))
         model, optimizer = store.attach(model, optimizer)
-    data = _Text(args, args.steps * args.batch * world)
+    data = TextDataset(args, args.steps * args.batch * world)
     times: list[float] = []
     started: list[float] = []
 

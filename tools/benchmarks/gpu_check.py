@@ -142,8 +142,8 @@ def train(args: argparse.Namespace, root: Path, figures: dict) -> dict:
     import torch
 
     import infinity
-    from tools.benchmarks.bench_overlap import engine_bandwidth
-    from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
+    from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
+    from infinity.cli.common.transfers import engine_bandwidth
 
     gpt = GPTConfig(
         vocab_size=32000,

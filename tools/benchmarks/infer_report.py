@@ -7,7 +7,7 @@ import os
 import statistics
 from typing import Any
 
-from tools.benchmarks import contention
+from infinity.cli.common import contention
 
 SYSTEMS = ("ram", "accelerate", "ours")
 #: ours with the weights stored in another format: --weights picks which

@@ -11,7 +11,7 @@ measured step time (goal: within 15%), bytes read and written per step (within 5
 (within 10%), then the worst cell of each.
 
 Before a family's cells, a process of its own measures how the family's plain training step and
-the swap engine slow each other here (``tools/benchmarks/contention.py``), which every prediction
+the swap engine slow each other here (``infinity/cli/common/contention.py``), which every prediction
 of the family then replays (``--no-contention``: predicted as if they did not).
 
 This machine's speed drifts by more than the step-time goal over minutes, so each place and mode
@@ -40,13 +40,14 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.cli.common import contention
+from infinity.cli.common.args import spawn_child
+from infinity.cli.common.measure import GOALS, compare, measure_steps, reset_peak
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from infinity.cli.common.transfers import store_disk_profile
 from infinity.planning import planner
 from infinity.planning.simulated_time import Contention
-from tools.benchmarks import contention
-from tools.benchmarks.bench_overlap import mlp, store_disk_profile
-from tools.common.cli import spawn_child
-from tools.common.measure import GOALS, compare, measure_steps, reset_peak
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from tools.common.workloads import mlp
 
 log = logging.getLogger("tools.benchmarks.plan_matrix")
 

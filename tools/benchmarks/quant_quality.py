@@ -1,10 +1,10 @@
 """Quality of quantized weights: the demo GPT trained, then evaluated with its weights stored as
 fp32, bf16, int8 and int4 by the store, against the same model in RAM.
 
-The demo GPT (``tools.common.tiny_gpt``) is trained in plain PyTorch (AdamW) for ``--steps`` on
-the demo's synthetic text, so its weights carry structure that rounding can damage; the loss
-before and after training is printed. Then, on held-out batches of text in the same language (rule)
-drawn with another seed:
+The demo GPT (``infinity.cli.common.tiny_gpt``) is trained in plain PyTorch (AdamW) for
+``--steps`` on the demo's synthetic text, so its weights carry structure that rounding can
+damage; the loss before and after training is printed. Then, on held-out batches of text in
+the same language (rule) drawn with another seed:
   * ram: the trained model in memory, fp32 (the reference);
   * ours-<storage>: a copy of the trained model attached for inference (no optimizer,
     ``offload_param="nvme"`` in a temporary directory, host and device budgets below the
@@ -36,11 +36,11 @@ import torch
 from torch.nn import functional as F
 
 import infinity
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from infinity.cli.generate import offload_config
 from infinity.config import format_size, parse_size
-from tools.commands.generate import offload_config
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
-#: the demo's synthetic text uses the first 64 token ids (see tools.commands.demo)
+#: the demo's synthetic text uses the first 64 token ids (see infinity.cli.demo)
 TEXT_VOCAB = 64
 #: relative held-out loss difference against fp32 in RAM the issue asks for
 GOALS = {"int8": 0.005, "int4": 0.03}

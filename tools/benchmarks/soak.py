@@ -2,7 +2,7 @@
 
     python -m tools.benchmarks.soak --minutes 10 --fault-rate 0.01
 
-Trains a small GPT (tools/common/tiny_gpt.py) with parameters and AdamW state on NVMe while a
+Trains a small GPT (infinity/cli/common/tiny_gpt.py) with parameters and AdamW state on NVMe while a
 FaultInjectingBackend gives each swap request, with probability ``--fault-rate``, one of the
 faults ``eio``, ``short``, ``slow``, ``drop`` or ``hang`` (hangs end at a short
 ``request_timeout``). Next to it a plain in-memory copy trains on the same batches.
@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from infinity import OffloadConfig, TieredStore
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 from infinity.core.completions import MAX_RETRIES
 from swap import FaultInjectingBackend
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 MODEL = GPTConfig(vocab_size=64, context=16, layers=2, width=32, heads=4)
 SHARD = 16 << 10  # the largest parameter (an MLP matrix) is one 16 KiB shard

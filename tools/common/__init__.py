@@ -1,2 +1,2 @@
-"""What the command-line tools and benchmarks share: argument parsing, units, aggregation, the
-machine's description, the demo's GPT, and a run measured against its prediction."""
+"""What the benchmarks share: the peer-comparison MLP and its timed steps, the NVMe store
+configuration of a run, and a steady I/O load beside training steps."""

@@ -3,11 +3,11 @@ set against what the run measured.
 
 The run is the plan's own: the same model (built as the recording built it), batch, optimizer
 and loop, the candidate's configuration on the swap directories the plan recorded on, in a
-process of its own (``python -m tools.commands.plan_validation --spec JSON``) so that its peak
+process of its own (``python -m infinity.cli.plan_validation --spec JSON``) so that its peak
 RSS is its own. Its first :data:`WARMUP` steps are left out, as a prediction leaves out its
 first replayed iterations; what is compared is the median of the measured steps' seconds, the
 store's bytes read and written per step (``stats()`` counters) and the process's peak RSS,
-each against the goals of :data:`tools.common.measure.GOALS`, and where the updates ran
+each against the goals of :data:`infinity.cli.common.measure.GOALS`, and where the updates ran
 (``stats()["update_mode"]``) against where the prediction put them.
 
 Only what can run here can be validated: one process (no --ranks), this machine's compute (no
@@ -29,11 +29,9 @@ from typing import Any
 import torch
 
 from infinity import OffloadConfig, TieredStore
-from infinity.config import format_size
-from infinity.errors import AttachError, BudgetError, ConfigError
-from infinity.planning import planner
-from swap import NvmePathError, SwapConfigError, SwapError, SwapSpaceError
-from tools.commands.plan_models import (
+from infinity.cli.common.args import spawn_child
+from infinity.cli.common.measure import GOALS, compare, measure_steps
+from infinity.cli.plan_models import (
     OPTIMIZERS,
     UserError,
     hf_source,
@@ -42,11 +40,13 @@ from tools.commands.plan_models import (
     module_source,
     quiet_transformers,
 )
-from tools.commands.plan_report import Plan, Table, size_text
-from tools.common.cli import spawn_child
-from tools.common.measure import GOALS, compare, measure_steps
+from infinity.cli.plan_report import Plan, Table, size_text
+from infinity.config import format_size
+from infinity.errors import AttachError, BudgetError, ConfigError
+from infinity.planning import planner
+from swap import NvmePathError, SwapConfigError, SwapError, SwapSpaceError
 
-log = logging.getLogger("tools.commands.plan_validation")
+log = logging.getLogger("infinity.cli.plan_validation")
 
 #: steps run before the measured ones: the first records the trace, the second is the first
 #: one prefetch follows (the prediction leaves out the same replayed iterations)
@@ -154,7 +154,7 @@ def validate(plan: Plan, args: argparse.Namespace, swap_dir: Path, steps: int) -
         "steps": steps,
         "threads": torch.get_num_threads(),
     }
-    measured = spawn_child("tools.commands.plan_validation", ["--spec", json.dumps(spec)], [])
+    measured = spawn_child("infinity.cli.plan_validation", ["--spec", json.dumps(spec)], [])
     if "error" in measured:
         raise UserError(f"--validate: the run of the best candidate failed: {measured['error']}")
     compared = compare(prediction, measured, GOALS)
@@ -274,7 +274,7 @@ def lines(validation: dict[str, Any]) -> list[str]:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Builds the plan's model, attaches the candidate's configuration and trains
     ``spec['warmup']`` + ``spec['steps']`` steps with the recording's loop
-    (``plan_models.record``): what :func:`tools.common.measure.measure_steps` measures."""
+    (``plan_models.record``): what :func:`infinity.cli.common.measure.measure_steps` measures."""
     torch.set_num_threads(spec["threads"])
     if spec["hf_config"] is not None:
         source = hf_source(Path(spec["hf_config"]))

@@ -9,8 +9,8 @@ Each grid point (backend x block size x queue depth [x threads]) moves ``--size`
 is out of the way. The disk is noisy, so every point is repeated and the repeats are interleaved:
 each round visits every point (engine and fio) once in a shuffled order, and the report gives
 medians with min and max. After the grid, ``aiofiles`` (the obvious Python choice) moves the same
-bytes at the recommended block size as a baseline (tools/disk/aiofiles_baseline.py). Everything
-written under ``--path`` is removed at the end.
+bytes at the recommended block size as a baseline (infinity/cli/disk/aiofiles_baseline.py).
+Everything written under ``--path`` is removed at the end.
 """
 
 from __future__ import annotations
@@ -31,18 +31,23 @@ from pathlib import Path
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from swap import BufferPool
-from swap.errors import SwapError
-from swap.files import RUN_DIR_PREFIX
-from swap.leftovers import describe, find_leftovers
-from swap.probe import choose_backend
-from tools.common.machine import DiskCounters, machine_info
-from tools.common.units import format_size, parse_list, parse_size
-from tools.disk import aiofiles_baseline, report
-from tools.disk.fio import FioError, FioJob, FioRunner, find_fio
-from tools.disk.gil_probe import InterferenceResult, measure_fio_interference, measure_interference
-from tools.disk.recommend import Candidate, Recommendation, choose_point, recommend, write_config
-from tools.disk.sweep import (
+from infinity.cli.common.machine import DiskCounters, machine_info
+from infinity.cli.common.units import format_size, parse_list, parse_size
+from infinity.cli.disk import aiofiles_baseline, report
+from infinity.cli.disk.fio import FioError, FioJob, FioRunner, find_fio
+from infinity.cli.disk.gil_probe import (
+    InterferenceResult,
+    measure_fio_interference,
+    measure_interference,
+)
+from infinity.cli.disk.recommend import (
+    Candidate,
+    Recommendation,
+    choose_point,
+    recommend,
+    write_config,
+)
+from infinity.cli.disk.sweep import (
     DIRECTIONS,
     IN_FLIGHT,
     Point,
@@ -52,6 +57,11 @@ from tools.disk.sweep import (
     measure_point,
     transfer_sizes,
 )
+from swap import BufferPool
+from swap.errors import SwapError
+from swap.files import RUN_DIR_PREFIX
+from swap.leftovers import describe, find_leftovers
+from swap.probe import choose_backend
 
 log = logging.getLogger("infinity.bench")
 
@@ -563,7 +573,7 @@ def output(run: Run, info: dict, started: float, leftovers: list[str]) -> None:
         args.json.write_text(json.dumps(data, indent=1, default=str) + "\n")
         log.info("measurements written to %s", args.json)
     if args.plot:
-        from tools.disk.plot import plot
+        from infinity.cli.disk.plot import plot
 
         plot(
             args.plot,

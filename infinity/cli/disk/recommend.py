@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.common.aggregate import harmonic_mean
+from infinity.cli.common.aggregate import harmonic_mean
 
 AIO_KEYS = ("backend", "block_size", "queue_depth", "thread_count")
 CONFIG_KEYS = ("aio", "buffer_count", "buffer_size")

@@ -3,10 +3,10 @@ from a config, random init, nothing downloaded) to a store with the demo's budge
 with ``InfinityTrainer`` on synthetic text, Trainer's own loop doing the rest (the data sharded
 across ranks, clipping at 1.0, the logged loss averaged over the ranks).
 
-    python -m tools.commands.demo_dist --trainer   # what `make demo-trainer` runs: 2 ranks
+    python -m infinity.cli.demo_dist --trainer   # what `make demo-trainer` runs: 2 ranks
 
 The flags, the launch (torchrun, gloo) and the summary per rank are those of
-``python -m tools.commands.demo_dist``; the model has the demo's --layers, --width, --vocab and
+``python -m infinity.cli.demo_dist``; the model has the demo's --layers, --width, --vocab and
 --context (4 attention heads).
 """
 
@@ -22,8 +22,15 @@ from typing import Any
 
 import torch
 
-from tools.commands.demo import HEADS, RECORDED_STEPS, TEXT_VOCAB, learning_rate, split_paths
-from tools.common.tiny_gpt import GPTConfig, synthetic_batches
+from infinity.cli.common.tiny_gpt import GPTConfig, synthetic_batches
+from infinity.cli.demo import (
+    HEADS,
+    RECORDED_STEPS,
+    TEXT_VOCAB,
+    learning_rate,
+    rank_config,
+    split_paths,
+)
 
 
 def llama(args: argparse.Namespace) -> torch.nn.Module:
@@ -53,7 +60,7 @@ def describe(args: argparse.Namespace, model: torch.nn.Module, ranks: int) -> st
     )
 
 
-class _Text(torch.utils.data.Dataset):
+class TextDataset(torch.utils.data.Dataset):
     """The demo's synthetic text, one sequence per example (Trainer shards them across ranks)."""
 
     def __init__(self, args: argparse.Namespace, count: int) -> None:
@@ -78,7 +85,6 @@ def worker(args: argparse.Namespace) -> int:
 
     from infinity import TieredStore
     from infinity.integrations.hf import InfinityTrainer
-    from tools.commands.demo_dist import rank_config
 
     began = time.perf_counter()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -133,7 +139,7 @@ def worker(args: argparse.Namespace) -> int:
                     dataloader_num_workers=0,
                     disable_tqdm=rank != 0,
                 ),
-                train_dataset=_Text(args, args.steps * args.batch * world),
+                train_dataset=TextDataset(args, args.steps * args.batch * world),
                 optimizers=(optimizer, None),
                 callbacks=[Measure()],
             )

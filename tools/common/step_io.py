@@ -26,8 +26,9 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from infinity.cli.common.transfers import run_transfers
 from swap import BufferPool, EngineSettings, SwapEngine
-from tools.benchmarks.bench_overlap import duplex_order, run_transfers, timed_steps
+from tools.common.workloads import duplex_order, timed_steps
 
 CHUNK = 16 << 20
 IN_FLIGHT = 8  # transfers in flight, one per buffer

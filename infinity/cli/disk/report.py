@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tools.common.aggregate import Summary, summarize
-from tools.common.units import format_size
-from tools.disk.fio import FioJob, FioResult
-from tools.disk.gil_probe import InterferenceResult
-from tools.disk.recommend import Recommendation
-from tools.disk.sweep import DIRECTIONS, PointResult
+from infinity.cli.common.aggregate import Summary, summarize
+from infinity.cli.common.units import format_size
+from infinity.cli.disk.fio import FioJob, FioResult
+from infinity.cli.disk.gil_probe import InterferenceResult
+from infinity.cli.disk.recommend import Recommendation
+from infinity.cli.disk.sweep import DIRECTIONS, PointResult
 
 NOISY = 0.30  # (max - min) / median above which a cell is flagged
 TARGET_RATIO = 0.8  # the loop should keep this much of its speed while swap I/O runs
@@ -225,7 +225,7 @@ def request_size_notes(best: dict[str, dict], fio_best: dict[str, dict]) -> list
 
 
 def aiofiles_lines(best: dict[str, dict], aiofiles: dict) -> list[str]:
-    """The aiofiles baseline (tools/disk/aiofiles_baseline.py) and our best over it."""
+    """The aiofiles baseline (infinity/cli/disk/aiofiles_baseline.py) and our best over it."""
     if not aiofiles["available"]:
         return [f"  {aiofiles['note']}"]
     summary = aiofiles["summary"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tools.common.units import format_size
-from tools.disk.report import FioPoint
-from tools.disk.sweep import DIRECTIONS, PointResult
+from infinity.cli.common.units import format_size
+from infinity.cli.disk.report import FioPoint
+from infinity.cli.disk.sweep import DIRECTIONS, PointResult
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infinity.cli.common.aggregate import Summary, summarize
+from infinity.cli.disk.fio import FioJob, FioRunner
+from infinity.cli.disk.sweep import DIRECTIONS, Point
 from swap import BufferPool, SwapEngine
-from tools.common.aggregate import Summary, summarize
-from tools.disk.fio import FioJob, FioRunner
-from tools.disk.sweep import DIRECTIONS, Point
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Train a small GPT with its parameters, gradients and Adam state swapped to NVMe.
 
-    python -m tools.commands.demo                      # what `make demo` runs: a temporary swap dir
+    python -m infinity.cli.demo                      # what `make demo` runs: a temporary swap dir
     infinity-train --nvme-path /mnt/nvme0,/mnt/nvme1 --steps 100
     infinity-train --config ds_config.json --nvme-path /mnt/nvme0
 
@@ -30,6 +30,8 @@ import torch
 from tqdm import tqdm
 
 from infinity import OffloadConfig, TieredStore
+from infinity.cli.common.args import config_size, guarded, parse, positive
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 from infinity.config import format_size, load_json
 from infinity.errors import AttachError, BudgetError, ConfigError
 from swap import (
@@ -41,10 +43,8 @@ from swap import (
 )
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import describe, find_leftovers
-from tools.common.cli import config_size, guarded, parse, positive
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 
-log = logging.getLogger("tools.commands.demo")
+log = logging.getLogger("infinity.cli.demo")
 
 HEADS = 4
 #: The synthetic text uses only the first TEXT_VOCAB token ids: its rule (each token follows
@@ -205,6 +205,14 @@ def offload_config(
     if args.bf16:
         changes["precision"] = {"dtype": "bf16"}
     return base.replace(**changes)
+
+
+def rank_config(
+    args: argparse.Namespace, model: torch.nn.Module, nvme: list[Path]
+) -> OffloadConfig:
+    """The demo's configuration for one of several ranks, computed on CPU: the collectives
+    are gloo's."""
+    return offload_config(args, model, nvme).replace(device="cpu")
 
 
 def learning_rate(args: argparse.Namespace) -> float:

@@ -1,5 +1,5 @@
 """infinity-plan's results and how they print: the candidates, ranked per disk profile, as a
-table and as JSON (tools/commands/plan.py makes them)."""
+table and as JSON (infinity/cli/plan.py makes them)."""
 
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from infinity.cli.common.aggregate import Summary, summarize
+from infinity.cli.common.machine import DiskCounters
+from infinity.cli.common.units import GIB, format_size
 from swap import BufferPool, EngineSettings, HostBuffer, SwapEngine
 from swap.files import Extent
-from tools.common.aggregate import Summary, summarize
-from tools.common.machine import DiskCounters
-from tools.common.units import GIB, format_size
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,8 @@ from torch import nn
 
 from infinity import OffloadConfig, PrecisionConfig, TieredStore
 from infinity.checkpointing.pretrained import checkpoint_files
+from infinity.cli.common.args import config_size, guarded, parse, positive
+from infinity.cli.common.transfers import run_transfers
 from infinity.config import format_size
 from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
 from swap import (
@@ -51,10 +53,8 @@ from swap import (
     SwapSpaceError,
 )
 from swap.files import check_directory
-from tools.benchmarks.bench_overlap import run_transfers
-from tools.common.cli import config_size, guarded, parse, positive
 
-log = logging.getLogger("tools.commands.generate")
+log = logging.getLogger("infinity.cli.generate")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: any of these in the model directory means AutoTokenizer can load one from it

@@ -15,8 +15,8 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from tools.common.machine import DiskCounters
-from tools.common.units import GIB
+from infinity.cli.common.machine import DiskCounters
+from infinity.cli.common.units import GIB
 
 log = logging.getLogger(__name__)
 

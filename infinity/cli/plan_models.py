@@ -1,6 +1,6 @@
 """infinity-plan's models: how to build one (a Hugging Face config or a module and its
 arguments; whole, scaled down, or on the meta device), feed it a training step, and record that
-step through a store (tools/commands/plan.py)."""
+step through a store (infinity/cli/plan.py)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from infinity import OffloadConfig, TieredStore
+from infinity.cli.common import contention
 from infinity.config import ALIGNMENT
 from infinity.planning import planner
 from infinity.planning.planner import Recording
 from infinity.planning.simulated_time import Contention
-from tools.benchmarks import contention
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -122,7 +122,8 @@ def module_source(spec: str, args_text: str) -> ModelSource:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UserError(
-            f"--module {spec!r}: expected pkg.mod:Callable, e.g. tools.benchmarks.bench_overlap:mlp"
+            f"--module {spec!r}: expected pkg.mod:Callable, "
+            "e.g. infinity.cli.common.tiny_gpt:TinyGPT"
         )
     try:
         factory = getattr(importlib.import_module(module_name), attr)

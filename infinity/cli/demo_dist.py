@@ -1,12 +1,12 @@
 """Train the demo's small GPT on several ranks (torchrun, gloo) with ZeRO stage 3: each rank
 holds and swaps to NVMe 1/N of the parameters, gradients and Adam state.
 
-    python -m tools.commands.demo_dist        # what `make demo-dist` runs: 2 ranks, a temp dir
-    python -m tools.commands.demo_dist --ranks 2 --steps 40 --nvme-path /mnt/nvme0
-    python -m tools.commands.demo_dist --trainer   # `make demo-trainer`: Hugging Face Trainer
+    python -m infinity.cli.demo_dist        # what `make demo-dist` runs: 2 ranks, a temp dir
+    python -m infinity.cli.demo_dist --ranks 2 --steps 40 --nvme-path /mnt/nvme0
+    python -m infinity.cli.demo_dist --trainer   # `make demo-trainer`: Hugging Face Trainer
 
-The model, data, budgets and flags are those of ``python -m tools.commands.demo``
-(tools/commands/demo.py); each rank trains on its own micro-batch (its share of one global batch of
+The model, data, budgets and flags are those of ``python -m infinity.cli.demo``
+(infinity/cli/demo.py); each rank trains on its own micro-batch (its share of one global batch of
 --batch x ranks sequences), so the run is data-parallel training of that batch. Rank 0 shows a
 progress bar (stderr); at the end each rank's summary is printed as the single-process demo prints
 it (loss, step time, swap traffic against the disk's bandwidth, overlap, stalls, peak bytes per
@@ -14,7 +14,7 @@ tier), followed by what the ranks exchanged per step: the bytes this rank sent i
 parameter slices) and reduce-scatters (whole gradients), the seconds the training thread waited for
 them and their share of the step. Each rank writes a Chrome trace of its last steps to --out.
 With --trainer each rank runs the README's Hugging Face Trainer recipe instead of the loop
-(tools/commands/demo_trainer.py): a Llama of the same sizes, attached, then InfinityTrainer.
+(infinity/cli/demo_trainer.py): a Llama of the same sizes, attached, then InfinityTrainer.
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from infinity.config import format_size
-from swap import SwapError
-from tools.commands.demo import (
+from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
+from infinity.cli.demo import (
     RECORDED_STEPS,
     TEXT_VOCAB,
     USER_ERRORS,
@@ -49,16 +47,17 @@ from tools.commands.demo import (
     learning_rate,
     listing,
     model_config,
-    offload_config,
+    rank_config,
     split_paths,
     table,
 )
-from tools.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
+from infinity.config import format_size
+from swap import SwapError
 
-log = logging.getLogger("tools.commands.demo_dist")
+log = logging.getLogger("infinity.cli.demo_dist")
 
 PROJECT = Path(__file__).resolve().parents[2]
-PROG = "python -m tools.commands.demo_dist"
+PROG = "python -m infinity.cli.demo_dist"
 
 
 def dist_parser() -> argparse.ArgumentParser:
@@ -80,11 +79,6 @@ def dist_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
     return parser
-
-
-def rank_config(args: argparse.Namespace, model: torch.nn.Module, nvme: list[Path]) -> Any:
-    """The demo's configuration, computed on CPU: the collectives are gloo's."""
-    return offload_config(args, model, nvme).replace(device="cpu")
 
 
 # ---------------------------------------------------------------------------- one rank
@@ -273,7 +267,7 @@ def launch(
         str(args.ranks),
         "--standalone",
         "-m",
-        "tools.commands.demo_dist",
+        "infinity.cli.demo_dist",
         *argv,
         "--worker",
         "--result-dir",
@@ -314,13 +308,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     gpt = model_config(args)
     if args.ranks < 2:
         raise UserError(
-            f"--ranks {args.ranks}: use 2 or more (python -m tools.commands.demo trains "
+            f"--ranks {args.ranks}: use 2 or more (python -m infinity.cli.demo trains "
             f"in one process)"
         )
     torch.manual_seed(args.seed)
     nvme = split_paths(args.nvme_path)
     if args.trainer:
-        from tools.commands import demo_trainer
+        from infinity.cli import demo_trainer
 
         model: torch.nn.Module = demo_trainer.llama(args)
     else:
@@ -399,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.worker and args.trainer:
-        from tools.commands import demo_trainer
+        from infinity.cli import demo_trainer
 
         return demo_trainer.worker(args)
     if args.worker:

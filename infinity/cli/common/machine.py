@@ -127,7 +127,7 @@ def machine_info(path: Path) -> dict:
         "mount": mount_of(path),
         "block_device": block_device(path),
         "free_bytes": shutil.disk_usage(path).free,
-        "git_commit": git_commit(Path(__file__).resolve().parents[2]),
+        "git_commit": git_commit(Path(__file__).resolve().parents[3]),
     }
 
 

@@ -1,8 +1,9 @@
 """infinity-plan: which offload configuration to run a model with, before paying for the run.
 
     infinity-plan --hf-config ./llama/config.json --batch 4 --seq-len 1024 --disk bench.json
-    infinity-plan --module tools.benchmarks.bench_overlap:mlp \\
-                  --args '{"layers": 24, "width": 2048}' --batch 16 --disk-gbps 2.5,1.8 \\
+    infinity-plan --module infinity.cli.common.tiny_gpt:TinyGPT \\
+                  --args '{"layers": 12, "width": 768}' --batch 8 --seq-len 256 \\
+                  --disk-gbps 2.5,1.8 \\
                   --write-config best.json
     infinity-plan --hf-config llama-2-70b.json --batch 1 --seq-len 4096 --device-profile H200 \\
                   --disk-gbps 7,7 --drives 4 --ranks 8 --host-ram 2TiB
@@ -27,7 +28,7 @@ module's matmul FLOPs ratio. The CPU optimizer's time per element is then measur
 With --validate [STEPS] the best candidate that fits is then run here for real (the same model,
 batch, optimizer and loop, the candidate's configuration, the recording's swap directory), and
 its prediction is printed against what it measured: step time, bytes read and written per step
-and peak RSS, each with its ratio, and a verdict (tools/commands/plan_validation.py). Only a plan
+and peak RSS, each with its ratio, and a verdict (infinity/cli/plan_validation.py). Only a plan
 that can run here can be validated: not one for --ranks > 1, a GPU --device-profile or a
 scaled-down copy.
 
@@ -61,16 +62,10 @@ import torch
 from torch import nn
 
 from infinity import OffloadConfig
-from infinity.config import ALIGNMENT, format_size
-from infinity.errors import AttachError, BudgetError, ConfigError
-from infinity.planning import planner
-from infinity.planning import scaled as planner_scaled
-from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
-from infinity.planning.simulated_time import Contention, ContentionError
-from swap import NvmePathError, SwapConfigError, SwapSpaceError
-from tools.benchmarks.bench_overlap import store_disk_profile
-from tools.commands import plan_validation
-from tools.commands.plan_models import (
+from infinity.cli import plan_validation
+from infinity.cli.common.args import config_size, guarded, parse, positive
+from infinity.cli.common.transfers import store_disk_profile
+from infinity.cli.plan_models import (
     MIN_BUFFER,
     OPTIMIZERS,
     UserError,
@@ -83,10 +78,16 @@ from tools.commands.plan_models import (
     record,
     scaled_changes,
 )
-from tools.commands.plan_report import Candidate, Plan, Table, candidate_json, table
-from tools.common.cli import config_size, guarded, parse, positive
+from infinity.cli.plan_report import Candidate, Plan, Table, candidate_json, table
+from infinity.config import ALIGNMENT, format_size
+from infinity.errors import AttachError, BudgetError, ConfigError
+from infinity.planning import planner
+from infinity.planning import scaled as planner_scaled
+from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
+from infinity.planning.simulated_time import Contention, ContentionError
+from swap import NvmePathError, SwapConfigError, SwapSpaceError
 
-log = logging.getLogger("tools.commands.plan")
+log = logging.getLogger("infinity.cli.plan")
 
 #: device memory of the GPU presets (data sheets: A100 SXM4 80 GB, H100 SXM5 80 GB, H200 SXM
 #: 141 GB of HBM)
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="{}",
         metavar="JSON",
         help="keyword arguments of --module as a JSON object (a single dataclass argument, such "
-        "as tools.common.tiny_gpt:TinyGPT's GPTConfig, is built from them)",
+        "as infinity.cli.common.tiny_gpt:TinyGPT's GPTConfig, is built from them)",
     )
     add("--batch", type=positive(int), default=1, help="sequences per step (%(default)s)")
     add(

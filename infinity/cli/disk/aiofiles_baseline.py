@@ -14,9 +14,9 @@ import os
 import time
 from pathlib import Path
 
-from tools.common.aggregate import summarize
-from tools.common.units import format_size
-from tools.disk.sweep import DIRECTIONS, Sample, _process_cpu
+from infinity.cli.common.aggregate import summarize
+from infinity.cli.common.units import format_size
+from infinity.cli.disk.sweep import DIRECTIONS, Sample, _process_cpu
 
 # asyncio.gather over WINDOW worker coroutines, each with its own aiofiles file object (seek then
 # write/read), worker i taking blocks i, i + WINDOW, ...: WINDOW requests at distinct offsets are
