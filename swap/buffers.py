@@ -5,6 +5,11 @@ Each slot starts on a 4096-byte boundary (O_DIRECT needs the memory, offset and 
 and every page is touched at creation, because the first submit on untouched pages pays for the
 page faults inside the I/O path. With CUDA the allocation is page-locked, so device copies from
 and to it are asynchronous; without CUDA it is plain anonymous memory and the pool says so.
+
+Page-locking is done here, at the allocation's exact size: the pool maps page-aligned memory
+itself and registers it with CUDA (``cudaHostRegister``; :class:`CudaHostPinner`), unregistering
+it at close. ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator,
+which rounds each block up to a power of two and keeps it: a 20 GiB arena would lock 32 GiB.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -144,16 +149,49 @@ def release_pages(address: int, length: int) -> bool:
     return _release(start, stop - start, _MADV_DONTNEED) == 0
 
 
+class HostPinner(Protocol):
+    """Page-locks memory the pool allocated (and unlocks it before it is unmapped)."""
+
+    def register(self, address: int, nbytes: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+class CudaHostPinner:
+    """Page-locks with ``cudaHostRegister``: exactly the bytes given, which the pool mapped."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        if int(error):
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes} bytes failed (CUDA error {int(error)}): the "
+                f"system's limit on locked memory (ulimit -l) may be below it; lower "
+                f"buffer_count or buffer_size, or set pin_memory=False"
+            )
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class _PinnedRegion:
+    """A mapping registered with a pinner: unregistered, then unmapped, at close."""
+
+    def __init__(self, region: mmap.mmap, pinner: HostPinner, address: int) -> None:
+        self.region = region
+        self.pinner = pinner
+        self.address = address
+
+    def close(self) -> None:
+        self.pinner.unregister(self.address)
+        self.region.close()
+
+
 def _allocate(
-    total: int, pin: bool, prefault: bool = True
+    total: int, pinner: HostPinner | None, prefault: bool = True
 ) -> tuple[np.ndarray, torch.Tensor, object]:
     """Returns (uint8 array, uint8 tensor, owner) over ``total`` page-aligned bytes, faulted in
-    unless ``prefault`` is False (then each page is faulted by its first use)."""
-    if pin:
-        tensor = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        tensor.zero_()  # cudaHostAlloc already locks the pages; zeroing makes the content defined
-        array = tensor.numpy()
-        return array, tensor, tensor
+    unless ``prefault`` is False (then each page is faulted by its first use); page-locked by
+    ``pinner`` at exactly ``total`` bytes when one is given (locking faults every page)."""
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
     region = mmap.mmap(-1, total, flags=flags)
     array = np.frombuffer(region, dtype=np.uint8)
@@ -165,7 +203,11 @@ def _allocate(
         except (OSError, ValueError):
             array.fill(0)  # older kernels: touch every page
     tensor = torch.from_numpy(array)
-    return array, tensor, region
+    if pinner is None:
+        return array, tensor, region
+    address = int(array.ctypes.data)
+    pinner.register(address, total)
+    return array, tensor, _PinnedRegion(region, pinner, address)
 
 
 class BufferPool:
@@ -185,7 +227,10 @@ class BufferPool:
         pin_memory: bool | None = None,
         name: str = "swap",
         prefault: bool = True,
+        pinner: HostPinner | None = None,
     ) -> None:
+        """``pinner``: how memory is page-locked where it is pinned (default: CUDA's
+        cudaHostRegister; given, it pins without CUDA, for tests of the sizing)."""
         if not isinstance(buffer_count, int) or isinstance(buffer_count, bool) or buffer_count < 1:
             raise SwapConfigError(f"buffer_count must be a positive integer, got {buffer_count!r}")
         if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 1:
@@ -193,10 +238,12 @@ class BufferPool:
         self.name = name
         self.buffer_size = align_up(buffer_size)
         self.buffer_count = buffer_count
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() or pinner is not None
         if pin_memory is None:
             pin_memory = cuda
         self.pinned = bool(pin_memory and cuda)
+        if self.pinned and pinner is None:
+            pinner = CudaHostPinner()
         if pin_memory and not cuda:
             log.info(
                 "%s pool: CUDA is not available, buffers are plain aligned memory (not pinned)",
@@ -204,7 +251,7 @@ class BufferPool:
             )
         total = self.buffer_size * buffer_count
         # The buffers' views keep the memory alive; ``_owner`` frees it at close.
-        array, tensor, self._owner = _allocate(total, self.pinned, prefault)
+        array, tensor, self._owner = _allocate(total, pinner if self.pinned else None, prefault)
         if array.ctypes.data % ALIGNMENT:
             raise RuntimeError("pool allocation is not page aligned")
         self._buffers = [
@@ -231,6 +278,11 @@ class BufferPool:
     @property
     def nbytes(self) -> int:
         return self.buffer_size * self.buffer_count
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked: every byte of the pool when pinned (no rounding), else none."""
+        return self.nbytes if self.pinned else 0
 
     @property
     def free_count(self) -> int:
@@ -293,7 +345,7 @@ class BufferPool:
             self._cond.notify_all()
         self._buffers.clear()
         owner, self._owner = self._owner, None
-        if isinstance(owner, mmap.mmap):
+        if isinstance(owner, (mmap.mmap, _PinnedRegion)):
             try:
                 owner.close()
             except BufferError:

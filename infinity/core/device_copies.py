@@ -94,6 +94,7 @@ class DeviceCopies:
         persistent: frozenset[int],
         assemble_ahead_bytes: int = 64 << 20,
         reshard_after_forward: bool | str = True,
+        device_ahead: int = 0,
     ) -> None:
         self._host = host_copies
         self.host_tier = host
@@ -129,6 +130,15 @@ class DeviceCopies:
         #: of them not used since (see release)
         self._assembled_with: dict[int, _Assembled] = {}
         self.assembled_ahead = 0
+        #: one process with asynchronous copies (CUDA): host->device copies of the next
+        #: ``device_ahead`` modules' parameters are issued on the copy stream while the current
+        #: one computes (see gather_ahead)
+        self.device_ahead = device_ahead
+        #: entry index -> the events of its copies issued ahead, which the compute stream waits
+        #: for at the entry's gather (settle), not before
+        self.copied_ahead: dict[int, list] = {}
+        #: device copies issued ahead (counted once each)
+        self.gathered_ahead = 0
         #: device copies that are the host copy itself, or a range of the device slab (a CPU
         #: device, without autograd)
         self.lending = HostLending(
@@ -166,7 +176,10 @@ class DeviceCopies:
 
     def settle(self, entry: ParamEntry) -> None:
         """Completes the all-gathers a look-ahead started for ``entry``'s device copy (across
-        ranks); before that its bytes are not all there."""
+        ranks), or orders the compute stream after the copies issued ahead for it (one
+        process); before that its bytes are not all there."""
+        for event in self.copied_ahead.pop(entry.index, ()):
+            self.device.wait(event)
         pending = self.assembling.pop(entry.index, None)
         if pending:
             for handle in pending:
@@ -182,12 +195,10 @@ class DeviceCopies:
         those reads further ahead)."""
         partition = self.partition
         trace = self.follower.trace
-        if (
-            partition is None
-            or partition.stage < 3
-            or not self.assemble_ahead_bytes
-            or trace is None
-        ):
+        if partition is None:
+            self.gather_ahead()
+            return
+        if partition.stage < 3 or not self.assemble_ahead_bytes or trace is None:
             return
         entries = self.registry.entries
         under_way = sum(entries[index].device_bytes for index in self.assembling)
@@ -221,6 +232,34 @@ class DeviceCopies:
                 self._assemble(members, defer=True)
                 under_way += need
                 self.assembled_ahead += len(members)
+
+    def gather_ahead(self) -> None:
+        """One process with asynchronous copies, after a module's gathers: issues the
+        host->device copies of the parameters of the next ``device_ahead`` modules in the
+        trace's order on the copy stream, so the link works while this module computes; the
+        compute stream waits for them only at their own module's gather (``settle``). Only
+        copies whose host copies are settled on the host already (never waiting for a read or
+        a write) and that fit in free device room (never evicting)."""
+        trace = self.follower.trace
+        if not self.device.asynchronous or self.device_ahead <= 0 or trace is None:
+            return
+        entries = self.registry.entries
+        for event in self.follower.upcoming(self.device_ahead):
+            for index in event.entries:
+                entry = entries[index]
+                if (
+                    entry.resident
+                    or entry.placeholder is not None
+                    or index in self._host.uninitialised
+                    or not self.device.has_room(entry.device_bytes)
+                    or not all(
+                        source.state.on_host and not source.state.in_flight
+                        for source in (self._host.gather_source(s) for s in entry.shards)
+                    )
+                ):
+                    continue
+                self._fill_device(entry, ahead=True)
+                self.gathered_ahead += 1
 
     def _bucket_members(self, entry: ParamEntry) -> list[ParamEntry]:
         """The entries the all-gathers of ``entry``'s buckets assemble: ``entry``, and for a
@@ -311,6 +350,7 @@ class DeviceCopies:
         prepare: Callable[[], None] | None = None,
         before_read: Callable[[Shard], None] | None = None,
         complete: Callable[[], None] | None = None,
+        ahead: bool = False,
     ) -> None:
         """Makes ``entry``'s device copy from its host copies: starts their reads, runs
         ``prepare`` (the destination's bytes), then, shard by shard as each host copy is
@@ -320,7 +360,8 @@ class DeviceCopies:
         ``complete`` runs once all are copied. If anything fails the device copy is incomplete
         and none of it counts: the shards copied so far go back to their host/NVMe states, the
         copies are waited for and ``undo`` frees the destination. Otherwise the entry is
-        resident once its copies are ordered before the compute stream's next use."""
+        resident once its copies are ordered before the compute stream's next use (``ahead``:
+        at the entry's next gather, see :meth:`settle`)."""
         shards = self.shards_on_host(entry, before_read)
         if prepare is not None:
             prepare()
@@ -345,8 +386,11 @@ class DeviceCopies:
                     event.synchronize()
             undo()
             raise
-        for event in events:
-            self.device.wait(event)
+        if ahead:
+            self.copied_ahead[entry.index] = [e for e in events if e is not None]
+        else:
+            for event in events:
+                self.device.wait(event)
         self.mark_resident(entry)
 
     def mark_resident(self, entry: ParamEntry) -> None:
@@ -354,9 +398,9 @@ class DeviceCopies:
         entry.resident = True
         self.on_device.add(entry)
 
-    def _fill_device(self, entry: ParamEntry) -> None:
+    def _fill_device(self, entry: ParamEntry, ahead: bool = False) -> None:
         """Fills the entry's device copy from the host copies of what it is gathered from (one
-        process; across ranks see :meth:`_assemble`)."""
+        process; across ranks see :meth:`_assemble`); ``ahead``: see :meth:`gather_ahead`."""
         tensor = entry.device_tensor
         assert tensor is not None  # given at attach (adopt)
         flat = tensor.view(-1)  # the storage that fill() gives its bytes
@@ -371,6 +415,7 @@ class DeviceCopies:
             copy,
             undo=lambda: self.device.empty(tensor),
             prepare=lambda: self.device.fill(tensor),
+            ahead=ahead,
         )
 
     def _assemble(self, members: list[ParamEntry], defer: bool) -> None:
@@ -419,6 +464,8 @@ class DeviceCopies:
                     partition, shards, outputs, bucket.dtype, buffers_on, partition.scratch
                 )
                 gathers.append(gather)
+                # The slots may be a block that queued kernels still read: copies after them.
+                self.device.streams.allocated(gather.buffer)
                 # What each shard is gathered from: its master, or its compute copy (see
                 # Placement.gather_source), in the bucket's dtype either way.
                 sources = [host.gather_source(shard) for shard in shards]
@@ -466,6 +513,16 @@ class DeviceCopies:
         else:
             for gather in gathers:
                 gather.wait()
+
+    def wait_host_reads(self, shards: Iterable[Shard]) -> None:
+        """The host waits for the device copies still reading ``shards``' host copies, before
+        it writes them (a master's update, its compute copy's refresh): a copy issued ahead
+        (or any copy on a GPU) runs after the host moved on."""
+        for shard in shards:
+            event = shard.copy_event
+            if event is not None:
+                self.device.streams.synchronize(event)
+                shard.copy_event = None
 
     def release(self, entry: ParamEntry) -> None:
         """Drops a hold. The device copy stays cached until eviction needs its bytes."""

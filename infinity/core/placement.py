@@ -224,6 +224,7 @@ class Placement:
             persistent=settings.persistent,
             assemble_ahead_bytes=settings.assemble_ahead_bytes,
             reshard_after_forward=settings.reshard_after_forward,
+            device_ahead=getattr(prefetch, "depth", 0),
         )
         #: reads and write-backs ahead of need, driven by the trace
         self.prefetching = TracePrefetching(
@@ -365,9 +366,7 @@ class Placement:
 
     def free_slot(self, shard: Shard) -> None:
         """Gives ``shard``'s arena slot back (its host copy goes with it)."""
-        if shard.copy_event is not None:
-            shard.copy_event.synchronize()
-            shard.copy_event = None
+        self.copies.wait_host_reads((shard,))  # a device copy may still read the slot
         assert shard.arena_offset is not None, f"{shard} has no arena slot"
         self.host.give_arena(shard.arena_offset, shard.nbytes)
         self.in_arena.discard(shard)
@@ -859,6 +858,7 @@ class Placement:
         stale extent) can be healed by writing its value again (a checkpoint load). Afterwards
         the shard is on the host; from ``NVME`` it is ``HOST`` with undefined contents, which
         the caller must fill before anything else reads them."""
+        self.copies.wait_host_reads((shard,))
         self.reap(shard, wait=True)
         # A param shard that never had values (uninitialised):
         if shard.state is R.EMPTY and shard.kind is ShardKind.PARAM:
@@ -966,6 +966,7 @@ class Placement:
                 self.reap(compute, wait=True)
             if compute.state is not R.HOST:
                 self.registry.set_state(compute, R.HOST)
+        self.copies.wait_host_reads((compute,))  # a device copy may still read the old values
         compute.host_copy().copy_(shard.host_copy())
         compute.version = shard.version
         if write_back:

@@ -48,6 +48,7 @@ from infinity.core.memory import (
 from infinity.core.placement import Placement, PlacementSettings
 from infinity.core.policies import BeladyEviction, LookaheadPrefetch
 from infinity.core.shards import ParamEntry, Shard, ShardRegistry
+from infinity.core.streams import device_named
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError, CheckpointError, ConfigError
@@ -77,14 +78,9 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise AttachError(
-            f"device {name!r} was asked for but CUDA is not available: use device='auto' or 'cpu'"
-        )
-    return device
+    """The device ``name`` names, with its index (``cuda`` is ``cuda:N``, N the current device):
+    tensors made on it report one, and every comparison with them must see the same device."""
+    return device_named(name, torch.cuda.is_available(), torch.cuda.current_device)
 
 
 class TieredStore:

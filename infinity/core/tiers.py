@@ -22,6 +22,7 @@ import torch
 from torch.types import Storage
 
 from infinity.core.arena import SlotArena
+from infinity.core.streams import StreamEvent, Streams, streams_for
 from infinity.errors import BudgetError
 from swap import ALIGNMENT, BufferPool, HostBuffer, advise_huge_pages, align_up, release_pages
 from swap.files import RangeAllocator
@@ -71,19 +72,29 @@ class TierUsage:
 class DeviceTier:
     """Working copies on ``device`` under ``budget`` bytes."""
 
-    def __init__(self, device: torch.device, budget: int, copies: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, budget: int, copies: int = 0, streams: Streams | None = None
+    ) -> None:
         """``copies``: how many working copies there may be (the parameters), each of which
         takes a 4096-aligned range of the slab: its alignment is room beside the budget's bytes,
-        so that a budget of every parameter's bytes holds every copy."""
+        so that a budget of every parameter's bytes holds every copy. ``streams``: how copies
+        are ordered (infinity.core.streams; default: the device's own)."""
         self.device = device
         self.budget = budget
         self.slab_bytes = align_up(max(budget, 1)) + ALIGNMENT * copies
         self.usage = TierUsage()
         self.cuda = device.type == "cuda"
+        #: every stream/event ordering of the tier's copies (infinity.core.streams)
+        self.streams = streams if streams is not None else streams_for(device)
+        #: copies run after they are issued, ordered by events (CUDA, or the recording fake)
+        self.asynchronous = self.streams.asynchronous
         #: whether working copies are host memory (a CPU device): a gradient computed there
         #: is already a host tensor (the planner's meta tier says what it simulates)
-        self.host_memory = device.type == "cpu"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.host_memory = device.type == "cpu" and not self.asynchronous
+        #: the device memory the allocator reserved beyond what it handed out, at its most,
+        #: on top of the tier's peak (see check_reserved)
+        self.reserved_excess = 0
+        self._warned_reserved = False
         # Traffic between the tiers, for stats(). Seconds count only copies the training
         # thread performs itself: without a GPU every copy is a memcpy on the cores that also
         # compute, which is the part of an attached step that a GPU's copy engine would take.
@@ -116,7 +127,7 @@ class DeviceTier:
     @property
     def uses_slab(self) -> bool:
         """Whether working copies are ranges of the slab (a CPU device)."""
-        return self.device.type == "cpu" and _CAN_SWAP_STORAGE
+        return self.device.type == "cpu" and _CAN_SWAP_STORAGE and not self.asynchronous
 
     def holds_address(self, address: int) -> bool:
         """Whether ``address`` lies in the slab (a CPU device's working copies)."""
@@ -139,7 +150,9 @@ class DeviceTier:
         except BaseException:
             self.usage.sub(nbytes)
             raise
-        if self.device.type == "cpu":
+        # The copy that fills it must come after the block's last reader (streams.allocated).
+        self.streams.allocated(tensor)
+        if self.device.type == "cpu" and not self.asynchronous:
             # A fresh mapping for every gather (see infinity.core.memory): with 4 KiB pages, filling
             # it costs about as much in page faults as in copying.
             advise_huge_pages(storage.data_ptr(), nbytes)
@@ -229,22 +242,22 @@ class DeviceTier:
             assert self._slab_ranges is not None  # made with the slab
             self._slab_ranges.give(copy.offset, align_up(copy.nbytes))
         else:
+            self.streams.freed(tensor)
             storage.resize_(0)
         self.usage.sub(tensor.numel() * tensor.element_size())
 
     def copy_in(
         self, dst: torch.Tensor, src: torch.Tensor, quant: WeightQuantizer | None = None
-    ) -> torch.cuda.Event | None:
-        """Copies host ``src`` into device ``dst``; on CUDA asynchronously on the copy stream.
-        With ``quant``, ``src`` is a quantized shard's stored bytes, decoded into ``dst`` (on
-        CUDA moved as they are and decoded on the device). ``bytes_in`` counts the bytes that
-        cross (``src``'s when quantized). Returns the event that marks completion (None when
-        the copy is already done)."""
-        if quant is None:
-            self.bytes_in += dst.numel() * dst.element_size()
-        else:
-            self.bytes_in += src.numel() * src.element_size()
-        if not self.cuda:
+    ) -> StreamEvent:
+        """Copies host ``src`` into device ``dst``; on CUDA asynchronously on the copy stream,
+        after ``dst``'s allocation (``fill``). With ``quant``, ``src`` is a quantized shard's
+        stored bytes, decoded into ``dst`` (on CUDA moved as they are and decoded on the
+        device). A master in another dtype than ``dst`` (fp32 for a bf16 copy) is converted on
+        the host first, so the link carries the compute dtype's bytes rather than the master's
+        and no device temporary of the master's size is made. ``bytes_in`` counts the bytes
+        that cross. Returns the event that marks completion (None when the copy is done)."""
+        if not self.asynchronous:
+            self.bytes_in += (src if quant is not None else dst).nbytes
             started = time.perf_counter()
             if quant is None:
                 dst.copy_(src)
@@ -252,31 +265,84 @@ class DeviceTier:
                 quant.decode(src, dst)
             self.copy_seconds += time.perf_counter() - started
             return None
-        stream = self.copy_stream
-        assert stream is not None  # made on CUDA
-        with torch.cuda.stream(stream):
+        if quant is None and src.dtype != dst.dtype:
+            # Pinned where CUDA is: torch's host allocator keeps the block until the copy ran.
+            staged = torch.empty(src.shape, dtype=dst.dtype, pin_memory=self.cuda)
+            staged.copy_(src)
+            src = staged
+        self.bytes_in += src.nbytes
+
+        def work() -> None:
             if quant is None:
                 dst.copy_(src, non_blocking=True)
             else:
-                stored = src.to(dst.device, non_blocking=True)
-                quant.decode(stored, dst)
-                stored.record_stream(stream)
-            dst.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+                # Made on the copy stream, used there only: its reuse is ordered on it.
+                quant.decode(src.to(dst.device, non_blocking=True), dst)
+
+        return self.streams.copy(work, keep=(dst,), label="h2d", nbytes=src.nbytes)
+
+    def copy_out_async(self, dst: torch.Tensor, src: torch.Tensor) -> StreamEvent:
+        """Starts copying device ``src`` (what the compute stream just produced: a gradient)
+        into host ``dst`` on the copy stream; returns its event (None: done already). ``dst``
+        must stay untouched by the host until the event completes (``streams.synchronize``,
+        or a :class:`~infinity.core.streams.CompletionQueue`)."""
+        self.bytes_out += src.nbytes
+        if not self.asynchronous:
+            started = time.perf_counter()
+            dst.copy_(src)
+            self.copy_seconds += time.perf_counter() - started
+            return None
+        self.streams.after_compute()
+
+        def work() -> None:
+            dst.copy_(src, non_blocking=True)
+
+        return self.streams.copy(work, keep=(src,), label="d2h", nbytes=src.nbytes)
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copies device ``src`` into host ``dst`` (a gradient leaving the device), blocking."""
-        started = time.perf_counter()
-        dst.copy_(src)
-        self.copy_seconds += time.perf_counter() - started
-        self.bytes_out += src.numel() * src.element_size()
+        """Copies device ``src`` into host ``dst``, blocking."""
+        self.streams.synchronize(self.copy_out_async(dst, src))
 
-    def wait(self, event: torch.cuda.Event | None) -> None:
+    def wait(self, event: StreamEvent) -> None:
         """Makes the compute stream wait for a copy before using its destination."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        self.streams.wait(event)
+
+    def check_reserved(self) -> int:
+        """Compares the device memory the allocator reserved (every stream's pool: the copy
+        stream's, conversion temporaries, fragmentation) with the budget, which counts the
+        working copies' logical bytes only. Logs once when the memory reserved beyond what was
+        ever allocated, added to the tier's peak, passes the budget; returns that excess
+        (0 without CUDA)."""
+        figures = self.streams.memory_figures()
+        if figures is None:
+            return 0
+        reserved, max_allocated = figures
+        excess = reserved_over_budget(reserved, max_allocated, self.usage.peak, self.budget)
+        self.reserved_excess = max(self.reserved_excess, excess)
+        if excess > 0 and not self._warned_reserved:
+            self._warned_reserved = True
+            log.warning(
+                "device memory: the allocator reserves %d bytes (at most %d of them allocated "
+                "at once), so the device tier's %d-byte peak takes %d bytes more than "
+                "device_budget=%d allows (the copy stream's pool, conversion temporaries and "
+                "fragmentation are outside its logical accounting): lower device_budget by "
+                "that much, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                reserved,
+                max_allocated,
+                self.usage.peak,
+                excess,
+                self.budget,
+            )
+        return excess
+
+
+def reserved_over_budget(reserved: int, max_allocated: int, tier_peak: int, budget: int) -> int:
+    """Bytes by which the device tier's real footprint passes ``budget``: its logical peak plus
+    what the allocator reserves beyond the most it ever handed out (cached blocks of other
+    streams' pools, fragmentation), which the tier's working copies cause as much as anything.
+    0 when within the budget."""
+    overhead = max(0, reserved - max_allocated)
+    return max(0, tier_peak + overhead - budget)
 
 
 class HostTier:
@@ -451,4 +517,4 @@ class _MetaBuffer:
         return torch.empty(numel, dtype=dtype, device="meta")
 
 
-__all__ = ["DeviceTier", "HostTier", "TierUsage"]
+__all__ = ["DeviceTier", "HostTier", "TierUsage", "reserved_over_budget"]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from infinity.core.shards import Shard
+from infinity.core.streams import same_device
 from infinity.ranks.buckets import Bucket, BucketLayout, offsets_of
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class BucketGather:
             len(self.shards) == 1
             and out.numel() == world * self.per_rank
             and out.dtype == dtype
-            and out.device == device
+            and same_device(out.device, device)
             and out.is_contiguous()
         )
         self.buffer = out if self.direct else scratch.take(world * self.per_rank, dtype, device)
@@ -235,7 +236,7 @@ class GradientBuckets:
                 len(bucket.shards) == 1
                 and piece.numel() == whole
                 and piece.dtype == bucket.dtype
-                and piece.device == self.device
+                and same_device(piece.device, self.device)
                 and piece.is_contiguous()
             ):
                 filling = _Filling(bucket, piece, borrowed=True)

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from infinity.core.finalizers import interrupt_safe
+from infinity.core.streams import same_device
 from infinity.errors import BudgetError, InfinityError
 from infinity.training.param_access import SavedParameter
 from swap import BufferPool, Extent, HostBuffer, SwapEngine, align_up
@@ -431,7 +432,7 @@ class ActivationOffload:
         if (
             type(tensor) is not torch.Tensor
             or tensor.layout is not torch.strided
-            or tensor.device != self.device
+            or not same_device(tensor.device, self.device)
             or tensor.is_conj()
             or tensor.is_neg()
         ):

@@ -21,8 +21,9 @@ import torch
 
 from infinity.core.residency import Residency as R
 from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardRegistry
+from infinity.core.streams import CompletionQueue
 from infinity.core.tiers import DeviceTier, HostTier
-from infinity.observability.timeline import Timeline
+from infinity.core.timeline import Timeline
 
 if TYPE_CHECKING:
     from infinity.ranks.partition import Partition
@@ -87,6 +88,11 @@ class Gradients:
         self._reducing: dict[int, tuple[int, bool]] = {}
         #: a quantized weight's gradient was discarded, and said so
         self._warned_quantized = False
+        #: with asynchronous copies (CUDA): gradients on their way off the device into pinned
+        #: host buffers, and the host work (accumulation, norm, the report that lets an update
+        #: in backward run) each one waits for; run at the next hook whose copies are done, all
+        #: of it before anything reads a gradient (finish_reductions)
+        self.arriving = CompletionQueue(device.streams)
 
     def set_loss_scale(self, scale: float) -> None:
         """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
@@ -134,6 +140,7 @@ class Gradients:
                 self._complete.append((entry, nested))
             return
         scale = self.loss_scale if unscale else 1.0
+        self.arriving.poll()
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
         reducing = 0
@@ -151,14 +158,35 @@ class Gradients:
                     functools.partial(self._reduced, shard, scale=scale, report=report),
                 )
                 continue
-            self._accumulate_grad(shard, self._own_part(flat, shard), scale)
+            if self.device.asynchronous:
+                self._send_to_host(shard, self._own_part(flat, shard), scale)
+            else:
+                self._accumulate_grad(shard, self._own_part(flat, shard), scale)
         self.timeline.span(entry.name, "d2h", started, time.perf_counter())
         if report:
             if reducing:
                 count, was_nested = self._reducing.get(entry.index, (0, False))
                 self._reducing[entry.index] = (count + reducing, was_nested or nested)
             else:
-                self._complete.append((entry, nested))
+                # After the host work of its shards (the queue keeps their order).
+                self.arriving.add(
+                    None, lambda: self._complete.append((entry, nested)), f"report {entry.name}"
+                )
+
+    def _send_to_host(self, shard: Shard, piece: torch.Tensor, scale: float) -> None:
+        """Starts ``piece`` (the shard's part of a device gradient) on its way into a pinned
+        host buffer on the copy stream, in its own dtype (a bf16 gradient crosses as bf16 and
+        is converted on the host, from pinned memory); its accumulation runs once the copy's
+        event has completed (``arriving``), while the device computes on."""
+        if scale != 1.0:
+            piece = piece.to(shard.dtype) / scale  # unscaled on the device, where it is
+        staged = self.host.scratch(tuple(piece.shape), piece.dtype)
+        event = self.device.copy_out_async(staged, piece)
+        self.arriving.add(
+            event,
+            functools.partial(self._accumulate_grad, shard, staged, 1.0, True),
+            f"grad {shard.id}",
+        )
 
     def _reduced(self, shard: Shard, piece: torch.Tensor, scale: float, report: bool) -> None:
         """A reduction landed: this rank's averaged slice of ``shard``'s gradient."""
@@ -176,39 +204,42 @@ class Gradients:
         """The entries whose gradient from backward became complete since the last call (taken
         with ``report``), each with whether a nested backward produced it, in the order they
         completed."""
+        self.arriving.poll()
         out, self._complete = self._complete, []
         return out
 
     def finish_reductions(self) -> None:
         """Completes the gradient reductions under way across ranks (end of backward, and
-        before anything reads a gradient)."""
+        before anything reads a gradient), and the host work of gradients still on their way
+        off the device."""
+        self.arriving.drain()
         if self.partition is not None:
             self.partition.finish_reductions()
 
-    def _accumulate_grad(self, shard: Shard, piece: torch.Tensor, scale: float) -> None:
+    def _accumulate_grad(
+        self, shard: Shard, piece: torch.Tensor, scale: float, on_host: bool = False
+    ) -> None:
         """Adds ``piece`` (the shard's part of a new gradient, times ``scale``) to its
-        accumulated gradient."""
+        accumulated gradient. ``on_host``: ``piece`` is a host buffer the store may keep (a
+        device gradient that arrived, see ``_send_to_host``)."""
+        host = on_host or self.device.host_memory
         if scale != 1.0:
             piece = piece.to(shard.dtype) / scale  # unscale before accumulating
         if shard.grad_scale != 1.0 and self.has_grad(shard):
             # The loop scaled the gradient so far (p.grad.mul_): do it before adding more.
             self.apply_grad_multiplier(shard, self._grad_for_write(shard), 1.0)
         if not self.grads_on_nvme or self._updated_right_away(shard, piece):
-            if (
-                shard.grad is None
-                and self.device.host_memory
-                and piece.dtype == shard.dtype
-                and piece.is_contiguous()
-            ):
-                # A gradient computed in host memory (no GPU) already is a host tensor:
-                # keep it instead of copying it (the hook drops param.grad right after).
+            if shard.grad is None and host and piece.dtype == shard.dtype and piece.is_contiguous():
+                # A gradient computed in host memory (no GPU), or one that arrived in a host
+                # buffer, already is a host tensor: keep it instead of copying it (the hook
+                # drops param.grad right after).
                 self._hold_grad(shard, piece)
             elif shard.grad is None:
                 held = self.host.scratch(shard.numel, shard.dtype)
                 self._hold_grad(shard, held)
-                self.device.copy_out(held, piece)
+                self._copy_into(held, piece, on_host)
             else:
-                shard.grad.add_(self._on_host(piece, shard.grad.dtype))
+                shard.grad.add_(self._on_host(piece, shard.grad.dtype, on_host))
             target = shard.grad
             assert target is not None  # held above
         else:
@@ -216,9 +247,9 @@ class Gradients:
             if target is None:
                 holder = self._slots.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
                 target = self._slots.fill(holder)
-                self.device.copy_out(target, piece)
+                self._copy_into(target, piece, on_host)
             else:
-                target.add_(self._on_host(piece, target.dtype))
+                target.add_(self._on_host(piece, target.dtype, on_host))
         shard.grad_scale = 1.0
         shard.grad_sq_norm = _sq_norm(target) if self.track_grad_norms else None
 
@@ -346,9 +377,18 @@ class Gradients:
             shard.grad = None
             self.grad_bytes -= shard.nbytes
 
-    def _on_host(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _copy_into(self, target: torch.Tensor, piece: torch.Tensor, on_host: bool) -> None:
+        """``piece`` into the host tensor ``target`` (off the device, unless ``on_host``)."""
+        if on_host:
+            target.copy_(piece)
+        else:
+            self.device.copy_out(target, piece)
+
+    def _on_host(
+        self, piece: torch.Tensor, dtype: torch.dtype, on_host: bool = False
+    ) -> torch.Tensor:
         """``piece`` as a host tensor of ``dtype`` to accumulate from (copied off a GPU)."""
-        if self.device.host_memory:
+        if on_host or self.device.host_memory:
             return piece.to(dtype)
         out = self.host.scratch(tuple(piece.shape), dtype)
         self.device.copy_out(out, piece)
@@ -384,6 +424,7 @@ class Gradients:
         """Moves gradients kept for an update in backward that has to wait (for
         ``optimizer.step()``) into their companions, where they count in the host budget and
         can be swapped."""
+        self.arriving.drain()
         if not self.grads_on_nvme:
             return
         for shard in entry.shards:
@@ -406,6 +447,7 @@ class Gradients:
 
     def drop_grad(self, shard: Shard) -> None:
         """Forgets one shard's gradient (consumed by the step)."""
+        self.arriving.drain()
         self._forget_grad(shard)
         self._release_grad(shard)
         if self.grads_on_nvme:
@@ -414,7 +456,7 @@ class Gradients:
                 self._slots.discard(holder)
 
     def clear_grads(self, set_to_none: bool = True) -> None:
-        self.finish_reductions()
+        self.finish_reductions()  # gradients still arriving land first, then go
         self._complete.clear()  # nothing left to update in backward: the gradients are gone
         for shard in self.registry.shards.values():
             self._forget_grad(shard)

@@ -353,6 +353,8 @@ class HookSet:
         # Across ranks, the gradient reductions still under way complete now: the loop reads
         # gradients after backward (clipping, norms) and the step consumes them.
         self.placement.gradients.finish_reductions()
+        # The allocator's reserved memory against the device budget (CUDA; logs once).
+        self.placement.device.check_reserved()
         self._callback_queued = False
         self._pass_task = None
         self._backward_pass += 1
