@@ -164,7 +164,7 @@ class Recording:
     updates and their bookkeeping, less its waits and copies), the rate of device copies, and
     the process's RSS besides the tiers. :func:`recording_of` reads it
     from an attached store; a planner for a model too large to run here builds one from a
-    smaller copy (``tools/commands/plan.py``)."""
+    smaller copy (``infinity/cli/plan.py``)."""
 
     trace: Trace
     training: bool
@@ -352,7 +352,7 @@ def simulate(
     last; see :meth:`TieredStore.predict` for the keys).
     ``cpu_memory``: the device tier's bytes are host memory (they count in the RSS).
     ``contention``: how compute and the disk slow each other on this machine (measured, as
-    ``tools/benchmarks/contention.py`` does); None: not at all, and the result says it was not
+    ``infinity/cli/common/contention.py`` does); None: not at all, and the result says it was not
     measured. It applies to a CPU device only: a GPU profile's compute does not share the
     cores with the engine (its CPU optimizer does, which is not modelled).
 

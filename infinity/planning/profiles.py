@@ -27,8 +27,8 @@ class DiskProfile:
     one budget (a read slows a write down, as on this machine's virtio disk and most single
     NVMe drives under mixed load) or run side by side. ``combined_gbps``, where measured, is
     the bytes of both directions per second of a pass that reads and writes as much at once
-    (``bench_overlap.engine_bandwidth(combined=True)``): below what the two alone imply, the
-    replay slows the disk to it while reads and writes are both in flight."""
+    (``engine_bandwidth(combined=True)`` of ``infinity.cli.common.transfers``): below what the
+    two alone imply, the replay slows the disk to it while reads and writes are both in flight."""
 
     read_gbps: float
     write_gbps: float

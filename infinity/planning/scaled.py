@@ -4,7 +4,7 @@ A model with more parameters than can be trained here is planned from a scaled-d
 layers, narrower if need be): the copy's recorded events are repeated for each layer of the full
 model, renamed to it, and each event's compute seconds scaled by the ratio of the full module's
 matmul FLOPs to the copy's (2 x weights x tokens for a linear layer: the weights' ratio at the same
-batch shape). tools/commands/plan.py builds the copy; these functions only need both module trees.
+batch shape). infinity/cli/plan.py builds the copy; these functions only need both module trees.
 """
 
 from __future__ import annotations
