@@ -42,49 +42,40 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from swap.backends.base import BackendAbandonedError, IOBackend, IORequest, Op, Outcome
-from swap.buffers import ALIGNMENT, HostBuffer, align_up
+from swap.buffers import ALIGNMENT, HostBuffer
+from swap.drive_queues import DriveQueues
 from swap.errors import IntegrityError, SwapConfigError, SwapIOError, TransferTimeoutError
 from swap.files import Extent, SwapDirectories, SwapSpace, check_directory
+from swap.hashing import ChunkHasher
 from swap.integrity import Chunk, Integrity
 from swap.probe import choose_backend_for, make_backend
 from swap.settings import EngineSettings
 from swap.stats import EngineStats, StatsRecorder
 from swap.timeouts import Quarantine, Watchdog, cannot_start, request_timed_out
-from swap.transfer import Chain, Piece, Quarantined, Transfer, TransferFuture, cut_into_pieces
+from swap.transfer import (
+    CHAIN_BYTES,
+    Chain,
+    Piece,
+    Quarantined,
+    Transfer,
+    TransferFuture,
+    chain_length,
+    checked_range,
+    cut_into_pieces,
+    padded_in_buffer,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineSettings", "SwapEngine", "TransferFuture"]
+__all__ = ["CHAIN_BYTES", "EngineSettings", "SwapEngine", "TransferFuture", "chain_length"]
 
 SIDECAR_NAME = "integrity.json"
-
-
-#: Bytes each drive's queue slots hold together once enough is queued. Requests complete on
-#: Python threads, which wait for the GIL behind a training thread running Python for up to a
-#: switch interval (5 ms by default) per wake-up; only requests already handed to the backend
-#: move meanwhile, and a slot is refilled only once its whole chain is done. With 16 single
-#: 1 MiB requests (16 MiB) the drive idled through most of each wait: next to a pure-Python
-#: loop the engine kept 0.5-0.6 of its bandwidth (infinity-bench --interference, 1 MiB requests,
-#: queue depth 16). Chains of 4 (64 MiB) kept 0.7-0.98 run to run, chains of 8 (this) 0.78-0.91:
-#: the slots' chains tend to end together, each end costs one wait, so longer chains mean fewer.
-#: The price: transfers smaller than this that are queued together share the slots instead of
-#: finishing one after another. Both backends move a chain with one call, which the kernel splits
-#: into requests of the device's size: the drive sees ``queue_depth`` such calls at a time.
-CHAIN_BYTES = 128 << 20
-
-
-def chain_length(settings: EngineSettings, max_chain: int) -> int:
-    """Requests per queue slot: ``CHAIN_BYTES`` over the drive's slots, within what the backend
-    takes (1 for a backend without chains)."""
-    per_slot = CHAIN_BYTES // (settings.queue_depth * settings.block_size)
-    return max(1, min(max_chain, per_slot))
 
 
 # Engines not yet closed. Their threads keep them alive, so an engine its owner forgot to close
@@ -158,9 +149,14 @@ class SwapEngine:
         if backend_wrapper is not None:
             backend = backend_wrapper(backend)
         self.backend = backend
-        self.window = backend.queue_depth  # queue slots over all drives
-        self.drive_depth = min(self.settings.queue_depth, self.window)
-        self.chain_length = chain_length(self.settings, backend.max_chain)
+        window = backend.queue_depth  # queue slots over all drives
+        #: the requests waiting per drive and the queue slots in use
+        self.queues = DriveQueues(
+            len(roots),
+            window,
+            min(self.settings.queue_depth, window),
+            chain_length(self.settings, backend.max_chain),
+        )
         try:
             self.space = SwapSpace(
                 SwapDirectories(tuple(roots)),
@@ -178,19 +174,8 @@ class SwapEngine:
         self._stats = StatsRecorder()
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
-        self._queues: list[deque[Piece]] = [deque() for _ in roots]
-        self._slots = 0  # queue slots in use (chains in flight), over all drives
-        self._drive_slots = [0] * len(roots)
-        self._stalled = 0  # slots held by a chain with a request that timed out
-        self._drive_stalled = [0] * len(roots)
-        self._next_queue = 0  # round robin over the drive queues
-        self._queued = 0
         self._inflight = 0  # requests in flight, zombies included: they hold backend slots
         self._zombies = 0
-        self._hashing = 0  # chunks queued for or being hashed: their transfers are not done
-        #: chunks to hash, then None: the hasher thread ends
-        self._hash_jobs: queue.SimpleQueue[tuple[Transfer, Chunk] | None] = queue.SimpleQueue()
-        self._hash_cpu = 0.0  # the hasher thread's CPU seconds
         self._flying: set[Piece] = set()  # in flight and not timed out
         self._quarantine = Quarantine()
         self._active: set[Transfer] = set()
@@ -205,10 +190,9 @@ class SwapEngine:
             target=self._dispatch, name="swap-callbacks", daemon=True
         )
         self._dispatcher.start()
-        self._hasher: threading.Thread | None = None
+        self._hasher: ChunkHasher | None = None
         if self._integrity is not None:
-            self._hasher = threading.Thread(target=self._hash_loop, name="swap-hash", daemon=True)
-            self._hasher.start()
+            self._hasher = ChunkHasher(self._integrity, self._lock, self._hashed_locked)
         self._watchdog: Watchdog | None = None
         if self.settings.request_timeout is not None:
             self._watchdog = Watchdog(
@@ -299,36 +283,11 @@ class SwapEngine:
         buffer_offset: int = 0,
         tag: Any = None,
     ) -> Transfer:
-        if nbytes is None:
-            nbytes = extent.nbytes - extent_offset
-        if extent_offset % ALIGNMENT or buffer_offset % ALIGNMENT or buffer_offset < 0:
-            raise ValueError(
-                f"extent_offset and buffer_offset must be non-negative multiples of "
-                f"{ALIGNMENT}, got {extent_offset} and {buffer_offset}"
-            )
-        if nbytes < 0 or extent_offset < 0 or extent_offset + nbytes > extent.nbytes:
-            raise ValueError(
-                f"range [{extent_offset}, {extent_offset + nbytes}) is outside the "
-                f"extent's {extent.nbytes} bytes"
-            )
+        nbytes = checked_range(extent, nbytes, extent_offset, buffer_offset)
         self.space.check_extent(extent)
         if self._quarantine.was_freed(extent):
             raise ValueError(f"extent #{extent.serial} ({extent.nbytes} bytes) was freed")
-        padded = align_up(nbytes)
-        if buffer_offset + padded > buffer.nbytes:
-            raise ValueError(
-                f"{op.value} of {nbytes} bytes (padded to {padded}) at buffer offset "
-                f"{buffer_offset} does not fit in a {buffer.nbytes}-byte buffer"
-            )
-        if op is Op.WRITE and padded > nbytes:
-            if extent_offset + nbytes != extent.nbytes:
-                raise ValueError(
-                    f"a write of {nbytes} bytes (not a multiple of {ALIGNMENT}) "
-                    f"must end at the extent's end ({extent.nbytes}), else the "
-                    f"block padding would overwrite the bytes after it"
-                )
-            # Deterministic padding: the file holds exactly what was written, then zeros.
-            buffer.array[buffer_offset + nbytes : buffer_offset + padded] = 0
+        padded = padded_in_buffer(op, extent, buffer, nbytes, extent_offset, buffer_offset)
         check, refused = None, None
         if self._integrity is not None:
             try:
@@ -378,13 +337,13 @@ class SwapEngine:
                 transfer.error = refused
                 self._stats.note_error()
             transfer.queued = len(pieces)
-            self._queued += len(pieces)
             for piece in pieces:
-                self._queues[piece.file.drive].append(piece)
+                self.queues.add(piece)
             if chunks:
                 # The bytes are in the buffer already: hash them while they are being written.
+                assert self._hasher is not None  # chunks are covered only with integrity
                 for chunk in chunks:
-                    self._queue_hash_locked(transfer, chunk)
+                    self._hasher.queue_locked(transfer, chunk)
             if not pieces:  # nbytes == 0, or refused
                 self._finish_locked(transfer)
             if self._zombies:
@@ -408,20 +367,18 @@ class SwapEngine:
     def _pump_loop(self) -> None:
         while True:
             with self._lock:
-                pieces = self._take_locked()
+                pieces = self.queues.take()
                 if pieces is None:
                     return
                 transfer = pieces[0].transfer
                 transfer.queued -= len(pieces)
-                self._queued -= len(pieces)
                 if transfer.error is not None or transfer.done:
                     # A failed transfer's remaining requests are dropped, not submitted.
                     self._finish_locked(transfer)
                     self._notify_if_drained_locked()
                     continue
                 chain = Chain(pieces[0].file.drive, len(pieces), threading.get_ident())
-                self._slots += 1
-                self._drive_slots[chain.drive] += 1
+                self.queues.occupy(chain)
                 self._inflight += len(pieces)
                 transfer.outstanding += len(pieces)
                 now = time.monotonic()
@@ -447,28 +404,6 @@ class SwapEngine:
             except BaseException as exc:
                 self._settle(pieces, [exc] * len(pieces))
                 raise
-
-    def _take_locked(self) -> list[Piece] | None:
-        """The next chain to submit: round robin over drives with a free queue slot."""
-        if self._slots >= self.window:
-            return None
-        count = len(self._queues)
-        for step in range(count):
-            drive = (self._next_queue + step) % count
-            drive_queue = self._queues[drive]
-            if drive_queue and self._drive_slots[drive] < self.drive_depth:
-                self._next_queue = (drive + 1) % count
-                free = min(self.window - self._slots, self.drive_depth - self._drive_slots[drive])
-                # What is queued is spread over the free slots first (a small transfer's requests
-                # all run at once); chains grow only once there is more than slots.
-                length = min(self.chain_length, -(-len(drive_queue) // free))
-                chain = [drive_queue.popleft()]
-                while (
-                    len(chain) < length and drive_queue and chain[-1].continued_by(drive_queue[0])
-                ):
-                    chain.append(drive_queue.popleft())
-                return chain
-        return None
 
     def _settle(self, pieces: list[Piece], outcomes: Sequence[Outcome]) -> None:
         """Applies the outcome of each of a chain's requests (bytes moved, or the exception it
@@ -541,11 +476,7 @@ class SwapEngine:
         chain.left -= count
         freed = chain.left == 0
         if freed:
-            self._slots -= 1
-            self._drive_slots[chain.drive] -= 1
-            if chain.stalled:
-                self._stalled -= 1
-                self._drive_stalled[chain.drive] -= 1
+            self.queues.release(chain)
         self._flying.difference_update(pieces)
         transfer.outstanding -= count
         if transfer.op is Op.READ:
@@ -575,11 +506,7 @@ class SwapEngine:
         chain.left -= 1
         freed = chain.left == 0
         if freed:
-            self._slots -= 1
-            self._drive_slots[chain.drive] -= 1
-            if chain.stalled:
-                self._stalled -= 1
-                self._drive_stalled[chain.drive] -= 1
+            self.queues.release(chain)
         if piece.timed_out:
             self._zombie_done_locked(piece, error)
             return freed
@@ -593,8 +520,7 @@ class SwapEngine:
             # The rest goes first in its drive's queue: the transfer is under way.
             self._stats.note_retry()
             transfer.queued += 1
-            self._queued += 1
-            self._queues[piece.file.drive].appendleft(requeue)
+            self.queues.add(requeue, first=True)
         elif error is not None and transfer.error is None and not transfer.done:
             err = getattr(error, "errno", 0) or 0
             transfer.error = SwapIOError(
@@ -613,40 +539,16 @@ class SwapEngine:
         transfer.chunk_left[chunk.index] = left
         if left <= 0 and transfer.error is None:
             del transfer.chunk_left[chunk.index]
-            self._queue_hash_locked(transfer, chunk)
+            assert self._hasher is not None  # chunks are counted only with integrity
+            self._hasher.queue_locked(transfer, chunk)
 
-    def _queue_hash_locked(self, transfer: Transfer, chunk: Chunk) -> None:
-        # Job first, counts after: a signal handler that raises in between leaves the counts
-        # at or below zero (read as none pending), never a count of jobs nobody will run.
-        self._hash_jobs.put((transfer, chunk))
-        transfer.hashing += 1
-        self._hashing += 1  # close waits for these: the transfer is not finished yet
-
-    def _hash_loop(self) -> None:
-        """The hasher thread: one checksum call per chunk, the GIL released inside it."""
-        integrity = self._integrity
-        assert integrity is not None
-        while True:
-            job = self._hash_jobs.get()
-            if job is None:
-                return
-            transfer, chunk = job
-            started = time.thread_time()
-            failure: BaseException | None
-            try:
-                assert transfer.check is not None  # only checked transfers queue chunks
-                failure = integrity.chunk_done(transfer.check, chunk, transfer.buffer.array)
-            except Exception as exc:
-                failure = exc
-            self._hash_cpu += time.thread_time() - started
-            with self._lock:
-                self._hashing -= 1
-                transfer.hashing -= 1
-                if failure is not None and transfer.error is None and not transfer.done:
-                    transfer.error = failure
-                    self._stats.note_error()
-                self._finish_locked(transfer)
-                self._notify_if_drained_locked()
+    def _hashed_locked(self, transfer: Transfer, failure: BaseException | None) -> None:
+        """A chunk of ``transfer`` was hashed (``failure``: its mismatch or error)."""
+        if failure is not None and transfer.error is None and not transfer.done:
+            transfer.error = failure
+            self._stats.note_error()
+        self._finish_locked(transfer)
+        self._notify_if_drained_locked()
 
     def _finish_locked(self, transfer: Transfer) -> None:
         """Once nothing of the transfer remains queued or in flight, marks it done and hands its
@@ -668,8 +570,12 @@ class SwapEngine:
         transfer.event.set()
         self._resolve.put(transfer)
 
+    def _hashing(self) -> int:
+        """Chunks queued for or being hashed: their transfers are not finished."""
+        return self._hasher.pending if self._hasher is not None else 0
+
     def _notify_if_drained_locked(self) -> None:
-        if self._inflight == self._zombies and not self._queued and self._hashing <= 0:
+        if self._inflight == self._zombies and not self.queues.queued and self._hashing() <= 0:
             self._drained.notify_all()
 
     def _dispatch(self) -> None:
@@ -704,11 +610,8 @@ class SwapEngine:
         piece.timed_out = True
         self._flying.discard(piece)
         self._zombies += 1
-        chain = piece.chain
-        if chain is not None and not chain.stalled:
-            chain.stalled = True
-            self._stalled += 1
-            self._drive_stalled[chain.drive] += 1
+        if piece.chain is not None:
+            self.queues.stall(piece.chain)
         piece.transfer.outstanding -= 1
         record = self._quarantine.hold(piece)
         self._stats.note_timeout()
@@ -721,12 +624,7 @@ class SwapEngine:
             transfer.error = error
             self._stats.note_error()
         if transfer.queued:
-            for drive_queue in self._queues:
-                kept = [p for p in drive_queue if p.transfer is not transfer]
-                if len(kept) != len(drive_queue):
-                    drive_queue.clear()
-                    drive_queue.extend(kept)
-            self._queued -= transfer.queued
+            self.queues.drop(transfer)
             transfer.queued = 0
         self._finish_locked(transfer)
         self._notify_if_drained_locked()
@@ -736,14 +634,9 @@ class SwapEngine:
         nothing would ever start them, so waiting would be a hang."""
         timeout = self.settings.request_timeout
         assert timeout is not None  # requests time out only with one
-        stalled_all = self._stalled >= self.window
-        for drive, drive_queue in enumerate(self._queues):
-            stalled = self._drive_stalled[drive]
-            if not drive_queue or not (stalled_all or stalled >= self.drive_depth):
-                continue
+        for drive_queue, hung in list(self.queues.hung()):
             for transfer in list(dict.fromkeys(p.transfer for p in drive_queue)):
                 piece = next(p for p in drive_queue if p.transfer is transfer)
-                hung = stalled or self._stalled
                 self._fail_transfer_locked(transfer, cannot_start(transfer, piece, hung, timeout))
 
     def _zombie_done_locked(self, piece: Piece, error: BaseException | None) -> None:
@@ -767,7 +660,8 @@ class SwapEngine:
         with self._lock:
             quarantined = len(self._quarantine)
         return self._stats.snapshot(
-            self.backend.counters.thread_cpu_seconds + self._hash_cpu,
+            self.backend.counters.thread_cpu_seconds
+            + (self._hasher.cpu_seconds if self._hasher is not None else 0.0),
             checksum_seconds=integrity.seconds if integrity else 0.0,
             integrity_errors=integrity.errors if integrity else 0,
             quarantined=quarantined,
@@ -794,22 +688,20 @@ class SwapEngine:
                 return
             self._closed = True
             _open_engines.discard(self)
-            while self._inflight - self._zombies or self._queued or self._hashing > 0:
+            while self._inflight - self._zombies or self.queues.queued or self._hashing() > 0:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._drained.wait(remaining)
-            if self._inflight - self._zombies or self._queued:
+            if self._inflight - self._zombies or self.queues.queued:
                 log.error(
                     "swap engine: closing with %d request(s) in flight and %d queued after "
                     "%.3g s; their transfers fail",
                     self._inflight - self._zombies,
-                    self._queued,
+                    self.queues.queued,
                     self.settings.close_timeout,
                 )
-                for drive_queue in self._queues:
-                    drive_queue.clear()
-                self._queued = 0
+                self.queues.clear()
                 self._fail_active_locked()
             if self._watchdog is not None:
                 self._watchdog.stop_locked()
@@ -824,9 +716,7 @@ class SwapEngine:
             self._flying.clear()
             self._fail_active_locked()
         if self._hasher is not None:
-            self._hash_jobs.put(None)  # after every queued chunk: their transfers finish first
-            if self._hasher is not threading.current_thread():
-                self._hasher.join(max(1.0, deadline - time.monotonic()))
+            self._hasher.stop(max(1.0, deadline - time.monotonic()))
         if self.keep_files and self._integrity is not None:
             for run_dir in self.space.run_dirs:
                 try:
@@ -858,7 +748,7 @@ class SwapEngine:
                     orphans.setdefault(chain, []).append(piece)
             if not pumping:
                 # Taken off a queue and then dropped by the exception: counted, gone.
-                self._queued = sum(len(drive_queue) for drive_queue in self._queues)
+                self.queues.recount()
         for pieces in orphans.values():
             error = RuntimeError(
                 "never submitted: an exception raised by a signal handler interrupted the "

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swap.backends.base import Op
-from swap.buffers import HostBuffer
+from swap.buffers import ALIGNMENT, HostBuffer, align_up
 from swap.files import Extent, SwapFile
 from swap.integrity import Chunk, TransferCheck
+from swap.settings import EngineSettings
 
 
 class Transfer:
@@ -215,3 +216,68 @@ class Quarantined:
             f"(extent #{self.extent}, buffer #{self.buffer.index} bytes "
             f"[{self.buffer_start}, {self.buffer_end}))"
         )
+
+
+#: Bytes each drive's queue slots hold together once enough is queued. Requests complete on
+#: Python threads, which wait for the GIL behind a training thread running Python for up to a
+#: switch interval (5 ms by default) per wake-up; only requests already handed to the backend
+#: move meanwhile, and a slot is refilled only once its whole chain is done. With 16 single
+#: 1 MiB requests (16 MiB) the drive idled through most of each wait: next to a pure-Python
+#: loop the engine kept 0.5-0.6 of its bandwidth (infinity-bench --interference, 1 MiB requests,
+#: queue depth 16). Chains of 4 (64 MiB) kept 0.7-0.98 run to run, chains of 8 (this) 0.78-0.91:
+#: the slots' chains tend to end together, each end costs one wait, so longer chains mean fewer.
+#: The price: transfers smaller than this that are queued together share the slots instead of
+#: finishing one after another. Both backends move a chain with one call, which the kernel splits
+#: into requests of the device's size: the drive sees ``queue_depth`` such calls at a time.
+CHAIN_BYTES = 128 << 20
+
+
+def chain_length(settings: EngineSettings, max_chain: int) -> int:
+    """Requests per queue slot: ``CHAIN_BYTES`` over the drive's slots, within what the backend
+    takes (1 for a backend without chains)."""
+    per_slot = CHAIN_BYTES // (settings.queue_depth * settings.block_size)
+    return max(1, min(max_chain, per_slot))
+
+
+def checked_range(
+    extent: Extent, nbytes: int | None, extent_offset: int, buffer_offset: int
+) -> int:
+    """The bytes a transfer of ``extent`` from ``extent_offset`` moves (``nbytes``; None: to the
+    extent's end), refused (ValueError) where the offsets are not aligned or the range is not
+    inside the extent."""
+    if nbytes is None:
+        nbytes = extent.nbytes - extent_offset
+    if extent_offset % ALIGNMENT or buffer_offset % ALIGNMENT or buffer_offset < 0:
+        raise ValueError(
+            f"extent_offset and buffer_offset must be non-negative multiples of "
+            f"{ALIGNMENT}, got {extent_offset} and {buffer_offset}"
+        )
+    if nbytes < 0 or extent_offset < 0 or extent_offset + nbytes > extent.nbytes:
+        raise ValueError(
+            f"range [{extent_offset}, {extent_offset + nbytes}) is outside the "
+            f"extent's {extent.nbytes} bytes"
+        )
+    return nbytes
+
+
+def padded_in_buffer(
+    op: Op, extent: Extent, buffer: HostBuffer, nbytes: int, extent_offset: int, buffer_offset: int
+) -> int:
+    """The transfer's bytes padded to whole blocks, refused (ValueError) where they do not fit in
+    ``buffer`` or a write's padding would overwrite bytes after it; a write's padding is zeroed."""
+    padded = align_up(nbytes)
+    if buffer_offset + padded > buffer.nbytes:
+        raise ValueError(
+            f"{op.value} of {nbytes} bytes (padded to {padded}) at buffer offset "
+            f"{buffer_offset} does not fit in a {buffer.nbytes}-byte buffer"
+        )
+    if op is Op.WRITE and padded > nbytes:
+        if extent_offset + nbytes != extent.nbytes:
+            raise ValueError(
+                f"a write of {nbytes} bytes (not a multiple of {ALIGNMENT}) "
+                f"must end at the extent's end ({extent.nbytes}), else the "
+                f"block padding would overwrite the bytes after it"
+            )
+        # Deterministic padding: the file holds exactly what was written, then zeros.
+        buffer.array[buffer_offset + nbytes : buffer_offset + padded] = 0
+    return padded

@@ -294,7 +294,7 @@ def test_a_signal_during_the_submit_settles_each_request_once(make_engine, disk_
     with pytest.raises(KeyboardInterrupt):
         engine.write(extent, buffers[0])
     until(lambda: engine._inflight == 0, what="the interrupted write's completion")
-    assert engine._inflight == 0 and engine._slots == 0
+    assert engine._inflight == 0 and engine.queues.slots_in_use == 0
     engine.write(extent, buffers[0]).result(TIMEOUT)  # the engine still works
     closes(engine.close)  # no request counted that will never complete
 
@@ -327,4 +327,4 @@ def test_a_signal_before_the_submit_leaves_nothing_for_close_to_wait_for(
     later = engine.write(kept, buffers[1])
     closes(engine.close)  # gave up on nothing: the orphan failed at once, the write finished
     assert later.result(TIMEOUT) == BLOCK
-    assert engine._inflight == 0 and engine._slots == 0
+    assert engine._inflight == 0 and engine.queues.slots_in_use == 0

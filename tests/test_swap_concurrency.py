@@ -284,7 +284,9 @@ def test_an_exception_raised_while_a_transfer_is_queued_still_submits_it(
         def get(self):
             return self.jobs.get()
 
-    monkeypatch.setattr(engine, "_hash_jobs", Interrupting(engine._hash_jobs))
+    hasher = engine._hasher
+    assert hasher is not None  # verify_checksums
+    monkeypatch.setattr(hasher, "_jobs", Interrupting(hasher._jobs))
     with pytest.raises(KeyboardInterrupt):
         engine.write(extent, buffer)
     closes(engine.close)  # it did not wait for requests nobody submitted

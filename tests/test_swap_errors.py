@@ -164,7 +164,7 @@ def test_failed_submit_fails_the_transfer_and_leaks_nothing(tmp_path, make_engin
     assert isinstance(error, SwapIOError) and "submit refused by the fake" in str(error)
     fake.refuse = False
     assert engine.write_sync(extent, buffers[0]) == 5 * ALIGNMENT
-    assert engine._inflight == 0 and engine._queued == 0
+    assert engine._inflight == 0 and engine.queues.queued == 0
     assert len(fake.requests) == 5
 
 
