@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist demo-trainer test test-fast stress lint bench bench-full bench-scale bench-dist bench-checkpoint \
 	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer gpu-check soak \
-	venv clean
+	venv clean docs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ demo-trainer: $(STAMP)
 # pyproject.toml), then the suite: .ci/run calls this on a clean clone. The suite runs on one
 # pytest-xdist worker per core, each computing with one thread (tests/conftest.py); the
 # slowest cases are listed at the end, to keep the suite's time in view.
-test: lint
+test: lint docs
 	$(PY) -m pytest -q -n auto --durations=25 tests
 
 # The edit loop: the suite without the cases marked slow (ranks, whole trainers, fresh
@@ -46,6 +46,11 @@ test-fast: $(STAMP)
 # The store's random-operations stress test at full length (the suite runs a fifth of it).
 stress: $(STAMP)
 	INFINITY_STRESS_EXAMPLES=50 $(PY) -m pytest -q tests/test_store_stress.py
+
+# The docs site (mkdocs.yml) into site/, strictly: a broken link or reference, or a config field,
+# DeepSpeed key or stats() key without a description (docs/hooks/reference.py), fails it. Offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -67,7 +72,8 @@ bench-full: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_step
 
 # The CUDA path on a GPU machine: no venv and no network there (the repository on PYTHONPATH,
-# the machine's own torch); the CUDA tests, then a short benchmark. Figures go to $$OUT.
+# the machine's own torch); the CUDA tests, then a short benchmark. Figures go to --out (default
+# gpu-check-out/).
 # Here (no GPU) it says so and fails.
 GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
 gpu-check:
@@ -111,7 +117,8 @@ bench-trainer: $(STAMP)
 bench-checkpoint: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_checkpoint
 
-# Long: moves tens of GB through the disk (a 500M-parameter model under a 2 GiB host budget).
+# Long: moves tens of GB through the disk (a 2.56 B-parameter GPT under a 4 GiB host budget; it
+# checks the free disk first).
 bench-scale: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_scale
 
@@ -124,4 +131,4 @@ soak: $(STAMP)
 	$(PY) -m tools.benchmarks.soak --minutes 10
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site

@@ -2,8 +2,8 @@
 
 ::
 
-    trainer = L.Trainer(strategy=InfinityStrategy(OffloadConfig(...)), devices=N,
-                        gradient_clip_val=1.0, callbacks=[ModelCheckpoint(...)])
+    trainer = pl.Trainer(strategy=InfinityStrategy(OffloadConfig(...)), devices=N,
+                         gradient_clip_val=1.0, callbacks=[ModelCheckpoint(...)])
     trainer.fit(module, data)                        # ckpt_path=... resumes
 
 The module is written as usual (``configure_optimizers`` returns one optimizer, with or without
