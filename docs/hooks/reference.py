@@ -327,8 +327,8 @@ def cli_page() -> str:
     lines = [
         "# Console scripts",
         "",
-        "Installed with the package (`pip install infinity-offload`); generated from each "
-        "script's own `--help` at every docs build.",
+        "Installed with the package; generated from each script's own `--help` at every docs "
+        "build.",
         "",
     ]
     for name, target in sorted(scripts.items()):
