@@ -30,16 +30,19 @@ import torch
 from tqdm import tqdm
 
 from infinity import OffloadConfig, TieredStore
-from infinity.cli.common.args import config_size, guarded, parse, positive
+from infinity.cli.common.args import (
+    USER_ERRORS,
+    UserError,
+    config_size,
+    guarded,
+    parse,
+    positive,
+)
 from infinity.cli.common.tiny_gpt import GPTConfig, TinyGPT, parameter_count, synthetic_batches
 from infinity.config import format_size, load_json
-from infinity.errors import AttachError, BudgetError, ConfigError
 from swap import (
     BufferPool,
-    NvmePathError,
-    SwapConfigError,
     SwapEngine,
-    SwapSpaceError,
 )
 from swap.files import RUN_DIR_PREFIX
 from swap.leftovers import describe, find_leftovers
@@ -55,22 +58,6 @@ DEMO_BUFFER = 1 << 20  # largest swap buffer (and so shard) the demo picks itsel
 DEMO_LR = 2e-3  # high for Adam, so the loss falls clearly within the demo's steps
 BANDWIDTH_SECONDS = 0.6  # per direction, for the disk measurement at the start
 RECORDED_STEPS = 2
-
-
-class UserError(Exception):
-    """Bad input: reported as one line and exit code 2, without a traceback."""
-
-
-#: What a user fixes by changing flags, config or paths: one line, exit code 2, no traceback.
-USER_ERRORS = (
-    UserError,
-    ConfigError,
-    BudgetError,
-    AttachError,
-    NvmePathError,
-    SwapSpaceError,
-    SwapConfigError,
-)
 
 
 @dataclass

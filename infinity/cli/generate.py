@@ -41,16 +41,14 @@ from torch import nn
 
 from infinity import OffloadConfig, PrecisionConfig, TieredStore
 from infinity.checkpointing.pretrained import checkpoint_files
-from infinity.cli.common.args import config_size, guarded, parse, positive
+from infinity.cli.common.args import USER_ERRORS as COMMON_USER_ERRORS
+from infinity.cli.common.args import UserError, config_size, guarded, parse, positive
 from infinity.cli.common.transfers import run_transfers
 from infinity.config import format_size
-from infinity.errors import AttachError, BudgetError, CheckpointError, ConfigError
+from infinity.errors import CheckpointError
 from swap import (
     BufferPool,
-    NvmePathError,
-    SwapConfigError,
     SwapEngine,
-    SwapSpaceError,
 )
 from swap.files import check_directory
 
@@ -71,21 +69,8 @@ DISK_PROBE_BYTES = 256 << 20
 DEFAULT_BUFFER = 64 << 20  # largest swap buffer (and shard) the tool picks itself
 
 
-class UserError(Exception):
-    """Bad input: reported as one line and exit code 2, without a traceback."""
-
-
-#: What a user fixes by changing flags or paths: one line, exit code 2, no traceback.
-USER_ERRORS = (
-    UserError,
-    ConfigError,
-    BudgetError,
-    AttachError,
-    CheckpointError,
-    NvmePathError,
-    SwapSpaceError,
-    SwapConfigError,
-)
+#: What a user fixes by changing flags or paths (a checkpoint among them): one line, exit code 2.
+USER_ERRORS: tuple[type[Exception], ...] = (*COMMON_USER_ERRORS, CheckpointError)
 
 
 # ---------------------------------------------------------------------------- arguments

@@ -63,12 +63,12 @@ from torch import nn
 
 from infinity import OffloadConfig
 from infinity.cli import plan_validation
-from infinity.cli.common.args import config_size, guarded, parse, positive
+from infinity.cli.common.args import USER_ERRORS as COMMON_USER_ERRORS
+from infinity.cli.common.args import UserError, config_size, guarded, parse, positive
 from infinity.cli.common.transfers import store_disk_profile
 from infinity.cli.plan_models import (
     MIN_BUFFER,
     OPTIMIZERS,
-    UserError,
     hf_source,
     measure_contention,
     measure_update_seconds,
@@ -80,12 +80,10 @@ from infinity.cli.plan_models import (
 )
 from infinity.cli.plan_report import Candidate, Plan, Table, candidate_json, table
 from infinity.config import ALIGNMENT, format_size
-from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.planning import planner
 from infinity.planning import scaled as planner_scaled
 from infinity.planning.planner import DeviceProfile, DiskProfile, PlanError, Recording
 from infinity.planning.simulated_time import Contention, ContentionError
-from swap import NvmePathError, SwapConfigError, SwapSpaceError
 
 log = logging.getLogger("infinity.cli.plan")
 
@@ -99,16 +97,7 @@ MAX_BUFFER = 1 << 30
 
 
 #: What a user fixes by changing flags or paths: one line, exit code 2, no traceback.
-USER_ERRORS = (
-    UserError,
-    PlanError,
-    ConfigError,
-    BudgetError,
-    AttachError,
-    NvmePathError,
-    SwapSpaceError,
-    SwapConfigError,
-)
+USER_ERRORS: tuple[type[Exception], ...] = (*COMMON_USER_ERRORS, PlanError)
 
 
 # ---------------------------------------------------------------------------- arguments

@@ -23,6 +23,7 @@ from torch import nn
 
 from infinity import OffloadConfig, TieredStore
 from infinity.cli.common import contention
+from infinity.cli.common.args import UserError
 from infinity.config import ALIGNMENT
 from infinity.planning import planner
 from infinity.planning.planner import Recording
@@ -39,10 +40,6 @@ LAYER_KEYS = ("layers", "num_layers", "n_layers", "n_layer", "num_hidden_layers"
 WIDTH_KEYS = ("width", "hidden", "hidden_size", "d_model", "dim", "n_embd")
 #: the smallest swap buffer a recording uses
 MIN_BUFFER = 64 << 10
-
-
-class UserError(Exception):
-    """Bad input: reported as one line and exit code 2, without a traceback."""
 
 
 @dataclass

@@ -29,11 +29,10 @@ from typing import Any
 import torch
 
 from infinity import OffloadConfig, TieredStore
-from infinity.cli.common.args import spawn_child
+from infinity.cli.common.args import USER_ERRORS, UserError, spawn_child
 from infinity.cli.common.measure import GOALS, compare, measure_steps
 from infinity.cli.plan_models import (
     OPTIMIZERS,
-    UserError,
     hf_source,
     inputs_for,
     loss_of,
@@ -42,9 +41,8 @@ from infinity.cli.plan_models import (
 )
 from infinity.cli.plan_report import Plan, Table, size_text
 from infinity.config import format_size
-from infinity.errors import AttachError, BudgetError, ConfigError
 from infinity.planning import planner
-from swap import NvmePathError, SwapConfigError, SwapError, SwapSpaceError
+from swap import SwapError
 
 log = logging.getLogger("infinity.cli.plan_validation")
 
@@ -54,16 +52,7 @@ WARMUP = planner.WARMUP
 #: measured steps when --validate is given without a number
 DEFAULT_STEPS = 4
 #: what a failed validation run reports as one line, as infinity-plan's own bad input
-RUN_ERRORS = (
-    UserError,
-    ConfigError,
-    BudgetError,
-    AttachError,
-    NvmePathError,
-    SwapSpaceError,
-    SwapConfigError,
-    SwapError,
-)
+RUN_ERRORS: tuple[type[Exception], ...] = (*USER_ERRORS, SwapError)
 NAMES = {
     "step_s": "step time",
     "read_bytes": "bytes read",

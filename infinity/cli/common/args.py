@@ -12,7 +12,25 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from swap import SwapError
+from infinity.errors import AttachError, BudgetError, ConfigError
+from swap import NvmePathError, SwapConfigError, SwapError, SwapSpaceError
+
+
+class UserError(Exception):
+    """Bad input: reported as one line and exit code 2, without a traceback."""
+
+
+#: What a user fixes by changing flags, config or paths, in every command (each adds its own):
+#: one line, exit code 2, no traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (
+    UserError,
+    ConfigError,
+    BudgetError,
+    AttachError,
+    NvmePathError,
+    SwapSpaceError,
+    SwapConfigError,
+)
 
 
 def positive(kind: type) -> Callable[[str], Any]:
@@ -33,7 +51,6 @@ def positive(kind: type) -> Callable[[str], Any]:
 def config_size(text: str) -> int:
     """An argparse type: a byte count as the config reads it ('256MiB', '1GB', 4096)."""
     from infinity.config import parse_size as parse_config_size
-    from infinity.errors import ConfigError
 
     try:
         return parse_config_size(text, name="size")
