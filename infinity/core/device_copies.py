@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from infinity.core.gathers import BucketGather
 from infinity.core.lending import HostLending
 from infinity.core.policies import EvictionPolicy
+from infinity.core.reshard import KeptForBackward
 from infinity.core.residency import OFF_THE_DEVICE as _FROM_DEVICE
 from infinity.core.residency import ON_TO_DEVICE as _TO_DEVICE
 from infinity.core.residency import Residency as R
@@ -33,8 +35,6 @@ from infinity.core.shards import ParamEntry, Shard, ShardRegistry
 from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.trace import TraceFollower
 from infinity.errors import BudgetError
-from infinity.ranks.collectives import BucketGather
-from infinity.ranks.reshard import KeptForBackward
 
 if TYPE_CHECKING:
     from infinity.ranks.buckets import Bucket
@@ -288,13 +288,18 @@ class DeviceCopies:
         return members
 
     def _start_reads(self, sources: list[Shard]) -> None:
-        """Starts every read of ``sources`` the arena allows at once, so they overlap."""
+        """Starts the reads of ``sources`` the arena allows at once, in order, so they overlap.
+        The first that finds no slot ends it: a later source's read taking the slot an earlier
+        one could not get would leave the earlier one no room when its turn comes, every slot
+        held by the protected reads behind it (an arena smaller than the parameter)."""
         host = self._host
         if host.nvme:
             for source in sources:
                 host.reap(source)
-                if source.state is R.NVME:
-                    host.load_async(source, protect=sources, horizon=0.5)
+                if source.state is R.NVME and not host.load_async(
+                    source, protect=sources, horizon=0.5
+                ):
+                    break
 
     def _read_window(self, sources: list[Shard], first: int) -> list[Shard]:
         """``sources[first]`` and the ones after it whose slots fit in half the arena."""
@@ -335,7 +340,12 @@ class DeviceCopies:
         for shard, source in zip(entry.shards, sources):
             if before_read is not None and not source.state.on_host:
                 before_read(shard)
-            host.ensure_host(source, protect=waiting)
+            try:
+                host.ensure_host(source, protect=waiting)
+            except BudgetError:
+                # An arena smaller than the parameter can be full of this parameter's own reads
+                # ahead (clean, not used yet): they give way to the one needed now.
+                host.ensure_host(source)
             waiting.remove(source)
             if source.state is R.HOST_STORING:
                 host.reap(source, wait=True)

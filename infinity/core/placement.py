@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infinity.core.audit import audit
 from infinity.core.completions import MAX_RETRIES, Completions, retryable
 from infinity.core.device_copies import DeviceCopies
 from infinity.core.lending import HostLending
@@ -52,9 +53,9 @@ from infinity.core.shards import (
     ShardRegistry,
 )
 from infinity.core.tiers import DeviceTier, HostTier
+from infinity.core.timeline import Timeline
 from infinity.core.trace import BACKWARD, Event, TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
-from infinity.observability.timeline import Timeline
 from infinity.training.gradients import Gradients
 from swap import HostBuffer, SwapEngine
 
@@ -93,7 +94,7 @@ class PlacementSettings:
     #: ranks: prefetch_bucket_size; 0: none)
     assemble_ahead_bytes: int = 64 << 20
     #: which modules keep their gathered copies from forward to backward (stage 3 across
-    #: ranks: reshard_after_forward; see infinity.ranks.reshard)
+    #: ranks: reshard_after_forward; see infinity.core.reshard)
     reshard_after_forward: bool | str = True
     #: param shards keep a copy of their values in this dtype beside their masters on NVMe,
     #: which gathers read instead of the master (precision.storage_dtype with an optimizer:
@@ -1032,7 +1033,5 @@ class Placement:
 
     # -- self-check -----------------------------------------------------------------------------
     def audit(self) -> list[str]:
-        """Checks the bookkeeping against itself; see :func:`infinity.observability.audit.audit`."""
-        from infinity.observability.audit import audit
-
+        """Checks the bookkeeping against itself; see :func:`infinity.core.audit.audit`."""
         return audit(self)

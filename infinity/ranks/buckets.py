@@ -33,6 +33,7 @@ from functools import cached_property
 
 import torch
 
+from infinity.core.gathers import offsets_of
 from infinity.core.shards import ParamEntry, Shard
 
 
@@ -65,16 +66,6 @@ class Bucket:
     def whole_bytes(self, world: int) -> int:
         """Bytes of the buffer: every rank's row."""
         return world * self.per_rank * self.dtype.itemsize
-
-
-def offsets_of(shards: Sequence[Shard]) -> tuple[tuple[int, ...], int]:
-    """Each shard's first column in a row holding ``shards`` end to end, and the row's length."""
-    offsets = []
-    total = 0
-    for shard in shards:
-        offsets.append(total)
-        total += shard.numel
-    return tuple(offsets), total
 
 
 class _Packer:
