@@ -137,10 +137,12 @@ class PrecisionConfig(Validated):
         host cache, swap files); mixed precision adds a 4-byte fp32 master copy per parameter
         held with the optimizer state.
     loss_scale: fp16 only. 0 = dynamic loss scaling, > 0 = this static scale. No memory cost.
-    initial_scale_power: dynamic scaling starts at 2**initial_scale_power (0..63).
-    loss_scale_window: overflow-free steps before the dynamic scale is doubled (>= 1).
-    hysteresis: overflows tolerated before the dynamic scale is halved (>= 1).
-    min_loss_scale: floor of the dynamic scale (> 0).
+    initial_scale_power: dynamic scaling starts at 2**initial_scale_power (0..63). No memory
+        cost.
+    loss_scale_window: overflow-free steps before the dynamic scale is doubled (>= 1). No
+        memory cost.
+    hysteresis: overflows tolerated before the dynamic scale is halved (>= 1). No memory cost.
+    min_loss_scale: floor of the dynamic scale (> 0). No memory cost.
     storage_dtype: dtype offloaded parameters are read in between uses (host cache, swap
         files), converted to the compute dtype on their way to the device: ``auto`` (the
         masters': the model's, fp32 under mixed precision) or ``fp32``/``bf16``/``fp16``. In
@@ -163,7 +165,7 @@ class PrecisionConfig(Validated):
         weights.
     quant_group_size: elements per int4 group (an even number >= 2 that divides every
         quantized weight's input dimension; default 128). Smaller groups round closer and
-        store more scales (8 bytes per group).
+        store more scales. Memory: 8 bytes of scales per group, wherever the weights live.
     optimizer_state_dtype: how per-element optimizer state (Adam's two moments) is stored
         between steps: ``fp32`` (default: as the optimizer keeps it, bit-exact against plain
         PyTorch), ``bf16`` (rounded stochastically) or ``int8`` (blockwise: an 8-bit code per
@@ -227,10 +229,11 @@ class PrecisionConfig(Validated):
 class BatchConfig(Validated):
     """Batch sizes, informational for trainers and tools (DeepSpeed's batch keys).
 
-    train_batch_size: samples per optimizer step over all processes (None = unspecified).
-    micro_batch_size: samples per forward/backward (None = unspecified). Activation memory grows
-        with it, but this config does not manage activations.
-    gradient_accumulation_steps: micro batches per optimizer step (>= 1).
+    train_batch_size: samples per optimizer step over all processes (None = unspecified). No
+        memory cost.
+    micro_batch_size: samples per forward/backward (None = unspecified). Memory: activation
+        memory grows with it, but this config does not manage activations.
+    gradient_accumulation_steps: micro batches per optimizer step (>= 1). No memory cost.
     When all three are given, train_batch_size must be a multiple of micro_batch_size x
     gradient_accumulation_steps (the quotient is the number of data-parallel processes).
     """
@@ -312,10 +315,11 @@ class OffloadConfig(Validated):
     """Everything the offload runtime needs to know; see the module docstring for the formats.
 
     device: where compute runs: ``auto`` (cuda if available else cpu), ``cpu``, ``cuda``,
-        ``cuda:N``. Checked against the hardware at attach time.
+        ``cuda:N``. Checked against the hardware at attach time. No memory cost.
     offload_param: where parameters live between uses: ``none`` (device; device memory holds
         the whole model), ``cpu`` (host RAM holds all params at dtype bytes/param), ``nvme``
         (swap files hold them; host RAM holds at most max_in_cpu bytes plus the swap buffers).
+        Memory: 4 bytes/param in fp32 (2 in bf16/fp16) on the tier named.
     offload_optimizer: where optimizer state lives: ``none``, ``cpu`` or ``nvme``. ``none``
         and ``cpu`` both keep it in host RAM as the optimizer made it (outside host_budget:
         ``stats()['rss_bound']['optimizer_outside_host']``), updated on the host, except that
@@ -339,7 +343,8 @@ class OffloadConfig(Validated):
         or list of them. () = a private temporary directory made by the store. Disk: the
         offloaded params/state, plus preallocation slack.
     buffer_count: pinned swap buffers in the pool (>= 1; the store needs >= 2 to overlap I/O
-        with compute, 1 works but serialises it and is logged).
+        with compute, 1 works but serialises it and is logged). Memory: buffer_count x
+        buffer_size bytes of host RAM (see buffer_size).
     buffer_size: bytes per swap buffer (>= 4096; the pool rounds up to 4096), which is also
         the largest shard a parameter is cut into; None (default): 64 MiB, or with a host_budget
         a 64th of it rounded down to a power of two within 1-64 MiB, so that a small budget
@@ -348,7 +353,8 @@ class OffloadConfig(Validated):
         (default 5 x 64 MiB = 320 MiB); under a host_budget the staging arena is whatever the
         budget leaves (see host_budget), never less than this.
     pin_memory: page-lock host buffers so device copies are asynchronous and faster. Pinned RAM
-        cannot be swapped by the OS and counts against memlock/container limits.
+        cannot be swapped by the OS and counts against memlock/container limits. Memory: no
+        more bytes, but the arena's are pinned.
     max_in_cpu: bytes of host RAM the staging arena may grow to as a cache in front of the
         drives, when larger than buffer_count x buffer_size (0, the default: the swap buffers
         are the cache). Memory: up to this much host RAM, never more than the offloaded state.
@@ -357,7 +363,7 @@ class OffloadConfig(Validated):
         most every parameter), on a CPU device (which is host RAM) a working set of the next
         modules' parameters, twice over, next to the shared and persistent ones (under a
         host_budget at most a quarter of it, and part of it). An explicit device_budget on a
-        CPU device is host RAM on top of host_budget.
+        CPU device is host RAM on top of host_budget. Memory: up to this much device memory.
     host_budget: bytes of host RAM the runtime may use; None = derived by the store and
         reported. With it set, the process's peak RSS stays within the process's own memory
         (interpreter, torch, the model's module objects, measured at attach) + host_budget +
@@ -367,19 +373,20 @@ class OffloadConfig(Validated):
         parameters, a CPU device's derived working copies, and a reserve for the store's
         transients (the largest parameter's gradient buffers, the first step's optimizer
         state, a checkpoint's write buffers); with offload_activations='cpu' the arena is the
-        swap buffers and the rest is the activations'.
+        swap buffers and the rest is the activations'. Memory: up to this much host RAM.
     prefetch_depth: modules fetched ahead of the one computing (0 = no prefetch). Without
         autograd (inference) the whole arena is read ahead instead, into the next forward.
         Memory: the params of that many modules on the device and in flight.
     prefetch_bytes: cap on bytes being prefetched at once; None = bounded only by
-        prefetch_depth and the budgets.
+        prefetch_depth and the budgets. Memory: none of its own (prefetches land in the arena
+        and the device budget).
     param_persistence_threshold: params with <= this many elements never leave the device
         (biases, norms). Memory: their total size on the device, usually small.
     gradient_clipping: max global gradient norm; 0 = off. No memory cost.
     keep_swap_files: keep swap files after the store closes (for inspection). Disk: they stay.
     verify_checksums: xxh3 checksum every swapped chunk, with the identity of what it holds,
         and check both on read-back (about 3-4% of read time at disk speed, on I/O threads);
-        catches flipped bytes, stale and swapped extents. A few bytes per chunk of memory.
+        catches flipped bytes, stale and swapped extents. Memory: a few bytes per chunk.
     fused_optimizer: run Adam/AdamW created with default options through torch's fused CPU
         kernel (about 5x the per-tensor loop); results differ from the loop at rounding level.
         False keeps the user's kernel exactly. No memory cost.
@@ -411,6 +418,7 @@ class OffloadConfig(Validated):
         gathered modules), 2-4 bytes/param more on the device at stages 1 and 2.
     overlap_comm: across ranks, let gradient reductions run while backward computes (up to
         reduce_bucket_size bytes of them under way) instead of completing each at once.
+        Memory: within reduce_bucket_size's.
     reduce_bucket_size: across ranks, bytes of gradients (whole, before the reduce-scatter)
         reduced by one collective: gradients smaller than half of it wait in a bucket until
         its other gradients arrive; a larger one is reduced alone, from autograd's own

@@ -4,9 +4,9 @@
   ``PrecisionConfig``, ``BatchConfig``), from ``dataclasses.fields``: key, type, default, the
   rule its value is checked against, its description and memory cost (from the class
   docstring), and the DeepSpeed key that sets it, found by feeding ``from_deepspeed`` one key at
-  a time and reading which field changed. A field without a description, a DeepSpeed key that
-  ``infinity.deepspeed_config`` maps but no probe here sets, or a probe that changes nothing
-  fails the build.
+  a time and reading which field changed. A field without a description or a memory cost, a
+  DeepSpeed key that ``infinity.deepspeed_config`` maps but no probe here sets, or a probe that
+  changes nothing fails the build.
 * ``reference/deepspeed-keys.md``: the DeepSpeed keys accepted but not used, with the reason the
   mapping gives.
 * ``reference/cli.md``: each console script of ``pyproject.toml``'s ``[project.scripts]`` and its
@@ -265,6 +265,8 @@ def config_page() -> str:
             if rule is not None and rule.kind == "section":
                 continue
             memory = _memory_cost(text)
+            if not memory:
+                undocumented.append(f"{cls.__name__}.{f.name} (its memory cost)")
             sections.append(f"### `{key}` {{#{key.replace('.', '')}}}\n")
             sections.append("| type | default | allowed | memory cost | DeepSpeed key |")
             sections.append("|---|---|---|---|---|")
@@ -275,8 +277,8 @@ def config_page() -> str:
             sections.append(_rst_to_md(text) + "\n")
     if undocumented:
         raise PluginError(
-            "config fields without a description in their class docstring: "
-            + ", ".join(undocumented)
+            "config fields without a description, or without a 'Memory:' / 'Disk:' / 'No "
+            "memory cost' in it, in their class docstring: " + ", ".join(undocumented)
         )
     head = (
         "# Configuration reference\n\n"
