@@ -1,7 +1,9 @@
 """The store on a CUDA device: training equals plain CUDA training (offloaded to NVMe and to
 the host, bf16 and fp16 with loss scaling, accumulation, activation checkpointing), the device
-budget holds on the device, host<->device copies are asynchronous from pinned memory, and a
-slot is not reused before its copy finished. Skipped without a GPU; ``make gpu-check`` runs
+budget holds on the device, host<->device copies are asynchronous from pinned memory, a
+slot is not reused before its copy finished, the device is named with its index (activation
+offload active with ``device='cuda'``), the arena is pinned at its exact size, and gradients
+and look-ahead copies go through the copy stream. Skipped without a GPU; ``make gpu-check`` runs
 them on a GPU machine."""
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def test_host_to_device_copies_are_asynchronous_from_pinned_memory(tmp_path):
         target = torch.empty(64 << 20, dtype=torch.uint8, device=CUDA)
         # The copy stream is kept busy (a kernel spinning for a few seconds): a copy_in that
         # returns before the copy has run cannot have waited for it.
-        with torch.cuda.stream(tier.copy_stream):
+        with torch.cuda.stream(tier.streams.copy_stream):
             torch.cuda._sleep(5_000_000_000)
         event = tier.copy_in(target, source)
         assert event is not None and source.is_pinned()
@@ -187,3 +189,32 @@ def test_prefetch_under_a_tight_budget_keeps_stream_order(tmp_path):
         assert store.stats()["prefetched_loads"] > 0
     for a, b in zip(expected, got):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (expected, got)
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_activation_offload_is_active_whatever_the_device_is_called(name, tmp_path):
+    model = make_model()
+    with _store(tmp_path, device=name, offload_activations="cpu") as store:
+        model, optimizer = store.attach(model, _adamw(model.parameters()))
+        assert store.device.index == torch.cuda.current_device()
+        _loop(model, optimizer, steps=1)
+        assert store.stats()["activations"]["offloaded_tensors"] > 0
+
+
+def test_the_arena_is_pinned_at_its_exact_size(tmp_path):
+    model = make_model()
+    with _store(tmp_path, buffer_count=3, buffer_size=20_480) as store:
+        store.attach(model, _adamw(model.parameters()))
+        host = store.placement.host
+        assert host.arena is not None and host.arena.tensor.is_pinned()
+        assert store.stats()["pinned_bytes"] == host.arena_bytes
+
+
+def test_gradients_and_look_ahead_copies_leave_through_the_copy_stream(tmp_path):
+    model = make_model()
+    with _store(tmp_path, offload_param="cpu", offload_optimizer="cpu", prefetch_depth=2) as store:
+        model, optimizer = store.attach(model, _adamw(model.parameters()))
+        _loop(model, optimizer, steps=2)
+        assert store.placement.copies.gathered_ahead > 0
+        assert store.placement.device.bytes_out > 0
+        assert not len(store.placement.gradients.arriving)  # all landed by the step
