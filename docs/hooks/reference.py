@@ -68,7 +68,8 @@ def _memory_cost(text: str) -> str:
     """The docstring's first ``Memory:`` / ``Disk:`` sentence, or its 'No memory cost'."""
     match = re.search(r"((?:Memory|Disk)[a-z ]*:\s.*?\.)(?:\s|$)", text)
     if match:
-        return match.group(1)
+        cost = match.group(1)
+        return cost[len("Memory: ") :] if cost.startswith("Memory: ") else cost
     if "No memory cost" in text:
         return "none"
     return ""
@@ -257,10 +258,11 @@ def config_page() -> str:
                 undocumented.append(f"{cls.__name__}.{f.name}")
                 continue
             ds_keys = ", ".join(by_field.get(key, [])) or "-"
-            type_text = str(f.type).replace("|", "\\|")
+            # a table cell cannot hold a pipe, not even in a code span
+            type_text = " or ".join(f"`{part}`" for part in str(f.type).split(" | "))
             default = _format_default(f, rule)
             summary.append(
-                f"| [`{key}`](#{key.replace('.', '')}) | `{type_text}` | {default} | {ds_keys} |"
+                f"| [`{key}`](#{key.replace('.', '')}) | {type_text} | {default} | {ds_keys} |"
             )
             if rule is not None and rule.kind == "section":
                 continue
@@ -271,10 +273,10 @@ def config_page() -> str:
             sections.append("| type | default | allowed | memory cost | DeepSpeed key |")
             sections.append("|---|---|---|---|---|")
             sections.append(
-                f"| `{type_text}` | {default} | {_format_rule(rule)} | "
+                f"| {type_text} | {default} | {_format_rule(rule)} | "
                 f"{_rst_to_md(memory) or '-'} | {ds_keys} |\n"
             )
-            sections.append(_rst_to_md(text) + "\n")
+            sections.append(_rst_to_md(text[:1].upper() + text[1:]) + "\n")
     if undocumented:
         raise PluginError(
             "config fields without a description, or without a 'Memory:' / 'Disk:' / 'No "
