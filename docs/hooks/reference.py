@@ -22,6 +22,7 @@ import ast
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import io
 import logging
 import re
@@ -42,18 +43,18 @@ if str(ROOT) not in sys.path:
 # --------------------------------------------------------------------------- the config
 
 
-def _docstring_entries(cls: type) -> dict[str, str]:
-    """``name: text`` entries of a class docstring (4-space indent, continued at 8); a line
-    ``a, b: text`` describes each of them."""
+def docstring_entries(cls: type) -> dict[str, str]:
+    """``name: text`` entries of a class docstring (at the docstring's own indent, continued
+    deeper); a line ``a, b: text`` describes each of them."""
     entries: dict[str, list[str]] = {}
     current: list[str] | None = None
-    for line in (cls.__doc__ or "").splitlines():
-        match = re.match(r"^    ([a-z_]+(?:, [a-z_]+)*): (.*)$", line)
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        match = re.match(r"^([a-z_]+(?:, [a-z_]+)*): (.*)$", line)
         if match:
             current = [match.group(2).strip()]
             for name in match.group(1).split(", "):
                 entries[name] = current
-        elif current is not None and line.startswith("        "):
+        elif current is not None and line.startswith("    "):
             current.append(line.strip())
         else:
             current = None
@@ -64,7 +65,7 @@ def _rst_to_md(text: str) -> str:
     return text.replace("``", "`")
 
 
-def _memory_cost(text: str) -> str:
+def memory_cost(text: str) -> str:
     """The docstring's first ``Memory:`` / ``Disk:`` sentence, or its 'No memory cost'."""
     match = re.search(r"((?:Memory|Disk)[a-z ]*:\s.*?\.)(?:\s|$)", text)
     if match:
@@ -243,7 +244,7 @@ def config_page() -> str:
     summary = ["| key | type | default | DeepSpeed key |", "|---|---|---|---|"]
     sections: list[str] = []
     for prefix, cls in classes:
-        described = _docstring_entries(cls)
+        described = docstring_entries(cls)
         title = (
             "OffloadConfig" if not prefix else f"`{prefix[:-1]}`: {cls.__name__} {{#{prefix[:-1]}}}"
         )
@@ -266,7 +267,7 @@ def config_page() -> str:
             )
             if rule is not None and rule.kind == "section":
                 continue
-            memory = _memory_cost(text)
+            memory = memory_cost(text)
             if not memory:
                 undocumented.append(f"{cls.__name__}.{f.name} (its memory cost)")
             sections.append(f"### `{key}` {{#{key.replace('.', '')}}}\n")
