@@ -92,6 +92,12 @@ def test_the_wheel_has_no_generic_top_level_package(installed):
     # the command-line package is in it (the console scripts' modules), the benchmarks are not
     assert "infinity/cli/demo.py" in names and "infinity/cli/disk/fio.py" in names
     assert not any(name.startswith("tools/") for name in names)
+    # the license text ships, and the metadata names it by its SPDX expression
+    (info_dir,) = info
+    assert f"{info_dir}/licenses/LICENSE" in names
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(f"{info_dir}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
 
 
 def test_each_console_script_runs_help_from_the_installed_wheel(installed, tmp_path):
