@@ -72,8 +72,8 @@ bench-full: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_step
 
 # The CUDA path on a GPU machine: no venv and no network there (the repository on PYTHONPATH,
-# the machine's own torch); the CUDA tests, then a short benchmark. Figures go to --out (default
-# gpu-check-out/).
+# the machine's own torch); the CUDA tests, then a short benchmark. Figures go to
+# gpu_check.json (--out).
 # Here (no GPU) it says so and fails.
 GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
 gpu-check:
