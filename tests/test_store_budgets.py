@@ -469,7 +469,11 @@ def test_step_reads_ahead_without_evicting_shards_it_has_still_to_update(tmp_pat
             state["ahead"] = False
 
     def tracked_store(shard):
-        if state["ahead"] and placement.masters_due and shard.entry.index not in placement.stepped:
+        if (
+            state["ahead"]
+            and placement.phase.masters_due
+            and shard.entry.index not in placement.phase.stepped
+        ):
             ahead_writes.append(shard.id)
         return store_async(shard)
 

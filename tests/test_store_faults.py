@@ -367,7 +367,7 @@ def _evict_everything(rig: Rig) -> None:
     placement.flush()
     for shard in list(placement.in_arena):
         if shard.state is R.HOST_NVME:
-            placement._evict_host(shard)
+            placement.room.evict_host(shard)
 
 
 def test_a_flipped_byte_in_a_swap_file_is_named_and_never_trained_on(tmp_path):

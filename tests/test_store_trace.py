@@ -283,7 +283,7 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
         optimizer.zero_grad()
     backward()  # the iteration is at its end, its step still to come
     placement = store.placement
-    next_use = placement._next_use()
+    next_use = placement.room.ranking()
     end = len(placement.follower.trace) - placement.follower.position + 0.5
     masters = sorted(
         (s for s in store.registry.shards.values() if s.kind is ShardKind.PARAM),
@@ -296,7 +296,7 @@ def test_eviction_ranks_masters_by_when_the_step_needs_them(tmp_path):
     state = [next_use(c) for s in masters for c in s.companions.values()]
     assert state == sorted(state) and max(state) < end + 0.5
     optimizer.step()
-    next_use = placement._next_use()
+    next_use = placement.room.ranking()
     trace, position = placement.follower.trace, placement.follower.position
     # stepped: back to the next forward
     assert [next_use(s) for s in masters] == [

@@ -133,7 +133,7 @@ class HostLending:
 
     def lend(self, entry: ParamEntry) -> bool:
         """The device copy becomes a view of the host copy: no bytes move. The host copies
-        then stay until the device copy is dropped (``Placement._evictable``), and eviction of
+        then stay until the device copy is dropped (``ArenaRoom.evictable``), and eviction of
         one drops the device copy first. False (nothing lent) when the shards did not land in
         one range of the arena."""
         shards = entry.shards

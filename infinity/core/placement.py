@@ -28,15 +28,14 @@ and the tiers' usage are read from other threads (``TieredStore.stats()``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from infinity.core.arena_room import ArenaRoom
 from infinity.core.audit import audit
 from infinity.core.completions import MAX_RETRIES, Completions, retryable
 from infinity.core.device_copies import DeviceCopies
@@ -44,6 +43,7 @@ from infinity.core.lending import HostLending
 from infinity.core.policies import EvictionPolicy, PrefetchPolicy
 from infinity.core.prefetching import TracePrefetching
 from infinity.core.residency import Residency as R
+from infinity.core.run_phase import RunPhase
 from infinity.core.shards import (
     COMPUTE_KEY,
     GRAD_KEY,
@@ -142,10 +142,19 @@ def _tag(shard: Shard) -> list:
     return [shard.id, shard.version]
 
 
-def _registry_order(shard: Shard) -> tuple[int, bool, str, int]:
-    # Within an entry: its companions (the gradient, then optimizer state by key), then the
-    # param shard itself.
-    return shard.entry.index, shard.kind is ShardKind.PARAM, shard.companion_key or "", shard.start
+def _swap(engine: SwapEngine | None, host: HostTier) -> tuple[SwapEngine, HostBuffer]:
+    """The swap engine and the staging arena, which every NVMe transfer uses."""
+    arena = host.arena
+    assert engine is not None and arena is not None  # NVMe transfers need both
+    return engine, arena
+
+
+def _record_io(timeline: Timeline, shard: Shard, op: str, prefetch: bool) -> None:
+    record = timeline.io_started(shard.id, op, shard.nbytes, prefetch)
+    shard.io_record = record
+    if record is not None:
+        assert shard.pending is not None  # the transfer just started
+        shard.pending.add_done_callback(lambda f: Timeline.io_finished(record, f.exception()))
 
 
 class Placement:
@@ -177,12 +186,20 @@ class Placement:
         self.engine = engine
         self.follower = follower
         self.eviction = eviction
-        #: the training thread's seconds updating parameters inside backward (updates in
-        #: backward), less their waits: not the model's compute (see busy_seconds)
-        self._backward_update_seconds = 0.0
-        self.in_arena: set[Shard] = set()
-        #: shards whose host copies are in use right now (the optimizer's current tile)
-        self.pinned: set[Shard] = set()
+        #: where the run is (a pass, the step, updates in backward), which the parts read
+        self.phase = RunPhase()
+        #: the staging arena's slots, eviction and the write-backs that free room
+        self.room = ArenaRoom(
+            self,
+            self.phase,
+            registry,
+            host,
+            follower,
+            eviction,
+            engine,
+            params_on_nvme=settings.params_on_nvme,
+            persistent=settings.persistent,
+        )
         self.prefetched_loads = 0
         #: reads the optimizer step started for its next tile
         self.read_ahead_loads = 0
@@ -190,25 +207,8 @@ class Placement:
         #: entries attached without values (a meta-device module without reset_parameters):
         #: their shards stay EMPTY until a checkpoint load writes them
         self.uninitialised: set[int] = set()
-        #: entries the running optimizer step has updated: their optimizer state is next
-        #: needed a whole iteration later, that of the others in this step
-        self.stepped: set[int] = set()
-        #: the optimizer updates each entry in backward, as its gradient completes (the
-        #: ``step_in_backward`` option): its optimizer state is needed there, not in the step
-        self.update_in_backward = False
-        #: arena shards written back to free their room (see :meth:`_make_arena_room`): once
-        #: clean, they are the first to go
-        self.doomed: set[Shard] = set()
         #: bytes moved for shards kept in fewer bytes, and what they would have taken
         self.compressed = CompressedTraffic()
-        #: the last module event was a backward one (gathers for an update in backward read
-        #: the master, which the update needs anyway)
-        self._in_backward = False
-        self._in_pass = False  # between the first forward hook and optimizer.step()
-        #: a training pass began and its step has not finished: the step needs the masters
-        self.masters_due = False
-        #: write-backs eviction had to start during forward/backward
-        self.forced_pass_writes = 0
         #: the outcomes of NVMe transfers: reaping, retries, quarantine, I/O counters
         self.completions = Completions(
             self, registry, host, engine, self.timeline, settings.max_retries
@@ -263,30 +263,32 @@ class Placement:
     def persistent(self) -> frozenset[int]:
         return self.settings.persistent
 
+    @property
+    def update_in_backward(self) -> bool:
+        """Whether the optimizer updates each entry in backward (see :class:`RunPhase`)."""
+        return self.phase.update_in_backward
+
+    @property
+    def in_arena(self) -> set[Shard]:
+        """The shards holding an arena slot (see :class:`ArenaRoom`)."""
+        return self.room.in_arena
+
+    def free_slot(self, shard: Shard) -> None:
+        """Gives ``shard``'s arena slot back; see :meth:`ArenaRoom.free_slot`."""
+        self.room.free_slot(shard)
+
+    def leave_slot(self, shard: Shard) -> None:
+        """``shard`` leaves its slot without giving it back; see :meth:`ArenaRoom.leave_slot`."""
+        self.room.leave_slot(shard)
+
+    def clean_ahead(
+        self, reserve: int, protect: Iterable[Shard] = (), horizon: float = 0.0
+    ) -> None:
+        """Starts write-backs until ``reserve`` bytes of the arena are free or clean; see
+        :meth:`ArenaRoom.clean_ahead`."""
+        self.room.clean_ahead(reserve, protect, horizon)
+
     # -- state the run changes, through these -----------------------------------------------
-    def set_update_in_backward(self, enabled: bool) -> None:
-        """Whether the optimizer updates each entry in backward, as its gradient completes
-        (``step_in_backward``; :class:`~infinity.training.update_timing.UpdateTiming` decides)."""
-        self.update_in_backward = enabled
-
-    @contextlib.contextmanager
-    def pinned_while(self, shards: set[Shard]) -> Iterator[None]:
-        """Keeps the host copies of ``shards`` from eviction for the block (the optimizer's
-        tile). ``shards`` itself is the pinned set: what :meth:`pin` adds shows in it."""
-        self.pinned = shards
-        try:
-            yield
-        finally:
-            self.pinned = set()
-
-    def pin(self, shard: Shard) -> None:
-        """Adds ``shard`` to the pinned host copies (optimizer state made during the tile)."""
-        self.pinned.add(shard)
-
-    def mark_stepped(self, entry: ParamEntry) -> None:
-        """The running optimizer step has updated ``entry``."""
-        self.stepped.add(entry.index)
-
     def mark_uninitialised(self, entry: ParamEntry) -> None:
         """``entry`` was attached without values: its shards stay EMPTY until written."""
         self.uninitialised.add(entry.index)
@@ -303,24 +305,15 @@ class Placement:
         return (
             self.completions.stall_seconds
             + self.device.copy_seconds
-            + self._backward_update_seconds
+            + self.phase.backward_update_seconds
         )
-
-    @property
-    def backward_update_seconds(self) -> float:
-        """Seconds of updates run in backward so far, less their waits and copies."""
-        return self._backward_update_seconds
-
-    def count_backward_update(self, seconds: float) -> None:
-        """An update in backward took ``seconds`` of the training thread, waits excluded."""
-        self._backward_update_seconds += seconds
 
     # -- module events --------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         """A module is about to run (forward or backward): the trace follower observes it,
         the timeline records it, and reads and write-backs ahead of need start."""
         self.follower.observe(event, busy=self.busy_seconds)
-        self._in_backward = event.kind == BACKWARD
+        self.phase.in_backward = event.kind == BACKWARD
         if self.timeline.enabled:
             names = self.settings.module_names
             self.timeline.event(
@@ -335,7 +328,7 @@ class Placement:
         for shard in entry.shards:
             piece = shard.part_of(flat)
             if self.nvme:
-                self._host_slot(shard, protect=(), horizon=0.0)
+                self.room.take_slot(shard, protect=(), horizon=0.0)
                 shard.fill_from(piece)
                 self.registry.set_state(shard, R.HOST)
                 self.store_async(shard)
@@ -346,42 +339,6 @@ class Placement:
                 self.registry.set_state(shard, R.HOST)
 
     # -- host slots ---------------------------------------------------------------------------
-    def _host_slot(
-        self, shard: Shard, protect: Iterable[Shard], horizon: float, strict: bool = False
-    ) -> bool:
-        """Gives ``shard`` an arena slot, evicting as allowed; False if none can be had."""
-        self.completions.reclaim_quarantine()
-        offset = self.copies.lending.after_previous(shard)
-        if offset is None:
-            offset = self.host.take_arena(shard.nbytes)
-        if offset is None:
-            offset = self._make_arena_room(
-                shard.nbytes, set(protect) | {shard}, horizon, strict and horizon > 0
-            )
-            if offset is None:
-                return False
-        shard.arena_offset = offset
-        shard.host = self.host.arena_view(offset, shard.dtype, shard.host_numel)
-        self.in_arena.add(shard)
-        return True
-
-    def free_slot(self, shard: Shard) -> None:
-        """Gives ``shard``'s arena slot back (its host copy goes with it)."""
-        self.copies.wait_host_reads((shard,))  # a device copy may still read the slot
-        assert shard.arena_offset is not None, f"{shard} has no arena slot"
-        self.host.give_arena(shard.arena_offset, shard.nbytes)
-        self.in_arena.discard(shard)
-        self.doomed.discard(shard)
-        shard.arena_offset = None
-        shard.host = None
-
-    def leave_slot(self, shard: Shard) -> None:
-        """``shard`` leaves its arena slot without giving it back: a timed-out read may still
-        write there (the slot is quarantined; see :mod:`infinity.core.completions`)."""
-        self.in_arena.discard(shard)
-        shard.arena_offset = None
-        shard.host = None
-
     # -- transfer outcomes (infinity.core.completions) -------------------------------------------
     def reap(self, shard: Shard, wait: bool = False) -> BaseException | None:
         """Applies the outcome of ``shard``'s NVMe transfer once it has finished (``wait``:
@@ -392,7 +349,7 @@ class Placement:
         """Waits for every transfer in flight (before a checkpoint, at close). Returns the first
         error of a transfer that failed for good (states stay legal; see ``reap``)."""
         first = None
-        for shard in list(self.in_arena):
+        for shard in list(self.room.in_arena):
             error = self.reap(shard, wait=True)
             first = first or error
         return first
@@ -402,17 +359,17 @@ class Placement:
         NVMe-backed shard's swap extent holds its current value, or this raises the error of a
         write that failed for good (the shard stays dirty on the host)."""
         errors: dict[Shard, BaseException] = {}
-        for shard in list(self.in_arena):
+        for shard in list(self.room.in_arena):
             error = self.reap(shard, wait=True)
             if error is not None:
                 errors[shard] = error
             if shard.state is R.HOST:
                 self.store_async(shard)
-        for shard in list(self.in_arena):
+        for shard in list(self.room.in_arena):
             error = self.reap(shard, wait=True)
             if error is not None:
                 errors[shard] = error
-        dirty = [s for s in self.in_arena if s.state is R.HOST]
+        dirty = [s for s in self.room.in_arena if s.state is R.HOST]
         if dirty:
             error = next((errors[s] for s in dirty if s in errors), None)
             if error is not None:
@@ -421,312 +378,10 @@ class Placement:
                 f"flush left {len(dirty)} shard(s) dirty: {', '.join(s.id for s in dirty[:3])}"
             )
 
-    def _next_use(self):
-        """Events until a shard is needed again, or None without a trace. Companions (grads,
-        optimizer state) are needed by the step, after the iteration's last event. A master
-        whose compute copy is current is needed by its update only (gathers read the copy),
-        and a compute copy by the gathers before its update rewrites it."""
-        trace = self.follower.trace
-        if trace is None:
-            return None
-        position = self.follower.position
-        end = len(trace) - position + 0.5
-
-        stepped = self.stepped
-        full = len(trace)
-
-        masters_due = self.params_on_nvme and self.masters_due
-        # The step walks the shards in entry order: within it, a later entry is needed later.
-        in_step = 0.5 / (len(self.registry.entries) + 1)
-
-        last_backward = trace.last_backward if self.update_in_backward else {}
-
-        def next_use(shard: Shard) -> float:
-            index = shard.entry.index
-            update = last_backward.get(index)
-            # ``requires_grad`` is read only where it decides: on the parameter (a tensor
-            # subclass) each read is a __torch_function__ call, and a streamed forward ranks
-            # thousands of shards.
-            if shard.kind is ShardKind.COMPUTE:
-                use = trace.next_use(index, position)
-                master = shard.owner
-                assert master is not None  # a companion
-                if shard.version != master.version:
-                    return end + full  # stale: never read again
-                if masters_due and index not in stepped and shard.entry.param.requires_grad:
-                    # Its update rewrites it: the gathers after that do not read these bytes.
-                    rewrite = update - position if update is not None else end
-                    if use >= rewrite:
-                        return end + full
-                return use
-            # Updated in backward once its gradient is complete: after the entry's last
-            # backward event, and autograd may complete it only after the next module's event
-            # has fired. Until then the update is imminent, master and state alike (ranked a
-            # step away, its state was evicted and read straight back).
-            if (
-                update is not None
-                and update < position
-                and index not in stepped
-                and (shard.kind is not ShardKind.PARAM or shard.entry.param.requires_grad)
-            ):
-                return 0.5
-            if shard.kind is not ShardKind.PARAM:
-                if update is not None:
-                    if index in stepped:
-                        return update + full - position + 0.5
-                    return update - position + 0.5
-                return end + full if index in stepped else end + in_step * index
-            use = trace.next_use(index, position)
-            if self.compute_copy(shard) is not None:
-                # Gathers read the compute copy: the master is next needed by its update.
-                if not shard.entry.param.requires_grad:
-                    return end + full
-                if update is not None:
-                    ahead = update - position + 0.5
-                    return ahead + full if index in stepped or ahead < 0 else ahead
-                return end + in_step * index + (full if index in stepped else 0)
-            if masters_due and use >= end - 0.5:
-                # Next used in the next iteration: after this iteration's step, and before it
-                # when the step updates the master (needed there, however far the use is).
-                return end + in_step * index if self._step_will_update(shard) else use + 1.0
-            return use
-
-        # Each caller ranks its candidates and then keeps those needed after its horizon, both
-        # before it changes any state: one computation per shard serves both (the ranking alone
-        # was a tenth of the training thread's time on a 0.65 B GPT under a 1 GiB budget).
-        known: dict[Shard, float] = {}
-
-        def remembered(shard: Shard) -> float:
-            use = known.get(shard)
-            if use is None:
-                use = known[shard] = next_use(shard)
-            return use
-
-        return remembered
-
-    @staticmethod
-    def _evictable(shard: Shard) -> bool:
-        if shard.kind is not ShardKind.PARAM:
-            return True
-        if shard.entry.lent:  # the host copy is the device copy
-            return shard.entry.holds == 0
-        # A slice across ranks was copied into its bucket when the device copy was assembled.
-        return (
-            shard.entry.holds == 0 or shard.state is R.DEVICE_HOST_NVME or shard.piece is not None
-        )
-
-    def _arena_victims(
-        self,
-        protect: set[Shard],
-        horizon: float,
-        next_use: Callable[[Shard], float] | None,
-    ) -> list[Shard]:
-        """Arena shards that may be evicted now and are next needed after ``horizon`` (see
-        :meth:`_beyond`), in the order the policy would evict them. Filtered before they are
-        ranked: once the arena is a window of reads ahead, most prefetches find nothing needed
-        after theirs, and then rank nothing."""
-        candidates = self._beyond(
-            [
-                s
-                for s in self.in_arena
-                if s not in protect and s not in self.pinned and self._evictable(s)
-            ],
-            horizon,
-            next_use,
-        )
-        # In registry order, so that ties (a shard's companions share its next use) break the
-        # same way in every run, and in the planner's replay of it.
-        candidates.sort(key=_registry_order)
-        return self.eviction.order(
-            candidates, next_use, lambda s: self.copies.last_used.get(s.entry.index, -1)
-        )
-
-    def _make_arena_room(
-        self, nbytes: int, protect: set[Shard], horizon: float, strict: bool = False
-    ) -> int | None:
-        """Evicts until ``nbytes`` fit. Only clean host copies (an NVMe copy valid) are dropped:
-        dirty ones are written back first and stay until that write completed. Write-backs are
-        started for about ``nbytes`` at a time, in eviction order, never for everything dirty:
-        one read that finds no clean room must not turn into a write of the whole arena.
-        On demand (no ``horizon``), when no room could be made because write-backs failed,
-        raises the write error (that is why there is no room). ``strict`` (with a horizon)
-        evicts in policy order only: once write-backs under way will free the room, it waits
-        for them rather than drop a clean shard needed sooner."""
-        next_use = self._next_use()
-        candidates = self._arena_victims(protect, horizon, next_use)
-        # Ahead of need (a horizon), a shard written back to make room goes first once its
-        # write has landed, wherever the policy ranks it now: updates since then put fresher
-        # dirty shards ahead of it (the ones just updated are needed last), and starting their
-        # writes instead would leave it to be updated again unread, its write wasted, while
-        # the front kept moving. On demand the first clean candidate goes anyway.
-        for shard in candidates if horizon else ():
-            if shard in self.doomed:
-                self.reap(shard)
-                if shard.state.on_nvme:
-                    offset = self._evict_for(shard, nbytes)
-                    if offset is not None:
-                        return offset
-        cost = self.host.slot_cost
-        write_error: BaseException | None = None
-        coming = 0  # bytes whose write-back is in flight: room once it completes
-        for shard in candidates:
-            self.reap(shard)
-            if strict and coming >= nbytes:
-                # Room is on its way from shards needed later than the rest: evicting a
-                # clean one needed sooner would make a read that must be repeated.
-                return None
-            if shard.state is R.HOST:
-                if coming < nbytes:
-                    self._forced_write(shard)
-                    coming += cost(shard.nbytes)
-                continue
-            if shard.state is R.HOST_STORING:
-                coming += cost(shard.nbytes)
-                if horizon:
-                    continue  # prefetch does not wait for write-back
-                write_error = self.reap(shard, wait=True) or write_error
-            offset = self._evict_for(shard, nbytes)
-            if offset is not None:
-                return offset
-        if horizon:
-            return None
-        # Demand: wait for transfers in flight (write-backs, and prefetches that would otherwise
-        # pin the arena) and evict what they free, in policy order; when that is not enough
-        # (the freed ranges are not contiguous), write back and evict the rest one by one.
-        for shard in candidates:
-            if (
-                shard.state is R.DEVICE_HOST
-                and shard.entry.holds == 0
-                and shard.entry.index not in self.persistent
-            ):
-                # A dirty master whose device copy is cached, not in use (after an update in
-                # backward, the next forward leaves it so): drop that copy, which is never
-                # newer, so the master can be written back.
-                self.drop_device(shard.entry)
-            if shard.state is R.HOST:
-                self._forced_write(shard)
-            if shard.pending is not None:
-                error = self.reap(shard, wait=True)
-                if shard.state is R.HOST:
-                    write_error = error or write_error
-            offset = self._evict_for(shard, nbytes)
-            if offset is not None:
-                return offset
-        if write_error is not None:
-            raise write_error  # counted in io_failures when its write gave up
-        return None
-
-    def _forced_write(self, shard: Shard) -> None:
-        """A write-back that eviction needs now; remembered when a forward or backward pass
-        forced it, or the step did for a shard it had not updated yet (dirty since the last
-        step), so the next forward can start it ahead (see :meth:`TracePrefetching.write_ahead`)."""
-        self.store_async(shard)
-        self.doomed.add(shard)
-        if self._in_pass:
-            self.forced_pass_writes += 1
-        elif not self.masters_due or shard.entry.index in self.stepped:
-            return  # outside a training iteration, or updated by this step
-        self.prefetching.remember_forced(shard)
-
-    def pass_started(self) -> None:
-        self.prefetching.pass_started()
-        self._in_pass = True
-        self.masters_due = True
-
-    def pass_finished(self) -> None:
-        """The step begins: what it writes is not the passes' to learn from."""
-        self._in_pass = False
-
-    def after_step(self) -> float:
-        """An eviction horizon past this iteration's step: within it, :meth:`_next_use` ranks
-        every shard the step still has to update. Without a trace it is infinity, which
-        :meth:`_beyond` reads as "not needed by the running step"."""
-        trace = self.follower.trace
-        if trace is None:
-            return math.inf
-        return len(trace) - self.follower.position + 1.0
-
-    def _beyond(
-        self, candidates: list[Shard], horizon: float, next_use: Callable[[Shard], float] | None
-    ) -> list[Shard]:
-        """The candidates next needed after ``horizon`` (all of them for no horizon). Without
-        a trace only the running step's own order is known: past the step, a shard it has
-        still to update is needed sooner, and nothing else is known to be."""
-        if not horizon:
-            return candidates
-        if next_use is not None:
-            return [s for s in candidates if next_use(s) > horizon]
-        if horizon == math.inf and self.masters_due and not self._in_pass:
-            return [s for s in candidates if not self._step_will_update(s)]
-        return candidates
-
-    def _step_will_update(self, shard: Shard) -> bool:
-        """Whether this iteration's step has still to update ``shard`` (a trainable master or
-        a companion of an entry it has not reached yet)."""
-        if shard.kind is ShardKind.COMPUTE:
-            return False  # the step writes it, never reads it
-        return shard.entry.index not in self.stepped and (
-            shard.kind is not ShardKind.PARAM or shard.entry.param.requires_grad
-        )
-
-    def step_finished(self) -> None:
-        """The step ended (or failed): eviction ranks companions and masters alike again."""
-        self.stepped.clear()
-        self.masters_due = False
-
-    def clean_ahead(
-        self, reserve: int, protect: Iterable[Shard] = (), horizon: float = 0.0
-    ) -> None:
-        """Starts write-backs of dirty arena shards, in eviction order, until ``reserve`` bytes
-        of the arena are free or held by clean copies.
-
-        Writing every updated shard back after the step costs a full write of the training
-        state per step even when most of it stays cached. Only the shards at the front of
-        the eviction order will be dropped before their next use, so only they need a current
-        NVMe copy, and they get it ahead of the read that will need their room. Only shards
-        next used beyond ``horizon`` are written."""
-        if self.engine is None:
-            return
-        host = self.host
-        reclaimable = min(host.arena_bytes, host.budget) - host.usage.current
-        if reclaimable >= reserve:
-            return
-        next_use = self._next_use()
-        victims = self._arena_victims(set(protect), horizon, next_use)
-        for shard in victims:
-            if reclaimable >= reserve:
-                break
-            self.reap(shard)
-            if shard.state is R.HOST:
-                self.store_async(shard)
-                self.doomed.add(shard)
-            if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME, R.HOST_STORING):
-                reclaimable += host.slot_cost(shard.nbytes)
-
-    def _evict_for(self, shard: Shard, nbytes: int) -> int | None:
-        """Drops ``shard``'s host copy if it is clean (or already gone: a failed read released
-        its slot), then tries to take ``nbytes``."""
-        if shard.kind is ShardKind.PARAM and shard.entry.lent:
-            self.drop_device(shard.entry)  # a lent device copy goes with the host copy
-        if shard.state in (R.HOST_NVME, R.DEVICE_HOST_NVME):
-            self._evict_host(shard)
-        elif shard in self.in_arena:
-            return None  # dirty, or a transfer still in flight
-        return self.host.take_arena(nbytes)
-
-    def _evict_host(self, shard: Shard) -> None:
-        if shard.state is R.HOST_NVME:
-            self.registry.set_state(shard, R.NVME)
-        elif shard.state is R.DEVICE_HOST_NVME:
-            self.registry.set_state(shard, R.DEVICE_NVME)
-        else:
-            raise RuntimeError(f"cannot evict the host copy of {shard}")
-        self.free_slot(shard)
-
     # -- NVMe transfers -----------------------------------------------------------------------
     def store_async(self, shard: Shard) -> None:
         """Starts HOST -> NVMe (HOST -> HOST_STORING)."""
-        engine, arena = self._swap()
+        engine, arena = _swap(self.engine, self.host)
         assert shard.host is not None and shard.arena_offset is not None, f"{shard} not in arena"
         if shard.extent is None:
             shard.extent = engine.allocate(shard.nbytes)
@@ -743,7 +398,7 @@ class Placement:
         self.registry.set_state(shard, R.HOST_STORING)
         shard.pending = future
         self.compressed.count(shard, write=True)
-        self._record_io(shard, "write", prefetch=False)
+        _record_io(self.timeline, shard, "write", prefetch=False)
 
     def load_async(
         self,
@@ -758,10 +413,10 @@ class Placement:
         ``strict``, in eviction order: see :meth:`_make_arena_room`)."""
         if shard.state is not R.NVME:
             return True
-        if not self._host_slot(shard, protect, horizon, strict):
+        if not self.room.take_slot(shard, protect, horizon, strict):
             return False
         self.completions.attempt(shard)
-        engine, arena = self._swap()
+        engine, arena = _swap(self.engine, self.host)
         assert shard.extent is not None and shard.arena_offset is not None  # NVME, slot taken
         try:
             future = engine.read(
@@ -777,7 +432,7 @@ class Placement:
         self.registry.set_state(shard, R.NVME_LOADING)
         shard.pending = future
         self.compressed.count(shard, write=False)
-        self._record_io(shard, "read", prefetch=prefetch)
+        _record_io(self.timeline, shard, "read", prefetch=prefetch)
         if prefetch:
             self.prefetched_loads += 1
         elif read_ahead:
@@ -785,19 +440,6 @@ class Placement:
         else:
             self.demand_loads += 1
         return True
-
-    def _swap(self) -> tuple[SwapEngine, HostBuffer]:
-        """The swap engine and the staging arena, which every NVMe transfer uses."""
-        engine, arena = self.engine, self.host.arena
-        assert engine is not None and arena is not None  # NVMe transfers need both
-        return engine, arena
-
-    def _record_io(self, shard: Shard, op: str, prefetch: bool) -> None:
-        record = self.timeline.io_started(shard.id, op, shard.nbytes, prefetch)
-        shard.io_record = record
-        if record is not None:
-            assert shard.pending is not None  # the transfer just started
-            shard.pending.add_done_callback(lambda f: Timeline.io_finished(record, f.exception()))
 
     def ensure_host(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
         """Makes ``shard``'s host copy valid, reading it from NVMe if needed. A failed read
@@ -831,27 +473,11 @@ class Placement:
                     if error is not None:  # the retry found no room: the failure is the news
                         completions.gave_up(shard)
                         raise error
-                    raise BudgetError(self._no_room(shard))
+                    raise BudgetError(self.room.no_room(shard))
             if shard.state is R.NVME_LOADING:
                 error = self.reap(shard, wait=True)
             elif not shard.state.on_host:
                 raise RuntimeError(f"{shard} has no host copy")
-
-    def _no_room(self, shard: Shard) -> str:
-        text = (
-            f"no room in the host staging arena ({self.host.arena_bytes} bytes, "
-            f"{self.host.usage.current} in use) for shard {shard.id} ({shard.nbytes} bytes)"
-        )
-        completions = self.completions
-        if completions.quarantine:
-            engine, arena = self._swap()
-            hung = [q for q in engine.quarantined() if q.buffer is arena]
-            return (
-                f"{text}: {completions.quarantined_bytes} bytes of it are quarantined behind "
-                f"reads that timed out (the drive hangs?)"
-                + (f", e.g. a {hung[0].describe()}" if hung else "")
-            )
-        return f"{text}: raise buffer_count or buffer_size, or host_budget"
 
     def prepare_overwrite(self, shard: Shard, protect: Iterable[Shard] = ()) -> None:
         """Gives ``shard`` a host copy that the caller is about to overwrite whole, without
@@ -865,14 +491,14 @@ class Placement:
         if shard.state is R.EMPTY and shard.kind is ShardKind.PARAM:
             if not self.nvme:
                 shard.host = self.host.allocate(shard.host_numel, shard.dtype)
-            elif not self._host_slot(shard, protect, horizon=0.0):
-                raise BudgetError(self._no_room(shard))
+            elif not self.room.take_slot(shard, protect, horizon=0.0):
+                raise BudgetError(self.room.no_room(shard))
             self.registry.set_state(shard, R.HOST)
             return
         if shard.state is not R.NVME:
             return
-        if not self._host_slot(shard, protect, horizon=0.0):
-            raise BudgetError(self._no_room(shard))
+        if not self.room.take_slot(shard, protect, horizon=0.0):
+            raise BudgetError(self.room.no_room(shard))
         self.completions.forget(shard)
         # Its NVMe copy is superseded: through EMPTY (nothing valid), then HOST (dirty).
         self.registry.set_state(shard, R.EMPTY)
@@ -911,8 +537,8 @@ class Placement:
     def fill(self, shard: Shard, source: torch.Tensor | None = None) -> torch.Tensor:
         """Gives an EMPTY companion a host slot (optionally filled from ``source``); it is then
         HOST (dirty): written back when evicted or after the step."""
-        if not self._host_slot(shard, protect=(), horizon=0.0):
-            raise BudgetError(self._no_room(shard))
+        if not self.room.take_slot(shard, protect=(), horizon=0.0):
+            raise BudgetError(self.room.no_room(shard))
         host = shard.host
         assert host is not None  # the slot just taken
         if source is not None:
@@ -955,7 +581,7 @@ class Placement:
         compute = self.companion(shard, COMPUTE_KEY, shard.numel, dtype)
         keep = {shard, *protect}
         if compute.state is R.EMPTY:
-            if not self._host_slot(compute, protect=keep, horizon=0.0):
+            if not self.room.take_slot(compute, protect=keep, horizon=0.0):
                 return None
             self.registry.set_state(compute, R.HOST)
         else:
@@ -985,8 +611,8 @@ class Placement:
         compute = self.compute_copy(shard)
         if compute is None:
             return shard
-        backward = self._in_backward if backward is None else backward
-        if backward and self.update_in_backward and shard.entry.param.requires_grad:
+        backward = self.phase.in_backward if backward is None else backward
+        if backward and self.phase.update_in_backward and shard.entry.param.requires_grad:
             return shard
         return compute
 

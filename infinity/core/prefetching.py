@@ -2,7 +2,7 @@
 :class:`~infinity.core.placement.Placement` that runs at each module event.
 
 At each event the prefetch policy names the entries worth reading now, nearest use first, and a
-read may only evict what is needed after it (see ``Placement._make_arena_room``); with updates in
+read may only evict what is needed after it (see ``ArenaRoom.make_room``); with updates in
 backward the optimizer state of the next updates is read too. Write-ahead starts, during forward,
 the write-backs the last pass had to wait for.
 
@@ -19,6 +19,7 @@ from typing import Protocol
 
 from infinity.core.policies import PrefetchPolicy
 from infinity.core.residency import Residency as R
+from infinity.core.run_phase import RunPhase
 from infinity.core.shards import Shard, ShardKind, ShardRegistry, state_companions
 from infinity.core.tiers import HostTier
 from infinity.core.trace import BACKWARD, FORWARD, Event, Trace, TraceFollower
@@ -30,14 +31,9 @@ class ReadsAndWrites(Protocol):
     @property
     def in_arena(self) -> set[Shard]: ...
 
-    @property
-    def pinned(self) -> set[Shard]: ...
-
-    @property
-    def stepped(self) -> set[int]: ...
-
-    @property
-    def update_in_backward(self) -> bool: ...
+    #: where the run is: the pinned host copies, the entries the step has updated, updates
+    #: in backward
+    phase: RunPhase
 
     def reap(self, shard: Shard, wait: bool = False) -> BaseException | None: ...
 
@@ -128,7 +124,7 @@ class TracePrefetching:
             if (
                 shard.state is R.HOST
                 and shard in placement.in_arena
-                and shard not in placement.pinned
+                and shard not in placement.phase.pinned
             ):
                 placement.store_async(shard)
                 self.writes_ahead += 1
@@ -156,7 +152,7 @@ class TracePrefetching:
             for shard in self.registry.entries[index].shards
         }
         budget = self.prefetch_ahead(protect=current)
-        if budget is not None and self._placement.update_in_backward:
+        if budget is not None and self._placement.phase.update_in_backward:
             # Strict: it reads far ahead, and what a read evicts out of order must be read
             # again (without it, half as many bytes again were read at bench_overlap's smallest
             # arena). In forward only the state of updates a few events away: further, the room
@@ -253,7 +249,7 @@ class TracePrefetching:
         for update, index in trace.updates_from(position):
             if update - position > reach:
                 return
-            if index in self._placement.stepped:
+            if index in self._placement.phase.stepped:
                 continue
             for shard in self.registry.entries[index].shards:
                 for companion in shard.companions.values():
@@ -280,7 +276,7 @@ class TracePrefetching:
         position = self.follower.position
         missing, horizon = 0, 0.0
         for update, index in trace.updates_from(position)[:updates]:
-            if index in self._placement.stepped:
+            if index in self._placement.phase.stepped:
                 continue
             horizon = update - position + 1.0
             for shard in self.registry.entries[index].shards:

@@ -85,7 +85,7 @@ def store_stats(store: AttachedStore, memory: MemoryFigures) -> dict[str, Any]:
         "step_read_ahead_loads": placement.read_ahead_loads if placement else 0,
         # write-backs eviction had to start (and wait for) during forward and backward,
         # and those started ahead, during forward, from what the last pass had to wait for
-        "forced_pass_writes": placement.forced_pass_writes if placement else 0,
+        "forced_pass_writes": placement.room.forced_pass_writes if placement else 0,
         "write_ahead_writes": placement.prefetching.writes_ahead if placement else 0,
         "grad_bytes": placement.gradients.grad_bytes if placement else 0,
         "pinned_bytes": placement.host.pinned_bytes if placement else 0,

@@ -208,10 +208,10 @@ class OffloadedOptimizer(Optimizer):
         # copies (bytes, seconds).
         seconds = time.perf_counter() - started - (placement.busy_seconds - busy)
         elements, in_backward = self._rate_mark
-        self._rate_mark = (self.updated_elements, placement.backward_update_seconds)
+        self._rate_mark = (self.updated_elements, placement.phase.backward_update_seconds)
         updated = self.updated_elements - elements
         if updated:
-            seconds += placement.backward_update_seconds - in_backward
+            seconds += placement.phase.backward_update_seconds - in_backward
             self._step_rates.append(seconds / updated)
             self.step_seconds_per_element = statistics.median(self._step_rates)
         device = placement.device
@@ -318,7 +318,7 @@ class OffloadedOptimizer(Optimizer):
             if companion is None:
                 companion = self._new_companion(shard, key, value)
                 placement.fill(companion)
-                placement.pin(companion)  # the rest of this tile must not evict it
+                placement.phase.pin(companion)  # the rest of this tile must not evict it
             if companion.encoding is not None:
                 self._encode(companion, key, value)
             else:

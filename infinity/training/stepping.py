@@ -74,7 +74,8 @@ class Stepping:
         store = self._store
         store.follower.start_iteration((grad_enabled, training))
         if store.placement is not None and grad_enabled:
-            store.placement.pass_started()
+            store.placement.prefetching.pass_started()
+            store.placement.phase.pass_started()
 
     def loop_acted(self, what: str, grads: bool = False) -> None:
         """The loop used the model (``grads``: its gradients) outside forward and backward;
@@ -110,7 +111,7 @@ class Stepping:
         placement.follower.pause(placement.busy_seconds)
         placement.gradients.finish_reductions()
         placement.gradients.completed()  # not updated in backward: this step updates them
-        placement.pass_finished()
+        placement.phase.pass_finished()
         timing = store.update_timing
         if timing is not None:
             hooks = store.hooks
@@ -182,7 +183,7 @@ class Stepping:
                 )
                 raise
             finally:
-                placement.step_finished()
+                placement.phase.step_finished()
             self._unfinished = None
         for entry in sorted(updated.union(in_backward), key=lambda e: e.index):
             # In the same order on every rank; across ranks every entry with a gradient is
@@ -259,7 +260,7 @@ class Stepping:
         placement.prefetching.clean_for_updates()
         # The update's own time, without its waits and copies: the trace's compute times
         # leave it out, and the optimizer's per-element rate counts it (the planner's replay)
-        placement.count_backward_update(
+        placement.phase.count_backward_update(
             time.perf_counter() - started - (placement.busy_seconds - busy)
         )
         if entry.index in placement.persistent and store.partition is None:
@@ -335,7 +336,7 @@ class Stepping:
         # a shard the step still has to update: evicting it would cost a write and a read back
         # within the same step, and updates free room (dropped gradients) faster than the disk
         # fills it.
-        after_step = placement.after_step()
+        after_step = placement.room.horizon_after_step()
         # Without a trace (the first step, or one that ran differently) eviction among what the
         # step is done with is least recently used and may push out the masters the next
         # forward needs first: read-ahead then stops at a tile's worth.
@@ -397,13 +398,13 @@ class Stepping:
             ):
                 ahead_bytes += size(todo[ahead])
                 ahead += 1
-            with placement.pinned_while(protect):
+            with placement.phase.pinned_while(protect):
                 changed = optimizer.update(tile, multiplier)
                 store.watch_heap()
                 for shard in tile:
                     store.registry.set_state(shard, R.HOST)
                     shard.version += 1
-                    placement.mark_stepped(shard.entry)
+                    placement.phase.mark_stepped(shard.entry)
                     done.add(shard.id)
                     if placement.gradients.grads_on_nvme:
                         placement.gradients.drop_grad(shard)
@@ -411,7 +412,7 @@ class Stepping:
                     # The next gathers read it: dirty, written back behind like the state.
                     compute = placement.refresh_compute_copy(shard, write_back=False)
                     if compute is not None:
-                        placement.pin(compute)
+                        placement.phase.pin(compute)
                         written.append(compute)
             for companion in changed:
                 companion.version += 1

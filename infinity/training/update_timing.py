@@ -174,7 +174,7 @@ class UpdateTiming:
 
     def _set(self, mode: UpdateMode) -> None:
         self.mode = mode
-        self.placement.set_update_in_backward(mode is UpdateMode.IN_BACKWARD)
+        self.placement.phase.set_update_in_backward(mode is UpdateMode.IN_BACKWARD)
 
     def _loop_keeps_step(self, reasons: list[str]) -> None:
         """The loop does what updates in backward cannot follow: in optimizer.step() for good."""
