@@ -41,7 +41,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,8 +49,16 @@ from torch import nn
 from infinity.core.finalizers import interrupt_safe
 from infinity.core.streams import same_device
 from infinity.errors import BudgetError, InfinityError
+from infinity.training.activation_records import (
+    Packed,
+    ReadUse,
+    Resources,
+    StagingUse,
+    Stored,
+    WriteUse,
+)
 from infinity.training.param_access import SavedParameter
-from swap import BufferPool, Extent, HostBuffer, SwapEngine, align_up
+from swap import BufferPool, HostBuffer, SwapEngine, align_up
 
 if TYPE_CHECKING:
     from infinity.core.attached import AttachedStore
@@ -70,145 +77,6 @@ STAGING_BYTES = 16 << 20
 class ActivationOffloadError(InfinityError, RuntimeError):
     """A saved activation could not be written out or read back (the message names the module
     whose forward saved it, its size and the cause)."""
-
-
-@dataclass(eq=False)
-class _Resources:
-    """What a stored activation holds outside the device; freed once nothing refers to it."""
-
-    nbytes: int
-    group: int = 0
-    host: torch.Tensor | None = None  # cpu: the host copy
-    extent: Extent | None = None  # nvme: where its bytes are
-    uses: list[Any] = field(default_factory=list)  # staging uses still moving its bytes
-    device_bytes: int = 0  # counted as held on the device right now
-
-
-class _Stored:
-    """One offloaded storage. Autograd holds it through the ``_Packed`` handles of its views."""
-
-    __slots__ = (
-        "res",
-        "group",
-        "module",
-        "source",
-        "version",
-        "back",
-        "event",
-        "loading",
-        "chunks_left",
-        "error",
-        "__weakref__",
-    )
-
-    def __init__(self, source: torch.Tensor, version: int, group: int, module: str) -> None:
-        self.res = _Resources(source.untyped_storage().nbytes(), group)
-        self.group = group
-        self.module = module
-        #: the whole storage as flat bytes, until its copy out is issued
-        self.source: torch.Tensor | None = source
-        self.version = version
-        #: the restored storage as flat bytes on the device (after a fetch)
-        self.back: torch.Tensor | None = None
-        #: CUDA: marks the copy into ``back`` (from host memory) or into host memory (cpu out)
-        self.event: Any = None
-        self.loading = False
-        self.chunks_left: list[tuple[int, int]] = []  # nvme: chunk reads not yet issued
-        self.error: BaseException | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.res.nbytes
-
-    def describe(self) -> str:
-        return f"a saved tensor of {self.nbytes} bytes from the forward of module '{self.module}'"
-
-
-class _Packed:
-    """What autograd keeps for one saved tensor: its storage's ``_Stored`` and its view."""
-
-    __slots__ = ("stored", "dtype", "size", "stride", "offset")
-
-    def __init__(self, stored: _Stored, tensor: torch.Tensor) -> None:
-        self.stored = stored
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-
-
-class _Use:
-    """A staging buffer while it moves one chunk. ``poll`` advances it; True once finished,
-    and from then on without doing anything again (a read's copy into the restored storage
-    happens once, though a caller that waited for the use may poll it again)."""
-
-    def __init__(
-        self, owner: ActivationOffload, buf: HostBuffer, stored: _Stored, offset: int, nbytes: int
-    ) -> None:
-        self.owner, self.buf, self.stored = owner, buf, stored
-        self.offset, self.nbytes = offset, nbytes
-        self.future: Any = None
-        self.event: Any = None
-        self.finished = False
-
-    def poll(self, wait: bool) -> bool:
-        if not self.finished:
-            self.finished = self._advance(wait)
-        return self.finished
-
-    def _advance(self, wait: bool) -> bool:
-        raise NotImplementedError
-
-    def _event_done(self, wait: bool) -> bool:
-        if self.event is None:
-            return True
-        if wait:
-            self.event.synchronize()
-        return self.event.query()
-
-
-class _WriteUse(_Use):
-    """device bytes -> staging buffer (copy, an event on CUDA) -> extent (an engine write)."""
-
-    def _advance(self, wait: bool) -> bool:
-        if self.future is None:
-            if not self._event_done(wait):
-                return False
-            self.event = None
-            extent = self.stored.res.extent
-            assert extent is not None  # allocated before the first chunk's copy
-            self.future = self.owner._engine.write(
-                extent, self.buf, nbytes=self.nbytes, extent_offset=self.offset
-            )
-            self.owner.bytes_written += self.nbytes
-        if not wait and not self.future.done():
-            return False
-        error = self.future.exception()
-        if error is not None and self.stored.error is None:
-            self.stored.error = error
-        return True
-
-
-class _ReadUse(_Use):
-    """extent -> staging buffer (an engine read) -> the restored storage (copy, an event)."""
-
-    def _advance(self, wait: bool) -> bool:
-        if self.event is None:
-            if not wait and not self.future.done():
-                return False
-            error = self.future.exception()
-            if error is not None:
-                if self.stored.error is None:
-                    self.stored.error = error
-                return True
-            back = self.stored.back
-            if back is None:  # nobody waits for it any more
-                return True
-            self.owner.bytes_read += self.nbytes
-            self.event = self.owner._copy(
-                back[self.offset : self.offset + self.nbytes], self.buf.tensor[: self.nbytes]
-            )
-        return self._event_done(wait)
 
 
 class ActivationOffload:
@@ -267,18 +135,18 @@ class ActivationOffload:
         self._depth = 0  # nested root forwards
         self._hooks: Any = None  # the saved_tensors_hooks context while entered
         self._group = 0  # the group that packs go to now
-        self._pending: list[_Stored] = []  # packed since the last boundary
+        self._pending: list[Stored] = []  # packed since the last boundary
         self._module: list[str] = []  # modules whose forward is running, innermost last
-        self._seen: dict[int, tuple[Any, _Stored]] = {}  # storage address -> (tensor ref, stored)
+        self._seen: dict[int, tuple[Any, Stored]] = {}  # storage address -> (tensor ref, stored)
         self._param_ptrs: set[int] | None = None
         # -- backward
         self._groups: dict[int, list[weakref.ref]] = {}  # group -> its storages
         self._group_ids: list[int] = []  # sorted keys of _groups
-        self._loads: list[_Stored] = []  # fetches under way, oldest first
-        self._dead: collections.deque[_Resources] = collections.deque()
+        self._loads: list[Stored] = []  # fetches under way, oldest first
+        self._dead: collections.deque[Resources] = collections.deque()
         # -- nvme staging
         self._staging: BufferPool | None = None
-        self._uses: collections.deque[_Use] = collections.deque()
+        self._uses: collections.deque[StagingUse] = collections.deque()
         self.chunk = 0
         self.host_bytes = 0
         self.peak_host_bytes = 0
@@ -304,7 +172,8 @@ class ActivationOffload:
     # -- installation -------------------------------------------------------------------------
 
     @property
-    def _engine(self) -> SwapEngine:
+    def swap_engine(self) -> SwapEngine:
+        """The engine of target 'nvme' (it has one: checked at construction)."""
         assert self.engine is not None  # target 'nvme' has one (checked above)
         return self.engine
 
@@ -416,17 +285,17 @@ class ActivationOffload:
             ref, stored = seen
             # The first tensor still alive keeps the storage alive: the address is this one.
             if ref() is not None and stored.version == version:
-                return _Packed(stored, tensor)
+                return Packed(stored, tensor)
         source = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         source.set_(storage, 0, (storage.nbytes(),), (1,))
         module = self._module[-1] if self._module else "?"
-        stored = _Stored(source, version, self._group, module)
+        stored = Stored(source, version, self._group, module)
         stored.res.device_bytes = stored.nbytes
         self._count_device(stored.nbytes)
         weakref.finalize(stored, self._on_dead_safe, stored.res)
         self._seen[address] = (weakref.ref(tensor), stored)
         self._pending.append(stored)
-        return _Packed(stored, tensor)
+        return Packed(stored, tensor)
 
     def _offloadable(self, tensor: torch.Tensor) -> bool:
         if (
@@ -461,7 +330,7 @@ class ActivationOffload:
                 self._copy_out(stored)
         self._housekeeping()
 
-    def _copy_out(self, stored: _Stored) -> None:
+    def _copy_out(self, stored: Stored) -> None:
         source, stored.source = stored.source, None
         if source is None:
             return
@@ -470,22 +339,22 @@ class ActivationOffload:
         self.offloaded_tensors += 1
         if self.target == "cpu":
             res.host = self._host_alloc(res.nbytes, stored)
-            stored.event = self._copy(res.host, source)
+            stored.event = self.copy(res.host, source)
         else:
-            res.extent = self._engine.allocate(res.nbytes)
+            res.extent = self.swap_engine.allocate(res.nbytes)
             for offset in range(0, res.nbytes, self.chunk):
                 nbytes = min(self.chunk, res.nbytes - offset)
                 buf = self._take_staging()
                 assert buf is not None  # waited for
-                use = _WriteUse(self, buf, stored, offset, nbytes)
-                use.event = self._copy(use.buf.tensor[:nbytes], source[offset : offset + nbytes])
+                use = WriteUse(self, buf, stored, offset, nbytes)
+                use.event = self.copy(use.buf.tensor[:nbytes], source[offset : offset + nbytes])
                 self._start_use(use, res)
         if self.cuda:
             # The allocator must not hand the bytes out again before the copy has read them.
             source.record_stream(self._stream)
         self._uncount(res)
 
-    def _host_alloc(self, nbytes: int, stored: _Stored) -> torch.Tensor:
+    def _host_alloc(self, nbytes: int, stored: Stored) -> torch.Tensor:
         self._claim_host(nbytes, stored.describe())
         # Pinned with CUDA: the copies in and out are then asynchronous.
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -505,7 +374,7 @@ class ActivationOffload:
             self.host_bytes += nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """``dst.copy_(src)``; on CUDA on the copy stream, returning the event marking it."""
         if not self.cuda:
             dst.copy_(src)
@@ -531,7 +400,7 @@ class ActivationOffload:
             self.stall_seconds += time.perf_counter() - started
             self._poll_uses()
 
-    def _start_use(self, use: _Use, res: _Resources) -> None:
+    def _start_use(self, use: StagingUse, res: Resources) -> None:
         res.uses.append(use)
         self._uses.append(use)
         self._poll_uses()
@@ -541,7 +410,7 @@ class ActivationOffload:
             if use.poll(wait=False):
                 self._finish_use(use)
 
-    def _finish_use(self, use: _Use) -> None:
+    def _finish_use(self, use: StagingUse) -> None:
         self._uses.remove(use)
         try:
             use.stored.res.uses.remove(use)
@@ -553,7 +422,7 @@ class ActivationOffload:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, SavedParameter):
             return packed.unpack()
-        if not isinstance(packed, _Packed):
+        if not isinstance(packed, Packed):
             return packed
         stored = packed.stored
         self._housekeeping()
@@ -576,7 +445,7 @@ class ActivationOffload:
         view.set_(stored.back.untyped_storage(), packed.offset, packed.size, packed.stride)
         return view
 
-    def _raise(self, stored: _Stored) -> None:
+    def _raise(self, stored: Stored) -> None:
         where = "NVMe" if self.target == "nvme" else "host memory"
         raise ActivationOffloadError(
             f"activation offload: {stored.describe()} could not be brought back from {where} "
@@ -610,7 +479,7 @@ class ActivationOffload:
                 if not self._fetch(stored, prefetch=True):
                     return
 
-    def _fetch(self, stored: _Stored, prefetch: bool = False) -> bool:
+    def _fetch(self, stored: Stored, prefetch: bool = False) -> bool:
         """Starts bringing ``stored`` back; False when a prefetch found no staging buffer."""
         if stored.back is not None:
             return True
@@ -634,7 +503,7 @@ class ActivationOffload:
             self.prefetches += 1
         if self.target == "cpu":
             assert res.host is not None  # offloaded to host memory
-            stored.event = self._copy(stored.back, res.host)
+            stored.event = self.copy(stored.back, res.host)
             return True
         stored.event = None
         stored.loading = True
@@ -645,21 +514,21 @@ class ActivationOffload:
         self._loads.append(stored)
         return self._issue(stored, wait=not prefetch)
 
-    def _issue(self, stored: _Stored, wait: bool) -> bool:
+    def _issue(self, stored: Stored, wait: bool) -> bool:
         """Starts the chunk reads of ``stored`` that staging buffers allow."""
         while stored.chunks_left:
             buf = self._take_staging(wait=wait)
             if buf is None:
                 return False
             offset, nbytes = stored.chunks_left.pop(0)
-            use = _ReadUse(self, buf, stored, offset, nbytes)
+            use = ReadUse(self, buf, stored, offset, nbytes)
             extent = stored.res.extent
             assert extent is not None  # written before
-            use.future = self._engine.read(extent, buf, nbytes=nbytes, extent_offset=offset)
+            use.future = self.swap_engine.read(extent, buf, nbytes=nbytes, extent_offset=offset)
             self._start_use(use, stored.res)
         return True
 
-    def _finish(self, stored: _Stored) -> None:
+    def _finish(self, stored: Stored) -> None:
         """Waits until ``stored`` is back on the device (its reads, or its host copy)."""
         if self.target == "cpu" or not stored.loading:
             return
@@ -692,14 +561,14 @@ class ActivationOffload:
                 del self._groups[res.group]
                 self._group_ids.remove(res.group)
 
-    def _release(self, res: _Resources) -> None:
+    def _release(self, res: Resources) -> None:
         self._uncount(res)
         if res.host is not None:
             with self._lock:
                 self.host_bytes -= res.nbytes
             res.host = None
         if res.extent is not None:
-            self._engine.free(res.extent)
+            self.swap_engine.free(res.extent)
             res.extent = None
 
     # -- accounting -----------------------------------------------------------------------------
@@ -711,13 +580,13 @@ class ActivationOffload:
                 self.peak_device_total, self.current_device + self._tier_bytes()
             )
 
-    def _on_dead(self, res: _Resources) -> None:
+    def _on_dead(self, res: Resources) -> None:
         """Autograd let go of a storage (maybe on its own thread): its device bytes are free
         now; its host copy or extent is freed by the training thread's next hook."""
         self._uncount(res)
         self._dead.append(res)
 
-    def _uncount(self, res: _Resources) -> None:
+    def _uncount(self, res: Resources) -> None:
         with self._lock:
             self.current_device -= res.device_bytes
             res.device_bytes = 0
