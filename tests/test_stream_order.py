@@ -156,17 +156,22 @@ def _store(monkeypatch, streams: RecordingStreams | None, **overrides: Any):
     return store, model, optimizer
 
 
+def _clip(model: torch.nn.Module) -> None:
+    """The loop reads the gradients (their norm) and scales them, as a trainer's clipping does."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
 @pytest.mark.parametrize("step_in_backward", [False, True])
 def test_training_under_the_fake_matches_the_cpu_path_bit_for_bit(monkeypatch, step_in_backward):
     """Every copy runs late, unless waited for: the values equal the CPU path's only if each
     use of a copy's destination waits for it, and each host use of a gradient waits too."""
     plain, plain_model, plain_opt = _store(monkeypatch, None, step_in_backward=step_in_backward)
-    want = train(plain_model, plain_opt, 3)
+    want = train(plain_model, plain_opt, 3, after_backward=_clip)
     want_params = {n: p.detach().clone() for n, p in plain_model.named_parameters()}
     plain.close()
     streams = RecordingStreams()
     store, model, optimizer = _store(monkeypatch, streams, step_in_backward=step_in_backward)
-    assert train(model, optimizer, 3) == want
+    assert train(model, optimizer, 3, after_backward=_clip) == want
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), want_params[name]), name
     assert store.placement.copies.gathered_ahead > 0  # the device look-ahead ran

@@ -93,6 +93,8 @@ class Gradients:
         #: in backward run) each one waits for; run at the next hook whose copies are done, all
         #: of it before anything reads a gradient (finish_reductions)
         self.arriving = CompletionQueue(device.streams)
+        #: shard id -> its gradients in ``arriving`` (what _settle waits for)
+        self._arriving_shards: dict[str, int] = {}
 
     def set_loss_scale(self, scale: float) -> None:
         """The loss scale the next gradients arrive multiplied by (fp16 dynamic scaling)."""
@@ -182,11 +184,22 @@ class Gradients:
             piece = piece.to(shard.dtype) / scale  # unscaled on the device, where it is
         staged = self.host.scratch(tuple(piece.shape), piece.dtype)
         event = self.device.copy_out_async(staged, piece)
-        self.arriving.add(
-            event,
-            functools.partial(self._accumulate_grad, shard, staged, 1.0, True),
-            f"grad {shard.id}",
-        )
+        pending = self._arriving_shards
+        pending[shard.id] = pending.get(shard.id, 0) + 1
+
+        def land() -> None:
+            left = pending.pop(shard.id) - 1
+            if left:
+                pending[shard.id] = left
+            self._accumulate_grad(shard, staged, 1.0, on_host=True)
+
+        self.arriving.add(event, land, f"grad {shard.id}")
+
+    def _settle(self, shard: Shard) -> None:
+        """Runs the host work of the gradients still arriving, where some of it is
+        ``shard``'s (before the shard's gradient is read, dropped or moved)."""
+        if shard.id in self._arriving_shards:
+            self.arriving.drain()
 
     def _reduced(self, shard: Shard, piece: torch.Tensor, scale: float, report: bool) -> None:
         """A reduction landed: this rank's averaged slice of ``shard``'s gradient."""
@@ -275,6 +288,7 @@ class Gradients:
     def grad_sq_norm(self, shard: Shard) -> float:
         """The squared L2 norm of the shard's gradient as the loop sees it (its recorded factor
         applied); computed from the gradient, read back if need be, when it was not tracked."""
+        self._settle(shard)
         if shard.grad_scale == 0.0 or not self.has_grad(shard):
             return 0.0
         if shard.grad_sq_norm is None:
@@ -321,6 +335,7 @@ class Gradients:
             self.drop_grad(shard)
         if value is not None:
             self.take_grad(entry, value, unscale=False, reduce=False)
+            self.arriving.drain()  # the loop reads what it assigned right away
         if same_gradient:
             entry.grad_generation = generation
 
@@ -424,10 +439,10 @@ class Gradients:
         """Moves gradients kept for an update in backward that has to wait (for
         ``optimizer.step()``) into their companions, where they count in the host budget and
         can be swapped."""
-        self.arriving.drain()
         if not self.grads_on_nvme:
             return
         for shard in entry.shards:
+            self._settle(shard)
             if shard.grad is None:
                 continue
             holder = self._slots.companion(shard, GRAD_KEY, shard.numel, shard.dtype)
@@ -436,6 +451,7 @@ class Gradients:
 
     def grad_view(self, shard: Shard) -> torch.Tensor | None:
         """The shard's host gradient (its companion must already be on the host)."""
+        self._settle(shard)
         if shard.grad is not None:
             return shard.grad
         if self.grads_on_nvme:
@@ -447,7 +463,7 @@ class Gradients:
 
     def drop_grad(self, shard: Shard) -> None:
         """Forgets one shard's gradient (consumed by the step)."""
-        self.arriving.drain()
+        self._settle(shard)
         self._forget_grad(shard)
         self._release_grad(shard)
         if self.grads_on_nvme:
