@@ -110,7 +110,12 @@ class Checkpointer:
         config = getattr(store.model, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             files["config.json"] = config.to_json_string()
-        writer = InfinityStorageWriter(path, extra_files=files if coordinator else None)
+        plan = store.memory_plan
+        writer = InfinityStorageWriter(
+            path,
+            extra_files=files if coordinator else None,
+            buffer_size=plan.checkpoint_buffer_size if plan is not None else 16 << 20,
+        )
         planner = ShardSavePlanner(store)
         planner.prepare()
         if async_save:

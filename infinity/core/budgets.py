@@ -9,8 +9,11 @@ With an explicit ``host_budget`` H the store promises that the process's peak RS
   initialised (interpreter, torch, the model's module objects, the loop's own data);
 * **H** holds the staging arena, CPU-offloaded parameters and, on a CPU device, the device
   tier's working copies when their budget is derived (the device is the same RAM); what is left
-  is reserved for the store's transients (:func:`transient_bytes`: autograd's gradient buffers of
-  the largest parameter, the first step's optimizer state, a checkpoint's write buffers);
+  is reserved for the store's transients (:func:`transient_bytes`: with an optimizer, autograd's
+  gradient buffers of the largest trained parameter and the first step's optimizer state;
+  without one, nothing of training's). A checkpoint save takes its write buffers out of that
+  reserve (:attr:`MemoryPlan.checkpoint_buffer_size`) rather than reserving them for a save
+  that may never come;
 * **device outside H**: an explicit ``device_budget`` on a CPU device, or every parameter when
   they stay on the device (``offload_param='none'``);
 * **transients outside H**: the part of the reserve that an arena the size the config asks for
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from infinity.config import DEFAULT_BUFFER_SIZE
@@ -40,8 +43,11 @@ from swap import align_up
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-#: a checkpoint save's write buffers (swap.stream_file.StreamWriter: 4 x 16 MiB)
-CHECKPOINT_WRITE_BYTES = 4 * 16 * MIB
+#: a checkpoint save's write buffers (swap.stream_file.StreamWriter): this many, each of
+#: between 1 and 16 MiB as the transients' reserve allows (MemoryPlan.checkpoint_buffer_size)
+CHECKPOINT_WRITE_BUFFERS = 4
+CHECKPOINT_BUFFER_MAX = 16 * MIB
+CHECKPOINT_BUFFER_MIN = MIB
 #: small allocations the store makes after attach (registry objects, heap fragmentation)
 HEAP_SLACK = 32 * MIB
 
@@ -174,15 +180,29 @@ def cpu_device_default(
 
 
 # -- the host side ---------------------------------------------------------------------------------
-def transient_bytes(entries: Sequence[ParamEntry], shards: Iterable[Shard]) -> int:
-    """Host memory the store makes and frees around its tiers, at most this much at a time:
-    in backward, autograd's gradient of the largest parameter (kept for its update) next to, for
-    a parameter used twice (tied), its second contribution and their sum; in the first step the
-    optimizer's new state of one shard (two moments) before it moves to its companions; in a
-    checkpoint save its write buffers. Plus a margin for small allocations."""
-    largest_param = max(e.nbytes for e in entries)
-    largest_shard = max((s.nbytes for s in shards), default=0)
-    return max(3 * largest_param, 2 * largest_shard, CHECKPOINT_WRITE_BYTES) + HEAP_SLACK
+def transient_bytes(
+    entries: Sequence[ParamEntry], shards: Iterable[Shard], trained: Collection[int] | None = None
+) -> int:
+    """Host memory the store makes and frees around its tiers, at most this much at a time, for
+    what this attach will do. ``trained``: the indices of the entries an optimizer updates
+    (None: no optimizer). With one, in backward, autograd's gradient of the largest trained
+    parameter (kept for its update) next to, for a parameter used twice (tied), its second
+    contribution and their sum, and in the first step the optimizer's new state of one trained
+    shard (two moments) before it moves to its companions. Without one (inference, or nothing
+    trained) the decode of one shard into the compute dtype. Frozen parameters get no
+    gradient and no state. Plus a margin for small allocations."""
+    shards = list(shards)
+    indices = frozenset(trained or ())
+    trained_entries = [e for e in entries if e.index in indices]
+    if trained_entries:
+        largest_param = max(e.nbytes for e in trained_entries)
+        largest_shard = max(
+            (s.nbytes for s in shards if s.entry.index in indices), default=largest_param
+        )
+        need = max(3 * largest_param, 2 * largest_shard)
+    else:
+        need = max((s.nbytes for s in shards), default=0)
+    return need + HEAP_SLACK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +226,15 @@ class MemoryPlan:
     cached_all: bool
     #: bytes the arena needs to cache everything
     needed: int
+
+    @property
+    def checkpoint_buffer_size(self) -> int:
+        """Each of a checkpoint save's write buffers: the save comes between steps, where the
+        transients' reserve is free, so its buffers take that reserve (less the margin for small
+        allocations), split in CHECKPOINT_WRITE_BUFFERS, between 1 and 16 MiB."""
+        reserve = self.transient_reserved + self.transient_outside - HEAP_SLACK
+        each = max(reserve, 0) // CHECKPOINT_WRITE_BUFFERS // MIB * MIB
+        return max(CHECKPOINT_BUFFER_MIN, min(CHECKPOINT_BUFFER_MAX, each))
 
     @property
     def host_tier(self) -> int:
@@ -255,13 +284,16 @@ def plan_memory(
     params_stay_on_device: bool,
     master_tier: str,
     training: bool = True,
+    trained: Collection[int] | None = None,
     cuda_free: Callable[[], int] = lambda: 0,
     agree: Callable[[int], int] | None = None,
 ) -> MemoryPlan:
     """The budgets for ``config`` and these parameters. ``device_kind``: "cpu" (the device is
     host memory), "cuda" (its own memory, ``cuda_free`` bytes free) or "other" (the planner's
     simulation of a device it has no figures for: every parameter fits). ``training``: an
-    optimizer is attached (backward holds shared parameters). ``agree``: across ranks,
+    optimizer is attached (backward holds shared parameters); ``trained``: the indices of the
+    entries it updates (default: every entry that requires a gradient when training, none
+    otherwise; see :func:`transient_bytes`). ``agree``: across ranks,
     the minimum of a value over every rank (their device tiers must decide alike)."""
     total = sum(e.nbytes for e in entries)
     device_total = sum(e.device_bytes for e in entries)
@@ -306,7 +338,11 @@ def plan_memory(
     optim_nvme = config.offload_optimizer == "nvme"
     resident = 0 if params_nvme else total  # host tensors outside the arena
     carved = device if device_in_host else 0
-    transient = transient_bytes(entries, [s for s in shards if s.kind is ShardKind.PARAM])
+    if trained is None and training:
+        trained = {e.index for e in entries if e.requires_grad}
+    transient = transient_bytes(
+        entries, [s for s in shards if s.kind is ShardKind.PARAM], trained if training else None
+    )
     needed = 0
     arena = 0
     reserved = 0

@@ -26,7 +26,7 @@ from infinity.checkpointing.state_dict import install_state_dict_hooks, write_en
 from infinity.config import OffloadConfig
 from infinity.core import handback, lifecycle
 from infinity.core.budgets import (
-    CHECKPOINT_WRITE_BYTES,
+    CHECKPOINT_WRITE_BUFFERS,
     MemoryPlan,
     UpdateRoom,
     arena_reason,
@@ -419,7 +419,17 @@ class TieredStore:
             if entries:
                 module_entries.append((module_name or type(module).__name__, module, entries))
         total = sum(e.nbytes for e in self.registry.entries)
-        self._plan_memory(module_entries, slot, training=optimizer is not None)
+        trained = (
+            None
+            if optimizer is None
+            else {
+                entry.index
+                for group in optimizer.param_groups
+                for param in group["params"]
+                if param.requires_grad and (entry := self.registry.entry_of(param)) is not None
+            }
+        )
+        self._plan_memory(module_entries, slot, trained)
         self.model = model
         device_tier, self._host_tier = self._make_tiers()
         if nvme:
@@ -553,7 +563,10 @@ class TieredStore:
                 state_dtype=config.precision.optimizer_state_dtype,
                 compute_copies=self._compute_copy_dtype is not None,
             )
-            if not room.fits:
+            # An arena that caches every offloaded byte keeps every update's parts in it: the
+            # pipeline's room is for shards that come and go.
+            cached_all = self.memory_plan is not None and self.memory_plan.cached_all
+            if not room.fits and not cached_all:
                 reasons.append(self._arena_too_small(room, modules, params_on_nvme, state_on_nvme))
                 sizing = True
         reasons += config_reasons(config.gradient_clipping, loss_scaling=self.scaler is not None)
@@ -710,8 +723,9 @@ class TieredStore:
             if entry.index not in done:
                 take(entry)
 
-    def _plan_memory(self, module_entries: list, slot: int, training: bool) -> None:
-        """The budgets (infinity.core.budgets), logged."""
+    def _plan_memory(self, module_entries: list, slot: int, trained: set[int] | None) -> None:
+        """The budgets (infinity.core.budgets), logged. ``trained``: the indices of the entries
+        the optimizer updates (None without one)."""
         config = self.config
         plan = plan_memory(
             config,
@@ -722,7 +736,8 @@ class TieredStore:
             device_kind=self._device_kind(),
             params_stay_on_device=self._params_stay_on_device,
             master_tier=self.master_tier,
-            training=training,
+            training=trained is not None,
+            trained=trained,
             cuda_free=lambda: torch.cuda.mem_get_info(self.device)[0],
             agree=self.partition.min_across if self.partition is not None else None,
         )
@@ -870,7 +885,9 @@ class TieredStore:
         step would change is copied out first): see :mod:`infinity.checkpointing.async_save`."""
         self.stepping.loop_acted("save_checkpoint()")
         if self._heap_watch is not None:
-            self._heap_watch.make_room(CHECKPOINT_WRITE_BYTES)
+            plan = self.memory_plan
+            assert plan is not None  # attached (checked by _checkpointer)
+            self._heap_watch.make_room(CHECKPOINT_WRITE_BUFFERS * plan.checkpoint_buffer_size)
         self._checkpointer("save_checkpoint").save(Path(path), extra, async_save)
         self._last_checkpoint = (Path(path), self.steps)
 
@@ -948,8 +965,9 @@ class TieredStore:
         (``host_budget``, ``device_budget``, ``buffer_count``, ``buffer_size``, ``prefetch_depth``,
         ``offload_param``, ``offload_optimizer``, ``precision``, ...), on ``disk`` (an
         :class:`infinity.planning.planner.DiskProfile`; default: this run's disk as its engine saw
-        it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile`; default this
-        machine) and ``contention`` (an :class:`~infinity.planning.simulated_time.Contention`:
+        it) and ``device`` (a :class:`~infinity.planning.planner.DeviceProfile` or a preset's
+        name, such as ``"H100"``; default this machine) and ``contention`` (an
+        :class:`~infinity.planning.simulated_time.Contention`:
         how compute and the disk slow each other here, as measured; default: not at all, and
         the result's ``contention`` says it was not measured). Needs two recorded
         iterations. Returns ``step_seconds`` (the mean of the replayed iterations) with
@@ -965,7 +983,10 @@ class TieredStore:
         ``error`` that attach or the first gather would raise). Runs the store's own placement
         over tensors that hold no bytes: see :mod:`infinity.planning.planner`."""
         from infinity.planning.planner import predict
+        from infinity.planning.profiles import device_profile
 
+        if isinstance(device, str):  # a preset's name: "H100", "this machine", ...
+            device = device_profile(device)
         return predict(self, overrides, disk=disk, device=device, contention=contention)
 
     # -- called by the step and the hooks ---------------------------------------------------------
