@@ -83,16 +83,19 @@ _warmed = False
 def warm_runtime() -> None:
     """Initialises what torch sets up at a process's first backward and optimizer step (thread
     pools, kernels, the optimizer machinery: about 80 MiB here), once per process, so that a
-    measurement of the process's own memory taken next already includes it."""
+    measurement of the process's own memory taken next already includes it. Its values are
+    fixed, not drawn: the user's random streams stay where the user left them (a module made
+    here would draw its initial weights from torch's global generator)."""
     global _warmed
     if _warmed:
         return
     _warmed = True
-    layer = torch.nn.Linear(64, 64)
-    layer(torch.randn(4, 64)).sum().backward()
+    weight = torch.full((64, 64), 0.01, requires_grad=True)
+    inputs = torch.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
+    (inputs @ weight).sum().backward()
     for fused in (False, True):
         try:
-            torch.optim.AdamW(layer.parameters(), fused=fused).step()
+            torch.optim.AdamW([weight], fused=fused).step()
         except RuntimeError:  # no fused kernel for this device or build
             pass
 
