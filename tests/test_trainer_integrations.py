@@ -85,6 +85,9 @@ def _set_up_calls_and_ddp(nvme: Path) -> dict[str, Any]:
     """On each rank: the calls frameworks make on a model at set-up, then a step with clipping;
     and wrapping the attached model in DistributedDataParallel, which must raise (before the
     guard, it crashed the process)."""
+    import accelerate
+    import transformers
+
     from tests.test_framework_setup_calls import _set_up_as_frameworks_do
 
     model = runs.llama()
@@ -96,12 +99,35 @@ def _set_up_calls_and_ddp(nvme: Path) -> dict[str, Any]:
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), runs.CLIP))
         optimizer.step()
         optimizer.zero_grad()
-        try:
-            torch.nn.parallel.DistributedDataParallel(model)
-            refused = "not refused"
-        except AttachError as exc:
-            refused = str(exc)
-        return {"refused": refused, "norm": norm, "params": runs.parameters(model)}
+        refused = _refusal(lambda: torch.nn.parallel.DistributedDataParallel(model))
+        # What a user meets who hands the attached model to a framework's own DDP wrapping:
+        # the error names the integration that runs it.
+        by_accelerate = _refusal(lambda: accelerate.Accelerator(cpu=True).prepare(model))
+        trainer = transformers.Trainer(
+            model=model,
+            args=runs.trainer_arguments(
+                nvme.parent / "plain-trainer", 1, 2, eval_strategy="no", save_strategy="no"
+            ),
+            train_dataset=runs.Sequences(8),
+            optimizers=(optimizer, None),
+        )
+        by_trainer = _refusal(trainer.train)
+        return {
+            "refused": refused,
+            "by_accelerate": by_accelerate,
+            "by_trainer": by_trainer,
+            "norm": norm,
+            "params": runs.parameters(model),
+        }
+
+
+def _refusal(call: Any) -> str:
+    """The AttachError ``call()`` raises, as text."""
+    try:
+        call()
+    except AttachError as exc:
+        return str(exc)
+    return "not refused"
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +168,13 @@ def test_set_up_calls_work_on_every_rank_and_ddp_is_refused_clearly(ranks):
     for rank in range(WORLD):
         message = ranks[rank]["set_up"]["refused"]
         assert "InfinityTrainer" in message and "DistributedDataParallel" in message, message
+        # A framework's own wrapping is named, with the one integration that replaces it.
+        by_trainer = ranks[rank]["set_up"]["by_trainer"]
+        assert "Hugging Face Trainer wraps it" in by_trainer, by_trainer
+        assert "InfinityTrainer" in by_trainer and "InfinityAccelerator" not in by_trainer
+        by_accelerate = ranks[rank]["set_up"]["by_accelerate"]
+        assert "accelerate's prepare() wraps it" in by_accelerate, by_accelerate
+        assert "InfinityAccelerator" in by_accelerate and "InfinityTrainer" not in by_accelerate
         # Each rank its own batch; one global norm, one update, the same parameters everywhere.
         assert ranks[rank]["set_up"]["norm"] == ranks[0]["set_up"]["norm"] > runs.CLIP
     _ranks_agree(ranks, "set_up")

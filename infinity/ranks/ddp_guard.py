@@ -16,6 +16,8 @@ module of an attached model gets an object there whose iteration raises
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 from torch import nn
@@ -25,6 +27,46 @@ from infinity.errors import AttachError
 ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
+#: (module prefix of a framework that wraps models in DDP, what it is, the integration that
+#: runs it on an attached model instead), outermost first: a Trainer calls accelerate's prepare()
+_WRAPPERS = (
+    (
+        ("transformers.",),
+        "Hugging Face Trainer",
+        "infinity.integrations.hf.InfinityTrainer (transformers.Trainer's arguments, with the "
+        "attached model and optimizers=(optimizer, scheduler), or the plain model and "
+        "offload_config=...)",
+    ),
+    (
+        ("lightning.", "pytorch_lightning."),
+        "Lightning's 'ddp' strategy",
+        "infinity.integrations.lightning.InfinityStrategy (Trainer(strategy=InfinityStrategy("
+        "offload_config)) on the plain LightningModule; it attaches the model)",
+    ),
+    (
+        ("accelerate.",),
+        "accelerate's prepare()",
+        "infinity.integrations.accelerate.InfinityAccelerator (an Accelerator whose prepare() "
+        "leaves the attached model as it is)",
+    ),
+)
+
+
+def wrapping_framework(frame: FrameType | None) -> tuple[str, str] | None:
+    """The framework whose code is on the stack from ``frame`` outwards (the outermost one of
+    :data:`_WRAPPERS`), as (what it is, the integration to use instead); None: DDP was called
+    directly."""
+    found = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        for prefixes, what, integration in _WRAPPERS:
+            if module.startswith(prefixes):
+                found = (what, integration)  # keep going: the outermost caller decides
+                break
+        frame = frame.f_back
+    return found
+
+
 class _RefuseDDP:
     """Stands as ``_ddp_params_and_buffers_to_ignore`` of an attached model's modules."""
 
@@ -32,14 +74,21 @@ class _RefuseDDP:
         self.model_name = model_name
 
     def __iter__(self) -> Any:
-        raise AttachError(
+        reason = (
             f"{self.model_name} is attached to a TieredStore, which already starts every rank "
-            f"from the same values and averages gradients across ranks: do not wrap it in "
-            f"DistributedDataParallel (nor let a framework do it: accelerate's prepare(), "
-            f"Trainer, Lightning's 'ddp' strategy). Use the model attach() returned as it is; "
-            f"with Hugging Face Trainer use infinity.integrations.hf.InfinityTrainer, with "
-            f"accelerate infinity.integrations.accelerate.InfinityAccelerator, with Lightning "
-            f"infinity.integrations.lightning.InfinityStrategy"
+            f"from the same values and averages gradients across ranks, so it must not be "
+            f"wrapped in DistributedDataParallel"
+        )
+        framework = wrapping_framework(sys._getframe(1))
+        if framework is not None:
+            what, integration = framework
+            raise AttachError(f"{reason}, and {what} wraps it: use {integration} instead")
+        raise AttachError(
+            f"{reason}: use the model attach() returned as it is (no DDP). Frameworks that wrap "
+            f"models in DDP have integrations that do not: Hugging Face Trainer -> "
+            f"infinity.integrations.hf.InfinityTrainer, accelerate's prepare() -> "
+            f"infinity.integrations.accelerate.InfinityAccelerator, Lightning's 'ddp' strategy "
+            f"-> infinity.integrations.lightning.InfinityStrategy"
         )
 
     def __deepcopy__(self, memo: dict) -> list[str]:
