@@ -28,7 +28,7 @@ NVME = {
 }
 
 
-def llama(lora: bool = False) -> torch.nn.Module:
+def llama(lora: bool = False, dropout: float = 0.0) -> torch.nn.Module:
     import transformers
 
     config = transformers.LlamaConfig(
@@ -43,6 +43,7 @@ def llama(lora: bool = False) -> torch.nn.Module:
         eos_token_id=2,
         pad_token_id=0,
         attn_implementation="sdpa",
+        attention_dropout=dropout,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
@@ -133,22 +134,25 @@ def hf_run(
     batch: int = 2,
     resume: Path | None = None,
     export: bool = False,
+    dropout: float = 0.0,
+    store_changes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``kind`` "plain": transformers.Trainer on the model (DDP across ranks); "infinity": the
     model attached first, then InfinityTrainer. AdamW and a warmup-then-linear schedule built by
     the script, as the README's recipe does. Returns the logged loss, grad_norm and learning
     rate of each step, the evaluation losses and the final parameters; with ``export``,
-    ``trainer.save_model(out / "export")`` is called last (on every rank)."""
+    ``trainer.save_model(out / "export")`` is called last (on every rank). ``dropout``: the
+    attention's; ``store_changes``: fields of the store's config changed from the runs'."""
     import transformers
 
     from infinity.integrations.hf import InfinityTrainer
 
-    model = llama()
+    model = llama(dropout=dropout)
     optimizer = fused_adamw(model.parameters())
     store = None
     if kind == "infinity":
         assert nvme is not None
-        store = infinity.TieredStore(store_config(nvme))
+        store = infinity.TieredStore(store_config(nvme, **(store_changes or {})))
         model, optimizer = store.attach(model, optimizer)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 2, 8)
     trainer_class = InfinityTrainer if kind == "infinity" else transformers.Trainer
@@ -437,7 +441,7 @@ def accelerate_run(kind: str, out: Path, nvme: Path | None = None) -> dict[str, 
 
 
 # -- Lightning -------------------------------------------------------------------------------------
-def lightning_module() -> Any:
+def lightning_module(dropout: float = 0.0) -> Any:
     """The LightningModule of the Lightning runs: the tiny Llama, its loss logged across ranks,
     AdamW and a per-step StepLR from configure_optimizers."""
     import pytorch_lightning as pl
@@ -445,7 +449,7 @@ def lightning_module() -> Any:
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = llama()
+            self.net = llama(dropout=dropout)
 
         def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
             loss = self.net(input_ids=batch, labels=batch).loss
@@ -467,7 +471,14 @@ def lightning_module() -> Any:
 
 
 def lightning_run(
-    kind: str, out: Path, nvme: Path | None, devices: int, steps: int, resume: Path | None = None
+    kind: str,
+    out: Path,
+    nvme: Path | None,
+    devices: int,
+    steps: int,
+    resume: Path | None = None,
+    dropout: float = 0.0,
+    store_changes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A LightningModule as users write it (configure_optimizers returns AdamW and a per-step
     StepLR), gradient_clip_val, accumulate_grad_batches=2, epochs of 4 steps (so a checkpoint at
@@ -495,11 +506,11 @@ def lightning_run(
             if self.rows and len(self.rows[-1]) == 2:
                 self.rows[-1].append(float(outputs["loss"]))
 
-    module = lightning_module()
+    module = lightning_module(dropout)
     record = Record()
     if kind == "infinity":
         assert nvme is not None
-        strategy: Any = InfinityStrategy(store_config(nvme))
+        strategy: Any = InfinityStrategy(store_config(nvme, **(store_changes or {})))
     else:
         strategy = "ddp" if devices > 1 else "auto"
     trainer = pl.Trainer(
