@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,25 @@ from infinity.core.tiers import DeviceTier, reserved_over_budget
 from infinity.errors import AttachError
 from swap import ALIGNMENT, BufferPool
 from tests.store_helpers import fused_adamw, make_model, train
+
+
+def _copies_not_ordered_after_their_allocation(log: list[tuple]) -> list[tuple]:
+    """The host->device copies into memory that was not allocated (or handed over again, as a
+    gather slot is), and the copy stream then ordered after the compute stream, since it was
+    last freed: a copy that may overwrite a block queued kernels still read."""
+    ordered: dict[int, bool] = {}
+    wrong = []
+    for entry in log:
+        if entry[0] == "alloc":
+            ordered[entry[1]] = False
+        elif entry[0] == "copy-waits-compute":
+            ordered = dict.fromkeys(ordered, True)
+        elif entry[0] == "free":
+            ordered.pop(entry[1], None)
+        elif entry[0] == "copy" and entry[1] == "h2d":
+            if not all(ordered.get(address) for address in entry[4]):
+                wrong.append(entry)
+    return wrong
 
 
 def _first(log: list[tuple], predicate, start: int = 0) -> int:
@@ -175,6 +195,7 @@ def test_training_under_the_fake_matches_the_cpu_path_bit_for_bit(monkeypatch, s
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), want_params[name]), name
     assert store.placement.copies.gathered_ahead > 0  # the device look-ahead ran
+    assert _copies_not_ordered_after_their_allocation(streams.log) == []
     store.close()
 
 
@@ -284,3 +305,40 @@ def test_an_unpinned_pool_registers_nothing():
     with BufferPool(2, ALIGNMENT, pin_memory=False, pinner=pinner) as pool:
         assert not pool.pinned and pool.pinned_bytes == 0
     assert not pinner.calls
+
+
+def _ranks_under_the_fake(rank: int, world: int) -> dict:
+    """ZeRO-3 on two ranks: this rank's run under the fake, and the same run without it."""
+    results: dict[str, Any] = {}
+    for fake in (False, True):
+        streams = RecordingStreams()
+        with pytest.MonkeyPatch.context() as patch:
+            if fake:  # this rank's own process: the device tier it makes takes the fake
+                patch.setattr(tiers, "streams_for", lambda device, s=streams: s)
+            store = infinity.TieredStore(
+                infinity.OffloadConfig(
+                    device="cpu", offload_param="cpu", offload_optimizer="cpu", prefetch_depth=2
+                )
+            )
+            model = make_model(seed=rank)  # the store starts every rank from rank 0's values
+            model, optimizer = store.attach(model, fused_adamw(model.parameters()))
+            losses = train(model, optimizer, 2, batch=2, seed=1 + rank)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            store.close()
+        results["fake" if fake else "plain"] = (losses, state)
+    results["copies"] = sum(1 for e in streams.log if e[:2] == ("copy", "h2d"))
+    results["unordered"] = _copies_not_ordered_after_their_allocation(streams.log)
+    return results
+
+
+def test_copies_into_the_ranks_gather_slots_wait_for_their_last_reader():
+    from tests.dist_helpers import run_ranks
+
+    for rank, result in run_ranks(_ranks_under_the_fake, 2, timeout=240).items():
+        assert result["copies"] > 0
+        assert result["unordered"] == [], rank
+        plain_losses, plain_state = result["plain"]
+        fake_losses, fake_state = result["fake"]
+        assert fake_losses == plain_losses
+        for name, value in plain_state.items():
+            assert np.array_equal(fake_state[name], value), name

@@ -187,9 +187,9 @@ class _FakeEvent:
 @dataclass
 class RecordingStreams(Streams):
     """The recording fake (see the module docstring). ``log`` holds tuples: ``("alloc",
-    address)``, ``("copy-waits-compute", n)``, ``("copy", label, n, nbytes)`` when issued and
-    ``("ran", label, n)`` when run, ``("wait", n)`` (the compute stream), ``("sync", n)``
-    (the host), ``("host", label)``, ``("free", address)`` (noted by the caller)."""
+    address)``, ``("copy-waits-compute", n)``, ``("copy", label, n, nbytes, addresses)`` when
+    issued (the storages it keeps) and ``("ran", label, n)`` when run, ``("wait", n)`` (the
+    compute stream), ``("sync", n)`` (the host), ``("host", label)``, ``("free", address)``."""
 
     log: list[tuple] = field(default_factory=list)
     asynchronous = True
@@ -222,7 +222,8 @@ class RecordingStreams(Streams):
     ) -> StreamEvent:
         event = _FakeEvent(next(self._numbers))
         self._queue.append((work, label, event))
-        self.note("copy", label, event.number, nbytes)
+        kept = tuple(t.untyped_storage().data_ptr() for t in keep)
+        self.note("copy", label, event.number, nbytes, kept)
         return event
 
     def _run_until(self, event: _FakeEvent | None) -> None:
