@@ -90,14 +90,17 @@ def warm_runtime() -> None:
     if _warmed:
         return
     _warmed = True
-    weight = torch.full((64, 64), 0.01, requires_grad=True)
-    inputs = torch.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
-    (inputs @ weight).sum().backward()
-    for fused in (False, True):
-        try:
-            torch.optim.AdamW([weight], fused=fused).step()
-        except RuntimeError:  # no fused kernel for this device or build
-            pass
+    # attach may run under no_grad() or inference_mode() (an inference script's), where this
+    # backward would raise
+    with torch.inference_mode(False), torch.enable_grad():
+        weight = torch.full((64, 64), 0.01, requires_grad=True)
+        inputs = torch.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
+        (inputs @ weight).sum().backward()
+        for fused in (False, True):
+            try:
+                torch.optim.AdamW([weight], fused=fused).step()
+            except RuntimeError:  # no fused kernel for this device or build
+                pass
 
 
 def huge_pages_advised() -> bool | None:
