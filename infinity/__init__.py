@@ -28,7 +28,6 @@ from infinity.config import (
 )
 from infinity.core.lifecycle import store_of
 from infinity.core.residency import Residency, ResidencyError
-from infinity.core.store import TieredStore
 from infinity.deepspeed_config import DEEPSPEED
 from infinity.errors import (
     AttachError,
@@ -40,6 +39,7 @@ from infinity.errors import (
     RankError,
 )
 from infinity.inference import KVOffloadConfig, offloaded_kv_cache
+from infinity.store import TieredStore
 
 # The DeepSpeed reader builds through infinity.config, which therefore cannot import it.
 read_deepspeed_with(DEEPSPEED)

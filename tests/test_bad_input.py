@@ -411,19 +411,19 @@ def test_buffer_count_one_works_and_warns_that_it_serialises_io(tmp_path, caplog
     plain = copy.deepcopy(model)
     plain_losses = sgd_steps(plain, torch.optim.SGD(plain.parameters(), lr=0.1), 3)
     store = TieredStore(config(tmp_path, buffer_count=1, buffer_size=4096))
-    with caplog.at_level(logging.WARNING, logger="infinity.core.store"):
+    with caplog.at_level(logging.WARNING, logger="infinity.store"):
         model, optimizer = store.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     warnings = [
         r.getMessage()
         for r in caplog.records
-        if r.levelno == logging.WARNING and r.name == "infinity.core.store"
+        if r.levelno == logging.WARNING and r.name == "infinity.store"
     ]
     assert len(warnings) == 1 and "buffer_count=1" in warnings[0]
     assert "serialised" in warnings[0] and "buffer_count >= 2" in warnings[0]
     assert sgd_steps(model, optimizer, 3) == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
     store.close()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="infinity.core.store"):
+    with caplog.at_level(logging.WARNING, logger="infinity.store"):
         with TieredStore(config(tmp_path, buffer_count=2)) as store:
             store.attach(make_model())
     assert not [r for r in caplog.records if "buffer_count" in r.getMessage()]

@@ -33,8 +33,8 @@ from infinity.core.memory import resident_bytes
 
 mode, path, host, device, width, layers, bounded = sys.argv[1:8]
 if bounded == "unbounded":  # what the heap does without the store's bound: the test's control
-    import infinity.core.store
-    infinity.core.store.bound_heap_retention = lambda *args, **kwargs: False
+    import infinity.store.facade
+    infinity.store.facade.bound_heap_retention = lambda *args, **kwargs: False
 # The process with torch's runtime initialised (thread pools, kernels, optimizer machinery):
 # what any training process pays whatever its model.
 warm = torch.nn.Linear(64, 64)

@@ -222,7 +222,7 @@ def test_close_gives_back_what_fits_and_says_where_the_rest_is(tmp_path, caplog)
     (tmp_path / "small").mkdir()
     store, model, _ = _trained(tmp_path / "small", 160 * 1024)
     store.save_checkpoint(tmp_path / "checkpoint")
-    with caplog.at_level(logging.WARNING, logger="infinity.core.store"):
+    with caplog.at_level(logging.WARNING, logger="infinity.store"):
         store.close()
     assert all(p.is_meta for p in model.parameters())
     assert f"in the checkpoint {tmp_path / 'checkpoint'}, saved after step 1" in caplog.text

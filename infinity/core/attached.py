@@ -3,7 +3,7 @@
 The hooks, the wrapped optimizer and its step, parameter access, state dicts, pretrained loads,
 checkpoints, activation offload, reporting and the planner each get the store they belong to.
 :class:`AttachedStore` is everything they may use of it: its parts and settings (read-only) and
-the calls they make into it. :class:`~infinity.core.store.TieredStore` satisfies it (a type
+the calls they make into it. :class:`~infinity.store.TieredStore` satisfies it (a type
 checker verifies that wherever the store hands itself over), and nothing else of the store is
 theirs to reach.
 """

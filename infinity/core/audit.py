@@ -35,7 +35,7 @@ def audit(placement: Any) -> list[str]:
             )
         if state.on_nvme and shard.extent is None:
             problems.append(f"{shard.id}: {state.name} without an NVMe extent")
-        arena_backed = placement.params_on_nvme if shard.kind is ShardKind.PARAM else True
+        arena_backed = placement.nvme if shard.kind is ShardKind.PARAM else True
         wants_slot = arena_backed and (state.on_host or state is R.NVME_LOADING)
         if wants_slot != (shard in placement.in_arena):
             problems.append(

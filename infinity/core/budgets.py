@@ -36,8 +36,8 @@ from typing import Any
 
 from infinity.config import DEFAULT_BUFFER_SIZE
 from infinity.core.shards import ParamEntry, Shard, ShardKind
+from infinity.core.state_sizes import stored_nbytes
 from infinity.errors import BudgetError
-from infinity.training.state_codecs import stored_nbytes
 from swap import align_up
 
 log = logging.getLogger(__name__)

@@ -228,3 +228,27 @@ __all__ = [
     "leave_on_meta",
     "where_values_are",
 ]
+
+
+def values_of(entry: ParamEntry, placement: Placement) -> torch.Tensor:
+    """The parameter's current values as a new host tensor of its shape (a quantized weight
+    decoded, in the dtype it computes in)."""
+    out = torch.empty(entry.shape, dtype=entry.compute_dtype if entry.quantized else entry.dtype)
+    flat = out.view(-1)
+    if entry.resident:
+        placement.settle(entry)
+        assert entry.device_tensor is not None  # resident
+        flat.copy_(entry.device_tensor.reshape(-1))
+        return out
+    for shard in entry.shards:
+        placement.ensure_host(shard)
+        host = shard.host
+        assert host is not None  # ensured
+        if shard.piece is None:
+            shard.values_into(flat[shard.start : shard.start + shard.numel], host)
+        else:  # every rank's slice: a collective, on every rank
+            partition = placement.partition
+            assert partition is not None  # only partitioned shards have pieces
+            start, numel = shard.piece
+            flat[start : start + numel].copy_(partition.gather_flat(host, numel))
+    return out

@@ -44,7 +44,7 @@ from torch import nn
 from infinity.errors import AttachError
 
 if TYPE_CHECKING:  # the store imports this module
-    from infinity.core.store import TieredStore
+    from infinity.store import TieredStore
 
 log = logging.getLogger(__name__)
 

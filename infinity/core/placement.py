@@ -20,7 +20,8 @@ only through a protocol of what it needs:
 * ``completions`` (:mod:`infinity.core.completions`): applying transfer outcomes, retries,
   quarantine, the I/O counters;
 * ``prefetching`` (:mod:`infinity.core.prefetching`): trace-driven reads and write-backs ahead;
-* ``gradients`` (:mod:`infinity.training.gradients`): the gradient path and ``p.grad``.
+* ``gradients`` (:mod:`infinity.training.gradients`): the gradient path and ``p.grad``, made
+  by the constructor the store passes (it is training's, a layer above).
 
 Thread safety: everything here belongs to the training thread. Only the counters (plain ints)
 and the tiers' usage are read from other threads (``TieredStore.stats()``).
@@ -29,7 +30,7 @@ and the tiers' usage are read from other threads (``TieredStore.stats()``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,11 +57,11 @@ from infinity.core.tiers import DeviceTier, HostTier
 from infinity.core.timeline import Timeline
 from infinity.core.trace import BACKWARD, Event, TraceFollower
 from infinity.errors import BudgetError, ParameterAccessError
-from infinity.training.gradients import Gradients
 from swap import HostBuffer, SwapEngine
 
 if TYPE_CHECKING:
     from infinity.ranks.partition import Partition
+    from infinity.training.gradients import Gradients
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +174,12 @@ class Placement:
         prefetch: PrefetchPolicy,
         settings: PlacementSettings,
         *,
+        make_gradients: Callable[[Placement], Gradients],
         partition: Partition | None = None,
         timeline: Timeline | None = None,
     ) -> None:
+        """``make_gradients``: the gradient path's constructor, given the placement (its
+        ``GradientSlots``); the store passes it, as the gradients are training's, a layer above."""
         self.registry = registry
         self.timeline = timeline or Timeline()
         self.settings = settings
@@ -239,24 +243,11 @@ class Placement:
             prefetch_bytes=settings.prefetch_bytes,
         )
         #: the gradient path and what the loop sees of gradients
-        self.gradients = Gradients(
-            self,
-            registry,
-            device,
-            host,
-            grads_on_nvme=settings.grads_on_nvme,
-            track_norms=settings.track_grad_norms,
-            loss_scale=settings.loss_scale,
-            partition=partition,
-            timeline=self.timeline,
-        )
-
-    @property
-    def params_on_nvme(self) -> bool:
-        return self.settings.params_on_nvme
+        self.gradients = make_gradients(self)
 
     @property
     def nvme(self) -> bool:
+        """The parameters' masters live on NVMe (their host copies in the staging arena)."""
         return self.settings.params_on_nvme
 
     @property

@@ -107,3 +107,27 @@ class KVOffloadConfig:
             check_keys(values["aio"], [f.name for f in fields(AioConfig)], "kv offload aio")
             values["aio"] = AioConfig(**values["aio"])
         return cls(**values)
+
+
+def for_store(
+    aio: AioConfig,
+    verify_checksums: bool,
+    nvme_paths: tuple[Path, ...],
+    device_budget: int,
+    target: str,
+    budget: int | str | None,
+    options: Mapping[str, Any],
+) -> KVOffloadConfig:
+    """The KV cache's config beside a store: ``target`` ('host' or 'nvme', swapping under the
+    store's first ``nvme_paths`` directory with its ``aio`` settings), within ``budget`` bytes
+    on the device (default: a quarter of the store's ``device_budget``, where it has one);
+    ``options`` are the other fields."""
+    settings: dict[str, Any] = {"aio": aio, "verify_checksums": verify_checksums}
+    if target == "nvme" and nvme_paths:
+        settings["nvme_path"] = nvme_paths[0]
+    if budget is None and device_budget:
+        budget = device_budget // 4
+    if budget is not None:
+        settings["budget"] = budget
+    settings.update(options, target=target)
+    return KVOffloadConfig.from_dict(settings)

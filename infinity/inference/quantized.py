@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infinity.errors import ConfigError
+from infinity.errors import CheckpointError, ConfigError
 
 #: ``precision.storage_dtype`` values that store weights quantized
 QUANTIZED_STORAGE = ("int8", "int4")
@@ -177,6 +177,16 @@ class WeightQuantization:
         if storage_dtype not in QUANTIZED_STORAGE:
             return None
         return cls(storage_dtype, group_size)
+
+    def check_checkpoint(self, what: str) -> None:
+        """Refuses ``what`` (``save_checkpoint``, ``load_checkpoint``): checkpoints hold
+        training state, and quantized weights are for inference."""
+        raise CheckpointError(
+            f"{what}() saves and restores training state, and weights stored quantized "
+            f"(precision.storage_dtype={self.kind!r}) are for inference: "
+            f"load them with load_pretrained() or load_state_dict(); model.state_dict() "
+            f"gives their decoded values"
+        )
 
     def check_attach(
         self, *, training: bool, offload_param: str, partitioned: bool, slot_bytes: int

@@ -30,7 +30,6 @@ from typing import Any
 
 from torch import nn
 
-from infinity.core.store import TieredStore
 from infinity.errors import AttachError, ConfigError
 from infinity.integrations.common import (
     CHECKPOINT_DIR,
@@ -38,6 +37,7 @@ from infinity.integrations.common import (
     check_optimizer,
     export_pretrained,
 )
+from infinity.store import TieredStore
 from infinity.training.optimizer import OffloadedOptimizer
 
 try:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from infinity.core.lifecycle import store_of
-from infinity.core.store import TieredStore
 from infinity.errors import AttachError
+from infinity.store import TieredStore
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from torch import nn
 
 from infinity.config import OffloadConfig
-from infinity.core.store import TieredStore
 from infinity.errors import AttachError, CheckpointError, ConfigError
 from infinity.integrations.common import (
     CHECKPOINT_DIR,
@@ -55,6 +54,7 @@ from infinity.integrations.common import (
     export_pretrained,
     trainable_state,
 )
+from infinity.store import TieredStore
 
 try:
     import transformers

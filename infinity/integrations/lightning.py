@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from infinity.config import OffloadConfig
-from infinity.core.store import TieredStore
 from infinity.errors import AttachError, CheckpointError, ConfigError
+from infinity.store import TieredStore
 
 try:
     import pytorch_lightning as pl

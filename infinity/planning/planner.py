@@ -43,12 +43,15 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import torch
 from torch import nn
 
 from infinity.config import OffloadConfig
+from infinity.core.attached import AttachedStore
+from infinity.core.budgets import MemoryPlan
+from infinity.core.machine import Machine
 from infinity.core.memory import fault_seconds, peak_resident_bytes
 from infinity.core.overwrite import write_entry_pieces
 from infinity.core.shards import ParamEntry
@@ -72,11 +75,10 @@ from infinity.planning.simulated_time import (
     SimulatedEngine,
 )
 from infinity.training.update_timing import config_reasons
-from swap import EngineStats, align_up
+from swap import EngineStats, SwapEngine, align_up
 from swap.files import RangeAllocator
 
 if TYPE_CHECKING:
-    from infinity.core.attached import AttachedStore
     from infinity.inference.quantized import WeightQuantizer
 
 
@@ -361,8 +363,6 @@ def simulate(
     the replay runs again with what those faults cost added to each event's compute
     (``extra``, seconds per event: :func:`fault_compute`). The result's ``heap`` says whether
     the candidate reuses, and what that added."""
-    from infinity.core.store import TieredStore  # the simulated store is one
-
     given = config
     host_device = cpu_memory and (device is None or device.link_gbps is None)
     priced = None
@@ -407,38 +407,10 @@ def simulate(
     simulated_cpu = cpu_memory and host_memory
     engine = SimulatedEngine(clock, disk)
 
-    class Simulated(TieredStore):
-        def __init__(self, config: OffloadConfig) -> None:
-            super().__init__(config)
-            self.device = torch.device("meta")  # tensors that hold no bytes
-
-        def _open_engine(self) -> Any:
-            return engine
-
-        def _make_tiers(self) -> tuple[DeviceTier, HostTier]:
-            plan = self.memory_plan
-            assert plan is not None
-            return (
-                _DeviceTier(
-                    plan.device,
-                    clock,
-                    copy_gbps,
-                    host_memory=host_memory,
-                    copies=len(self.registry.entries),
-                ),
-                HostTier(plan.host_tier, plan.arena, False, slot_size=plan.slot, meta=True),
-            )
-
-        def _device_kind(self) -> str:
-            # The budgets the simulated device would get: a CPU device's derive from host
-            # memory; a GPU profile's are every parameter unless device_budget says.
-            return "cpu" if simulated_cpu else "other"
-
-        def _against_updates_in_backward(self, module_entries: list) -> tuple[list[str], bool]:
-            reasons, sizing = super()._against_updates_in_backward(module_entries)
-            return reasons + kept_in_step, sizing
-
-    sim = Simulated(config)
+    machine = _SimulatedMachine(
+        engine, clock, copy_gbps, host_memory, simulated_cpu, update_reasons=kept_in_step
+    )
+    sim = _store_type()(config, machine=machine)
     optimizer = None
     if recording.training and recording.optimizer_class is not None:
         optimizer = recording.optimizer_class(
@@ -511,6 +483,107 @@ def simulate(
         return simulate(spare, *args, extra=priced)
     result["heap"] = heap_report(recording, reuse, extra, host_device)
     return result
+
+
+class ReplayedStore(AttachedStore, Protocol):
+    """The store the planner replays a candidate through: an attached store it can attach,
+    read the figures of and close."""
+
+    @overload
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: None = None,
+        *,
+        initialise: bool = True,
+        process_group: Any = None,
+    ) -> Any: ...
+
+    @overload
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        initialise: bool = True,
+        process_group: Any = None,
+    ) -> Any: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self, restore_params: Any = None) -> None: ...
+
+
+class StoreType(Protocol):
+    """How a replayed store is made: ``TieredStore(config, machine=...)``."""
+
+    def __call__(self, config: OffloadConfig, *, machine: Machine) -> ReplayedStore: ...
+
+
+_replayed: StoreType | None = None
+
+
+def replay_with(store_type: StoreType) -> None:
+    """Sets the store the planner replays through (``import infinity`` sets
+    :class:`infinity.TieredStore`: the store's facade is a layer above the planner)."""
+    global _replayed
+    _replayed = store_type
+
+
+def _store_type() -> StoreType:
+    if _replayed is None:  # every import of this module runs the package's __init__ first
+        raise PlanError("no store to replay through: import infinity first")
+    return _replayed
+
+
+class _SimulatedMachine(Machine):
+    """The machine a candidate is replayed on: tensors on the meta device, tiers holding no
+    bytes whose device copies take simulated time, the simulated engine, and the recorded
+    loop's reasons to keep updates out of backward (the replay does not run the loop)."""
+
+    def __init__(
+        self,
+        engine: SimulatedEngine,
+        clock: SimulatedClock,
+        copy_gbps: float,
+        host_memory: bool,
+        simulated_cpu: bool,
+        update_reasons: list[str],
+    ) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._copy_gbps = copy_gbps
+        self._host_memory = host_memory
+        self._simulated_cpu = simulated_cpu
+        self._update_reasons = update_reasons
+
+    def device(self, name: str) -> torch.device:
+        return torch.device("meta")  # tensors that hold no bytes
+
+    def device_kind(self, device: torch.device) -> str:
+        # The budgets the simulated device would get: a CPU device's derive from host
+        # memory; a GPU profile's are every parameter unless device_budget says.
+        return "cpu" if self._simulated_cpu else "other"
+
+    def tiers(
+        self, plan: MemoryPlan, device: torch.device, copies: int, pin_memory: bool
+    ) -> tuple[DeviceTier, HostTier]:
+        return (
+            _DeviceTier(
+                plan.device,
+                self._clock,
+                self._copy_gbps,
+                host_memory=self._host_memory,
+                copies=copies,
+            ),
+            HostTier(plan.host_tier, plan.arena, False, slot_size=plan.slot, meta=True),
+        )
+
+    def engine(self, open_engine: Callable[[], SwapEngine]) -> SwapEngine:
+        return cast(SwapEngine, self._engine)  # the simulated engine: the same calls, no disk
+
+    def update_reasons(self) -> list[str]:
+        return list(self._update_reasons)
 
 
 def recorded_disk_share(recording: Recording, disk: DiskProfile, contention: Contention) -> float:

@@ -309,7 +309,7 @@ class Stepping:
         the shards it updated go into ``done``, as they are updated."""
         store = self._store
         placement = self._placement
-        params_on_nvme = placement.params_on_nvme
+        params_on_nvme = placement.nvme
 
         def parts(shard: Shard) -> list[Shard]:
             own = [shard] if params_on_nvme else []
