@@ -1,7 +1,8 @@
 """The README's code blocks run as written: each ```python block is extracted and executed in a
 fresh process from an empty directory, as a user pasting it would, so the README cannot go stale
-silently. A block that is not meant to run on its own is fenced ```python no-run (none in the
-README today). The docs' snippets have their own test, tests/test_docs_snippets.py."""
+silently. A block that is not meant to run on its own is fenced ```python no-run, or has
+``<!-- no-run: why -->`` on the line before its fence (the form mkdocs renders; none in the README
+today). The docs' snippets have their own test, tests/test_docs_snippets.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+NO_RUN = re.compile(r"<!--\s*no-run\b[^\n]*-->\s*$")
 
 
 def python_blocks(path: Path) -> list[tuple[str, str]]:
@@ -22,7 +24,8 @@ def python_blocks(path: Path) -> list[tuple[str, str]]:
     text = path.read_text()
     blocks = []
     for match in FENCE.finditer(text):
-        if "no-run" in match.group(1):
+        before = text[: match.start()].splitlines()[-1:]  # the line right before the fence
+        if "no-run" in match.group(1) or (before and NO_RUN.match(before[0].strip())):
             continue
         line = text.count("\n", 0, match.start()) + 1
         blocks.append((f"{path.name}:{line}", match.group(2)))
