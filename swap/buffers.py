@@ -173,17 +173,30 @@ class CudaHostPinner:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
-class _PinnedRegion:
-    """A mapping registered with a pinner: unregistered, then unmapped, at close."""
+class PinnedRegion:
+    """A mapping registered with a pinner: unregistered, then unmapped, at close (unmapped
+    later, by the last view of it, where views are still alive then)."""
 
     def __init__(self, region: mmap.mmap, pinner: HostPinner, address: int) -> None:
         self.region = region
         self.pinner = pinner
         self.address = address
+        self.nbytes = len(region)
+        self.pinned = True
 
     def close(self) -> None:
-        self.pinner.unregister(self.address)
+        if self.pinned:
+            self.pinned = False
+            self.pinner.unregister(self.address)
         self.region.close()
+
+
+def pinned_tensor(nbytes: int, pinner: HostPinner) -> tuple[torch.Tensor, PinnedRegion]:
+    """``nbytes`` of page-locked memory as a uint8 tensor, locked at its page-aligned size (not
+    rounded to a power of two), and the region to close once nothing uses it any more."""
+    _, tensor, region = _allocate(align_up(max(nbytes, 1)), pinner, prefault=False)
+    assert isinstance(region, PinnedRegion)  # a pinner was given
+    return tensor[:nbytes], region
 
 
 def _allocate(
@@ -207,7 +220,7 @@ def _allocate(
         return array, tensor, region
     address = int(array.ctypes.data)
     pinner.register(address, total)
-    return array, tensor, _PinnedRegion(region, pinner, address)
+    return array, tensor, PinnedRegion(region, pinner, address)
 
 
 class BufferPool:
@@ -345,7 +358,7 @@ class BufferPool:
             self._cond.notify_all()
         self._buffers.clear()
         owner, self._owner = self._owner, None
-        if isinstance(owner, (mmap.mmap, _PinnedRegion)):
+        if isinstance(owner, (mmap.mmap, PinnedRegion)):
             try:
                 owner.close()
             except BufferError:

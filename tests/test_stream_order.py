@@ -342,3 +342,24 @@ def test_copies_into_the_ranks_gather_slots_wait_for_their_last_reader():
         assert fake_losses == plain_losses
         for name, value in plain_state.items():
             assert np.array_equal(fake_state[name], value), name
+
+
+def test_the_host_tier_pins_its_arena_and_large_tensors_at_their_own_size():
+    from infinity.core.tiers import EXACT_PIN_BYTES, HostTier
+
+    pinner = _Pinner()
+    arena = 3 * (1 << 20) + ALIGNMENT
+    host = HostTier(64 << 20, arena, pin=True, slot_size=1 << 20, pinner=pinner)
+    assert [c[2] for c in pinner.calls] == [host.arena_bytes]
+    numel = (EXACT_PIN_BYTES * 3) // 4 + 3  # 3 MiB + 12 bytes of fp32: 4 MiB to a power of 2
+    master = host.allocate(numel, torch.float32)
+    assert master.numel() == numel and master.data_ptr() % ALIGNMENT == 0
+    master.fill_(1.5)
+    size = (numel * 4 + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    assert pinner.calls[-1] == ("register", master.data_ptr(), size)
+    small = host.allocate(100, torch.float32)  # below EXACT_PIN_BYTES: torch's allocator
+    assert small.numel() == 100 and len(pinner.calls) == 2
+    assert host.pinned_bytes == host.arena_bytes + size
+    host.close()
+    assert not pinner.registered and host.pinned_bytes == 0
+    assert float(master[-1]) == 1.5  # still readable: unmapped with its last view

@@ -25,6 +25,7 @@ from infinity.core.arena import SlotArena
 from infinity.core.streams import StreamEvent, Streams, streams_for
 from infinity.errors import BudgetError
 from swap import ALIGNMENT, BufferPool, HostBuffer, advise_huge_pages, align_up, release_pages
+from swap.buffers import CudaHostPinner, HostPinner, PinnedRegion, pinned_tensor
 from swap.files import RangeAllocator
 
 if TYPE_CHECKING:
@@ -345,18 +346,33 @@ def reserved_over_budget(reserved: int, max_allocated: int, tier_peak: int, budg
     return max(0, tier_peak + overhead - budget)
 
 
+#: standalone host tensors of at least this many bytes are page-locked at their own size
+EXACT_PIN_BYTES = 1 << 20
+
+
 class HostTier:
     """Master copies on the host: the staging arena plus standalone tensors, under one budget."""
 
     def __init__(
-        self, budget: int, arena_bytes: int, pin: bool, slot_size: int = 0, meta: bool = False
+        self,
+        budget: int,
+        arena_bytes: int,
+        pin: bool,
+        slot_size: int = 0,
+        meta: bool = False,
+        pinner: HostPinner | None = None,
     ) -> None:
         """``meta``: hold no bytes (every tensor on the meta device), for the planner's
-        simulation of the same placement decisions."""
+        simulation of the same placement decisions. ``pinner``: how memory is page-locked
+        (default: cudaHostRegister with CUDA; given, it pins without CUDA, for tests)."""
         self.meta = meta
         self.budget = budget
         self.usage = TierUsage()
-        self.pin = pin and torch.cuda.is_available()
+        self.pin = pin and (torch.cuda.is_available() or pinner is not None)
+        self._pinner = pinner if pinner is not None else CudaHostPinner()
+        #: standalone host tensors page-locked at their own size (see allocate)
+        self._pinned: list[PinnedRegion] = []
+        self.pinned_standalone = 0
         self.lock = threading.Lock()
         self._pool: BufferPool | None = None
         self.arena: HostBuffer | None = None
@@ -376,7 +392,12 @@ class HostTier:
             # Not pre-faulted: the arena fills while attach frees the model's own parameter
             # memory, so faulting it all first would count both at once in the peak RSS.
             self._pool = BufferPool(
-                1, self.arena_bytes, pin_memory=self.pin, name="staging arena", prefault=False
+                1,
+                self.arena_bytes,
+                pin_memory=self.pin,
+                name="staging arena",
+                prefault=False,
+                pinner=pinner,
             )
             self.arena = self._pool.acquire(holder="host tier")
 
@@ -470,7 +491,15 @@ class HostTier:
             self.usage.add(nbytes)
         if self.meta:
             return torch.empty(numel, dtype=dtype, device="meta")
-        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+        if self.pin and nbytes >= EXACT_PIN_BYTES:
+            # torch's pinned allocator would round it up to a power of two and keep that: a
+            # 40 MiB master would lock 64 MiB, outside the budget. Locked here at its own
+            # (page-aligned) size, until close.
+            flat, region = pinned_tensor(nbytes, self._pinner)
+            self._pinned.append(region)
+            self.pinned_standalone += region.nbytes
+            return flat.view(dtype)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin and torch.cuda.is_available())
 
     def scratch(self, shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor outside the budget's accounting (a gradient the caller accounts for),
@@ -496,9 +525,20 @@ class HostTier:
 
     @property
     def pinned_bytes(self) -> int:
-        return self.arena_bytes if self.pin else 0
+        """Host memory page-locked at its exact size: the arena, and the standalone tensors of
+        at least EXACT_PIN_BYTES (smaller ones and gradient buffers come from torch's pinned
+        allocator, which rounds them up)."""
+        arena = self.arena_bytes if self.pin and self._pool is not None else 0
+        return arena + self.pinned_standalone
 
     def close(self) -> None:
+        for region in self._pinned:
+            try:
+                region.close()
+            except BufferError:
+                pass  # still viewed (a parameter handed back): unmapped with its last view
+        self._pinned.clear()
+        self.pinned_standalone = 0
         if self._pool is not None:
             if self.arena is not None:
                 self._pool.release(self.arena)
