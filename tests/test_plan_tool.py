@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
-from infinity.cli import plan  # noqa: E402
+from infinity.cli import plan, plan_args  # noqa: E402
 from infinity.config import format_size  # noqa: E402
 from infinity.planning import planner  # noqa: E402
 from infinity.planning import scaled as planner_scaled  # noqa: E402
@@ -183,12 +183,12 @@ def test_contention_measured_here_or_given(tmp_path, capsys):
 
 
 def test_disk_given_with_its_combined_rate(tmp_path, capsys):
-    assert plan._gbps_pair("3") == (3.0, 3.0, None)
-    assert plan._gbps_pair("3,2") == (3.0, 2.0, None)
-    assert plan._gbps_pair("3,2,1.5") == (3.0, 2.0, 1.5)
+    assert plan_args.gbps_pair("3") == (3.0, 3.0, None)
+    assert plan_args.gbps_pair("3,2") == (3.0, 2.0, None)
+    assert plan_args.gbps_pair("3,2,1.5") == (3.0, 2.0, 1.5)
     for bad in ("1,2,3,4", "1,0", "fast"):
         with pytest.raises(argparse.ArgumentTypeError, match="READ,WRITE"):
-            plan._gbps_pair(bad)
+            plan_args.gbps_pair(bad)
     report = tmp_path / "plan.json"
     code, out, err = _run(
         capsys,
