@@ -31,8 +31,8 @@ demo-dist: $(STAMP)
 demo-trainer: $(STAMP)
 	$(PY) -m infinity.cli.demo_dist --trainer
 
-# Lint, format and types first (ruff and mypy at constraints.txt's versions, configured in
-# pyproject.toml), then the suite: .ci/run calls this on a clean clone. The suite runs on one
+# Lint, format, types and the import layers first (ruff, mypy and import-linter at
+# constraints.txt's versions, configured in pyproject.toml), then the suite: .ci/run calls this on a clean clone. The suite runs on one
 # pytest-xdist worker per core, each computing with one thread (tests/conftest.py); the
 # slowest cases are listed at the end, to keep the suite's time in view.
 test: lint docs
@@ -54,6 +54,7 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
