@@ -77,7 +77,7 @@ def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
     from infinity import OffloadConfig, TieredStore
 
     store, model, optimizer = _attached(tmp_path, "nvme")
-    watch = store._heap_watch
+    watch = store._memory.heap_watch
     assert watch is not None and watch.limit > 4 << 20
     watch.limit += 1 << 30  # room for reuse whatever else this test process holds
     for _ in range(2):
@@ -89,7 +89,7 @@ def test_a_store_with_a_host_budget_watches_its_heap(tmp_path):
     assert store.stats()["heap_reuse"] is True
     store.close()
     assert not watch.active  # a closed store leaves the process bounded
-    assert TieredStore(OffloadConfig(offload_param="cpu"))._heap_watch is None
+    assert TieredStore(OffloadConfig(offload_param="cpu"))._memory.heap_watch is None
 
 
 def test_host_memory_outside_the_tiers_raises_the_line():
@@ -123,7 +123,7 @@ def test_the_line_of_a_store_counts_its_cpu_optimizer_state(tmp_path):
     import torch
 
     store, model, optimizer = _attached(tmp_path, "cpu")
-    watch = store._heap_watch
+    watch = store._memory.heap_watch
     before = watch.limit
     model(torch.randn(4, 256)).sum().backward()
     optimizer.step()

@@ -46,6 +46,11 @@ class StoreMemory:
         self._heap_watch: HeapWatch | None = None
 
     @property
+    def heap_watch(self) -> HeapWatch | None:
+        """The heap watch (a host budget), or None."""
+        return self._heap_watch
+
+    @property
     def bounded(self) -> bool:
         """Whether a host budget bounds the heap (its watch is armed)."""
         return self._heap_watch is not None
