@@ -10,10 +10,14 @@ the candidates and the furthest-needed ones are dropped (clean host copies) or w
 (dirty ones). Prefetch may only evict what is needed later than the thing it fetches, so it never
 pushes out what the next module needs and never over-commits the arena.
 
-The placement keeps the host side (arena slots, eviction, NVMe transfers, companions) and owns
-four parts, each an object with its own state in its own module, which reaches the placement
-only through a protocol of what it needs:
+The placement keeps the NVMe transfers, companions and compute copies, and owns its parts,
+each an object with its own state in its own module, which reaches the placement only through a
+protocol of what it needs:
 
+* ``phase`` (:mod:`infinity.core.run_phase`): where the run is (a pass, the step, what the step
+  has updated and pins, updates in backward), which the other parts read;
+* ``room`` (:mod:`infinity.core.arena_room`): the arena's slots and who holds them, eviction,
+  making room and the write-backs ahead of it;
 * ``copies`` (:mod:`infinity.core.device_copies`): the entries' device copies (gathers, holds,
   drops), with their own part ``lending`` (:mod:`infinity.core.lending`): device copies that
   are host copies, on a CPU device;
