@@ -74,9 +74,12 @@ def test_meta_built_llama_gives_from_pretrained_logits(tmp_path, checkpoints, la
         )
         if not initialise:
             assert store.stats()["bytes_written"] == 0  # nothing written before the load
-        with pytest.raises(infinity.ParameterAccessError, match="has no values yet"):
+            with pytest.raises(infinity.ParameterAccessError, match="has no values yet"):
+                with torch.no_grad():
+                    model(input_ids=tokens)
+        else:  # initialised as the model's own _init_weights does, norms included
             with torch.no_grad():
-                model(input_ids=tokens)
+                assert torch.isfinite(model(input_ids=tokens).logits).all()
         result = store.load_pretrained(checkpoints[layout])
         assert result.missing_keys == [] and result.unexpected_keys == []
         with torch.no_grad():

@@ -24,6 +24,7 @@ from infinity.core.trace import TraceFollower
 from infinity.errors import AttachError
 from infinity.inference.quantized import WeightQuantization
 from infinity.ranks.partition import Partition
+from infinity.store import model_init
 from infinity.training.gradients import Gradients
 from infinity.training.precision import LossScaler
 from infinity.training.update_timing import config_reasons
@@ -348,8 +349,11 @@ def initialise_values(store: AttachedStore, model: nn.Module, initialise: bool =
 
     Parameters on the meta device (a model built under ``torch.device("meta")``) are
     materialised one module at a time with the module's ``reset_parameters()``, so a model
-    larger than host memory never exists in memory whole. Those of a module without one
-    (``LlamaRMSNorm``) are left without values, allocating nothing, until a checkpoint load
+    larger than host memory never exists in memory whole; a model that initialises its modules
+    itself (``_init_weights``, as Hugging Face models do) gets that too, replayed in the order
+    its constructor runs it (:mod:`infinity.store.model_init`). Parameters nothing initialises
+    (a module without ``reset_parameters()`` outside such a model), and all of them with
+    ``initialise=False``, are left without values, allocating nothing, until a checkpoint load
     writes them (``load_pretrained``, ``load_state_dict``)."""
     placement = store.placement
     assert placement is not None  # made by attach, before this
@@ -375,6 +379,46 @@ def initialise_values(store: AttachedStore, model: nn.Module, initialise: bool =
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
                 references.setdefault(id(param), []).append((module, name))
+
+    def rebound(param: nn.Parameter, real: nn.Parameter) -> ParamEntry:
+        entry = registry.entry_of(param)
+        assert entry is not None  # every parameter of the model is registered
+        owners = references.pop(id(param), [])
+        for owner, owner_name in owners:
+            owner._parameters[owner_name] = real
+        references[id(real)] = owners  # a materialised one may still be left without values
+        registry.rebind(entry, real)
+        return entry
+
+    def materialise(module: nn.Module, name: str) -> nn.Parameter:
+        param = module._parameters[name]
+        assert param is not None
+        real = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype), requires_grad=param.requires_grad
+        )
+        rebound(param, real)
+        return real
+
+    def without_values(param: nn.Parameter) -> None:
+        # Shape and dtype come from the device tensor adopt() gives it.
+        # (On the planner's meta device the placeholder is meta too.)
+        real = nn.Parameter(
+            torch.empty(0, dtype=param.dtype, device=(device if device.type == "meta" else None)),
+            requires_grad=param.requires_grad,
+        )
+        entry = rebound(param, real)
+        placement.adopt(entry, device)
+        placement.mark_uninitialised(entry)
+        done.add(entry.index)
+
+    def take_param(param: nn.Parameter) -> None:
+        entry = registry.entry_of(param)
+        assert entry is not None  # every parameter of the model is registered
+        take(entry)
+
+    if initialise and model_init.model_init_of(model):
+        # The model's own initialisation (_init_weights, a Hugging Face model's), replayed.
+        model_init.initialise_as_built(model, materialise, take_param, without_values)
     for module_name, module in model.named_modules():
         own = [(n, p) for n, p in module._parameters.items() if p is not None]
         if not any(p.is_meta for _, p in own):
@@ -382,24 +426,7 @@ def initialise_values(store: AttachedStore, model: nn.Module, initialise: bool =
         if not initialise or not callable(getattr(module, "reset_parameters", None)):
             for _, param in own:
                 if param.is_meta:
-                    entry = registry.entry_of(param)
-                    assert entry is not None  # every parameter of the model is registered
-                    # Shape and dtype come from the device tensor adopt() gives it.
-                    # (On the planner's meta device the placeholder is meta too.)
-                    real = nn.Parameter(
-                        torch.empty(
-                            0,
-                            dtype=param.dtype,
-                            device=(device if device.type == "meta" else None),
-                        ),
-                        requires_grad=param.requires_grad,
-                    )
-                    for owner, owner_name in references.pop(id(param), []):
-                        owner._parameters[owner_name] = real
-                    registry.rebind(entry, real)
-                    placement.adopt(entry, device)
-                    placement.mark_uninitialised(entry)
-                    done.add(entry.index)
+                    without_values(param)
             log.debug(
                 "module '%s' (%s): parameters on the meta device left without values "
                 "until a checkpoint is loaded",
@@ -407,17 +434,11 @@ def initialise_values(store: AttachedStore, model: nn.Module, initialise: bool =
                 type(module).__name__,
             )
             continue
-        for _, param in own:
+        for name, param in own:
             entry = registry.entry_of(param)
             assert entry is not None  # every parameter of the model is registered
             if param.is_meta:
-                real = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype),
-                    requires_grad=param.requires_grad,
-                )
-                for owner, owner_name in references.pop(id(param), []):
-                    owner._parameters[owner_name] = real
-                registry.rebind(entry, real)
+                materialise(module, name)
             elif entry.index in done:
                 param.data = torch.empty(entry.shape, dtype=entry.values_dtype)
         with torch.no_grad():

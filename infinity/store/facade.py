@@ -239,7 +239,8 @@ class TieredStore:
         process_group: Any = None,
     ) -> tuple[ModelT, torch.optim.Optimizer | None]:
         """Takes over ``model``'s parameters (and wraps ``optimizer``). Parameters on the meta
-        device are initialised module by module with ``reset_parameters()``; with
+        device are initialised module by module (``reset_parameters()``, and a model's own
+        ``_init_weights`` as its constructor runs it: Hugging Face models); with
         ``initialise=False`` (their values will come from ``load_pretrained`` or
         ``load_state_dict``) none is, and nothing is allocated or written for them until then.
 
