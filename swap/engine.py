@@ -164,6 +164,7 @@ class SwapEngine:
                 file_size=self.settings.file_size,
                 stripe_size=max(self.settings.block_size, ALIGNMENT),
                 label=label,
+                grow=self.settings.grow_files,
             )
         except BaseException:
             backend.close()

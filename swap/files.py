@@ -1,11 +1,14 @@
-"""Swap directories, preallocated swap files and the extent allocator.
+"""Swap directories, swap files (allocated whole, or as extents are taken) and the extent
+allocator.
 
 Layout: each directory of ``nvme_path`` gets one private run directory (mode 0700, random name,
 created exclusively), locked by the live process; directories of runs that died are reclaimed by the
 next run on the same directory (:mod:`swap.leftovers`). Inside it live swap files (mode 0600,
-``O_EXCL | O_NOFOLLOW``), each preallocated with ``posix_fallocate`` so that writes land in
+``O_EXCL | O_NOFOLLOW``), each allocated with ``posix_fallocate`` so that writes land in
 allocated blocks and never extend the file: extending writes go through the kernel's worker threads
-and lose about half the throughput.
+and lose about half the throughput. A file is allocated whole when made, or, growing
+(``grow``), one extent's range at a time as extents are taken, so the disk holds what is stored
+rather than a worst case.
 
 An :class:`Extent` is the home of one shard's bytes. With several directories (one per drive)
 it is striped RAID-0 style in ``stripe_size`` units, so one large transfer keeps every drive busy.
@@ -74,13 +77,19 @@ class SwapDirectories:
 
 
 class SwapFile:
-    """One preallocated file; reads and writes go through its descriptor at absolute offsets."""
+    """One swap file; reads and writes go through its descriptor at absolute offsets. Allocated
+    whole when made, or (``grow``) range by range as extents are taken from it (:meth:`reserve`),
+    up to ``capacity``."""
 
-    def __init__(self, path: Path, capacity: int, direct: bool, drive: int = 0) -> None:
+    def __init__(
+        self, path: Path, capacity: int, direct: bool, drive: int = 0, grow: bool = False
+    ) -> None:
         self.path = path
         self.capacity = capacity
         self.direct = direct
         self.drive = drive  # index of the directory it lives in: the engine queues per drive
+        #: the file system has no fallocate: the file is sized whole (sparse) instead
+        self._sized = False
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         if direct:
             flags |= os.O_DIRECT
@@ -103,6 +112,8 @@ class SwapFile:
                     f"(planted file or symlink?)"
                 ) from exc
             raise NvmePathError(f"cannot create swap file {path}: {exc}") from exc
+        if grow:
+            return
         try:
             os.posix_fallocate(self.fd, 0, capacity)
         except OSError as exc:
@@ -130,6 +141,45 @@ class SwapFile:
                     available=free,
                 ) from exc
             raise NvmePathError(f"cannot preallocate swap file {path}: {exc}") from exc
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Allocates ``[offset, offset + length)`` on the disk (a growing file, before an
+        extent there is handed out), so writes land in allocated blocks. Raises SwapSpaceError
+        when the file system is full; the file keeps what it held."""
+        if self._sized:
+            return
+        try:
+            os.posix_fallocate(self.fd, offset, length)
+            return
+        except OSError as exc:
+            error = exc
+        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            # As at creation without fallocate: sized whole, sparse; writes allocate blocks.
+            log.warning("%s: fallocate is not supported, swap writes may be slower", self.path)
+            try:
+                os.ftruncate(self.fd, max(self.capacity, os.fstat(self.fd).st_size))
+                self._sized = True
+                return
+            except OSError as trunc_exc:
+                error = trunc_exc
+        if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            free = shutil.disk_usage(self.path.parent).free
+            raise SwapSpaceError(
+                f"cannot allocate {length} more bytes in swap file {self.path}: the file "
+                f"system is full ({free} bytes free). What was stored so far is kept. Free "
+                f"space there, add another directory to nvme_path, or offload less",
+                path=self.path,
+                needed=length,
+                available=free,
+            ) from error
+        raise NvmePathError(f"cannot allocate swap file {self.path}: {error}") from error
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the file takes on the disk (its allocated blocks: what ``du`` shows)."""
+        if self.fd < 0:
+            return 0
+        return os.fstat(self.fd).st_blocks * 512
 
     def close(self, remove: bool) -> None:
         if self.fd >= 0:
@@ -248,12 +298,19 @@ class _DriveSpace:
     """The run directory on one drive and its swap files."""
 
     def __init__(
-        self, root: Path, direct: bool, file_size: int, index: int, label: str = ""
+        self,
+        root: Path,
+        direct: bool,
+        file_size: int,
+        index: int,
+        label: str = "",
+        grow: bool = False,
     ) -> None:
         self.root = root
         self.direct = direct
         self.file_size = file_size
         self.index = index
+        self.grow = grow
         # 0700, exclusive; the label (a rank) makes it recognisable, the prefix reclaimable
         self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX + label, dir=root))
         if stat.S_IMODE(self.run_dir.stat().st_mode) != 0o700:
@@ -272,16 +329,31 @@ class _DriveSpace:
         for file, free in zip(self.files, self.free):
             start = free.take(length)
             if start is not None:
-                return Segment(file, start, length)
+                return self._reserved(file, free, start, length)
         capacity = max(self.file_size, length)
         file = SwapFile(
-            self.run_dir / f"swap-{len(self.files):04d}.bin", capacity, self.direct, self.index
+            self.run_dir / f"swap-{len(self.files):04d}.bin",
+            capacity,
+            self.direct,
+            self.index,
+            grow=self.grow,
         )
         self.slot[file] = len(self.files)
         self.files.append(file)
         self.free.append(RangeAllocator(capacity))
         start = self.free[-1].take(length)
         assert start == 0
+        return self._reserved(file, self.free[-1], start, length)
+
+    def _reserved(self, file: SwapFile, free: RangeAllocator, start: int, length: int) -> Segment:
+        """The segment, its blocks allocated first where the file grows (the range goes back
+        to the allocator when the disk is full)."""
+        if self.grow:
+            try:
+                file.reserve(start, length)
+            except BaseException:
+                free.give(start, length)
+                raise
         return Segment(file, start, length)
 
     def give(self, segment: Segment) -> None:
@@ -313,6 +385,7 @@ class SwapSpace:
         file_size: int = 1 << 30,
         stripe_size: int = 1 << 20,
         label: str = "",
+        grow: bool = False,
     ) -> None:
         if isinstance(paths, SwapDirectories):
             roots = list(paths.paths)
@@ -332,7 +405,7 @@ class SwapSpace:
         self._drives: list[_DriveSpace] = []
         try:
             for i, root in enumerate(roots):
-                self._drives.append(_DriveSpace(root, direct, self.file_size, i, label))
+                self._drives.append(_DriveSpace(root, direct, self.file_size, i, label, grow))
         except OSError as exc:
             self.close(keep=False)
             raise NvmePathError(
@@ -343,6 +416,8 @@ class SwapSpace:
         self._next_drive = 0
         self._serial = 0
         self._live: set[int] = set()  # serials of extents allocated and not yet freed
+        #: the most bytes the swap files took on the disk, as sampled at each allocation
+        self._peak_disk = 0
 
     @property
     def run_dirs(self) -> list[Path]:
@@ -359,16 +434,8 @@ class SwapSpace:
     def allocate(self, nbytes: int) -> Extent:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        capacity = align_up(max(nbytes, 1))
         count = len(self._drives)
-        if count > 1 and capacity > self.stripe_size:
-            units = -(-capacity // self.stripe_size)
-            per_drive = [
-                (units // count + (1 if i < units % count else 0)) * self.stripe_size
-                for i in range(count)
-            ]
-        else:
-            per_drive = [capacity]
+        per_drive = _per_drive(nbytes, count, self.stripe_size)
         segments = []
         with self._lock:
             if self._closed:
@@ -386,6 +453,7 @@ class SwapSpace:
                 raise
             self._serial += 1
             self._live.add(self._serial)
+            self._peak_disk = max(self._peak_disk, self._disk_bytes())
             return Extent(tuple(segments), nbytes, self.stripe_size, self._serial)
 
     def free(self, extent: Extent) -> None:
@@ -438,9 +506,45 @@ class SwapSpace:
         with self._lock:
             return sum(f.capacity for d in self._drives for f in d.files)
 
+    def _disk_bytes(self) -> int:
+        return sum(f.disk_bytes for d in self._drives for f in d.files)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the swap files take on the disk now (their allocated blocks, as ``du``
+        counts them)."""
+        with self._lock:
+            return self._disk_bytes()
+
+    @property
+    def peak_disk_bytes(self) -> int:
+        """The most bytes the swap files took on the disk (sampled at each allocation)."""
+        with self._lock:
+            self._peak_disk = max(self._peak_disk, self._disk_bytes())
+            return self._peak_disk
+
+    @staticmethod
+    def extent_capacity(nbytes: int, drives: int, stripe_size: int) -> int:
+        """Bytes of the swap files an extent of ``nbytes`` takes over ``drives`` drives (as
+        :meth:`allocate` lays it out): its size aligned, or whole stripe units per drive."""
+        return sum(_per_drive(nbytes, drives, stripe_size))
+
     def close(self, keep: bool = False) -> None:
         with self._lock:
             self._closed = True
             drives, self._drives = self._drives, []
         for drive in drives:
             drive.close(keep)
+
+
+def _per_drive(nbytes: int, drives: int, stripe_size: int) -> list[int]:
+    """The bytes of each drive's segment of an extent of ``nbytes``: its size aligned on one
+    drive, or whole stripe units spread over ``drives`` when it is larger than one."""
+    capacity = align_up(max(nbytes, 1))
+    if drives > 1 and capacity > stripe_size:
+        units = -(-capacity // stripe_size)
+        return [
+            (units // drives + (1 if i < units % drives else 0)) * stripe_size
+            for i in range(drives)
+        ]
+    return [capacity]

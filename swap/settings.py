@@ -23,7 +23,11 @@ class EngineSettings:
     ``checksum_chunk`` is the bytes each checksum covers (rounded up to a multiple of
     ``block_size``; None: the larger of ``block_size`` and 64 MiB). Each chunk is hashed in one
     call with the GIL released, so larger chunks mean fewer hand-offs of the interpreter; a
-    partial transfer verifies only the chunks it covers whole."""
+    partial transfer verifies only the chunks it covers whole. ``grow_files``: a swap file's
+    blocks are allocated as extents are taken from it (each extent's range with
+    ``posix_fallocate`` when allocated), so the disk holds what was stored; ``file_size`` is then
+    a file's largest size, not what it takes at creation (off: each file is allocated whole when
+    made)."""
 
     backend: str = "auto"
     block_size: int = 1 << 20
@@ -34,6 +38,7 @@ class EngineSettings:
     request_timeout: float | None = 60.0
     verify_checksums: bool = True
     checksum_chunk: int | None = None
+    grow_files: bool = False
 
     @property
     def chunk_size(self) -> int:
