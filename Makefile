@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist demo-trainer test test-fast stress lint bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer gpu-check soak \
+	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer bench-finetune gpu-check soak \
 	venv clean docs
 
 $(STAMP): pyproject.toml constraints.txt
@@ -122,6 +122,14 @@ bench-checkpoint: $(STAMP)
 # checks the free disk first).
 bench-scale: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_scale
+
+# Long: what people fine-tune, through InfinityTrainer under a 4 GiB host budget, 3 steps each:
+# the Llama-3-8B shape fully (bf16, int8 Adam state) and a 13 B Llama shape with LoRA r=16 on
+# q/k/v/o, each step against max(compute floor, I/O floor) measured in the same run. It checks
+# the free disk first and says what it needs (tens of GB). A small copy of each, in minutes:
+# FINETUNE_ARGS="--layers 2 --vocab 8192 --narrow 2 --host-budget 512MiB".
+bench-finetune: $(STAMP)
+	$(PY) -m tools.benchmarks.bench_finetune $(FINETUNE_ARGS)
 
 # 2 ranks (torchrun, gloo): ZeRO-3 with NVMe offload against FSDP2 (and DeepSpeed, where the peer
 # harness's venv is installed; else its quoted figures), step time and peak RSS per rank.
