@@ -111,8 +111,12 @@ def register_params(
     storage_dtype: torch.dtype | None,
     partition: Partition | None,
     quantization: WeightQuantization | None,
+    frozen: Callable[[nn.Parameter], bool] = lambda _: False,
+    frozen_dtype: torch.dtype | None = None,
 ) -> None:
-    """Registers every parameter of ``model`` as shards of at most ``slot`` bytes."""
+    """Registers every parameter of ``model`` as shards of at most ``slot`` bytes; those
+    ``frozen`` says the optimizer never updates are kept in ``frozen_dtype`` where given (the
+    compute copies' dtype: a frozen parameter needs no master beside them)."""
     for name, param in model.named_parameters():
         registry.add_param(
             name,
@@ -120,11 +124,22 @@ def register_params(
             max_shard_bytes=slot,
             compute_dtype=compute_dtype,
             partition=partition,
-            storage_dtype=storage_dtype,
+            storage_dtype=frozen_dtype
+            if frozen_dtype is not None and frozen(param)
+            else storage_dtype,
             quant=quantization.quantizer_in_slot(name, param, slot) if quantization else None,
         )
     if not registry.entries:
         raise AttachError("the model has no parameters to offload")
+
+
+def frozen_params(optimizer: torch.optim.Optimizer | None) -> Callable[[nn.Parameter], bool]:
+    """Which parameters ``optimizer`` never updates: those that require no gradient or are in
+    none of its param groups (without an optimizer, none: nothing is trained)."""
+    if optimizer is None:
+        return lambda _: False
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return lambda param: not param.requires_grad or id(param) not in held
 
 
 def module_entries(model: nn.Module, registry: ShardRegistry) -> ModuleEntries:

@@ -24,6 +24,7 @@ from infinity.checkpointing.state_dict import install_state_dict_hooks
 from infinity.config import OffloadConfig
 from infinity.core import handback, lifecycle
 from infinity.core.budgets import CHECKPOINT_WRITE_BUFFERS, MemoryPlan, slot_size
+from infinity.core.disk_needs import state_tensors
 from infinity.core.machine import Machine
 from infinity.core.memory import (
     bound_heap_retention,
@@ -331,6 +332,8 @@ class TieredStore:
             storage_dtype=self.storage_dtype,
             partition=self.partition,
             quantization=self.weight_quantization,
+            frozen=attaching.frozen_params(optimizer),
+            frozen_dtype=self.compute_copy_dtype,
         )
         if self.partition is not None:
             self.partition.check_same_model(self.registry.entries, config)
@@ -346,7 +349,12 @@ class TieredStore:
             plan, self.device, len(self.registry.entries), config.pin_memory
         )
         if nvme:
-            self._swap.open(self)
+            self._swap.open(
+                self,
+                trained=trained,
+                state_tensor_count=state_tensors(optimizer),
+                cached_all=plan.cached_all,
+            )
         settings = attaching.placement_settings(
             config,
             self.registry,
@@ -662,10 +670,12 @@ class TieredStore:
 
     def stats(self) -> dict[str, Any]:
         """Bytes per tier (current and peak), I/O totals and timings, steps; see
-        :func:`infinity.observability.reporting.store_stats` for each key."""
+        :func:`infinity.observability.reporting.store_stats` for each key, and ``disk``:
+        :meth:`infinity.store.swap_space.StoreSwap.report`."""
         nvme = self._swap.nvme_bytes
         self._memory.sample(nvme)
-        return store_stats(self, self._memory.figures(nvme, self.rss_bound()))
+        figures = self._memory.figures(nvme, self.rss_bound())
+        return {**store_stats(self, figures), "disk": self._swap.report(self.registry)}
 
     # -- teardown -------------------------------------------------------------------------------
     def materialize(self, entry: ParamEntry) -> torch.Tensor:

@@ -16,12 +16,12 @@ from typing import Any, Protocol
 import torch
 
 from infinity.config import OffloadConfig
-from infinity.core.budgets import compute_copy_bytes, state_part_bytes
+from infinity.core.disk_needs import DiskBytes, plan_disk, stored_on_disk
 from infinity.core.machine import Machine
 from infinity.core.shards import ShardRegistry
 from infinity.ranks.partition import Partition
 from swap import IOBackend, SwapEngine, SwapSpaceError, align_up
-from swap.files import SwapDirectories
+from swap.files import SwapDirectories, SwapSpace
 
 log = logging.getLogger("infinity.store")
 
@@ -63,18 +63,43 @@ class StoreSwap:
         self.activation_engine: SwapEngine | None = None
         #: the temporary directory swapped to when ``nvme_path`` is not set
         self.temp_dir: Path | None = None
+        #: what the run stores on NVMe by kind, as the preflight counted it (None: no engine
+        #: for the model's state)
+        self.needs: DiskBytes | None = None
+        #: the entries the optimizer updates (None: no optimizer)
+        self._trained: set[int] | None = None
 
-    def open(self, store: SwapUser, for_activations: bool = False) -> SwapEngine:
+    def open(
+        self,
+        store: SwapUser,
+        for_activations: bool = False,
+        *,
+        trained: set[int] | None = None,
+        state_tensor_count: int = 0,
+        cached_all: bool = False,
+    ) -> SwapEngine:
         """Opens the machine's engine for ``store``'s shards (``for_activations``: the
-        activation offload's own)."""
+        activation offload's own). ``trained``: the entries the optimizer updates (None: no
+        optimizer); ``state_tensor_count``: its per-element state tensors per parameter;
+        ``cached_all``: the arena holds every offloaded byte (nothing is evicted)."""
+        if not for_activations:
+            self._trained = trained
+            self.needs = disk_needs(
+                self._config,
+                store,
+                trained=trained,
+                state_tensor_count=state_tensor_count,
+                drives=self._drives(store.partition),
+                cached_all=cached_all,
+            )
+        needs = self.needs
 
         def open_here() -> SwapEngine:
             engine, temp_dir = open_engine(
                 self._config,
                 store.registry,
                 store.partition,
-                master_tier=store.master_tier,
-                compute_copies=store.compute_copy_dtype is not None,
+                needed=needs.total if needs is not None and not for_activations else 0,
                 engine_overrides=self._engine_overrides,
                 backend_wrapper=self._backend_wrapper,
             )
@@ -89,11 +114,37 @@ class StoreSwap:
             self.engine = engine
         return engine
 
+    def _drives(self, partition: Partition | None) -> int:
+        """How many directories this rank's extents are striped over."""
+        given = list(self._config.nvme_path)
+        if not given:
+            return 1
+        return len(partition.drives(given)) if partition is not None else len(given)
+
     @property
     def nvme_bytes(self) -> int:
         """Bytes of NVMe extents the store's engine holds (each shard's home, rounded up)."""
         engine = self.engine  # read once: close() may clear it from the training thread
         return engine.space.allocated_bytes if engine is not None else 0
+
+    def report(self, registry: ShardRegistry) -> dict[str, Any]:
+        """``stats()['disk']``: the bytes the preflight counted, those the swap files take on
+        the disk (now and at most; what ``du`` shows), those the extents hold, and each by
+        kind (``needs``: the preflight's, ``stored``: the extents' now)."""
+        engine = self.engine  # read once: close() may clear it from the training thread
+        space = getattr(engine, "space", None)  # a simulated engine's (planning) has no files
+        files = space if isinstance(space, SwapSpace) else None
+        stored = stored_on_disk(
+            registry.entries, self._trained, lambda e: getattr(e, "capacity", e.nbytes)
+        )
+        return {
+            "preflight_bytes": self.needs.total if self.needs is not None else 0,
+            "allocated_bytes": files.disk_bytes if files is not None else 0,
+            "peak_allocated_bytes": files.peak_disk_bytes if files is not None else 0,
+            "extent_bytes": space.allocated_bytes if space is not None else 0,
+            "needs": self.needs.as_dict() if self.needs is not None else DiskBytes().as_dict(),
+            "stored": stored.as_dict(),
+        }
 
     def close_activations(self) -> None:
         """Closes the activation offload's own engine (after the offload itself)."""
@@ -115,22 +166,52 @@ class StoreSwap:
             self.temp_dir = None
 
 
+def disk_needs(
+    config: OffloadConfig,
+    store: SwapUser,
+    *,
+    trained: set[int] | None,
+    state_tensor_count: int,
+    drives: int,
+    cached_all: bool = False,
+) -> DiskBytes:
+    """What ``store``'s run keeps on NVMe, by kind (:func:`infinity.core.disk_needs.plan_disk`).
+
+    With ``step_in_backward='auto'`` the first step runs in ``optimizer.step()`` and stores
+    every gradient, so their bytes are counted (the disk must hold them then); their extents
+    stay the run's, ready for a step that goes back to ``optimizer.step()``. Only
+    ``step_in_backward=True`` stores none. Where the arena holds every offloaded byte
+    (``cached_all``), gradients and optimizer state are never evicted, so never written: only
+    the values written at attach are (and, with ``keep_swap_files``, all of it at close)."""
+    stripe = max(config.aio.block_size, 4096)
+    return plan_disk(
+        store.registry.entries,
+        trained=trained,
+        masters_on_nvme=store.master_tier == "nvme",
+        state_on_nvme=config.offload_optimizer == "nvme"
+        and (not cached_all or config.keep_swap_files),
+        compute_dtype=store.compute_copy_dtype,
+        grads_stored=config.step_in_backward is not True,
+        state_tensor_count=state_tensor_count,
+        state_dtype=config.precision.optimizer_state_dtype,
+        extent=lambda nbytes: SwapSpace.extent_capacity(nbytes, drives, stripe),
+    )
+
+
 def open_engine(
     config: OffloadConfig,
     registry: ShardRegistry,
     partition: Partition | None,
     *,
-    master_tier: str,
-    compute_copies: bool,
+    needed: int,
     engine_overrides: Mapping[str, Any],
     backend_wrapper: Callable[[IOBackend], IOBackend] | None,
 ) -> tuple[SwapEngine, Path | None]:
     """The engine for ``registry``'s shards, and the temporary directory made for it where
     ``nvme_path`` is not set (None otherwise). Raises SwapSpaceError when a directory has less
-    free space than its share of the offloaded state."""
+    free space than its share of the ``needed`` bytes the run stores."""
     options: dict[str, Any] = dict(
-        master_tier=master_tier,
-        compute_copies=compute_copies,
+        needed=needed,
         engine_overrides=engine_overrides,
         backend_wrapper=backend_wrapper,
     )
@@ -152,8 +233,7 @@ def _open(
     partition: Partition | None,
     given: list[Path],
     *,
-    master_tier: str,
-    compute_copies: bool,
+    needed: int,
     engine_overrides: Mapping[str, Any],
     backend_wrapper: Callable[[IOBackend], IOBackend] | None,
 ) -> SwapEngine:
@@ -166,19 +246,10 @@ def _open(
         paths = partition.drives(paths)
         label = f"rank{partition.rank}-"
     stripe = config.aio.block_size
-    shards = registry.shards.values()
-    shard_bytes = sum(align_up(s.nbytes) for s in shards)
-    state_dtype = config.precision.optimizer_state_dtype
-    state_bytes = sum(align_up(state_part_bytes(s.nbytes, state_dtype)) for s in shards)
-    compute_bytes = (
-        sum(align_up(max(compute_copy_bytes(s), 1)) for s in shards) if compute_copies else 0
-    )
-    # Masters (and their compute copies); gradients and (as Adam keeps) two moments of
-    # optimizer state.
-    needed = (shard_bytes + compute_bytes if master_tier == "nvme" else 0) + (
-        shard_bytes + 2 * state_bytes if config.offload_optimizer == "nvme" else 0
-    )
-    per_drive = needed // len(paths) + stripe * 2 + len(registry.shards) * 4096
+    share = -(-needed // len(paths))
+    # The free space asked for keeps a margin for a file system's own blocks; the files grow
+    # only as the run stores (grow_files), to what it needs.
+    per_drive = share + stripe * 2 + len(registry.shards) * 4096
     for path in paths:
         if path.is_dir():
             free = shutil.disk_usage(path).free
@@ -192,7 +263,11 @@ def _open(
                     available=free,
                 )
     settings = config.aio.engine_settings(
-        file_size=align_up(per_drive), verify_checksums=config.verify_checksums
+        # a file's largest size: one file holds this drive's share, whatever is stored beyond
+        # it (activations, relocated extents) makes more
+        file_size=max(align_up(share), _MIN_FILE),
+        verify_checksums=config.verify_checksums,
+        grow_files=True,
     )
     if engine_overrides:
         settings = dataclasses.replace(settings, **engine_overrides)
@@ -203,3 +278,7 @@ def _open(
         backend_wrapper=backend_wrapper,
         label=label,
     )
+
+
+#: the smallest swap file (its largest size: a growing file takes only what is stored)
+_MIN_FILE = 64 << 20
