@@ -86,3 +86,15 @@ def test_a_store_refusing_the_attach_is_reported_not_raised(tmp_path, monkeypatc
     assert "the store refused the attach: SwapSpaceError: needs 96.4 GB" in result["refused"]
     assert "refused: the store refused" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [out]  # its swap directory removed
+
+
+def test_lora_adapters_on_empty_weights_start_as_peft_makes_them():
+    args = bench_finetune.parse_args(TINY)
+    shape = bench_finetune.SHAPES["13b-lora"].narrowed(8)
+    model = bench_finetune.build(shape, args, 1, empty=True)
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(adapters) == 2 * len(bench_finetune.LORA_TARGETS)
+    assert all(p.requires_grad and not p.is_meta for p in adapters.values())
+    assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
+    assert all(not p.any() for n, p in adapters.items() if "lora_B" in n)  # starts as its base
+    assert all(p.is_meta for n, p in model.named_parameters() if n not in adapters)

@@ -159,7 +159,25 @@ def build(shape: Shape, args: argparse.Namespace, layers: int, empty: bool) -> t
 
         lora = peft.LoraConfig(r=shape.lora_rank, lora_alpha=32, target_modules=LORA_TARGETS)
         model = peft.get_peft_model(model, lora)
+        if empty:
+            adapters_as_peft_makes_them(model)
     return model
+
+
+def adapters_as_peft_makes_them(model: torch.nn.Module) -> None:
+    """The LoRA adapters of a model on empty weights, in memory with peft's initialisation (A
+    as peft draws it, B zeros: the adapted model starts as its base). peft puts them on the
+    base layer's device, the meta device here, where attach would initialise them as the
+    base model's own ``_init_weights`` does its Linear layers, B included."""
+    for module in model.modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        if not callable(reset):
+            continue
+        layer: Any = module  # a peft LoraLayer
+        for adapter in layer.lora_A:
+            layer.lora_A[adapter].to_empty(device="cpu")
+            layer.lora_B[adapter].to_empty(device="cpu")
+            reset(adapter, True)
 
 
 def stored_per_param(shape: Shape) -> tuple[float, float]:
@@ -316,7 +334,9 @@ def run_shape(shape: Shape, args: argparse.Namespace, parent: Path) -> dict[str,
     print(
         f"\n{shape.name}: Llama hidden {shape.hidden}, {layers} layers, vocab {vocab}: "
         f"{trained / 1e6:.1f} M trained + {frozen / 1e6:.1f} M frozen params; the run stores "
-        f"{per_trained:g} B per trained and {per_frozen:g} per frozen param: needs "
+        f"{per_trained:.1f} B per trained param (fp32 master 4, bf16 compute copy 2, bf16 "
+        f"gradient 2, two {shape.state_dtype} moments {per_trained - 8:.1f}) and "
+        f"{per_frozen:g} per frozen one (bf16 weights), and the disk measurement's 2 GiB: needs "
         f"{needed / 1e9:.1f} GB free on {parent} ({free / 1e9:.1f} GB free); "
         f"load average {load_average()}",
         flush=True,
