@@ -113,6 +113,7 @@ def test_table_and_written_config_load(tmp_path, capsys):
         "peak dev",
         "peak host",
         "peak nvme",
+        "disk",
         "peak RSS",
         "bound",
         "updates",
@@ -140,6 +141,10 @@ def test_table_and_written_config_load(tmp_path, capsys):
         tokens = torch.randint(0, 256, (2, 16))
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
+        # the disk the plan said the candidate needs is what the store's preflight counts
+        assert store.stats()["disk"]["preflight_bytes"] == fitting[0]["disk_bytes"]
+    on_nvme = [c for c in fitting if "nvme" in c["config"]["offload_param"]]
+    assert on_nvme and all(c["disk_bytes"] > 0 for c in on_nvme)
 
 
 def test_module_path_and_this_machine(tmp_path, capsys):

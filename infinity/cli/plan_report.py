@@ -110,10 +110,11 @@ def table(plan: Plan, top: int) -> list[str]:
     lines += [
         "",
         "per rank: bytes per step, peaks of each tier (host: the store's host tier) and "
-        "of the process's RSS; bound: the resource busiest in a step; updates: where "
-        "step_in_backward='auto' runs them (in backward, or in optimizer.step() where the "
-        "arena has no room for them there). Not modelled: activations' memory, all-gathers "
-        "between ranks.",
+        "of the process's RSS; disk: what the swap files hold (the preflight's bytes, "
+        "checked against the free space at attach); bound: the resource busiest in a "
+        "step; updates: where step_in_backward='auto' runs them (in backward, or in "
+        "optimizer.step() where the arena has no room for them there). Not modelled: "
+        "activations' memory, all-gathers between ranks.",
     ]
     return lines
 
@@ -134,6 +135,7 @@ def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
         "peak dev",
         "peak host",
         "peak nvme",
+        "disk",
         "peak RSS",
         "bound",
         "updates",
@@ -159,6 +161,7 @@ def _ranked_lines(plan: Plan, ranked: list[Candidate], top: int) -> list[str]:
                 size_text(r["peak_bytes"]["device"]),
                 size_text(r["peak_bytes"]["host"]),
                 size_text(r["peak_bytes"]["nvme"]),
+                size_text(r.get("disk_bytes", 0)),
                 size_text(r["rss_peak_bytes"]),
                 c.bound,
                 update_mode_text(r.get("update_mode")),

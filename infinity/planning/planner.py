@@ -462,6 +462,7 @@ def simulate(
         "nvme": stats["peak_bytes"]["nvme"],
     }
     result["budgets"] = dict(sim.budgets)
+    result["disk_bytes"] = stats["disk"]["preflight_bytes"]  # what the swap files will hold
     # where the replayed steps ran their updates at the end, and why not in backward
     result["update_mode"] = stats["update_mode"]
     result["update_mode_reasons"] = stats["update_mode_reasons"]
