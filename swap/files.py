@@ -19,6 +19,8 @@ logical size, so padding up to the alignment and the end of a file never leak in
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
 import errno
 import logging
 import os
@@ -173,6 +175,17 @@ class SwapFile:
                 available=free,
             ) from error
         raise NvmePathError(f"cannot allocate swap file {self.path}: {error}") from error
+
+    def release(self, offset: int, length: int) -> None:
+        """Gives ``[offset, offset + length)``'s blocks back to the file system (a growing
+        file, its range freed): a hole, allocated again by :meth:`reserve` when reused. Where
+        holes cannot be punched the blocks stay, for the next extent there."""
+        if self._sized or self.fd < 0:
+            return
+        try:
+            _punch_hole(self.fd, offset, length)
+        except OSError as exc:
+            log.debug("%s: blocks of a freed range kept (%s)", self.path, exc)
 
     @property
     def disk_bytes(self) -> int:
@@ -358,6 +371,8 @@ class _DriveSpace:
 
     def give(self, segment: Segment) -> None:
         self.free[self.slot[segment.file]].give(segment.offset, segment.length)
+        if self.grow:
+            segment.file.release(segment.offset, segment.length)
 
     def close(self, keep: bool) -> None:
         for file in self.files:
@@ -548,3 +563,22 @@ def _per_drive(nbytes: int, drives: int, stripe_size: int) -> list[int]:
             for i in range(drives)
         ]
     return [capacity]
+
+
+#: fallocate(2)'s modes: free a range's blocks, the file's size unchanged
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc: ctypes.CDLL | None = None
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """fallocate(fd, PUNCH_HOLE | KEEP_SIZE, offset, length) (os has no fallocate with modes)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    function = _libc.fallocate
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if function(fd, mode, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))

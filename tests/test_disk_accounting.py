@@ -48,6 +48,7 @@ def attach(
     optimizer: torch.optim.Optimizer,
     precision: dict,
     step_in_backward: bool | str = "auto",
+    buffer_count: int = 8,
 ) -> tuple[TieredStore, torch.nn.Module, torch.optim.Optimizer]:
     """Attached on empty weights, the values written by load_state_dict, as a pretrained
     checkpoint's would be (nothing initialised, nothing allocated before)."""
@@ -57,7 +58,7 @@ def attach(
             offload_optimizer="nvme",
             nvme_path=(tmp_path,),
             buffer_size=SLOT,
-            buffer_count=8,
+            buffer_count=buffer_count,
             host_budget=3 << 20,
             step_in_backward=step_in_backward,
             aio={"block_size": 4096},
@@ -208,6 +209,32 @@ def test_updates_in_backward_store_no_gradient(tmp_path: Path) -> None:
         store.close(restore_params=False)
 
 
+def test_auto_frees_the_first_steps_gradients_once_updates_run_in_backward(
+    tmp_path: Path,
+) -> None:
+    """'auto' runs its first step in optimizer.step(), which stores gradients (the preflight
+    counts them); once updates run in backward none is stored, and their blocks go back."""
+    model = llama()
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # an arena with room for updates in backward (24 slots), not for every offloaded byte
+    store, model, optimizer = attach(tmp_path, model, optimizer, {}, buffer_count=24)
+    try:
+        train(model, optimizer, 1)
+        stats = store.stats()
+        assert stats["update_mode"] == "in backward"
+        disk = stats["disk"]
+        assert disk["needs"]["grads"] > 0 and disk["stored"]["grads"] == 0
+        blocks = sum(p.stat().st_blocks * 512 for p in tmp_path.rglob("swap-*.bin"))
+        assert disk["allocated_bytes"] == blocks < disk["peak_allocated_bytes"]
+        train(model, optimizer, 2)
+        stats = store.stats()
+        assert stats["disk"]["stored"]["grads"] == 0
+        # what the extents hold is what the preflight counted less the gradients, at most
+        assert stats["disk"]["extent_bytes"] <= disk["preflight_bytes"] - disk["needs"]["grads"]
+    finally:
+        store.close(restore_params=False)
+
+
 # -- swap files that grow as extents are taken ---------------------------------------------------
 def test_growing_files_take_the_extents_bytes(tmp_path: Path) -> None:
     settings = EngineSettings(backend="threads", file_size=64 << 20, grow_files=True)
@@ -217,9 +244,11 @@ def test_growing_files_take_the_extents_bytes(tmp_path: Path) -> None:
         space = engine.space
         assert space.disk_bytes == sum(align_up(e.nbytes) for e in extents) == 90_112
         assert space.file_bytes == 64 << 20  # its largest size, not what it takes
-        engine.free(extents[1])
+        engine.free(extents[1])  # its blocks go back to the file system (a hole)
+        assert space.disk_bytes == 90_112 - 73_728
         assert engine.allocate(60_000).segments[0].offset == extents[1].segments[0].offset
-        assert space.disk_bytes == 90_112 and space.peak_disk_bytes == 90_112
+        assert space.disk_bytes == 90_112 - 73_728 + 61_440
+        assert space.peak_disk_bytes == 90_112
     finally:
         engine.close()
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from infinity.core.shards import ParamEntry, Shard, ShardKind
+from infinity.core.residency import Residency
+from infinity.core.shards import GRAD_KEY, ParamEntry, Shard, ShardKind, ShardRegistry
 from infinity.core.state_sizes import stored_nbytes
 
 #: the kinds of bytes on NVMe, as ``stats()['disk']`` names them
@@ -141,3 +142,27 @@ def stored_on_disk(
                 if companion.extent is not None:
                     sums[kinds.get(companion.kind, "state")] += extent_bytes(companion.extent)
     return DiskBytes(**sums)
+
+
+def release_gradient_space(registry: ShardRegistry, engine: Any) -> int:
+    """Frees the extents of gradients consumed (their companions empty), when updates move
+    into backward and store gradients no more ('auto' after its first step): the swap files
+    give their blocks back. A step back in ``optimizer.step()`` allocates them again as it
+    writes. Returns the bytes freed."""
+    freed = 0
+    if engine is None:
+        return freed
+    with registry.lock:
+        for shard in registry.shards.values():
+            holder = shard.companions.get(GRAD_KEY)
+            if (
+                holder is None
+                or holder.extent is None
+                or holder.state is not Residency.EMPTY
+                or holder.pending is not None
+            ):
+                continue
+            extent, holder.extent = holder.extent, None
+            engine.free(extent)
+            freed += extent.nbytes
+    return freed

@@ -178,9 +178,10 @@ def disk_needs(
     """What ``store``'s run keeps on NVMe, by kind (:func:`infinity.core.disk_needs.plan_disk`).
 
     With ``step_in_backward='auto'`` the first step runs in ``optimizer.step()`` and stores
-    every gradient, so their bytes are counted (the disk must hold them then); their extents
-    stay the run's, ready for a step that goes back to ``optimizer.step()``. Only
-    ``step_in_backward=True`` stores none. Where the arena holds every offloaded byte
+    every gradient, so their bytes are counted (the disk must hold them then); once updates
+    move into backward their extents are freed and the files give the blocks back
+    (:func:`infinity.core.disk_needs.release_gradient_space`), so the preflight is the run's
+    peak. Only ``step_in_backward=True`` stores none. Where the arena holds every offloaded byte
     (``cached_all``), gradients and optimizer state are never evicted, so never written: only
     the values written at attach are (and, with ``keep_swap_files``, all of it at close)."""
     stripe = max(config.aio.block_size, 4096)

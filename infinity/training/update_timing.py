@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from infinity.core.disk_needs import release_gradient_space
+
 if TYPE_CHECKING:
     from infinity.core.placement import Placement
 
@@ -348,6 +350,10 @@ class UpdateTiming:
         if self.mode is UpdateMode.WATCHING:
             self._set(self._next)
             self._confirming = self.in_backward
+            if self.in_backward:
+                # The first step's gradients were the last the disk holds: their space goes.
+                freed = release_gradient_space(self.placement.registry, self.placement.engine)
+                log.debug("updates in backward: %d bytes of gradient extents freed", freed)
         self._hyper_at_backward = None
         self._acts = []
         self._cleared = False
