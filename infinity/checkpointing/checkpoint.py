@@ -52,6 +52,7 @@ from infinity.checkpointing.storage import (
     InfinityStorageReader,
     InfinityStorageWriter,
 )
+from infinity.core.budgets import CHECKPOINT_BUFFER_MAX, CHECKPOINT_WRITE_BUFFERS
 from infinity.core.residency import Residency as R
 from infinity.errors import CheckpointError, InfinityError
 from infinity.training.optimizer import (
@@ -114,7 +115,8 @@ class Checkpointer:
         writer = InfinityStorageWriter(
             path,
             extra_files=files if coordinator else None,
-            buffer_size=plan.checkpoint_buffer_size if plan is not None else 16 << 20,
+            buffer_size=plan.checkpoint_buffer_size if plan is not None else CHECKPOINT_BUFFER_MAX,
+            buffer_count=CHECKPOINT_WRITE_BUFFERS,
         )
         planner = ShardSavePlanner(store)
         planner.prepare()

@@ -119,17 +119,20 @@ class InfinityStorageWriter(StorageWriter):
     """Writes each rank's chunks to its own raw file in ``<path>.partial``; the coordinator
     writes the JSON metadata and renames the directory into place (see the module docstring).
     ``extra_files`` (name -> text) are written by the coordinator beside the metadata;
-    ``buffer_size``: each of the writer's buffers (the store sizes them to its memory plan)."""
+    ``buffer_size`` and ``buffer_count``: the writer's buffers (the store sizes them to its
+    memory plan)."""
 
     def __init__(
         self,
         path: Path,
         extra_files: dict[str, str] | None = None,
         buffer_size: int = 16 << 20,
+        buffer_count: int = 4,
     ) -> None:
         super().__init__()
         self.path = Path(path)
         self.buffer_size = buffer_size
+        self.buffer_count = buffer_count
         self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
         self.extra_files = extra_files or {}
         self.is_coordinator = False
@@ -166,7 +169,9 @@ class InfinityStorageWriter(StorageWriter):
             else ((item, planner.resolve_data(item)) for item in plan.items)
         )
         # Through the swap backends (O_DIRECT): the page cache's writeback is far slower.
-        with StreamWriter(self.partial / name, buffer_size=self.buffer_size) as file:
+        with StreamWriter(
+            self.partial / name, buffer_size=self.buffer_size, buffer_count=self.buffer_count
+        ) as file:
             for item, tensor in chunks:
                 data = tensor_bytes(tensor)
                 checksum = xxhash.xxh3_64_hexdigest(data)

@@ -15,6 +15,7 @@ and a PNG timeline of the last two steps are written to --out.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import statistics
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from infinity import OffloadConfig, TieredStore
@@ -192,6 +194,43 @@ def offload_config(
     if args.bf16:
         changes["precision"] = {"dtype": "bf16"}
     return base.replace(**changes)
+
+
+def write_rank_result(
+    store: Any,
+    args: argparse.Namespace,
+    *,
+    trace_name: str,
+    record: bool,
+    losses: list[float],
+    times: list[float],
+    stats: dict[str, Any],
+    attached: Any,
+    outputs: dict[str, str],
+    began: float,
+) -> None:
+    """A rank's end of a multi-rank demo, once its store is closed: its timeline's summary and
+    Chrome trace (``<trace_name>-rank<N>.json`` under ``args.out``) where recorded, the process
+    group left, and what it measured written to ``args.result_dir/rank<N>.json`` for the launcher
+    to summarise."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    summary = store.timeline.summary() if record and hasattr(store.timeline, "summary") else None
+    if record and hasattr(store.timeline, "export_chrome"):
+        path = store.timeline.export_chrome(Path(args.out) / f"{trace_name}-rank{rank}.json")
+        outputs["Chrome trace"] = str(path)
+    dist.destroy_process_group()
+    result = {
+        "rank": rank,
+        "world": world,
+        "losses": losses,
+        "step_seconds": times,
+        "stats": stats,
+        "attached": attached,
+        "timeline": summary,
+        "outputs": outputs,
+        "wall_seconds": time.perf_counter() - began,
+    }
+    (Path(args.result_dir) / f"rank{rank}.json").write_text(json.dumps(result, default=str))
 
 
 def rank_config(

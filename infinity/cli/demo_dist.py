@@ -50,6 +50,7 @@ from infinity.cli.demo import (
     rank_config,
     split_paths,
     table,
+    write_rank_result,
 )
 from infinity.config import format_size
 from swap import SwapError
@@ -162,23 +163,18 @@ def worker(args: argparse.Namespace) -> int:
         stats = store.stats()
     finally:
         store.close(restore_params=False)
-    summary = store.timeline.summary() if record and hasattr(store.timeline, "summary") else None
-    if record and hasattr(store.timeline, "export_chrome"):
-        path = store.timeline.export_chrome(args.out / f"demo-dist-trace-rank{rank}.json")
-        outputs["Chrome trace"] = str(path)
-    dist.destroy_process_group()
-    result = {
-        "rank": rank,
-        "world": world,
-        "losses": losses,
-        "step_seconds": times,
-        "stats": stats,
-        "attached": attached,
-        "timeline": summary,
-        "outputs": outputs,
-        "wall_seconds": time.perf_counter() - began,
-    }
-    (args.result_dir / f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    write_rank_result(
+        store,
+        args,
+        trace_name="demo-dist-trace",
+        record=record,
+        losses=losses,
+        times=times,
+        stats=stats,
+        attached=attached,
+        outputs=outputs,
+        began=began,
+    )
     return 0
 
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +28,7 @@ from infinity.cli.demo import (
     learning_rate,
     rank_config,
     split_paths,
+    write_rank_result,
 )
 
 
@@ -148,21 +147,16 @@ def worker(args: argparse.Namespace) -> int:
         stats = store.stats()
     finally:
         store.close(restore_params=False)
-    summary = store.timeline.summary() if record and hasattr(store.timeline, "summary") else None
-    if record and hasattr(store.timeline, "export_chrome"):
-        path = store.timeline.export_chrome(args.out / f"demo-trainer-trace-rank{rank}.json")
-        outputs["Chrome trace"] = str(path)
-    dist.destroy_process_group()
-    result = {
-        "rank": rank,
-        "world": world,
-        "losses": losses,
-        "step_seconds": times,
-        "stats": stats,
-        "attached": attached,
-        "timeline": summary,
-        "outputs": outputs,
-        "wall_seconds": time.perf_counter() - began,
-    }
-    (Path(args.result_dir) / f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    write_rank_result(
+        store,
+        args,
+        trace_name="demo-trainer-trace",
+        record=record,
+        losses=losses,
+        times=times,
+        stats=stats,
+        attached=attached,
+        outputs=outputs,
+        began=began,
+    )
     return 0

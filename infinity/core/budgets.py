@@ -237,6 +237,11 @@ class MemoryPlan:
         return max(CHECKPOINT_BUFFER_MIN, min(CHECKPOINT_BUFFER_MAX, each))
 
     @property
+    def checkpoint_write_bytes(self) -> int:
+        """All of a checkpoint save's write buffers."""
+        return CHECKPOINT_WRITE_BUFFERS * self.checkpoint_buffer_size
+
+    @property
     def host_tier(self) -> int:
         """What the host tier may hold: the host budget less the device tier carved from it."""
         return self.host - (self.device if self.device_in_host else 0)
@@ -283,18 +288,18 @@ def plan_memory(
     device_kind: str,
     params_stay_on_device: bool,
     master_tier: str,
-    training: bool = True,
-    trained: Collection[int] | None = None,
+    trained: Collection[int] | None,
     cuda_free: Callable[[], int] = lambda: 0,
     agree: Callable[[int], int] | None = None,
 ) -> MemoryPlan:
     """The budgets for ``config`` and these parameters. ``device_kind``: "cpu" (the device is
     host memory), "cuda" (its own memory, ``cuda_free`` bytes free) or "other" (the planner's
-    simulation of a device it has no figures for: every parameter fits). ``training``: an
-    optimizer is attached (backward holds shared parameters); ``trained``: the indices of the
-    entries it updates (default: every entry that requires a gradient when training, none
-    otherwise; see :func:`transient_bytes`). ``agree``: across ranks,
+    simulation of a device it has no figures for: every parameter fits). ``trained``: the
+    indices of the entries the optimizer updates, None without one (inference: backward holds
+    no shared parameters, and the transients are no training's; see :func:`transient_bytes`).
+    ``agree``: across ranks,
     the minimum of a value over every rank (their device tiers must decide alike)."""
+    training = trained is not None
     total = sum(e.nbytes for e in entries)
     device_total = sum(e.device_bytes for e in entries)
     persistent = {
@@ -338,11 +343,7 @@ def plan_memory(
     optim_nvme = config.offload_optimizer == "nvme"
     resident = 0 if params_nvme else total  # host tensors outside the arena
     carved = device if device_in_host else 0
-    if trained is None and training:
-        trained = {e.index for e in entries if e.requires_grad}
-    transient = transient_bytes(
-        entries, [s for s in shards if s.kind is ShardKind.PARAM], trained if training else None
-    )
+    transient = transient_bytes(entries, [s for s in shards if s.kind is ShardKind.PARAM], trained)
     needed = 0
     arena = 0
     reserved = 0

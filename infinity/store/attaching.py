@@ -180,13 +180,11 @@ def budgets_for(
     device_kind: str,
     params_stay_on_device: bool,
     master_tier: str,
-    training: bool,
     trained: set[int] | None,
     agree: Callable[[int], int] | None = None,
 ) -> MemoryPlan:
     """The budgets (infinity.core.budgets) for ``config`` and the registry's parameters
-    (``training``: an optimizer is attached; ``trained``: the entries it updates, None: every
-    entry that requires a gradient)."""
+    (``trained``: the entries the optimizer updates, None without one)."""
     return plan_memory(
         config,
         registry.entries,
@@ -196,7 +194,6 @@ def budgets_for(
         device_kind=device_kind,
         params_stay_on_device=params_stay_on_device,
         master_tier=master_tier,
-        training=training,
         trained=trained,
         cuda_free=lambda: torch.cuda.mem_get_info(device)[0],
         agree=agree,

@@ -23,7 +23,7 @@ from infinity.checkpointing.pretrained import load_pretrained
 from infinity.checkpointing.state_dict import install_state_dict_hooks
 from infinity.config import OffloadConfig
 from infinity.core import handback, lifecycle
-from infinity.core.budgets import CHECKPOINT_WRITE_BUFFERS, MemoryPlan, slot_size
+from infinity.core.budgets import MemoryPlan, slot_size
 from infinity.core.disk_needs import state_tensors
 from infinity.core.machine import Machine
 from infinity.core.memory import (
@@ -340,7 +340,7 @@ class TieredStore:
         modules = attaching.module_entries(model, self.registry)
         total = sum(e.nbytes for e in self.registry.entries)
         trained = attaching.trained_entries(optimizer, self.registry)
-        plan = self._budgets(modules, config, slot, trained, training=trained is not None)
+        plan = self._budgets(modules, config, slot, trained)
         self.memory_plan = plan
         self.budgets = plan.budgets()
         attaching.log_budgets(plan, config)
@@ -422,7 +422,7 @@ class TieredStore:
                 compute_copies=self.compute_copy_dtype is not None,
                 loss_scaling=self.scaler is not None,
                 plan_at=lambda host_budget: self._budgets(
-                    modules, config.replace(host_budget=host_budget), None, None, training=True
+                    modules, config.replace(host_budget=host_budget), None, trained
                 ),
             )
             self.update_timing = UpdateTiming(
@@ -450,10 +450,10 @@ class TieredStore:
         config: OffloadConfig,
         slot: int | None,
         trained: set[int] | None,
-        training: bool,
     ) -> MemoryPlan:
         """The budgets for ``config`` (``slot``: the shards' size; None: the config's own, for
-        another host budget than the store's, which is not agreed across ranks)."""
+        another host budget than the store's, which is not agreed across ranks; ``trained``:
+        the entries the optimizer updates, None without one)."""
         return attaching.budgets_for(
             config,
             self.registry,
@@ -463,7 +463,6 @@ class TieredStore:
             device_kind=self._machine.device_kind(self.device),
             params_stay_on_device=self._params_stay_on_device,
             master_tier=self.master_tier,
-            training=training,
             trained=trained,
             agree=self.partition.min_across
             if self.partition is not None and slot is not None
@@ -547,7 +546,7 @@ class TieredStore:
         checkpoints = self._checkpointer("save_checkpoint")
         plan = self.memory_plan
         if self._memory.bounded and plan is not None:
-            self._memory.make_room(CHECKPOINT_WRITE_BUFFERS * plan.checkpoint_buffer_size)
+            self._memory.make_room(plan.checkpoint_write_bytes)
         checkpoints.save(Path(path), extra, async_save)
         self._last_checkpoint = (Path(path), self.steps)
 
