@@ -55,6 +55,18 @@ def contents(buffer, nbytes: int, offset: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture
+def launch_environment_restored() -> Iterator[None]:
+    """Lightning's DDP-based strategies (InfinityStrategy among them) set torchrun's variables
+    (WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) in the process's environment even on one
+    device; a later test in the same worker would then take itself for a rank of a launch
+    (accelerate and Trainer start a process group). The environment goes back as it was."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
 def disk_dir(tmp_path: Path) -> Path:
     """A directory on a block-device file system (not tmpfs), where O_DIRECT is real."""
     if fs_type(tmp_path) in ("tmpfs", "ramfs", "overlay"):

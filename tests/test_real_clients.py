@@ -297,6 +297,7 @@ def test_hf_trainer_with_dropout_under_a_host_budget_follows_the_plain_trainer(t
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("launch_environment_restored")
 def test_lightning_with_dropout_under_a_host_budget_follows_plain_lightning(tmp_path):
     pytest.importorskip("pytorch_lightning")
     from tests import trainer_runs as runs

@@ -368,6 +368,7 @@ def test_accelerate_in_one_process_follows_accelerate(tmp_path):
 
 
 @pytest.mark.skipif(not LIGHTNING, reason="pytorch-lightning is not installed")
+@pytest.mark.usefixtures("launch_environment_restored")
 def test_lightning_in_one_process_follows_lightning(tmp_path):
     plain = runs.lightning_run("plain", tmp_path / "plain", None, 1, 4)
     attached = runs.lightning_run("infinity", tmp_path / "attached", tmp_path / "nvme", 1, 4)
@@ -397,6 +398,7 @@ def test_trainer_refuses_what_cannot_work_on_the_store(tmp_path, setting, named)
 
 
 @pytest.mark.skipif(not LIGHTNING, reason="pytorch-lightning is not installed")
+@pytest.mark.usefixtures("launch_environment_restored")
 def test_lightning_refuses_its_own_mixed_precision(tmp_path):
     import pytorch_lightning as pl
 
