@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dist demo-trainer test test-fast stress lint bench bench-full bench-scale bench-dist bench-checkpoint \
-	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer bench-finetune gpu-check soak \
+	bench-compile bench-infer bench-activations bench-plan bench-budget bench-trainer bench-finetune bench-masters gpu-check soak \
 	venv clean docs
 
 $(STAMP): pyproject.toml constraints.txt
@@ -130,6 +130,12 @@ bench-scale: $(STAMP)
 # FINETUNE_ARGS="--layers 2 --vocab 8192 --narrow 2 --host-budget 512MiB".
 bench-finetune: $(STAMP)
 	$(PY) -m tools.benchmarks.bench_finetune $(FINETUNE_ARGS)
+
+# bf16 masters (precision.master_dtype='bf16', rounded stochastically) against fp32 masters over
+# 200 steps of a small Llama on the project's own text: the loss each ends at, the bytes each
+# stores per parameter, and bf16 trained as it is (round to nearest) for reference.
+bench-masters: $(STAMP)
+	$(PY) -m tools.benchmarks.bench_masters
 
 # 2 ranks (torchrun, gloo): ZeRO-3 with NVMe offload against FSDP2 (and DeepSpeed, where the peer
 # harness's venv is installed; else its quoted figures), step time and peak RSS per rank.

@@ -145,6 +145,36 @@ def test_full_fine_tune_bf16_storage_int8_state(tmp_path: Path) -> None:
         store.close(restore_params=False)
 
 
+def test_bf16_masters_store_no_compute_copy(tmp_path: Path) -> None:
+    """precision.master_dtype='bf16': 2-byte masters that forward reads as they are (no compute
+    copy), bf16 gradients, and the state fp32 to the update, stored in int8: 4 bytes per
+    trained parameter besides the gradient, against 8 with fp32 masters."""
+    model = llama()
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    names = {n for n, _ in model.named_parameters()}
+    precision = {"dtype": "bf16", "master_dtype": "bf16", "optimizer_state_dtype": "int8"}
+    # shards of half the bytes (cut so that fp32 state would fit a buffer): fewer buffers, so
+    # that gradients and state are evicted as in the other runs
+    store, model, optimizer = attach(tmp_path, model, optimizer, precision, buffer_count=4)
+    try:
+        train(model, optimizer, 2)
+        stats = store.stats()
+        sizes = shard_sizes(store, names)
+        expected = {
+            "masters": sum(align_up(2 * n) for n in sizes),
+            "frozen": 0,
+            "compute": 0,
+            "grads": sum(align_up(2 * n) for n in sizes),
+            "state": sum(2 * align_up(int8_bytes(n)) for n in sizes),
+        }
+        expected["total"] = sum(expected.values())
+        check_stored(stats, expected)
+        check_files(stats, tmp_path)
+        assert all(e.dtype == torch.bfloat16 for e in store.registry.entries)
+    finally:
+        store.close(restore_params=False)
+
+
 def test_lora_stores_the_frozen_base_once_in_bf16(tmp_path: Path) -> None:
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(llama(), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))

@@ -68,9 +68,13 @@ def slot_size(config: Any) -> int:
     return int(config.swap_buffer_size())
 
 
-def state_part_bytes(nbytes: int, state_dtype: str) -> int:
-    """Bytes of one per-element optimizer state tensor of a shard of ``nbytes`` fp32 bytes, as
-    ``precision.optimizer_state_dtype`` stores it (an estimate before the optimizer made it)."""
+def state_part_bytes(nbytes: int, state_dtype: str, widened: bool = False) -> int:
+    """Bytes of one per-element optimizer state tensor of a shard of ``nbytes`` master bytes, as
+    ``precision.optimizer_state_dtype`` stores it (an estimate before the optimizer made it):
+    fp32 masters; or ``widened``, bf16 masters updated in fp32 (precision.master_dtype), whose
+    state is fp32 of twice their bytes."""
+    if widened:
+        return stored_nbytes(state_dtype, nbytes // 2)
     return stored_nbytes(state_dtype, nbytes // 4) if state_dtype != "fp32" else nbytes
 
 
@@ -83,7 +87,13 @@ def compute_copy_bytes(shard: Shard) -> int:
 
 def compute_copies_kept(config: Any, training: bool, params_on_nvme: bool) -> bool:
     """Whether the store keeps compute copies beside the masters (see ``compute_copy_bytes``)."""
-    return training and params_on_nvme and config.precision.storage_dtype in ("bf16", "fp16")
+    precision = config.precision
+    return (
+        training
+        and params_on_nvme
+        and precision.master_dtype == "fp32"
+        and precision.storage_dtype in ("bf16", "fp16")
+    )
 
 
 def slot_cost(slot: int) -> Callable[[int], int]:
@@ -181,7 +191,10 @@ def cpu_device_default(
 
 # -- the host side ---------------------------------------------------------------------------------
 def transient_bytes(
-    entries: Sequence[ParamEntry], shards: Iterable[Shard], trained: Collection[int] | None = None
+    entries: Sequence[ParamEntry],
+    shards: Iterable[Shard],
+    trained: Collection[int] | None = None,
+    widened: bool = False,
 ) -> int:
     """Host memory the store makes and frees around its tiers, at most this much at a time, for
     what this attach will do. ``trained``: the indices of the entries an optimizer updates
@@ -190,16 +203,21 @@ def transient_bytes(
     contribution and their sum, and in the first step the optimizer's new state of one trained
     shard (two moments) before it moves to its companions. Without one (inference, or nothing
     trained) the decode of one shard into the compute dtype. Frozen parameters get no
-    gradient and no state. Plus a margin for small allocations."""
+    gradient and no state. ``widened``: bf16 masters updated in fp32 (precision.master_dtype):
+    an update also holds its shard's master and gradient in fp32, beside fp32 state. Plus a
+    margin for small allocations."""
     shards = list(shards)
     indices = frozenset(trained or ())
     trained_entries = [e for e in entries if e.index in indices]
     if trained_entries:
         largest_param = max(e.nbytes for e in trained_entries)
-        largest_shard = max(
-            (s.nbytes for s in shards if s.entry.index in indices), default=largest_param
+        # two moments as they are (fp32 masters), or in fp32 with the master and gradient
+        # widened beside them: 4 fp32 tensors of the shard
+        largest_update = max(
+            (16 * s.numel if widened else 2 * s.nbytes for s in shards if s.entry.index in indices),
+            default=2 * largest_param,
         )
-        need = max(3 * largest_param, 2 * largest_shard)
+        need = max(3 * largest_param, largest_update)
     else:
         need = max((s.nbytes for s in shards), default=0)
     return need + HEAP_SLACK
@@ -343,7 +361,9 @@ def plan_memory(
     optim_nvme = config.offload_optimizer == "nvme"
     resident = 0 if params_nvme else total  # host tensors outside the arena
     carved = device if device_in_host else 0
-    transient = transient_bytes(entries, [s for s in shards if s.kind is ShardKind.PARAM], trained)
+    widened = config.precision.master_dtype != "fp32"
+    params = [s for s in shards if s.kind is ShardKind.PARAM]
+    transient = transient_bytes(entries, params, trained, widened)
     needed = 0
     arena = 0
     reserved = 0
@@ -351,7 +371,7 @@ def plan_memory(
         cost = slot_cost(slot)
         shard_bytes = sum(cost(s.nbytes) for s in shards)
         state_dtype = config.precision.optimizer_state_dtype
-        state_bytes = sum(cost(state_part_bytes(s.nbytes, state_dtype)) for s in shards)
+        state_bytes = sum(cost(state_part_bytes(s.nbytes, state_dtype, widened)) for s in shards)
         compute_bytes = (
             sum(cost(compute_copy_bytes(s)) for s in shards)
             if compute_copies_kept(config, training, params_nvme)
@@ -423,7 +443,11 @@ def plan_memory(
 
 # -- updates in backward ---------------------------------------------------------------------------
 def update_part_bytes(
-    shard: Shard, state_on_nvme: bool, state_dtype: str = "fp32", compute_copies: bool = False
+    shard: Shard,
+    state_on_nvme: bool,
+    state_dtype: str = "fp32",
+    compute_copies: bool = False,
+    widened: bool = False,
 ) -> list[int]:
     """Bytes of each part an update of ``shard`` in backward needs in the arena: its master,
     its gradient (a parked gradient takes a companion's room), with compute copies the one it
@@ -435,7 +459,7 @@ def update_part_bytes(
         parts.append(compute_copy_bytes(shard))
     if state_on_nvme:
         state = [c.nbytes for kind, c in shard.companions.items() if kind.startswith("optim")]
-        parts += state or 2 * [state_part_bytes(shard.nbytes, state_dtype)]
+        parts += state or 2 * [state_part_bytes(shard.nbytes, state_dtype, widened)]
     return parts
 
 
@@ -469,10 +493,14 @@ def update_room(
     state_on_nvme: bool,
     state_dtype: str = "fp32",
     compute_copies: bool = False,
+    widened: bool = False,
 ) -> UpdateRoom:
     cost = slot_cost(slot)
     update = max(
-        sum(cost(b) for b in update_part_bytes(s, state_on_nvme, state_dtype, compute_copies))
+        sum(
+            cost(b)
+            for b in update_part_bytes(s, state_on_nvme, state_dtype, compute_copies, widened)
+        )
         for s in shards
         if s.kind is ShardKind.PARAM
     )
@@ -493,6 +521,7 @@ def update_room_at(
     state_parts: int,
     state_dtype: str = "fp32",
     compute_copies: bool = False,
+    widened: bool = False,
 ) -> int:
     """The arena bytes updates in backward need (:class:`UpdateRoom`'s rule) with the
     parameters cut into shards of at most ``slot`` bytes and placed in slots of that size."""
@@ -503,7 +532,7 @@ def update_room_at(
         return [slot] * full + ([rest] if rest else [])
 
     def update_of(nbytes: int) -> int:
-        state = state_parts * cost(state_part_bytes(nbytes, state_dtype))
+        state = state_parts * cost(state_part_bytes(nbytes, state_dtype, widened))
         compute = cost(nbytes // 2) if compute_copies else 0
         return 2 * cost(nbytes) + state + compute
 
@@ -525,6 +554,7 @@ def largest_slot_for_updates(
     state_parts: int,
     state_dtype: str = "fp32",
     compute_copies: bool = False,
+    widened: bool = False,
 ) -> int | None:
     """The largest power-of-two ``buffer_size`` with which an arena of ``arena`` bytes would
     have room to update in backward, or None below 64 KiB."""
@@ -539,6 +569,7 @@ def largest_slot_for_updates(
             state_parts=state_parts,
             state_dtype=state_dtype,
             compute_copies=compute_copies,
+            widened=widened,
         )
         if arena_slots >= needed:
             return slot
@@ -578,6 +609,7 @@ def arena_reason(
     plan_at: Callable[[int], MemoryPlan] | None,
     state_dtype: str = "fp32",
     compute_copies: bool = False,
+    widened: bool = False,
 ) -> str:
     """Why an arena keeps updates out of backward, and the ways out: the host budget whose
     arena has the room (``plan_at(budget)``: the plan a budget gets, its derived buffer size and
@@ -593,6 +625,7 @@ def arena_reason(
             state_parts=state_parts,
             state_dtype=state_dtype,
             compute_copies=compute_copies,
+            widened=widened,
         )
 
     ways = []
@@ -607,6 +640,7 @@ def arena_reason(
         state_parts=state_parts,
         state_dtype=state_dtype,
         compute_copies=compute_copies,
+        widened=widened,
     )
     if slot is not None and slot < plan.slot:
         ways.append(f"set buffer_size <= {slot}")

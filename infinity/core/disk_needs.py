@@ -68,10 +68,11 @@ def state_tensors(optimizer: Any) -> int:
     return 2
 
 
-def state_part_nbytes(shard: Shard, state_dtype: str) -> int:
+def state_part_nbytes(shard: Shard, state_dtype: str, widened: bool = False) -> int:
     """Bytes of one state tensor of ``shard`` as stored: fp32 state in ``state_dtype``, state in
-    another dtype (a master that is not fp32) as it is."""
-    if shard.dtype == torch.float32:
+    another dtype (a master that is not fp32, updated as it is) as it is. ``widened``: bf16
+    masters updated in fp32 (precision.master_dtype), whose state is fp32."""
+    if shard.dtype == torch.float32 or (widened and shard.dtype.is_floating_point):
         return stored_nbytes(state_dtype, shard.numel)
     return shard.nbytes
 
@@ -87,13 +88,14 @@ def plan_disk(
     state_tensor_count: int,
     state_dtype: str,
     extent: Callable[[int], int],
+    widened: bool = False,
 ) -> DiskBytes:
     """The bytes a run stores on NVMe (see the module docstring). ``trained``: the entries the
     optimizer updates (None: no optimizer, nothing trained); ``compute_dtype``: the compute
     copies' dtype (None: none kept); ``grads_stored``: updates may run in
     ``optimizer.step()`` (step_in_backward False or 'auto', whose first step runs there and
     stores every gradient; True stores none); ``extent``: bytes of the swap files an extent of
-    so many bytes takes.
+    so many bytes takes; ``widened``: bf16 masters updated in fp32 (their state is fp32).
 
     Gradients stay in the master's dtype: they are accumulated there (several backward passes,
     the loss scale taken out), which in bf16 would round each sum to 8 bits of mantissa; a
@@ -118,7 +120,8 @@ def plan_disk(
             if grads_stored and (is_trained or entry.requires_grad):
                 sums["grads"] += extent(shard.nbytes)
             if is_trained:
-                sums["state"] += state_tensor_count * extent(state_part_nbytes(shard, state_dtype))
+                part = state_part_nbytes(shard, state_dtype, widened)
+                sums["state"] += state_tensor_count * extent(part)
     return DiskBytes(**sums)
 
 

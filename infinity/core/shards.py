@@ -276,19 +276,23 @@ class ShardRegistry:
         partition: Partition | None = None,
         storage_dtype: torch.dtype | None = None,
         quant: WeightQuantizer | None = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> ParamEntry:
         """Registers ``param``; with ``compute_dtype`` (mixed precision) its floating-point
-        masters are fp32 and the device copy is ``compute_dtype``; with ``storage_dtype``
+        masters are ``master_dtype`` (fp32, or bf16 rounded stochastically by the updates) and
+        the device copy is ``compute_dtype``; with ``storage_dtype``
         (inference) its floating-point values are kept in that dtype instead. With a
         ``partition`` (several data-parallel ranks) each shard is this rank's slice of its
         piece. With ``quant`` (inference, one process) its values are stored quantized, and
         each shard holds whole units of the quantizer."""
         master = param.dtype
         compute = param.dtype
+        widened = False  # a master narrower than fp32 that the optimizer updates in fp32
         if compute_dtype is not None and param.is_floating_point():
-            master, compute = torch.float32, compute_dtype
+            master, compute = master_dtype, compute_dtype
+            widened = master_dtype.itemsize < 4
         if storage_dtype is not None and param.is_floating_point():
-            master = storage_dtype
+            master, widened = storage_dtype, False
         if quant is not None:
             master = torch.uint8
         entry = ParamEntry(
@@ -302,6 +306,10 @@ class ShardRegistry:
             given_dtype=param.dtype,
         )
         itemsize = master.itemsize
+        if widened:
+            # bf16 masters are updated in fp32: their optimizer state (fp32 to the update, kept
+            # so with optimizer_state_dtype='fp32') must fit a buffer as well
+            itemsize = 4
         per_shard = max(1, max_shard_bytes // itemsize)
         if quant is not None:
             unit_bytes = quant.stored_bytes(quant.unit)

@@ -113,6 +113,7 @@ def register_params(
     quantization: WeightQuantization | None,
     frozen: Callable[[nn.Parameter], bool] = lambda _: False,
     frozen_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Registers every parameter of ``model`` as shards of at most ``slot`` bytes; those
     ``frozen`` says the optimizer never updates are kept in ``frozen_dtype`` where given (the
@@ -128,6 +129,7 @@ def register_params(
             if frozen_dtype is not None and frozen(param)
             else storage_dtype,
             quant=quantization.quantizer_in_slot(name, param, slot) if quantization else None,
+            master_dtype=master_dtype,
         )
     if not registry.entries:
         raise AttachError("the model has no parameters to offload")
@@ -328,6 +330,7 @@ def updates_kept_in_step(
             params_on_nvme=params_on_nvme,
             state_on_nvme=state_on_nvme,
             state_dtype=config.precision.optimizer_state_dtype,
+            widened=config.precision.master_dtype != "fp32",
             compute_copies=compute_copies,
         )
         # An arena that caches every offloaded byte keeps every update's parts in it: the
@@ -348,6 +351,7 @@ def updates_kept_in_step(
                     # H leaves.
                     plan_at=plan_at if config.offload_activations != "cpu" else None,
                     state_dtype=config.precision.optimizer_state_dtype,
+                    widened=config.precision.master_dtype != "fp32",
                     compute_copies=compute_copies,
                 )
             )

@@ -52,7 +52,7 @@ from infinity.training.activations import offload_for_store
 from infinity.training.hooks import HookSet
 from infinity.training.optimizer import OffloadedOptimizer
 from infinity.training.param_access import ParamAccess
-from infinity.training.precision import COMPUTE_DTYPES, STORAGE_DTYPES, LossScaler
+from infinity.training.precision import COMPUTE_DTYPES, MASTER_DTYPES, LossScaler, stored_dtype
 from infinity.training.stepping import Stepping
 from infinity.training.update_timing import UpdateTiming
 from swap import IOBackend, SwapEngine
@@ -137,7 +137,7 @@ class TieredStore:
         self._host_tier: HostTier | None = None
         precision = self.config.precision
         self.compute_dtype = COMPUTE_DTYPES[precision.dtype]
-        self.storage_dtype = STORAGE_DTYPES.get(precision.storage_dtype)
+        self.storage_dtype = stored_dtype(precision)
         #: precision.storage_dtype int8/int4: the weights stored quantized (inference)
         self.weight_quantization = WeightQuantization.from_precision(
             precision.storage_dtype, precision.quant_group_size
@@ -334,6 +334,7 @@ class TieredStore:
             quantization=self.weight_quantization,
             frozen=attaching.frozen_params(optimizer),
             frozen_dtype=self.compute_copy_dtype,
+            master_dtype=MASTER_DTYPES[config.precision.master_dtype],
         )
         if self.partition is not None:
             self.partition.check_same_model(self.registry.entries, config)

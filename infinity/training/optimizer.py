@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from infinity.core.residency import Residency as R
 from infinity.core.shards import OPTIM_PREFIX, ParamEntry, Shard, ShardRegistry, state_companions
 from infinity.errors import AttachError
+from infinity.training.master_rounding import UPDATE_DTYPE, StochasticMasters, rounding_seed
 from infinity.training.state_codecs import StateCodec, codec_for
 from infinity.training.step_params import StepParams
 
@@ -76,8 +77,13 @@ class DecodeScratch:
         self._buffers.clear()
 
 
-def _empty(shard: Shard, device: str = "cpu") -> torch.Tensor:
-    return torch.empty(0, dtype=shard.dtype, device=device)
+def _empty(shard: Shard, device: str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype or shard.dtype, device=device)
+
+
+def _rounds_masters(store: AttachedStore) -> bool:
+    """bf16 masters updated in fp32 and rounded back (precision.master_dtype='bf16')."""
+    return store.config.precision.master_dtype == "bf16"
 
 
 class OffloadedOptimizer(Optimizer):
@@ -120,6 +126,13 @@ class OffloadedOptimizer(Optimizer):
         self._decoded = DecodeScratch(self._group_numel)
         #: where the host copies are: "meta" in the planner's simulation, which holds no bytes
         self._host_device = "meta" if placement.host.meta else "cpu"
+        #: bf16 masters: widened to fp32 for the update and rounded back stochastically
+        #: (precision.master_dtype, infinity.training.master_rounding); None: updated as kept
+        self.rounding = (
+            StochasticMasters(self._group_numel, self._host_device)
+            if _rounds_masters(store)
+            else None
+        )
         #: the inner optimizer's own time and the elements it updated; the steps' time less
         #: their waits and copies per element updated; the last iteration's device copies
         #: (bytes, seconds): what the planner replays (infinity.planning.planner)
@@ -148,6 +161,7 @@ class OffloadedOptimizer(Optimizer):
         registry = store.registry
         assert store.placement is not None  # wrapped by attach, after the placement is made
         device = "meta" if store.placement.host.meta else "cpu"
+        rounds = _rounds_masters(store)
         groups = []
         shards: list[Shard] = []
         seen: set[int] = set()
@@ -169,8 +183,9 @@ class OffloadedOptimizer(Optimizer):
                     # full_like(param): a zero-stride view has the right shape and costs nothing,
                     # while full_like of it still allocates a real, dense tensor.
                     shape = step_shape(shard)
+                    dtype = _update_dtype(shard, rounds)
                     step_param = torch.nn.Parameter(
-                        torch.zeros((), dtype=shard.dtype, device=device).expand(shape),
+                        torch.zeros((), dtype=dtype, device=device).expand(shape),
                         requires_grad=entry.requires_grad,
                     )
                     shard.step_param = step_param
@@ -181,7 +196,7 @@ class OffloadedOptimizer(Optimizer):
         inner = _construct_like(optimizer, groups, store.config.fused_optimizer)
         _migrate_state(optimizer, inner, registry)
         for shard in shards:
-            step_param_of(shard).data = _empty(shard, device)
+            step_param_of(shard).data = _empty(shard, device, _update_dtype(shard, rounds))
         kernels = [
             {k: group[k] for k in KERNEL_KEYS if k in group} for group in optimizer.param_groups
         ]
@@ -201,6 +216,8 @@ class OffloadedOptimizer(Optimizer):
                 self.store.stepping.run(self)
         finally:
             self._decoded.release()  # forward does not hold them
+            if self.rounding is not None:
+                self.rounding.release()
         # For the planner: the iteration's updates (in backward and in this step, with the
         # pipeline's bookkeeping around them) without their waits for the disk and their
         # device copies, per element updated (the median of the last steps: the first are
@@ -249,9 +266,9 @@ class OffloadedOptimizer(Optimizer):
 
     def _groups(self, tile: list[Shard]) -> list[list[Shard]]:
         """The tile as the groups the inner optimizer updates at once: the whole of it, or with
-        a codec consecutive shards of at most the largest shard's elements (their state is
-        decoded for the update: see ``_group_numel``)."""
-        if self.codec is None:
+        a codec or rounded masters consecutive shards of at most the largest shard's elements
+        (their state, or their masters, are widened for the update: see ``_group_numel``)."""
+        if self.codec is None and self.rounding is None:
             return [tile]
         groups: list[list[Shard]] = []
         numel = 0
@@ -265,14 +282,18 @@ class OffloadedOptimizer(Optimizer):
 
     def _update(self, tile: list[Shard], grad_multiplier: float) -> list[Shard]:
         placement = self.placement
+        rounding = self.rounding
         bound: list[tuple[Shard, dict[str, Shard]]] = []
         for shard in tile:
             view = shard.host_copy().view(step_shape(shard))
+            widen = rounding if rounding is not None and rounding.applies(shard.dtype) else None
             param = step_param_of(shard)
-            param.data = view
+            param.data = widen.widen("master", view) if widen is not None else view
             grad = placement.gradients.grad_view(shard)
             if grad is not None:
                 grad = grad.view_as(view)
+                if widen is not None:
+                    grad = widen.widen("grad", grad)
                 # Clipping's factor, and any the loop recorded on p.grad (mul_, zero_).
                 placement.gradients.apply_grad_multiplier(shard, grad, grad_multiplier)
             param.grad = grad
@@ -286,9 +307,11 @@ class OffloadedOptimizer(Optimizer):
                     state[key] = self.state_values(shard, key, companion, into)
             bound.append((shard, companions))
         started = time.perf_counter()
+        stepped = False
         try:
             with self.step_params.plain():  # every one: the optimizer skips those without grad
                 self.inner.step()
+            stepped = True
         finally:
             self.update_seconds += time.perf_counter() - started
             self.updated_elements += sum(shard.numel for shard in tile)
@@ -297,9 +320,14 @@ class OffloadedOptimizer(Optimizer):
                 param = step_param_of(shard)
                 if self.swap_state:
                     changed += self._stash_state(shard, companions)
+                if stepped and rounding is not None and rounding.applies(shard.dtype):
+                    seed = rounding_seed(shard.id, self.store.stepping.steps)
+                    rounding.round_into(shard.host_copy(), param.data, seed)
                 param.grad = None
-                param.data = _empty(shard, self._host_device)
+                param.data = _empty(shard, self._host_device, param.dtype)
             self._decoded.reset()  # the group's state is encoded back: the next one reuses them
+            if rounding is not None:
+                rounding.reset()
         return changed
 
     def _stash_state(self, shard: Shard, companions: dict[str, Shard]) -> list[Shard]:
@@ -564,6 +592,11 @@ def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> b
 
 #: param-group keys that choose an update kernel, not the optimisation
 KERNEL_KEYS = ("fused", "foreach")
+
+
+def _update_dtype(shard: Shard, rounds: bool) -> torch.dtype:
+    """The dtype the optimizer updates ``shard`` in: its master's, or fp32 for rounded bf16."""
+    return UPDATE_DTYPE if rounds and StochasticMasters.applies(shard.dtype) else shard.dtype
 
 
 def step_param_of(shard: Shard) -> torch.nn.Parameter:

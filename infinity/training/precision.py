@@ -35,6 +35,16 @@ STORAGE_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+#: precision.master_dtype -> the dtype of the masters under mixed precision
+MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def stored_dtype(config: PrecisionConfig) -> torch.dtype | None:
+    """``precision.storage_dtype`` as a dtype, or None where the masters are kept as they are
+    (``auto``; or bf16 masters, which are already what gathers read: no copy beside them)."""
+    if config.master_dtype != "fp32":
+        return None
+    return STORAGE_DTYPES.get(config.storage_dtype)
 
 
 class LossScaler:

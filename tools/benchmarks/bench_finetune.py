@@ -6,8 +6,9 @@ budget (default 4 GiB), then trained ``--steps`` steps (default 3) of batch 1 x 
 Face Trainer (``InfinityTrainer``, the README's recipe, Trainer's defaults otherwise):
 
 * ``8b``: the Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate
-  14336, vocab 128256), full fine-tune, ``dtype="bf16", storage_dtype="bf16",
-  optimizer_state_dtype="int8"``;
+  14336, vocab 128256), full fine-tune, ``dtype="bf16", master_dtype="bf16",
+  optimizer_state_dtype="int8"``: bf16 masters rounded stochastically, no compute copy, int8
+  moments (about 6 bytes per parameter with the first step's gradients, 4 after);
 * ``13b-lora``: a 13 B Llama shape (hidden 5120, 40 layers, 40 heads, intermediate 13824, vocab
   32000), peft LoRA r=16 on q/k/v/o with the base frozen, ``dtype="bf16", storage_dtype="bf16"``.
 
@@ -21,9 +22,10 @@ else the swap engine's combined read+write GB/s, both on the swap directory afte
 each step against the larger of the two.
 
 Before building it checks the free disk against what the run stores (trained parameters:
-fp32 masters, bf16 compute copies and gradients, the moments in their dtype; frozen ones: their
-bf16 weights) and says what it needs; a store that refuses the attach (its own preflight) is
-reported with its reason, not a traceback. The full shapes need 30-80 GB of disk and hours;
+masters, compute copies beside fp32 ones, gradients in the masters' dtype, the moments in
+their dtype; frozen ones: their bf16 weights) and says what it needs; a store that refuses
+the attach (its own preflight) is reported with its reason, not a traceback. The full shapes
+need 30-80 GB of disk and hours;
 ``--layers N`` (and ``--vocab V``) runs a shallower copy of each shape in seconds.
 
     python -m tools.benchmarks.bench_finetune [--shape 8b|13b-lora|both] [--layers N]
@@ -76,6 +78,7 @@ class Shape:
     vocab: int
     lora_rank: int | None  # None: full fine-tune
     state_dtype: str
+    master_dtype: str
 
     def narrowed(self, by: int) -> Shape:
         """The shape with its widths and heads divided by ``by`` (a quick copy)."""
@@ -89,13 +92,16 @@ class Shape:
 
     def precision(self) -> infinity.PrecisionConfig:
         return infinity.PrecisionConfig(
-            dtype="bf16", storage_dtype="bf16", optimizer_state_dtype=self.state_dtype
+            dtype="bf16",
+            storage_dtype="bf16",
+            optimizer_state_dtype=self.state_dtype,
+            master_dtype=self.master_dtype,
         )
 
 
 SHAPES = {
-    "8b": Shape("8b", 4096, 32, 32, 8, 14336, 128256, None, "int8"),
-    "13b-lora": Shape("13b-lora", 5120, 40, 40, 40, 13824, 32000, 16, "fp32"),
+    "8b": Shape("8b", 4096, 32, 32, 8, 14336, 128256, None, "int8", "bf16"),
+    "13b-lora": Shape("13b-lora", 5120, 40, 40, 40, 13824, 32000, 16, "fp32", "fp32"),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -180,15 +186,25 @@ def adapters_as_peft_makes_them(model: torch.nn.Module) -> None:
             reset(adapter, True)
 
 
-def stored_per_param(shape: Shape) -> tuple[float, float]:
-    """Bytes on disk per trained and per frozen parameter that the run keeps: fp32 masters,
-    bf16 compute copies and gradients, two moments in their dtype; frozen: bf16 weights."""
-    moments = 2 * stored_nbytes(shape.state_dtype, 1 << 20) / (1 << 20)
-    return 4 + 2 + 2 + moments, 2.0
+def stored_per_param(shape: Shape) -> dict[str, float]:
+    """Bytes on disk per trained parameter that the run keeps, by kind: masters (fp32, or bf16
+    with master_dtype='bf16'), bf16 compute copies beside fp32 masters, gradients in the
+    masters' dtype (the first step runs in optimizer.step() and stores them), two moments in
+    their dtype; and per frozen parameter: its bf16 weights."""
+    master = 2 if shape.master_dtype == "bf16" else 4
+    return {
+        "master": master,
+        "compute copy": 2 if master == 4 else 0,
+        "gradient": master,
+        "moments": 2 * stored_nbytes(shape.state_dtype, 1 << 20) / (1 << 20),
+        "frozen": 2.0,
+    }
 
 
 def needed_disk(shape: Shape, trained: int, frozen: int) -> int:
-    per_trained, per_frozen = stored_per_param(shape)
+    per = stored_per_param(shape)
+    per_frozen = per.pop("frozen")
+    per_trained = sum(per.values())
     return int((trained * per_trained + frozen * per_frozen) * 1.02) + 2 * BANDWIDTH_PASS_BYTES
 
 
@@ -325,18 +341,25 @@ def run_shape(shape: Shape, args: argparse.Namespace, parent: Path) -> dict[str,
         "vocab": vocab,
         "trained_params": trained,
         "frozen_params": frozen,
-        "precision": {"dtype": "bf16", "storage_dtype": "bf16", "state_dtype": shape.state_dtype},
+        "precision": {
+            "dtype": "bf16",
+            "storage_dtype": "bf16",
+            "state_dtype": shape.state_dtype,
+            "master_dtype": shape.master_dtype,
+        },
     }
     free = shutil.disk_usage(parent).free
     needed = needed_disk(shape, trained, frozen)
     result.update(disk_free=free, disk_needed=needed)
-    per_trained, per_frozen = stored_per_param(shape)
+    per = stored_per_param(shape)
+    per_frozen = per.pop("frozen")
+    parts = ", ".join(f"{kind} {size:g}" for kind, size in per.items() if size)
     print(
         f"\n{shape.name}: Llama hidden {shape.hidden}, {layers} layers, vocab {vocab}: "
         f"{trained / 1e6:.1f} M trained + {frozen / 1e6:.1f} M frozen params; the run stores "
-        f"{per_trained:.1f} B per trained param (fp32 master 4, bf16 compute copy 2, bf16 "
-        f"gradient 2, two {shape.state_dtype} moments {per_trained - 8:.1f}) and "
-        f"{per_frozen:g} per frozen one (bf16 weights), and the disk measurement's 2 GiB: needs "
+        f"{sum(per.values()):.1f} B per trained param ({shape.master_dtype} masters: {parts}; "
+        f"moments in {shape.state_dtype}) and {per_frozen:g} per frozen one (bf16 weights), "
+        f"and the disk measurement's 2 GiB: needs "
         f"{needed / 1e9:.1f} GB free on {parent} ({free / 1e9:.1f} GB free); "
         f"load average {load_average()}",
         flush=True,
