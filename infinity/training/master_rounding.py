@@ -12,14 +12,20 @@ uniform 16-bit integer to the fp32 value's bits and keeps the upper half: the ca
 magnitude up with exactly the dropped fraction's odds (sign and magnitude are separate, so this
 is unbiased for negative values too; inf and nan stay what they are).
 
-The noise comes from a generator of this object, seeded per update from the shard's id and the
-step count, never from the global random streams: a run repeats bit for bit, a resumed run
-follows the uninterrupted one (the step count is in the checkpoint), and the user's own draws
-are untouched.
+The noise costs no draw per element: a drawn per element (torch's generator) took five times the
+fused AdamW update itself. It is read from a table holding a random permutation of the 65536
+16-bit values, repeated along the largest shard: an update reads it from an offset drawn for the
+shard and the step. Each element's noise is then exactly uniform, and independent from one step
+to the next (the offsets are); elements 65536 apart share their noise within a step, which
+correlates nothing that matters (their fractions differ). The table is made once by a generator
+of this object, and the offsets come from the shard's id and the step count, never from the
+global random streams: a run repeats bit for bit, a resumed run follows the uninterrupted one
+(the step count is in the checkpoint), and the user's own draws are untouched.
 """
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import torch
@@ -28,18 +34,21 @@ import torch
 ROUNDED_DTYPE = torch.bfloat16
 UPDATE_DTYPE = torch.float32
 _LOW_HALF = 1 << 16
+#: the seed of the noise table (any fixed value: the table is part of the format of a run)
+_TABLE_SEED = 0x5EED
 
 
 class StochasticMasters:
     """Widens bf16 masters and their gradients for an update, and rounds the results back.
 
     Scratch for one update group of at most ``capacity`` elements (the largest shard's), reused
-    by every group of a step: the master and the gradient in fp32, the noise in int32."""
+    by every group of a step: the master and the gradient in fp32, the carry in int32; and the
+    noise table (int16, ``capacity`` + 65536 elements), made at the first rounding and kept."""
 
     def __init__(self, capacity: int, device: str = "cpu") -> None:
         self.capacity = capacity
         self.device = device
-        self._generator = torch.Generator(device="cpu")
+        self._table: torch.Tensor | None = None
         self._scratch: dict[str, torch.Tensor] = {}
         self._taken: dict[str, int] = {}
 
@@ -61,26 +70,41 @@ class StochasticMasters:
         if self.device == "meta":
             return
         numel = updated.numel()
-        self._generator.manual_seed(seed)
-        carry = self._take("noise", numel, torch.int32)
-        carry.random_(0, _LOW_HALF, generator=self._generator)
-        carry.add_(updated.reshape(-1).view(torch.int32))
+        offset = random.Random(seed).randrange(_LOW_HALF)
+        carry = self._take("carry", numel, torch.int32)
+        torch.add(updated.reshape(-1).view(torch.int32), self._noise(offset, numel), out=carry)
         carry.bitwise_right_shift_(16)  # the upper half: a bf16's bits
         master.reshape(-1).view(torch.int16).copy_(carry)
+
+    def _noise(self, offset: int, numel: int) -> torch.Tensor:
+        """``numel`` uniform values in [0, 65536) as int32 from the table, starting at
+        ``offset``; beyond the table (a group larger than the largest shard), its own."""
+        if numel > self.capacity:
+            generator = torch.Generator().manual_seed(offset)
+            return torch.randint(0, _LOW_HALF, (numel,), dtype=torch.int32, generator=generator)
+        if self._table is None:
+            generator = torch.Generator().manual_seed(_TABLE_SEED)
+            # int16 holds [0, 65536) shifted down; added back as the int32 table's values
+            permutation = torch.randperm(_LOW_HALF, generator=generator).to(torch.int32)
+            repeats = -(-(self.capacity + _LOW_HALF) // _LOW_HALF)
+            self._table = permutation.repeat(repeats)
+        return self._table[offset : offset + numel]
 
     def reset(self) -> None:
         """The group's scratch is no longer used: the next group reuses it."""
         self._taken.clear()
 
     def release(self) -> None:
-        """Frees the scratch (the end of a step: forward does not hold it)."""
+        """Frees the scratch and the table (the end of a step: forward does not hold them)."""
         self._taken.clear()
         self._scratch.clear()
+        self._table = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes the scratch holds now."""
-        return sum(t.numel() * t.element_size() for t in self._scratch.values())
+        """Bytes the scratch and the table hold now."""
+        held = [*self._scratch.values(), *([self._table] if self._table is not None else [])]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def _take(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = self._taken.get(key, 0)
