@@ -159,8 +159,8 @@ def test_rounding_repeats_exactly(tmp_path: Path) -> None:
 
 
 def test_a_resumed_run_follows_the_uninterrupted_one(tmp_path: Path) -> None:
-    # fp32 state: a checkpoint of int8 state resumes within the codec's rounding, not
-    # bit for bit, with fp32 masters as well
+    # compressed state resumes bit for bit too: test_state_dtype's
+    # test_a_resumed_run_follows_the_uninterrupted_one_bit_for_bit
     whole = llama_run(tmp_path / "a", 4, "fp32")
     resumed = llama_run(tmp_path / "c", 4, "fp32", resume_at=2)
     assert all(torch.equal(a, c) for a, c in zip(whole, resumed))

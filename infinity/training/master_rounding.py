@@ -119,6 +119,7 @@ class StochasticMasters:
 
 
 def rounding_seed(shard_id: str, step: int) -> int:
-    """The noise's seed for ``shard_id``'s update at optimizer step ``step``: stable across
+    """The noise's seed for ``shard_id``'s update at optimizer step ``step`` (a state key's,
+    when the optimizer encodes compressed state, is ``<shard id>/<key>``): stable across
     processes and runs (crc32, not Python's salted hash)."""
     return (zlib.crc32(shard_id.encode()) << 32) ^ (step * 0x9E3779B97F4A7C15 & (1 << 63) - 1)

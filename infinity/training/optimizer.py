@@ -348,7 +348,10 @@ class OffloadedOptimizer(Optimizer):
                 placement.fill(companion)
                 placement.phase.pin(companion)  # the rest of this tile must not evict it
             if companion.encoding is not None:
-                self._encode(companion, key, value)
+                # Noise of this shard, key and step alone: the same in a resumed run, whatever
+                # the order of the updates (module docstring of state_codecs).
+                seed = rounding_seed(f"{shard.id}/{key}", self.store.stepping.steps)
+                self._encode(companion, key, value, seed)
             else:
                 view = companion.host_copy().view(value.shape)
                 if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
@@ -369,10 +372,12 @@ class OffloadedOptimizer(Optimizer):
             return self.placement.companion(shard, kind, numel, dtype, encoding=codec.name)
         return self.placement.companion(shard, kind, shard.numel, value.dtype)
 
-    def _encode(self, companion: Shard, key: str, value: torch.Tensor) -> None:
+    def _encode(self, companion: Shard, key: str, value: torch.Tensor, seed: int | None) -> None:
+        """``value`` into ``companion``'s codes, rounded stochastically with the noise of
+        ``seed``, or to nearest without one (loads: a decoded code comes back as that code)."""
         codec = self.codec
         assert codec is not None and companion.encoding == codec.name  # made by this store
-        codec.encode(value.detach().reshape(-1).float(), companion.host_copy(), key)
+        codec.encode(value.detach().reshape(-1).float(), companion.host_copy(), key, seed)
 
     def state_values(
         self, shard: Shard, key: str, companion: Shard, into: torch.Tensor | None = None
@@ -533,7 +538,9 @@ class OffloadedOptimizer(Optimizer):
                 if companion.state is not R.HOST:
                     registry.set_state(companion, R.HOST)
             if companion.encoding is not None:
-                self._encode(companion, key, value)
+                # To nearest: the checkpoint of a store keeping this dtype holds decoded codes,
+                # which come back as the same codes, so the resumed run goes on from them.
+                self._encode(companion, key, value, None)
             else:
                 companion.host_copy().copy_(value.reshape(-1))
             companion.version += 1

@@ -22,8 +22,16 @@ copies stay a transient of about two of the largest shard.
   stochastically, for the reason above.
 
 Stochastic rounding takes its random bits from a table of noise each codec makes once from a
-generator of its own, read at a random offset per chunk: torch's global generator is never
-touched (the user's seed stays the user's), and the cost is one integer addition per element.
+generator of its own, read at an offset per chunk drawn from the seed the caller passes to
+``encode`` and from nothing else: the optimizer seeds each encode from the shard's id, the state
+key and the step count, so the noise a shard's state gets does not depend on which encodes ran
+before it in this process (the order of a step's updates follows the arena; a resumed store has
+run none), and a resumed run rounds as the uninterrupted one does. torch's global generator is
+never touched (the user's seed stays the user's), and the cost is one integer addition per
+element. ``encode`` without a seed rounds to nearest instead: loads (checkpoints, state dicts)
+hold the decoded values of codes, and rounding them to nearest gives those codes back exactly,
+where noise would move about one in ten million to its neighbour (``decode`` multiplies by the
+block's scale, ``encode`` divides, and the quotient can miss the code's value by an ulp).
 Everything else is torch operations into buffers made once per thread, chunk by chunk, so that
 converting allocates no memory the size of the state (under a host budget a large allocation is
 a fresh mapping, every page of it faulted). The planner's meta tensors are converted to meta
@@ -67,8 +75,9 @@ class StateCodec(Protocol):
         """The companion's element count and dtype for ``numel`` elements of state."""
         ...
 
-    def encode(self, values: torch.Tensor, out: torch.Tensor, key: str) -> None:
-        """Stores ``values`` (fp32, flat) into ``out`` (the companion's host copy, flat)."""
+    def encode(self, values: torch.Tensor, out: torch.Tensor, key: str, seed: int | None) -> None:
+        """Stores ``values`` (fp32, flat) into ``out`` (the companion's host copy, flat),
+        rounded stochastically with the noise of ``seed``, or to nearest without one."""
         ...
 
     def decode(
@@ -80,20 +89,34 @@ class StateCodec(Protocol):
 
 
 class _Noise:
-    """Integers uniform in [low, high), read at a random offset per call (see the module
-    docstring), and per-thread scratch buffers of a chunk."""
+    """Integers uniform in [low, high), read at offsets drawn from each encode's seed (see the
+    module docstring), and per-thread scratch buffers of a chunk."""
 
     def __init__(self, low: int, high: int, seed: int) -> None:
-        self._generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
         self._table = torch.randint(
-            low, high, (CHUNK + _NOISE_SPAN,), generator=self._generator, dtype=torch.int32
+            low, high, (CHUNK + _NOISE_SPAN,), generator=generator, dtype=torch.int32
         )
-        self._lock = threading.Lock()
+        #: added in place of the noise to round to nearest: half of the bits cut off
+        self.half = high // 2
         self._local = threading.local()
 
-    def take(self, n: int) -> torch.Tensor:
-        with self._lock:  # the generator is not thread-safe
-            offset = int(torch.randint(_NOISE_SPAN, (1,), generator=self._generator))
+    @staticmethod
+    def offsets(seed: int | None, numel: int) -> list[int | None]:
+        """One offset into the table per chunk of ``numel`` elements, drawn from ``seed``
+        alone (a generator of the call's own: encodes on several threads draw nothing shared);
+        None for each chunk without a seed (rounding to nearest)."""
+        chunks = -(-numel // CHUNK)
+        if seed is None:
+            return [None] * chunks
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(_NOISE_SPAN, (chunks,), generator=generator).tolist()
+
+    def take(self, n: int, offset: int | None) -> torch.Tensor | int:
+        """What an encode adds to ``n`` elements' bits: the noise at ``offset``, or without
+        one half of what the rounding cuts off (to nearest)."""
+        if offset is None:
+            return self.half
         return self._table[offset : offset + n]
 
     def scratch(self, n: int, which: int) -> torch.Tensor:
@@ -117,16 +140,17 @@ class Bf16Codec:
     def stored(self, numel: int) -> tuple[int, torch.dtype]:
         return numel, torch.bfloat16
 
-    def encode(self, values: torch.Tensor, out: torch.Tensor, key: str) -> None:
+    def encode(self, values: torch.Tensor, out: torch.Tensor, key: str, seed: int | None) -> None:
         if values.device.type == "meta":
             return
         bits = values.view(torch.int32)
-        for start in range(0, values.numel(), CHUNK):
+        offsets = self._noise.offsets(seed, values.numel())
+        for start, offset in zip(range(0, values.numel(), CHUNK), offsets):
             part = bits[start : start + CHUNK]
             noisy = self._noise.scratch(part.numel(), 0)
             # On sign and magnitude, adding to the low bits moves the magnitude, either sign;
             # zero stays zero and infinities infinite.
-            torch.add(part, self._noise.take(part.numel()), out=noisy)
+            torch.add(part, self._noise.take(part.numel(), offset), out=noisy)
             noisy.bitwise_and_(-(1 << 16))
             out[start : start + CHUNK].copy_(noisy.view(torch.float32))  # exact
 
@@ -171,14 +195,14 @@ class Int8Codec:
             return 255, True
         return 127, False
 
-    def encode(self, values: torch.Tensor, out: torch.Tensor, key: str) -> None:
+    def encode(self, values: torch.Tensor, out: torch.Tensor, key: str, seed: int | None) -> None:
         if values.device.type == "meta":
             return
         numel = values.numel()
         scales, codes = self.parts(out, numel)
         top, non_negative = self.levels(key)
         noise = self._noise
-        for start in range(0, numel, CHUNK):
+        for start, offset in zip(range(0, numel, CHUNK), noise.offsets(seed, numel)):
             part = values[start : start + CHUNK]
             n = part.numel()
             first = start // self.block
@@ -188,7 +212,7 @@ class Int8Codec:
             self._block_max(magnitude, scale)
             self._per_block(magnitude, scale, lambda block, s: block.div_(s.clamp_min(1e-38)))
             code = magnitude.view(torch.int32)
-            code.add_(noise.take(n)).bitwise_right_shift_(_CODE_SHIFT).sub_(_ONE - top)
+            code.add_(noise.take(n, offset)).bitwise_right_shift_(_CODE_SHIFT).sub_(_ONE - top)
             if non_negative:
                 # Below the smallest level is the smallest level; only zero is zero.
                 nonzero = noise.scratch(n, 1)
