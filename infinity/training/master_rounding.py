@@ -12,7 +12,7 @@ uniform 16-bit integer to the fp32 value's bits and keeps the upper half: the ca
 magnitude up with exactly the dropped fraction's odds (sign and magnitude are separate, so this
 is unbiased for negative values too; inf and nan stay what they are).
 
-The noise costs no draw per element: a drawn per element (torch's generator) took five times the
+The noise costs no draw per element: a draw per element (torch's generator) took five times the
 fused AdamW update itself. It is read from a table holding a random permutation of the 65536
 16-bit values, repeated along the largest shard: an update reads it from an offset drawn for the
 shard and the step. Each element's noise is then exactly uniform, and independent from one step
