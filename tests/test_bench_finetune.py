@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
+import infinity
 from swap import SwapSpaceError
 from tools.benchmarks import bench_finetune
 
@@ -88,13 +89,19 @@ def test_a_store_refusing_the_attach_is_reported_not_raised(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == [out]  # its swap directory removed
 
 
-def test_lora_adapters_on_empty_weights_start_as_peft_makes_them():
+def test_lora_adapters_on_empty_weights_start_as_peft_makes_them(tmp_path):
+    """The shape's model on empty weights, adapters included; attach gives them peft's values."""
     args = bench_finetune.parse_args(TINY)
     shape = bench_finetune.SHAPES["13b-lora"].narrowed(8)
     model = bench_finetune.build(shape, args, 1, empty=True)
+    assert all(p.is_meta for p in model.parameters())
+    store = infinity.TieredStore(
+        infinity.OffloadConfig(offload_param="nvme", nvme_path=str(tmp_path), host_budget="64MiB")
+    )
+    model, _ = store.attach(model)
+    store.close()
     adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert len(adapters) == 2 * len(bench_finetune.LORA_TARGETS)
     assert all(p.requires_grad and not p.is_meta for p in adapters.values())
     assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
     assert all(not p.any() for n, p in adapters.items() if "lora_B" in n)  # starts as its base
-    assert all(p.is_meta for n, p in model.named_parameters() if n not in adapters)

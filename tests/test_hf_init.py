@@ -1,8 +1,15 @@
 """A Hugging Face model built on empty weights and attached with ``initialise=True`` gets the
 values the model's own initialisation gives (``_init_weights``, norms included), the same
-values, bit for bit, as the model built normally from the same seed."""
+values, bit for bit, as the model built normally from the same seed.
+
+peft LoRA adapters on such a model get peft's own initialisation (``reset_lora_parameters``: A
+as peft draws it, B zeros), the same values, bit for bit, as peft gives them on the model built
+normally from the same state of the generator, and attach draws from the global generator what
+the normal build draws."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -12,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 import infinity  # noqa: E402
+from infinity.errors import AttachError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,4 +146,147 @@ def test_initialise_false_still_leaves_everything_for_a_checkpoint(tmp_path):
     model, _ = store.attach(model, initialise=False)
     assert len(store.placement.uninitialised) == len(list(model.parameters()))
     assert store.stats()["bytes_written"] == 0
+    store.close()
+
+
+# -- peft LoRA adapters ---------------------------------------------------------------------------
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _peft():
+    return pytest.importorskip("peft")
+
+
+def _lora(**settings):
+    return _peft().LoraConfig(**{"r": 16, "target_modules": TARGETS, **settings})
+
+
+def _empty_peft_model(dtype: torch.dtype = torch.float32, **settings) -> nn.Module:
+    with accelerate.init_empty_weights():
+        base = transformers.LlamaForCausalLM(_config()).to(dtype)
+    return _peft().get_peft_model(base, _lora(**settings))
+
+
+@pytest.mark.parametrize(
+    "dtype, settings",
+    [
+        (torch.float32, {}),
+        (torch.float32, {"init_lora_weights": "gaussian"}),
+        (torch.float32, {"init_lora_weights": False}),
+        (torch.float32, {"target_modules": ["embed_tokens", "q_proj", "lm_head"], "r": 4}),
+        (torch.float32, {"lora_bias": True}),
+        (torch.bfloat16, {}),  # drawn in float32, cast to bfloat16 and back, as peft does
+    ],
+    ids=["default", "gaussian", "no-init", "embedding", "bias", "bf16-base"],
+)
+def test_same_generator_state_same_values_as_peft_on_the_model_built_normally(
+    tmp_path, dtype, settings
+):
+    torch.manual_seed(0)
+    plain = _peft().get_peft_model(
+        transformers.LlamaForCausalLM(_config()).to(dtype), _lora(**settings)
+    )
+    torch.manual_seed(0)
+    model = _empty_peft_model(dtype, **settings)
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)  # the state peft started from: it drew into tensors it moved to meta
+    store = _store(tmp_path)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model, _ = store.attach(model, torch.optim.AdamW(trained, lr=1e-3))
+    got = _values(store, model)
+    expected = dict(plain.named_parameters())
+    assert set(got) == set(expected)
+    adapters = [name for name in got if "lora_" in name]
+    assert adapters
+    for name, value in got.items():
+        assert value.dtype == expected[name].dtype, name
+        assert torch.equal(value, expected[name]), name
+    if settings.get("init_lora_weights", True) is not False:
+        assert all(not got[n].any() for n in adapters if "lora_B" in n or "embedding_A" in n)
+
+
+def test_attach_draws_what_the_normal_build_draws_and_the_model_starts_as_its_base(tmp_path):
+    """Without seeding again: peft's draws into the adapters it moved to the meta device count,
+    and attach adds the base model's own, as building it normally does, and no others."""
+    torch.manual_seed(0)
+    _peft().get_peft_model(transformers.LlamaForCausalLM(_config()), _lora())
+    plain_next = torch.rand(4)
+    torch.manual_seed(0)
+    model = _empty_peft_model()
+    after_peft = torch.get_rng_state()
+    store = _store(tmp_path)
+    model, _ = store.attach(model)
+    assert torch.equal(torch.rand(4), plain_next)
+    torch.set_rng_state(after_peft)  # the base values attach replayed from there
+    base = transformers.LlamaForCausalLM(_config())
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, base(input_ids=tokens).logits)
+    got = _values(store, model)
+    a = torch.cat([v.reshape(-1) for n, v in got.items() if "lora_A" in n])
+    assert a.abs().max() <= 1 / 64**0.5  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), ...)
+    assert abs(a.std().item() - 1 / (3 * 64) ** 0.5) < 0.01
+    assert all(not v.any() for n, v in got.items() if "lora_B" in n)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_model_without_its_own_init_gets_peft_adapters_too(tmp_path):
+    """No ``_init_weights``: the base from its modules' reset_parameters(), the adapters as peft
+    makes them, so the adapted model computes what its base does."""
+    torch.manual_seed(0)
+    with accelerate.init_empty_weights():
+        base = _Mlp()
+    model = _peft().get_peft_model(base, _lora(r=4, target_modules=["up", "down"]))
+    store = _store(tmp_path)
+    model, _ = store.attach(model)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = model(x)
+        with model.disable_adapter():
+            plain = model(x)
+    assert torch.equal(adapted, plain)
+    got = _values(store, model)
+    assert all(not v.any() for n, v in got.items() if "lora_B" in n)
+    assert all(v.abs().sum() > 0 for n, v in got.items() if "lora_A" in n or "base_layer" in n)
+
+
+def test_the_adapters_without_their_config_get_peft_default_with_a_warning(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = _empty_peft_model(init_lora_weights="gaussian").base_model.model
+    model.peft_config = None  # the PeftModel, which keeps the LoraConfig, not attached
+    store = _store(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="infinity.store"):
+        model, _ = store.attach(model)
+    assert "LoRA adapter 'default' has no peft_config" in caplog.text
+    got = _values(store, model)
+    a = torch.cat([v.reshape(-1) for n, v in got.items() if "lora_A" in n])
+    assert a.abs().max() <= 1 / 64**0.5  # peft's default, not gaussian(std=1/r)
+    assert all(not v.any() for n, v in got.items() if "lora_B" in n)
+
+
+@pytest.mark.parametrize(
+    "settings, cause",
+    [({"init_lora_weights": "eva"}, "init_lora_weights='eva'"), ({"use_dora": True}, "Dora")],
+)
+def test_an_initialisation_from_the_base_weights_is_refused_with_the_ways_out(
+    tmp_path, settings, cause
+):
+    model = _empty_peft_model(**settings)
+    store = _store(tmp_path)
+    with pytest.raises(AttachError, match=cause) as refused:
+        store.attach(model)
+    assert "init_lora_weights=True or 'gaussian'" in str(refused.value)
+    assert "initialise=False" in str(refused.value)
+    store.close()
+    store = _store(tmp_path)
+    model, _ = store.attach(model, initialise=False)  # left for a checkpoint: no error
     store.close()

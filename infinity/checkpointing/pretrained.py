@@ -1,11 +1,15 @@
 """Pretrained Hugging Face weights (safetensors) streamed into an attached model's shards.
 
 The point of offloading is a model larger than host memory, so the weights never exist in memory
-whole: each parameter is read from its file shard by shard (safetensors slices along the first
-dimension, memory-mapped), converted to the masters' dtype and written through the tiers like
-any checkpoint load. Safetensors files hold raw bytes and a JSON header, so loading one runs no
-code. Build the model with its parameters on the meta device (``accelerate.init_empty_weights``
-or ``torch.device("meta")`` for a model without buffers), attach, then load: modules without
+whole: each parameter is read from its file shard by shard, each shard's flat range of it with
+one positioned read into a buffer reused from shard to shard
+(:mod:`infinity.checkpointing.safetensors_file`: not a memory map, whose touched pages would stay
+in the process's resident set), converted to the masters' dtype and written through the tiers
+like any checkpoint load; the tensors are read in the order they lie in the file. The process
+grows by about the largest shard's bytes in the file's dtype, whatever the checkpoint's size.
+Safetensors files hold raw bytes and a JSON header, so loading one runs no code. Build the model
+with its parameters on the meta device (``accelerate.init_empty_weights`` or
+``torch.device("meta")`` for a model without buffers), attach, then load: modules without
 ``reset_parameters`` stay without values until this fills them.
 
 Keys are the model's own names (``model.named_parameters()``, every alias of a tied weight
@@ -17,13 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from infinity.checkpointing.safetensors_file import ReadBuffer, SafetensorsFile
 from infinity.core.overwrite import write_entry_pieces
 from infinity.core.shards import ParamEntry, Shard
 from infinity.errors import CheckpointError
@@ -71,8 +75,6 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def load_pretrained(store: AttachedStore, path: Path) -> _IncompatibleKeys:
     """See the module docstring. Returns ``(missing_keys, unexpected_keys)``."""
-    from safetensors import safe_open
-
     model = store.model
     assert model is not None  # TieredStore.load_pretrained checks it is attached
     registry = store.registry
@@ -88,19 +90,26 @@ def load_pretrained(store: AttachedStore, path: Path) -> _IncompatibleKeys:
     loaded: set[int] = set()
     seen: set[str] = set()
     unexpected: list[str] = []
+    reads = ReadBuffer()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
+        with SafetensorsFile(file) as tensors:
+            unexpected += sorted(
+                k for k in tensors.tensors if k not in entries and k not in buffers
+            )
+            for key in sorted(tensors.tensors, key=lambda k: tensors.tensors[k].offset):
                 entry = entries.get(key)
                 if entry is None and key not in buffers:
-                    unexpected.append(key)
                     continue
                 seen.add(key)
+                info = tensors.tensors[key]
                 if entry is None:
+                    _check_shape(file, key, info.shape, tuple(buffers[key].shape))
                     with torch.no_grad():
-                        buffers[key].copy_(handle.get_tensor(key))
+                        value = tensors.read(key, 0, info.numel, reads)
+                        buffers[key].copy_(value.reshape(info.shape))
                 elif entry.index not in loaded:  # a tied weight is read once
-                    _stream(store, entry, handle.get_slice(key), key, file)
+                    _check_shape(file, key, info.shape, tuple(entry.shape))
+                    _stream(store, entry, tensors, key, reads)
                     loaded.add(entry.index)
     missing = [
         name for name, entry in entries.items() if entry is not None and entry.index not in loaded
@@ -118,26 +127,22 @@ def load_pretrained(store: AttachedStore, path: Path) -> _IncompatibleKeys:
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _stream(store: AttachedStore, entry: ParamEntry, view: Any, key: str, file: Path) -> None:
-    shape = tuple(view.get_shape())
-    if shape != tuple(entry.shape):
+def _check_shape(file: Path, key: str, shape: tuple[int, ...], model: tuple[int, ...]) -> None:
+    if shape != model:
         raise CheckpointError(
-            f"{file.name}: {key} has shape {shape}, the model's parameter "
-            f"{tuple(entry.shape)}: this checkpoint is for another model"
+            f"{file.name}: {key} has shape {shape}, the model's {model}: this checkpoint is "
+            "for another model"
         )
-    if not shape:
-        value = view[:]
-        write_entry_pieces(store, entry, lambda shard: shard.part_of(value.reshape(-1)))
-        return
-    row = math.prod(shape[1:])  # elements per first-dimension index
+
+
+def _stream(
+    store: AttachedStore, entry: ParamEntry, tensors: SafetensorsFile, key: str, reads: ReadBuffer
+) -> None:
+    """``key``'s values into ``entry``, each shard's flat range read on its own."""
 
     def piece(shard: Shard) -> torch.Tensor:
         if not shard.real_numel:  # this rank's slice is all padding
             return torch.empty(0)
-        first = shard.start // row
-        last = -(-(shard.start + shard.real_numel) // row)
-        rows = view[first:last].reshape(-1)  # one shard's worth (and up to a row each side)
-        offset = shard.start - first * row
-        return rows[offset : offset + shard.real_numel]
+        return tensors.read(key, shard.start, shard.real_numel, reads)  # this rank's slice
 
     write_entry_pieces(store, entry, piece)

@@ -367,7 +367,8 @@ def initialise_values(store: AttachedStore, model: nn.Module, initialise: bool =
     materialised one module at a time with the module's ``reset_parameters()``, so a model
     larger than host memory never exists in memory whole; a model that initialises its modules
     itself (``_init_weights``, as Hugging Face models do) gets that too, replayed in the order
-    its constructor runs it (:mod:`infinity.store.model_init`). Parameters nothing initialises
+    its constructor runs it (:mod:`infinity.store.model_init`), and peft's LoRA adapters get
+    peft's initialisation (A drawn as peft draws it, B zeros). Parameters nothing initialises
     (a module without ``reset_parameters()`` outside such a model), and all of them with
     ``initialise=False``, are left without values, allocating nothing, until a checkpoint load
     writes them (``load_pretrained``, ``load_state_dict``)."""
@@ -435,6 +436,9 @@ def initialise_values(store: AttachedStore, model: nn.Module, initialise: bool =
     if initialise and model_init.model_init_of(model):
         # The model's own initialisation (_init_weights, a Hugging Face model's), replayed.
         model_init.initialise_as_built(model, materialise, take_param, without_values)
+    if initialise:
+        # peft's LoRA adapters: peft's own initialisation (B zeros), replayed after the model's.
+        model_init.initialise_adapters(model, materialise, take_param)
     for module_name, module in model.named_modules():
         own = [(n, p) for n, p in module._parameters.items() if p is not None]
         if not any(p.is_meta for _, p in own):

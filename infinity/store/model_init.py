@@ -19,16 +19,36 @@ draws a constructor makes outside ``reset_parameters()`` and ``_init_weights`` (
 (nanoGPT's scaled projections), are not replayed. A parameter two modules share (tied
 embeddings) keeps the values of the first module to initialise it, as the normal build ties
 the output embedding to the input one after initialising both: the second module's draws go
-to scratch. Transformers is not imported: the model is recognised by what it exposes."""
+to scratch. Transformers is not imported: the model is recognised by what it exposes.
+
+peft's LoRA adapters are not the model's: ``get_peft_model`` adds them to a model already built
+and initialises them itself (``LoraLayer.update_layer``: ``lora_A`` and ``lora_B`` built as
+``nn.Linear`` layers, then ``reset_lora_parameters(adapter, init_lora_weights)``: A drawn as
+peft draws it, B zeros, so the adapted model starts as its base; then cast to the base layer's
+dtype). On a base on the meta device peft moves the adapters there too, and their values are
+lost. Attach leaves them out of the model's replay and replays peft's own sequence for them
+(:func:`initialise_adapters`), layer after layer in the order peft adds them, with the option of
+their ``LoraConfig`` (``init_lora_weights``: True, ``"gaussian"`` or False; one computed from the
+base weights or from data is an error). peft drew its values from the global generator when it
+added them, so the replay draws from a copy of the generator's state after the model's replay
+(before it for a model without ``_init_weights``, whose modules' ``reset_parameters()`` attach
+runs last) and leaves the global generator as it was. Attach then makes the draws the normal
+build makes and no others, and with the generator at the state peft started from (seeded
+again before attach), the adapters get peft's values bit for bit. peft is not imported either:
+a LoRA layer is a module with ``reset_lora_parameters`` and a ``lora_A`` module dict."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from infinity.errors import AttachError
 
 log = logging.getLogger("infinity.store")
 
@@ -54,12 +74,13 @@ def model_init_of(model: nn.Module) -> bool:
     return any(callable(getattr(m, "_init_weights", None)) for m in model.modules())
 
 
-def construction_steps(model: nn.Module) -> list[Step]:
+def construction_steps(model: nn.Module, skip: frozenset[int] = frozenset()) -> list[Step]:
     """The initialisation steps of ``model``'s meta-device modules in the order its constructor
     runs them: children before their parent, each model's ``_init_weights`` over its own
-    modules (those no inner model did) when its construction ends."""
+    modules (those no inner model did) when its construction ends. Modules whose ids are in
+    ``skip`` (peft's adapters, added after the build) have none."""
     steps: list[Step] = []
-    inited: set[int] = set()
+    inited: set[int] = set(skip)
     visited: set[int] = set()
 
     def build(module: nn.Module) -> None:
@@ -67,7 +88,11 @@ def construction_steps(model: nn.Module) -> list[Step]:
             if id(child) not in visited:
                 visited.add(id(child))
                 build(child)
-        if _has_meta(module) and callable(getattr(module, "reset_parameters", None)):
+        if (
+            id(module) not in skip
+            and _has_meta(module)
+            and callable(getattr(module, "reset_parameters", None))
+        ):
             steps.append(("reset", module, None))
         init = getattr(module, "_init_weights", None)
         if callable(init):
@@ -118,8 +143,10 @@ def initialise_as_built(
     docstring). ``materialise(module, name)`` gives a meta parameter its real (uninitialised)
     tensor wherever the model refers to it; ``take(param)`` moves its values into the store;
     ``leave_empty(param)`` leaves one nothing initialised without values. Parameters of modules
-    this does not reach stay on the meta device for the caller."""
-    steps = construction_steps(model)
+    this does not reach stay on the meta device for the caller, peft's LoRA adapters among them
+    (:func:`initialise_adapters`)."""
+    skip = frozenset(id(m) for adapter in lora_adapters(model) for m in adapter.modules)
+    steps = construction_steps(model, skip)
     built: dict[int, torch.Tensor] = {}  # a module's generator state at its reset_parameters()
     done: set[int] = set()  # parameters materialised here, by id
     for kind, module, init in steps:
@@ -176,3 +203,178 @@ def initialise_as_built(
             module.reset_parameters()  # type: ignore[operator]
         for real in reals:
             take(real)
+
+
+def _param(module: nn.Module, name: str) -> nn.Parameter:
+    param = module._parameters[name]
+    assert param is not None  # only set parameters are named here
+    return param
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """peft's LoRA layers (``LoraLayer``) of ``model`` with their names."""
+    for name, module in model.named_modules():
+        if callable(getattr(module, "reset_lora_parameters", None)) and isinstance(
+            getattr(module, "lora_A", None), nn.ModuleDict
+        ):
+            yield name, module
+
+
+def _lora_options(model: nn.Module) -> dict[str, object]:
+    """Each adapter's ``init_lora_weights``, from the ``peft_config`` a ``PeftModel`` (and the
+    tuner model inside it) keeps, in the order the adapters were added."""
+    options: dict[str, object] = {}
+    for module in model.modules():
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, dict):
+            for name, config in configs.items():
+                options.setdefault(name, getattr(config, "init_lora_weights", True))
+    return options
+
+
+def _base_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The floating dtype of a LoRA layer's base layer's weights, None if it has none."""
+    get_base = getattr(layer, "get_base_layer", None)
+    base = get_base() if callable(get_base) else None
+    for name in ("weight", "qweight"):  # where peft looks
+        weight = getattr(base, name, None)
+        if isinstance(weight, torch.Tensor):
+            return weight.dtype if weight.is_floating_point() else None
+    return None
+
+
+def _replayable(init: object) -> bool:
+    """Whether ``init_lora_weights`` is one ``reset_lora_parameters`` draws without the base
+    weights or data (peft's default, ``"gaussian"``, or no initialisation)."""
+    return init is True or init is False or (isinstance(init, str) and init.lower() == "gaussian")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter of one peft layer with parameters on the meta device, as peft builds it:
+    ``built``, the modules it constructs (``lora_A``, ``lora_B``: their ``reset_parameters()``
+    draws), then ``randn``, the parameters it draws with ``torch.randn`` (an embedding's),
+    then ``reset_lora_parameters(name, init)`` unless ``init`` is False."""
+
+    layer: nn.Module
+    name: str
+    init: object
+    configured: bool  # False: no peft_config names it, peft's default ``init`` taken
+    built: tuple[nn.Module, ...]
+    randn: tuple[tuple[nn.Module, str], ...]
+    #: the base layer's floating dtype, which peft casts the adapter to after initialising it
+    #: (and ``autocast_adapter_dtype`` back to float32 from bfloat16 or float16)
+    cast: torch.dtype | None
+
+    @property
+    def parts(self) -> list[tuple[nn.Module, str]]:
+        """(module, parameter name) of each of its parameters."""
+        own = [(m, n) for b in self.built for m in b.modules() for n in m._parameters]
+        return [(m, n) for m, n in own if m._parameters[n] is not None] + list(self.randn)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The modules holding its parameters."""
+        return [m for m, _ in self.parts]
+
+
+def lora_adapters(model: nn.Module) -> list[Adapter]:
+    """``model``'s peft LoRA adapters with parameters on the meta device, in the order peft adds
+    them (adapter by adapter, each over the layers in module order). An initialisation attach
+    cannot replay on empty weights (one computed from the base weights or from data, DoRA's
+    magnitudes) is an ``AttachError``."""
+    options = _lora_options(model)
+    found: dict[str, list[Adapter]] = {name: [] for name in options}
+    for path, layer in _lora_layers(model):
+        dicts = [getattr(layer, n, None) for n in ("lora_embedding_A", "lora_embedding_B")]
+        lora_a = layer.lora_A
+        assert isinstance(lora_a, nn.ModuleDict)  # what _lora_layers found
+        names = [*lora_a.keys(), *(k for d in dicts if isinstance(d, nn.ParameterDict) for k in d)]
+        for name in dict.fromkeys(names):
+            built = tuple(
+                getattr(layer, n)[name]
+                for n in ("lora_A", "lora_B")
+                if isinstance(getattr(layer, n, None), nn.ModuleDict) and name in getattr(layer, n)
+            )
+            randn = tuple((d, name) for d in dicts if isinstance(d, nn.ParameterDict) and name in d)
+            init = options.get(name, True)
+            adapter = Adapter(layer, name, init, name in options, built, randn, _base_dtype(layer))
+            if not any(_param(m, n).is_meta for m, n in adapter.parts):
+                continue
+            variant = getattr(layer, "lora_variant", {}).get(name)
+            if not _replayable(adapter.init) or variant is not None:
+                what = (
+                    f"init_lora_weights={adapter.init!r}"
+                    if variant is None
+                    else f"a {type(variant).__name__} adapter"
+                )
+                raise AttachError(
+                    f"LoRA adapter '{name}' of '{path}' is on the meta device, and its "
+                    f"initialisation ({what}) is computed from the base weights or from data, "
+                    "which a model on empty weights does not have at attach: use "
+                    "init_lora_weights=True or 'gaussian' (peft draws those, and attach replays "
+                    "them), apply get_peft_model to the model with its weights loaded, or attach "
+                    "with initialise=False and load the adapter's weights with the base's "
+                    "(load_pretrained, load_state_dict)"
+                )
+            found.setdefault(name, []).append(adapter)
+    return [adapter for adapters in found.values() for adapter in adapters]
+
+
+@contextmanager
+def _drawn_in(parts: list[tuple[nn.Module, str]]) -> Iterator[list[torch.Tensor]]:
+    """The parameters ``parts`` replaced for the block by scratch tensors in the dtype peft builds
+    adapters in (torch's default; it casts them to the base layer's dtype after), the originals
+    back after it; the list yielded holds the scratch values once the block is done."""
+    saved = [(module, name, module._parameters[name]) for module, name in parts]
+    values: list[torch.Tensor] = []
+    try:
+        for module, name, param in saved:
+            assert param is not None
+            dtype = torch.get_default_dtype() if param.is_floating_point() else param.dtype
+            module._parameters[name] = nn.Parameter(
+                torch.empty(param.shape, dtype=dtype), requires_grad=param.requires_grad
+            )
+        yield values
+        values.extend(_param(module, name).detach() for module, name, _ in saved)
+    finally:
+        for module, name, param in saved:
+            module._parameters[name] = param
+
+
+def initialise_adapters(
+    model: nn.Module,
+    materialise: Callable[[nn.Module, str], nn.Parameter],
+    take: Callable[[nn.Parameter], None],
+) -> None:
+    """Gives ``model``'s peft LoRA adapters on the meta device peft's own initialisation (see the
+    module's docstring), drawn from a copy of torch's generator state, which stays as it was;
+    ``materialise`` and ``take`` as for :func:`initialise_as_built`, which leaves them out."""
+    state = torch.get_rng_state()
+    unconfigured: set[str] = set()
+    for adapter in lora_adapters(model):
+        if not adapter.configured and adapter.name not in unconfigured:
+            unconfigured.add(adapter.name)
+            log.warning(
+                "LoRA adapter '%s' has no peft_config in the attached model (attach the "
+                "PeftModel itself to use its LoraConfig): peft's default initialisation "
+                "(init_lora_weights=True) replayed",
+                adapter.name,
+            )
+        parts = adapter.parts
+        with _drawing_from(state), _drawn_in(parts) as values, torch.no_grad():
+            for module in adapter.built:
+                module.reset_parameters()  # type: ignore[operator]
+            for module, name in adapter.randn:
+                _param(module, name).normal_()
+            if adapter.init is not False:
+                layer: Any = adapter.layer  # a peft LoraLayer
+                layer.reset_lora_parameters(adapter.name, adapter.init)
+            state = torch.get_rng_state()
+        for (module, name), value in zip(parts, values, strict=True):
+            param = module._parameters[name]
+            if param is not None and param.is_meta:  # one shared by layers: its first values
+                real = materialise(module, name)
+                with torch.no_grad():
+                    real.copy_(value if adapter.cast is None else value.to(adapter.cast))
+                take(real)

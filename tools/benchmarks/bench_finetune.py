@@ -147,7 +147,9 @@ def llama_config(shape: Shape, args: argparse.Namespace, layers: int) -> Any:
 
 
 def build(shape: Shape, args: argparse.Namespace, layers: int, empty: bool) -> torch.nn.Module:
-    """The shape's model (on empty weights with ``empty``), LoRA-wrapped where the shape is."""
+    """The shape's model (on empty weights with ``empty``), LoRA-wrapped where the shape is. On
+    empty weights peft puts the adapters on the meta device too; attach gives them peft's own
+    initialisation (A as peft draws it, B zeros: the adapted model starts as its base)."""
     import accelerate
     import transformers
 
@@ -165,25 +167,7 @@ def build(shape: Shape, args: argparse.Namespace, layers: int, empty: bool) -> t
 
         lora = peft.LoraConfig(r=shape.lora_rank, lora_alpha=32, target_modules=LORA_TARGETS)
         model = peft.get_peft_model(model, lora)
-        if empty:
-            adapters_as_peft_makes_them(model)
     return model
-
-
-def adapters_as_peft_makes_them(model: torch.nn.Module) -> None:
-    """The LoRA adapters of a model on empty weights, in memory with peft's initialisation (A
-    as peft draws it, B zeros: the adapted model starts as its base). peft puts them on the
-    base layer's device, the meta device here, where attach would initialise them as the
-    base model's own ``_init_weights`` does its Linear layers, B included."""
-    for module in model.modules():
-        reset = getattr(module, "reset_lora_parameters", None)
-        if not callable(reset):
-            continue
-        layer: Any = module  # a peft LoraLayer
-        for adapter in layer.lora_A:
-            layer.lora_A[adapter].to_empty(device="cpu")
-            layer.lora_B[adapter].to_empty(device="cpu")
-            reset(adapter, True)
 
 
 def stored_per_param(shape: Shape) -> dict[str, float]:
