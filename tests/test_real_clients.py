@@ -97,8 +97,13 @@ def _guarded_call(what: str, call: Callable[[], Any]) -> Any:
         {"host_budget": "36MiB", "step_in_backward": True},
         {"offload_param": "cpu", "offload_optimizer": "cpu", "host_budget": "64MiB"},
         {"precision": infinity.PrecisionConfig(optimizer_state_dtype="int8")},
+        {
+            "precision": infinity.PrecisionConfig(
+                dtype="bf16", master_dtype="bf16", optimizer_state_dtype="int8"
+            )
+        },
     ],
-    ids=["nvme-budget", "in-backward", "cpu", "int8-state"],
+    ids=["nvme-budget", "in-backward", "cpu", "int8-state", "bf16-masters"],
 )
 def test_no_public_call_changes_the_global_streams(tmp_path, changes):
     """Every public call a training program makes, through a guard: the store's, the wrapped
