@@ -1,5 +1,6 @@
-"""Runs the README's and the docs' code blocks as scripts, each in a process of its own, without
-paying the import of torch and infinity in every one.
+"""Runs the README's and the docs' code blocks (and the installed wheel's console scripts,
+tests/test_wheel.py) as scripts, each in a process of its own, without paying the import of torch
+(and infinity) in every one.
 
 A server process (this file run as a script) imports torch and infinity once and then, for each
 script it is sent, forks a child that becomes that script's run: the child enters the script's
@@ -35,14 +36,22 @@ PRELOAD = ("torch", "infinity")
 
 
 class SnippetRunner:
-    """The client: ``run(script, cwd, env, timeout)`` returns what ``subprocess.run`` with
-    ``capture_output=True, text=True`` would."""
+    """The client: ``run(script, cwd, env, timeout)`` returns what ``subprocess.run`` of
+    ``[python, script]`` with ``capture_output=True, text=True`` would. ``python`` is the
+    interpreter the server runs on, ``preload`` the modules it imports before it serves."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        python: Path | str = sys.executable,
+        preload: tuple[str, ...] = PRELOAD,
+    ) -> None:
+        self._python = str(python)
         self._log_path = log
         self._log = open(log, "w")  # the server's own stderr, closed in close()
         self._server = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), *PRELOAD],
+            [self._python, str(Path(__file__).resolve()), *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -63,12 +72,19 @@ class SnippetRunner:
         return json.loads(line)
 
     def run(
-        self, script: Path, cwd: Path, env: dict[str, str], timeout: float
+        self,
+        script: Path,
+        cwd: Path,
+        env: dict[str, str],
+        timeout: float,
+        args: tuple[str, ...] = (),
     ) -> subprocess.CompletedProcess[str]:
+        """``python script *args`` run in ``cwd`` with ``env``, ``python`` the server's."""
         outputs = Path(tempfile.mkdtemp(prefix="snippet-output-"))
         out, err = outputs / "stdout", outputs / "stderr"
         request = {
             "script": str(script),
+            "args": list(args),
             "cwd": str(cwd),
             "env": env,
             "stdout": str(out),
@@ -79,7 +95,7 @@ class SnippetRunner:
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         reply = self._reply()
-        command = [sys.executable, str(script)]
+        command = [self._python, str(script), *args]
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         shutil.rmtree(outputs)
         if reply["timed_out"]:
@@ -153,11 +169,11 @@ def _become(request: dict[str, Any]) -> None:
         os.close(fd)
     os.chdir(request["cwd"])
     if not request["fork"]:
-        os.execve(sys.executable, [sys.executable, script], request["env"])
+        os.execve(sys.executable, [sys.executable, script, *request["args"]], request["env"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.stdin = sys.__stdin__ = open(0, closefd=False)
-    sys.argv = [script]
+    sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
     import random
 
