@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import IO, Any
 
 #: what the server imports before it serves: what every block imports (directly or through a
-#: prelude); transformers and Lightning start a thread when their models load, so they are not
-PRELOAD = ("torch", "infinity")
+#: prelude), and torch._dynamo, which the first optimizer.step() or zero_grad() imports
+#: (torch._disable_dynamo); transformers' Trainer and Lightning start a thread when they load
+#: (pyarrow's allocator), so they are not
+PRELOAD = ("torch", "torch._dynamo", "infinity")
 
 
 class SnippetRunner:
