@@ -20,6 +20,7 @@ import torch  # after the thread settings, which torch reads when it loads
 
 import swap.probe
 from swap import BufferPool, EngineSettings, SwapConfigError, SwapEngine
+from tests.snippet_runner import SnippetRunner
 
 #: every backend a real engine can run on; "uring" is skipped where io_uring is unavailable
 REAL_BACKENDS = ("uring", "threads", "buffered")
@@ -64,6 +65,17 @@ def launch_environment_restored() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def snippet_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SnippetRunner]:
+    """Runs the README's and the docs' blocks, each as a script in a process of its own, forked
+    from one server that imported torch and infinity once (tests/snippet_runner.py)."""
+    root = Path(__file__).resolve().parents[1]
+    log = tmp_path_factory.mktemp("snippet-server") / "stderr"
+    runner = SnippetRunner({**os.environ, "PYTHONPATH": str(root)}, log)
+    yield runner
+    runner.close()
 
 
 @pytest.fixture

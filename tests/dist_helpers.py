@@ -23,8 +23,18 @@ def free_port() -> int:
 
 
 #: imported once by the fork server that starts the ranks, so that each rank starts in a
-#: fraction of a second instead of importing torch again (seconds of CPU per rank on 2 cores)
-PRELOAD = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "infinity"]
+#: fraction of a second instead of importing torch again (seconds of CPU per rank on 2 cores);
+#: torch._dynamo is what the first optimizer.step() or zero_grad() of every rank imports
+#: (torch._disable_dynamo), and pytest what every test module that holds a rank function does
+PRELOAD = [
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.multiprocessing",
+    "torch._dynamo",
+    "infinity",
+    "pytest",
+]
 
 
 def _context() -> Any:

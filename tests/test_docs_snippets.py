@@ -261,6 +261,6 @@ def test_the_comment_before_a_fence_names_its_preludes_or_leaves_it_out(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [c for _, c in DOCS_BLOCKS], ids=[i for i, _ in DOCS_BLOCKS])
-def test_docs_block_runs(tmp_path, code):
-    done = run_block(code, tmp_path)
+def test_docs_block_runs(snippet_runner, tmp_path, code):
+    done = run_block(snippet_runner, code, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,5 +1,6 @@
 """The README's code blocks run as written: each ```python block is extracted and executed in a
-fresh process from an empty directory, as a user pasting it would, so the README cannot go stale
+process of its own from an empty directory, as a user pasting it would (forked from a server that
+imported torch and infinity once: tests/snippet_runner.py), so the README cannot go stale
 silently. A block that is not meant to run on its own is fenced ```python no-run, or has
 ``<!-- no-run: why -->`` on the line before its fence (the form mkdocs renders; none in the README
 today). The docs' snippets have their own test, tests/test_docs_snippets.py."""
@@ -9,10 +10,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.snippet_runner import SnippetRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
@@ -35,19 +37,12 @@ def python_blocks(path: Path) -> list[tuple[str, str]]:
 README_BLOCKS = python_blocks(ROOT / "README.md")
 
 
-def run_block(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Runs ``code`` as a script in ``cwd``, the repository importable as an installed package
-    would be."""
+def run_block(runner: SnippetRunner, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Runs ``code`` as a script in ``cwd`` in a process of its own (``runner``: see
+    tests/snippet_runner.py), the repository importable as an installed package would be."""
     script = cwd / "snippet.py"
     script.write_text(code)
-    return subprocess.run(
-        [sys.executable, str(script)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    return runner.run(script, cwd, {**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
 def test_the_readme_has_runnable_blocks():
@@ -56,6 +51,6 @@ def test_the_readme_has_runnable_blocks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [c for _, c in README_BLOCKS], ids=[i for i, _ in README_BLOCKS])
-def test_readme_block_runs_as_written(tmp_path, code):
-    done = run_block(code, tmp_path)
+def test_readme_block_runs_as_written(snippet_runner, tmp_path, code):
+    done = run_block(snippet_runner, code, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]

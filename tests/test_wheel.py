@@ -13,13 +13,18 @@ import sys
 import sysconfig
 import venv
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.snippet_runner import SnippetRunner
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+#: what the console scripts import before the wheel's own packages (seconds of each one's start)
+THIRD_PARTY = ("numpy", "torch", "torch.distributed.checkpoint")
 #: what a build must not see: caches, environments and outputs that a clean clone lacks (a stale
 #: build/lib would otherwise reach the wheel)
 LEFT_OUT = shutil.ignore_patterns(
@@ -100,7 +105,19 @@ def test_the_wheel_has_no_generic_top_level_package(installed):
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
 
 
-def test_each_console_script_runs_help_from_the_installed_wheel(installed, tmp_path):
+@pytest.fixture(scope="module")
+def wheel_python(installed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SnippetRunner]:
+    """Runs scripts on the fresh venv's python, forked from a server that imported torch and
+    what infinity imports of it (tests/snippet_runner.py), not infinity: each script imports the
+    wheel's."""
+    _, bin_dir, env = installed
+    log = tmp_path_factory.mktemp("wheel-scripts") / "stderr"
+    runner = SnippetRunner(env, log, bin_dir / "python", THIRD_PARTY)
+    yield runner
+    runner.close()
+
+
+def test_each_console_script_runs_help_from_the_installed_wheel(installed, wheel_python, tmp_path):
     wheel, bin_dir, env = installed
     with zipfile.ZipFile(wheel) as archive:
         (entry_points,) = [
@@ -135,6 +152,6 @@ def test_each_console_script_runs_help_from_the_installed_wheel(installed, tmp_p
     assert tools == "None", where.stdout
     for name in scripts:
         # run from an empty folder: the repository's checkout is not on the path
-        done = _run([str(bin_dir / name), "--help"], tmp_path, env)
+        done = wheel_python.run(bin_dir / name, tmp_path, env, timeout=600, args=("--help",))
         assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
         assert done.stdout.startswith("usage: "), f"{name}: {done.stdout}"
