@@ -123,6 +123,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=4 * GIB
     )
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="Trainer's (1.0)")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Trainer's gradient_checkpointing (non-reentrant), in the compute floor too: what "
+        "a fine-tune of this size on a small machine uses, so that the saved activations (1 GB "
+        "on the 13 B shape, outside the host budget on a CPU device) stay small",
+    )
     parser.add_argument("--nvme-path", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--compute-floor", help=argparse.SUPPRESS)  # the child: a shape's name
@@ -253,6 +261,8 @@ def plain_step_seconds(shape: Shape, args: argparse.Namespace, layers: int) -> f
     """Seconds of a plain PyTorch step (forward, backward, fused AdamW over what the
     shape trains) of the shape with ``layers`` layers in memory, bf16 throughout."""
     model = build(shape, args, layers, empty=False)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
     tokens = tokens_dataset(args, args.vocab or shape.vocab, 1)[0]["input_ids"][None]
@@ -273,6 +283,7 @@ def compute_floor(shape: Shape, args: argparse.Namespace, layers: int) -> dict[s
     command += [shape.name, f"--context={args.context}"]
     command += [f"--vocab={args.vocab}"] if args.vocab else []
     command += [f"--narrow={args.narrow}"]
+    command += [] if args.gradient_checkpointing else ["--no-gradient-checkpointing"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     one, two = json.loads(done.stdout.strip().splitlines()[-1])
     per_layer = max(two - one, 0.0)
@@ -446,6 +457,8 @@ def train(
                     max_steps=args.steps,
                     per_device_train_batch_size=1,
                     max_grad_norm=args.max_grad_norm,
+                    gradient_checkpointing=args.gradient_checkpointing,
+                    gradient_checkpointing_kwargs={"use_reentrant": False},
                     logging_steps=1,
                     save_strategy="no",
                     report_to=[],
@@ -464,6 +477,8 @@ def train(
         result["stats"] = {
             k: v for k, v in store.stats().items() if isinstance(v, (int, float, str, bool))
         }
+        # the store's bound on the peak RSS and its terms, beside the process's own peak
+        result["rss_bound"] = store.rss_bound()
     finally:
         store.close(restore_params=False)
         disk.stop()
