@@ -262,7 +262,8 @@ def plain_step_seconds(shape: Shape, args: argparse.Namespace, layers: int) -> f
     shape trains) of the shape with ``layers`` layers in memory, bf16 throughout."""
     model = build(shape, args, layers, empty=False)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        hf_model: Any = model  # a transformers (or peft) model
+        hf_model.gradient_checkpointing_enable({"use_reentrant": False})
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
     tokens = tokens_dataset(args, args.vocab or shape.vocab, 1)[0]["input_ids"][None]
