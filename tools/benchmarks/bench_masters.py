@@ -3,7 +3,8 @@
 A small Llama (hidden 128, 4 layers, 4 heads, byte vocabulary: 0.9 M parameters) learns to
 predict the next byte of this project's own documentation (README and docs/, real text, always
 at hand), batch 8 x 64, AdamW (lr 3e-3 after 10 warm-up steps, weight decay 0.01), ``--steps``
-steps (default 200), from the same initial weights and the same batches in every run:
+steps (default 200), from the same initial weights and the same batches in every configuration,
+over ``--seeds`` (default 3) initial weights and orders of batches:
 
 * ``fp32 masters``: attached, ``dtype='bf16'``, masters in fp32 (the default);
 * ``bf16 masters``: attached, ``dtype='bf16', master_dtype='bf16'``: the update in fp32,
@@ -15,11 +16,13 @@ steps (default 200), from the same initial weights and the same batches in every
 
 Each run is attached with parameters and optimizer state on NVMe. For each it prints the mean
 training loss of the last 20 steps and the loss on held-out text (the last tenth, never trained
-on) after the last step; then each bf16-master run against the fp32-master run with the same
-state dtype: the difference in held-out loss and in the last steps' loss, and the bytes each
-stores per parameter (``stats()['disk']``).
+on) after the last step; then per configuration the mean over the seeds and their range, and
+each bf16-master configuration against the fp32-master one with the same state dtype: the
+difference of the mean held-out losses beside the fp32 masters' own spread over the seeds, and
+the bytes each stores per parameter (``stats()['disk']``).
 
-    python -m tools.benchmarks.bench_masters [--steps 200] [--state fp32|int8|both] [--json OUT]
+    python -m tools.benchmarks.bench_masters [--steps 200] [--state fp32|int8|both] [--seeds 3]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -60,9 +64,9 @@ def model_config() -> Any:
     )
 
 
-def batches(train: torch.Tensor, steps: int) -> torch.Tensor:
+def batches(train: torch.Tensor, steps: int, seed: int) -> torch.Tensor:
     """``steps`` batches of BATCH windows of CONTEXT bytes, drawn from a generator of their own."""
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1000 + seed)
     starts = torch.randint(0, train.numel() - CONTEXT, (steps, BATCH), generator=generator)
     return torch.stack([torch.stack([train[s : s + CONTEXT] for s in row]) for row in starts])
 
@@ -77,11 +81,16 @@ def lr_at(step: int, base: float) -> float:
 
 
 def run(
-    name: str, precision: dict[str, str] | None, data: torch.Tensor, held: torch.Tensor, swap: Path
+    name: str,
+    precision: dict[str, str] | None,
+    data: torch.Tensor,
+    held: torch.Tensor,
+    swap: Path,
+    seed: int,
 ) -> dict[str, Any]:
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model: torch.nn.Module = transformers.LlamaForCausalLM(model_config())
     store = None
     if precision is None:
@@ -121,6 +130,7 @@ def run(
             store.close(restore_params=False)
     result = {
         "name": name,
+        "seed": seed,
         "precision": precision,
         "losses": losses,
         "last_loss": sum(losses[-LAST:]) / len(losses[-LAST:]),
@@ -133,59 +143,80 @@ def run(
         else "in memory"
     )
     print(
-        f"{name:32s} loss of the last {LAST} steps {result['last_loss']:.4f}, held-out "
-        f"{held_loss:.4f}; {per_param}",
+        f"{name:32s} seed {seed}: loss of the last {LAST} steps {result['last_loss']:.4f}, "
+        f"held-out {held_loss:.4f}; {per_param}",
         flush=True,
     )
     return result
+
+
+def summary(results: list[dict[str, Any]], name: str, key: str) -> tuple[float, float, float]:
+    """(mean, min, max) of ``key`` over the seeds of configuration ``name``."""
+    values = [r[key] for r in results if r["name"] == name]
+    return statistics.fmean(values), min(values), max(values)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--state", choices=("fp32", "int8", "both"), default="both")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="runs of each configuration, each with its own initial weights and batches: the "
+        "spread between them is the noise a difference must stand out of",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     text = corpus()
     split = text.numel() * 9 // 10
-    data, held = batches(text[:split], args.steps), text[split:]
+    held = text[split:]
     print(
         f"{text.numel()} bytes of text ({split} trained on), {args.steps} steps of "
-        f"{BATCH} x {CONTEXT}",
+        f"{BATCH} x {CONTEXT}, {args.seeds} seed(s)",
         flush=True,
     )
     states = ["fp32", "int8"] if args.state == "both" else [args.state]
+    configs: list[tuple[str, dict[str, str] | None]] = [
+        (
+            f"{masters} masters, {state} state",
+            {"dtype": "bf16", "master_dtype": masters, "optimizer_state_dtype": state},
+        )
+        for state in states
+        for masters in ("fp32", "bf16")
+    ]
+    configs.append(("bf16 as it is (no store)", None))
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-masters-") as tmp:
-        for state in states:
-            for masters in ("fp32", "bf16"):
-                precision = {
-                    "dtype": "bf16",
-                    "master_dtype": masters,
-                    "optimizer_state_dtype": state,
-                }
-                name = f"{masters} masters, {state} state"
-                results.append(run(name, precision, data, held, Path(tmp) / name.replace(" ", "")))
-        results.append(run("bf16 as it is (no store)", None, data, held, Path(tmp) / "plain"))
+        for seed in range(args.seeds):
+            data = batches(text[:split], args.steps, seed)
+            for name, precision in configs:
+                swap = Path(tmp) / f"{name.replace(' ', '')}-{seed}"
+                results.append(run(name, precision, data, held, swap, seed))
     print()
+    for name, _ in configs:
+        mean, low, high = summary(results, name, "held_out_loss")
+        last = summary(results, name, "last_loss")[0]
+        print(
+            f"{name:32s} held-out loss {mean:.4f} (seeds {low:.4f}-{high:.4f}), last {LAST} "
+            f"steps {last:.4f}"
+        )
     for state in states:
-        base, rounded = (r for r in results if r["name"].endswith(f"{state} state"))
-        held_diff = rounded["held_out_loss"] - base["held_out_loss"]
-        last_diff = rounded["last_loss"] - base["last_loss"]
+        base, rounded = f"fp32 masters, {state} state", f"bf16 masters, {state} state"
+        held_diff = (
+            summary(results, rounded, "held_out_loss")[0]
+            - summary(results, base, "held_out_loss")[0]
+        )
+        _, low, high = summary(results, base, "held_out_loss")
+        per_param = [
+            next(r["bytes_per_param"] for r in results if r["name"] == n) for n in (rounded, base)
+        ]
         print(
             f"{state} state: bf16 masters against fp32 masters: held-out loss {held_diff:+.4f} "
-            f"({100 * held_diff / base['held_out_loss']:+.2f}%), last {LAST} steps "
-            f"{last_diff:+.4f} ({100 * last_diff / base['last_loss']:+.2f}%); "
-            f"{rounded['bytes_per_param']:.2f} against {base['bytes_per_param']:.2f} B/param "
-            f"on disk"
+            f"on the mean (fp32 masters' own spread over the seeds: {high - low:.4f}); "
+            f"{per_param[0]:.2f} against {per_param[1]:.2f} B/param on disk"
         )
-    plain = results[-1]
-    best = min(r["held_out_loss"] for r in results if r["precision"])
-    print(
-        f"bf16 as it is (round to nearest): held-out loss {plain['held_out_loss']:.4f}, "
-        f"{plain['held_out_loss'] - best:+.4f} against the best attached run"
-    )
     finite = all(math.isfinite(r["held_out_loss"]) for r in results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
