@@ -176,21 +176,16 @@ class PrecisionConfig(Validated):
         ``infinity.training.state_codecs``). Needs ``offload_optimizer='nvme'``. Disk and
         traffic: 8 bytes/param of Adam state read and written per step become 4 (bf16) or
         about 2 (int8); the training curve moves within noise for bf16 and slightly for int8.
-    master_dtype: the dtype the masters (the values the optimizer updates) are kept in under
-        mixed precision: ``fp32`` (default: updates exact to fp32, as ``torch.autocast``
-        training) or ``bf16`` (needs ``dtype='bf16'``): each update computes in fp32 from the
-        bf16 master and rounds its result back to bf16 stochastically (up or down with the
-        odds of the distance, so that an update below bf16's resolution still moves the
-        weight in expectation, where rounding to nearest would drop it); the noise is drawn
-        from the shard's name and the step count, never from the global random streams, so
-        runs and resumed runs repeat exactly. The master is then what forward and backward
-        compute with: no compute copy is kept beside it, and gradients are accumulated in
-        bf16. Optimizer state is still fp32 to the update (stored in
-        ``optimizer_state_dtype``). Memory: masters 2 bytes/param instead of 4, and no
-        2-byte compute copy: with int8 state an offloaded trained parameter stores about 4
-        bytes instead of 8 (16 GB less on an 8 B model); the update reads and writes half the
-        master bytes. Cost: the training curve moves slightly (``make bench-masters``
-        measures it against fp32 masters over 200 steps).
+    master_dtype: the dtype the masters (what the optimizer updates) are kept in under mixed
+        precision: ``fp32`` (default) or ``bf16`` (needs ``dtype='bf16'``): each update
+        computes in fp32 and rounds back to bf16 stochastically, so that an update below
+        bf16's resolution still moves the weight in expectation; the noise comes from the
+        shard and the step count, never the global random streams (runs and resumed runs
+        repeat exactly). Forward and backward compute with the master itself (no compute copy);
+        gradients are bf16; optimizer state is fp32 to the update (stored in
+        ``optimizer_state_dtype``). Memory: masters 2 bytes/param instead of 4 and no 2-byte
+        compute copy: with int8 state about 4 bytes per trained parameter instead of 8.
+        Cost: the curve moves slightly (``make bench-masters`` measures it).
     """
 
     _section: ClassVar[str] = "precision"
@@ -258,6 +253,11 @@ class PrecisionConfig(Validated):
     def itemsize(self) -> int:
         """Bytes per element of the working params."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def widened_masters(self) -> bool:
+        """bf16 masters, updated in fp32 (fp32 state, no compute copy): see master_dtype."""
+        return self.master_dtype != "fp32"
 
 
 @dataclass(frozen=True)

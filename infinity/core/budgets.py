@@ -91,7 +91,7 @@ def compute_copies_kept(config: Any, training: bool, params_on_nvme: bool) -> bo
     return (
         training
         and params_on_nvme
-        and precision.master_dtype == "fp32"
+        and not precision.widened_masters
         and precision.storage_dtype in ("bf16", "fp16")
     )
 
@@ -361,7 +361,7 @@ def plan_memory(
     optim_nvme = config.offload_optimizer == "nvme"
     resident = 0 if params_nvme else total  # host tensors outside the arena
     carved = device if device_in_host else 0
-    widened = config.precision.master_dtype != "fp32"
+    widened = config.precision.widened_masters
     params = [s for s in shards if s.kind is ShardKind.PARAM]
     transient = transient_bytes(entries, params, trained, widened)
     needed = 0

@@ -330,7 +330,7 @@ def updates_kept_in_step(
             params_on_nvme=params_on_nvme,
             state_on_nvme=state_on_nvme,
             state_dtype=config.precision.optimizer_state_dtype,
-            widened=config.precision.master_dtype != "fp32",
+            widened=config.precision.widened_masters,
             compute_copies=compute_copies,
         )
         # An arena that caches every offloaded byte keeps every update's parts in it: the
@@ -351,7 +351,7 @@ def updates_kept_in_step(
                     # H leaves.
                     plan_at=plan_at if config.offload_activations != "cpu" else None,
                     state_dtype=config.precision.optimizer_state_dtype,
-                    widened=config.precision.master_dtype != "fp32",
+                    widened=config.precision.widened_masters,
                     compute_copies=compute_copies,
                 )
             )

@@ -196,7 +196,7 @@ def disk_needs(
         state_tensor_count=state_tensor_count,
         state_dtype=config.precision.optimizer_state_dtype,
         extent=lambda nbytes: SwapSpace.extent_capacity(nbytes, drives, stripe),
-        widened=config.precision.master_dtype != "fp32",
+        widened=config.precision.widened_masters,
     )
 
 

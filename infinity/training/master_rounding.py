@@ -30,6 +30,8 @@ import zlib
 
 import torch
 
+from infinity.training.scratch import DecodeScratch
+
 #: the masters this rounds: kept in bf16, updated in fp32
 ROUNDED_DTYPE = torch.bfloat16
 UPDATE_DTYPE = torch.float32
@@ -42,15 +44,15 @@ class StochasticMasters:
     """Widens bf16 masters and their gradients for an update, and rounds the results back.
 
     Scratch for one update group of at most ``capacity`` elements (the largest shard's), reused
-    by every group of a step: the master and the gradient in fp32, the carry in int32; and the
-    noise table (int16, ``capacity`` + 65536 elements), made at the first rounding and kept."""
+    by every group of a step (a :class:`~infinity.training.scratch.DecodeScratch`): the
+    master and the gradient in fp32, the carry in int32 over an fp32 buffer; and the noise table
+    (int32, ``capacity`` + 65536 elements), made at the first rounding of a step."""
 
     def __init__(self, capacity: int, device: str = "cpu") -> None:
         self.capacity = capacity
         self.device = device
         self._table: torch.Tensor | None = None
-        self._scratch: dict[str, torch.Tensor] = {}
-        self._taken: dict[str, int] = {}
+        self._scratch = DecodeScratch(capacity, device)
 
     @staticmethod
     def applies(dtype: torch.dtype) -> bool:
@@ -59,7 +61,7 @@ class StochasticMasters:
 
     def widen(self, key: str, values: torch.Tensor) -> torch.Tensor:
         """``values`` (bf16) as a new fp32 tensor of the same shape, in this group's scratch."""
-        wide = self._take(key, values.numel(), UPDATE_DTYPE).view(values.shape)
+        wide = self._take(key, values.numel()).view(values.shape)
         if self.device != "meta":
             wide.copy_(values)
         return wide
@@ -71,7 +73,7 @@ class StochasticMasters:
             return
         numel = updated.numel()
         offset = random.Random(seed).randrange(_LOW_HALF)
-        carry = self._take("carry", numel, torch.int32)
+        carry = self._take("carry", numel).view(torch.int32)
         torch.add(updated.reshape(-1).view(torch.int32), self._noise(offset, numel), out=carry)
         carry.bitwise_right_shift_(16)  # the upper half: a bf16's bits
         master.reshape(-1).view(torch.int16).copy_(carry)
@@ -92,30 +94,26 @@ class StochasticMasters:
 
     def reset(self) -> None:
         """The group's scratch is no longer used: the next group reuses it."""
-        self._taken.clear()
+        self._scratch.reset()
 
     def release(self) -> None:
         """Frees the scratch and the table (the end of a step: forward does not hold them)."""
-        self._taken.clear()
-        self._scratch.clear()
+        self._scratch.release()
         self._table = None
 
     @property
     def nbytes(self) -> int:
         """Bytes the scratch and the table hold now."""
-        held = [*self._scratch.values(), *([self._table] if self._table is not None else [])]
-        return sum(t.numel() * t.element_size() for t in held)
+        table = self._table.numel() * self._table.element_size() if self._table is not None else 0
+        return self._scratch.nbytes + table
 
-    def _take(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        start = self._taken.get(key, 0)
-        if start + numel > self.capacity:  # a group larger than the largest shard: its own
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        buffer = self._scratch.get(key)
-        if buffer is None:
-            buffer = torch.empty(self.capacity, dtype=dtype, device=self.device)
-            self._scratch[key] = buffer
-        self._taken[key] = start + numel
-        return buffer[start : start + numel]
+    def _take(self, key: str, numel: int) -> torch.Tensor:
+        """``numel`` fp32 elements of ``key``'s scratch (a group larger than the largest
+        shard: its own)."""
+        taken = self._scratch.take(key, numel)
+        if taken is None:
+            return torch.empty(numel, dtype=UPDATE_DTYPE, device=self.device)
+        return taken
 
 
 def rounding_seed(shard_id: str, step: int) -> int:

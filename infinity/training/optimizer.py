@@ -28,6 +28,7 @@ from infinity.core.residency import Residency as R
 from infinity.core.shards import OPTIM_PREFIX, ParamEntry, Shard, ShardRegistry, state_companions
 from infinity.errors import AttachError
 from infinity.training.master_rounding import UPDATE_DTYPE, StochasticMasters, rounding_seed
+from infinity.training.scratch import DecodeScratch
 from infinity.training.state_codecs import StateCodec, codec_for
 from infinity.training.step_params import StepParams
 
@@ -38,52 +39,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class DecodeScratch:
-    """The fp32 buffers an update group's compressed state is decoded into, one per state key
-    of ``capacity`` elements (the largest group's), reused by every group of a step: a fresh
-    tensor per group is mapped, faulted in and zeroed by the kernel, three times the conversion
-    itself on a 26M-element moment. Released at the end of each optimizer step, so that they
-    take no memory in forward; while they live they are the decoded state's transient, which
-    the memory plan reserves (two of the largest shard)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._taken: dict[str, int] = {}
-
-    def take(self, key: str, numel: int) -> torch.Tensor | None:
-        """``numel`` elements of key's buffer after those taken since the last reset, or None
-        where they would not fit (the caller decodes into a new tensor)."""
-        start = self._taken.get(key, 0)
-        if start + numel > self.capacity:
-            return None
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            buffer = self._buffers[key] = torch.empty(self.capacity, dtype=torch.float32)
-        self._taken[key] = start + numel
-        return buffer[start : start + numel]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffers hold now."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def reset(self) -> None:
-        """The state decoded since the last reset is no longer used."""
-        self._taken.clear()
-
-    def release(self) -> None:
-        self._taken.clear()
-        self._buffers.clear()
-
-
 def _empty(shard: Shard, device: str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty(0, dtype=dtype or shard.dtype, device=device)
 
 
 def _rounds_masters(store: AttachedStore) -> bool:
     """bf16 masters updated in fp32 and rounded back (precision.master_dtype='bf16')."""
-    return store.config.precision.master_dtype == "bf16"
+    return store.config.precision.widened_masters
 
 
 class OffloadedOptimizer(Optimizer):

@@ -42,7 +42,7 @@ MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def stored_dtype(config: PrecisionConfig) -> torch.dtype | None:
     """``precision.storage_dtype`` as a dtype, or None where the masters are kept as they are
     (``auto``; or bf16 masters, which are already what gathers read: no copy beside them)."""
-    if config.master_dtype != "fp32":
+    if config.widened_masters:
         return None
     return STORAGE_DTYPES.get(config.storage_dtype)
 
