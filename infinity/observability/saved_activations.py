@@ -121,7 +121,10 @@ class SavedActivationMeter:
                 self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             else:
                 ref[0] += 1
-        return _Held(tensor, address, self)
+        # Detached: a saved output holding its own grad_fn would be a cycle through autograd's
+        # C++ nodes that Python's collector cannot see, and the graph of a forward whose
+        # backward never comes (an evaluation with gradients on) would never be freed.
+        return _Held(tensor.detach(), address, self)
 
     def _let_go(self, address: int) -> None:
         with self._lock:

@@ -87,6 +87,8 @@ class HookSet:
         self._pass_task: int | None = None
         #: counts finished backward passes; an output hook fires once per pass
         self._backward_pass = 0
+        #: the frozen parameters' input hooks, removed when their pass ends: see _hook_inputs
+        self._input_hooks: list[Any] = []
         #: stage 3 across ranks: the gathered copies kept from forward for backward
         self.kept = placement.copies.kept_for_backward
 
@@ -149,6 +151,7 @@ class HookSet:
             # forward would start an iteration.
             self._end_of_backward(finished=False)
         self._drop_kept()  # kept by a forward whose backward never came (evaluation, grad on)
+        self._remove_input_hooks()
         self.store.stepping.start_iteration(torch.is_grad_enabled(), module.training)
 
     def _in_backward(self) -> bool:
@@ -272,7 +275,19 @@ class HookSet:
                         self.backward_holds[entry] = count - 1
                     self._release(entry)
 
-        torch.autograd.graph.register_multi_grad_hook(tensors, _opaque(inputs_done), mode="all")
+        # The hook keeps the grad_fns of its inputs in a closure that those grad_fns hold back
+        # through their own hooks: a cycle through C++ that Python's collector cannot see.
+        # With activation checkpointing it kept each step's recomputed graph alive (peak RSS
+        # grew with every step), so the hooks are removed when their backward pass ends, or
+        # when the next iteration starts without one.
+        self._input_hooks.append(
+            torch.autograd.graph.register_multi_grad_hook(tensors, _opaque(inputs_done), mode="all")
+        )
+
+    def _remove_input_hooks(self) -> None:
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks.clear()
 
     def _make_grad_hook(self, entry: ParamEntry) -> Callable:
         def grad_ready(param: torch.Tensor) -> None:
@@ -361,6 +376,7 @@ class HookSet:
         for entry in list(self.backward_holds):
             self._release_backward(entry)
         self._drop_kept()  # modules whose outputs got no gradient in this pass
+        self._remove_input_hooks()
         if finished:
             self._update_completed()  # those whose reductions landed last
         else:
