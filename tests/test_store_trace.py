@@ -126,6 +126,25 @@ def test_lookahead_lists_upcoming_entries_nearest_first():
     assert list(LookaheadPrefetch(2).wanted(follower)) == [1, 2, 3]
 
 
+def test_lookahead_counts_its_depth_in_events_that_move_bytes():
+    """A LoRA layer: base weights (even entries, 100 bytes) each followed by its two adapters
+    (odd entries, 1 byte). Depth 2 reaches two base weights ahead, with the adapters between;
+    counting every event, it reached one adapter pair and no weight."""
+    sizes = {0: 100, 1: 1, 2: 100, 3: 1, 4: 100, 5: 1, 6: 100}
+    follower = TraceFollower()
+    follower.traces["m"] = _trace([[0], [1], [1], [2], [3], [3], [4], [5], [5], [6]])
+    follower.start_iteration("m")
+    follower.observe(Event(FORWARD, 0, (0,)))
+    assert list(LookaheadPrefetch(2).wanted(follower)) == [1]
+    policy = LookaheadPrefetch(2, entry_bytes=sizes.__getitem__)
+    assert list(policy.wanted(follower)) == [1, 2, 3, 4]
+    # the window ends with the trace, and depth 0 prefetches nothing
+    for event in follower.trace.events[1:7]:
+        follower.observe(event)
+    assert list(policy.wanted(follower)) == [5, 6]
+    assert list(LookaheadPrefetch(0, entry_bytes=sizes.__getitem__).wanted(follower)) == []
+
+
 def test_every_transition_outside_the_table_is_refused():
     for old in Residency:
         for new in Residency:

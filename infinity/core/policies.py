@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from infinity.core.trace import TraceFollower
+from infinity.core.trace import Trace, TraceFollower
 
 T = TypeVar("T")
 
@@ -62,7 +62,15 @@ class PrefetchPolicy(ABC):
 
 
 class LookaheadPrefetch(PrefetchPolicy):
-    """The entries of the next ``depth`` events of the trace.
+    """The entries of the next ``depth`` events of the trace that move a sizeable share of the
+    bytes, and of the smaller events between them.
+
+    An event counts toward ``depth`` when its entries hold at least 1/8 of the mean bytes of
+    the trace's events (``entry_bytes`` gives an entry's; without it every event counts). A
+    LoRA layer's adapters and a block's norms take no read time worth a step of look-ahead:
+    counted, the window of depth 2 after a base weight held its two adapters and no other
+    weight. On the 13 B LoRA (40 layers, 4 GiB) the training thread waited for reads 7-8 s a
+    step; counted in base weights, 1.3-1.4 s.
 
     ``stream_inference``: in an iteration without autograd, the whole trace ahead, wrapping into
     the next iteration. Such an iteration only reads weights, each once, in an order that repeats
@@ -70,19 +78,54 @@ class LookaheadPrefetch(PrefetchPolicy):
     bounds it: a read may only evict what is needed after it). In training the arena also holds
     gradients and optimizer state, which a deep prefetch would push out."""
 
-    def __init__(self, depth: int, stream_inference: bool = True) -> None:
+    #: an event counts toward the depth with this share of the mean event's bytes (the mean, not
+    #: the largest: an 8 B Llama's 1 GB embedding would leave its 8 MB k and v out)
+    SIZEABLE = 1 / 8
+
+    def __init__(
+        self,
+        depth: int,
+        stream_inference: bool = True,
+        entry_bytes: Callable[[int], int] | None = None,
+    ) -> None:
         self.depth = depth
         self.stream_inference = stream_inference
+        self.entry_bytes = entry_bytes
+        #: (the trace it was computed for, the bytes an event must hold to count)
+        self._sizeable: tuple[Trace, int] | None = None
 
     def wanted(self, follower: TraceFollower) -> Iterable[int]:
         seen: set[int] = set()
         trace = follower.trace
-        if self.stream_inference and self.depth and trace is not None and follower.inference:
+        streaming = self.stream_inference and follower.inference
+        if trace is None or not self.depth:
+            upcoming = follower.upcoming(self.depth)
+        elif streaming:
             upcoming = follower.upcoming(len(trace), wrap=True)
         else:
-            upcoming = follower.upcoming(self.depth)
+            # every event up to the depth-th sizeable one (see the class docstring)
+            upcoming = follower.upcoming(len(trace) if self.entry_bytes else self.depth)
+        sizeable = self._sizeable_bytes(trace)
+        left = self.depth
         for event in upcoming:
+            if left <= 0 and not streaming:
+                return
             for entry in event.entries:
                 if entry not in seen:
                     seen.add(entry)
                     yield entry
+            if self._event_bytes(event.entries) >= sizeable:
+                left -= 1
+
+    def _event_bytes(self, entries: Sequence[int]) -> int:
+        if self.entry_bytes is None:
+            return 0
+        return sum(self.entry_bytes(index) for index in entries)
+
+    def _sizeable_bytes(self, trace: Trace | None) -> int:
+        if self.entry_bytes is None or trace is None:
+            return 0
+        if self._sizeable is None or self._sizeable[0] is not trace:
+            total = sum(self._event_bytes(e.entries) for e in trace.events)
+            self._sizeable = (trace, int(total / max(1, len(trace)) * self.SIZEABLE))
+        return self._sizeable[1]

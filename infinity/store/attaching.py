@@ -276,7 +276,7 @@ def make_placement(
         engine,
         follower,
         BeladyEviction(),
-        LookaheadPrefetch(prefetch_depth),
+        LookaheadPrefetch(prefetch_depth, entry_bytes=lambda index: registry.entries[index].nbytes),
         settings,
         make_gradients=lambda slots: Gradients(
             slots,
