@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=4 * GIB
     )
+    parser.add_argument(
+        "--prefetch-depth", type=int, default=None, help="the store's prefetch_depth (its default)"
+    )
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="Trainer's (1.0)")
     parser.add_argument(
         "--gradient-checkpointing",
@@ -393,6 +396,7 @@ def train(
         nvme_path=(swap,),
         host_budget=args.host_budget,
         precision=shape.precision(),
+        **({} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}),
     )
     disk = DiskPeak(swap)
     store = infinity.TieredStore(config)
