@@ -485,3 +485,51 @@ def test_step_reads_ahead_without_evicting_shards_it_has_still_to_update(tmp_pat
     assert stats["bytes_read"] > 0 and stats["step_read_ahead_loads"] > 0
     assert not ahead_writes
     store.close()
+
+
+class _HeadModel(torch.nn.Module):
+    """An embedding and a head of 1 MiB each (fp32), tied or each its own parameter."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1024, 256)
+        self.mid = torch.nn.Linear(256, 256)
+        self.head = torch.nn.Linear(256, 1024, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_transient_reserve_counts_a_second_gradient_only_for_a_tied_weight(tmp_path, tied):
+    """Autograd's gradient of the largest parameter is reserved once; a weight two modules use
+    gets two contributions and their sum. Shards of 256 KiB keep the first step's optimizer
+    state (two of a shard) below either."""
+    model = _HeadModel(tied)
+    store = TieredStore(
+        OffloadConfig(
+            offload_param="nvme",
+            offload_optimizer="nvme",
+            nvme_path=str(tmp_path),
+            host_budget="64MiB",
+            buffer_size="256KiB",
+        )
+    )
+    model, optimizer = store.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    try:
+        budgets = store.stats()["budgets"]
+        slack = 32 << 20
+        assert budgets["transient_reserved"] == slack + (3 if tied else 1) * (1 << 20)
+        tokens = torch.randint(0, 1024, (2, 8))
+        losses = []
+        for _ in range(3):
+            loss = model(tokens).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[2] < losses[0]
+    finally:
+        store.close()

@@ -141,13 +141,8 @@ class DeviceFloor:
 def device_floor(modules: Modules, persistent: set[int], training: bool = True) -> DeviceFloor:
     """See :class:`DeviceFloor`. Without training (no optimizer: inference) nothing is held
     through a backward, so shared parameters are only their modules'."""
-    owners: dict[int, int] = {}
-    by_index: dict[int, ParamEntry] = {}
-    for _, entries in modules:
-        for entry in entries:
-            owners[entry.index] = owners.get(entry.index, 0) + 1
-            by_index[entry.index] = entry
-    shared = {i for i, count in owners.items() if training and count > 1 and i not in persistent}
+    by_index = {entry.index: entry for _, entries in modules for entry in entries}
+    shared = shared_entries(modules) - persistent if training else set()
     persistent_bytes = sum(by_index[i].device_bytes for i in persistent if i in by_index)
     best: DeviceFloor | None = None
     for name, entries in modules:
@@ -167,6 +162,15 @@ def device_floor(modules: Modules, persistent: set[int], training: bool = True) 
             )
     assert best is not None, "a model with parameters has a module that owns them"
     return best
+
+
+def shared_entries(modules: Modules) -> set[int]:
+    """The indices of the entries more than one module uses (tied weights)."""
+    owners: dict[int, int] = {}
+    for _, entries in modules:
+        for entry in entries:
+            owners[entry.index] = owners.get(entry.index, 0) + 1
+    return {index for index, count in owners.items() if count > 1}
 
 
 def working_set(modules: Modules, depth: int) -> int:
@@ -195,6 +199,7 @@ def transient_bytes(
     shards: Iterable[Shard],
     trained: Collection[int] | None = None,
     widened: bool = False,
+    shared: Collection[int] | None = None,
 ) -> int:
     """Host memory the store makes and frees around its tiers, at most this much at a time, for
     what this attach will do. ``trained``: the indices of the entries an optimizer updates
@@ -204,20 +209,29 @@ def transient_bytes(
     shard (two moments) before it moves to its companions. Without one (inference, or nothing
     trained) the decode of one shard into the compute dtype. Frozen parameters get no
     gradient and no state. ``widened``: bf16 masters updated in fp32 (precision.master_dtype):
-    an update also holds its shard's master and gradient in fp32, beside fp32 state. Plus a
-    margin for small allocations."""
+    an update also holds its shard's master and gradient in fp32, beside fp32 state.
+    ``shared``: the indices of the entries more than one module uses (None: any may be); only
+    those get a second contribution and a sum. An untied 8 B Llama's embedding and head (1.05 GB
+    of bf16 each) reserved 3.15 GB of a 4 GiB budget for a sum that never comes, and left its
+    arena 0.3 GB. (A module called twice in one forward sums two gradients of its own
+    parameters too; attach cannot know it, and such a model's peak may pass the bound by one
+    gradient.) Plus a margin for small allocations."""
     shards = list(shards)
     indices = frozenset(trained or ())
     trained_entries = [e for e in entries if e.index in indices]
     if trained_entries:
         largest_param = max(e.nbytes for e in trained_entries)
+        # autograd's gradient, and for a parameter used twice its second one and their sum
+        gradients = max(
+            e.nbytes * (3 if shared is None or e.index in shared else 1) for e in trained_entries
+        )
         # two moments as they are (fp32 masters), or in fp32 with the master and gradient
         # widened beside them: 4 fp32 tensors of the shard
         largest_update = max(
             (16 * s.numel if widened else 2 * s.nbytes for s in shards if s.entry.index in indices),
             default=2 * largest_param,
         )
-        need = max(3 * largest_param, largest_update)
+        need = max(gradients, largest_update)
     else:
         need = max((s.nbytes for s in shards), default=0)
     return need + HEAP_SLACK
@@ -363,7 +377,7 @@ def plan_memory(
     carved = device if device_in_host else 0
     widened = config.precision.widened_masters
     params = [s for s in shards if s.kind is ShardKind.PARAM]
-    transient = transient_bytes(entries, params, trained, widened)
+    transient = transient_bytes(entries, params, trained, widened, shared_entries(modules))
     needed = 0
     arena = 0
     reserved = 0
