@@ -425,13 +425,24 @@ def train(
 
         class PerStep(transformers.TrainerCallback):
             def on_step_begin(self, *_: Any, **__: Any) -> None:
+                marks.pop("optimizer_stats", None), marks.pop("optimizer_t", None)
                 marks["stats"], marks["t"] = store.stats(), time.perf_counter()
 
+            def on_pre_optimizer_step(self, *_: Any, **__: Any) -> None:
+                # forward and backward end here (gradient clipping is before it, in Trainer)
+                marks["optimizer_stats"], marks["optimizer_t"] = store.stats(), time.perf_counter()
+
             def on_step_end(self, *_: Any, **__: Any) -> None:
-                seconds = time.perf_counter() - marks["t"]
+                now = time.perf_counter()
+                seconds = now - marks["t"]
                 after, before = store.stats(), marks["stats"]
+                middle = marks.get("optimizer_stats", after)
                 record = {
                     "step_s": seconds,
+                    "forward_backward_s": marks.get("optimizer_t", now) - marks["t"],
+                    "optimizer_step_s": now - marks.get("optimizer_t", now),
+                    "forward_backward_stall_s": middle["stall_seconds"] - before["stall_seconds"],
+                    "optimizer_step_stall_s": after["stall_seconds"] - middle["stall_seconds"],
                     "bytes_read": after["bytes_read"] - before["bytes_read"],
                     "bytes_written": after["bytes_written"] - before["bytes_written"],
                     "stall_s": after["stall_seconds"] - before["stall_seconds"],
@@ -441,7 +452,11 @@ def train(
                 }
                 steps.append(record)
                 print(
-                    f"step {len(steps) - 1}: {seconds:.1f} s, read "
+                    f"step {len(steps) - 1}: {seconds:.1f} s (forward and backward "
+                    f"{record['forward_backward_s']:.1f} s, stalled "
+                    f"{record['forward_backward_stall_s']:.1f}; optimizer.step() "
+                    f"{record['optimizer_step_s']:.1f} s, stalled "
+                    f"{record['optimizer_step_stall_s']:.1f}), read "
                     f"{record['bytes_read'] / 1e9:.2f} GB, written "
                     f"{record['bytes_written'] / 1e9:.2f} GB, peak RSS "
                     f"{record['peak_rss'] / GIB:.2f} GiB, swap directory peak "
