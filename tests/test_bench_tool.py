@@ -411,7 +411,7 @@ def test_overlap_benchmark_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
                 "--repeats",
                 "1",
                 "--host-budget",
-                "0.035",
+                "0.0345",
                 "--arena",
                 "0.003",
                 "--device-budget",
