@@ -106,6 +106,12 @@ SHAPES = {
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
+def chosen(shape: Shape, args: argparse.Namespace) -> Shape:
+    """``shape`` as the command line narrows it and stores its moments."""
+    shape = shape.narrowed(args.narrow)
+    return replace(shape, state_dtype=args.state_dtype) if args.state_dtype else shape
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
@@ -121,6 +127,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument(
         "--host-budget", type=lambda v: parse_size(v, name="--host-budget"), default=4 * GIB
+    )
+    parser.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16", "int8"),
+        default=None,
+        help="the moments' optimizer_state_dtype (default: the shape's: int8 for 8b, fp32 for "
+        "13b-lora)",
     )
     parser.add_argument(
         "--prefetch-depth", type=int, default=None, help="the store's prefetch_depth (its default)"
@@ -561,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.nvme_path or Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     names = list(SHAPES) if args.shape == "both" else [args.shape]
-    results = [run_shape(SHAPES[name].narrowed(args.narrow), args, parent) for name in names]
+    results = [run_shape(chosen(SHAPES[name], args), args, parent) for name in names]
     if args.json:
         args.json.write_text(json.dumps({"shapes": results}, indent=2))
     return 2 if any("refused" in r for r in results) else 0
