@@ -199,7 +199,7 @@ def transient_bytes(
     shards: Iterable[Shard],
     trained: Collection[int] | None = None,
     widened: bool = False,
-    shared: Collection[int] | None = None,
+    shared: Collection[int] = frozenset(),
 ) -> int:
     """Host memory the store makes and frees around its tiers, at most this much at a time, for
     what this attach will do. ``trained``: the indices of the entries an optimizer updates
@@ -210,10 +210,10 @@ def transient_bytes(
     trained) the decode of one shard into the compute dtype. Frozen parameters get no
     gradient and no state. ``widened``: bf16 masters updated in fp32 (precision.master_dtype):
     an update also holds its shard's master and gradient in fp32, beside fp32 state.
-    ``shared``: the indices of the entries more than one module uses (None: any may be); only
-    those get a second contribution and a sum. An untied 8 B Llama's embedding and head (1.05 GB
-    of bf16 each) reserved 3.15 GB of a 4 GiB budget for a sum that never comes, and left its
-    arena 0.3 GB. (A module called twice in one forward sums two gradients of its own
+    ``shared``: the indices of the entries more than one module uses (:func:`shared_entries`);
+    only those get a second contribution and a sum. An untied 8 B Llama's embedding and head
+    (1.05 GB of bf16 each) reserved 3.15 GB of a 4 GiB budget for a sum that never comes, and
+    left its arena 0.3 GB. (A module called twice in one forward sums two gradients of its own
     parameters too; attach cannot know it, and such a model's peak may pass the bound by one
     gradient.) Plus a margin for small allocations."""
     shards = list(shards)
@@ -222,9 +222,7 @@ def transient_bytes(
     if trained_entries:
         largest_param = max(e.nbytes for e in trained_entries)
         # autograd's gradient, and for a parameter used twice its second one and their sum
-        gradients = max(
-            e.nbytes * (3 if shared is None or e.index in shared else 1) for e in trained_entries
-        )
+        gradients = max(e.nbytes * (3 if e.index in shared else 1) for e in trained_entries)
         # two moments as they are (fp32 masters), or in fp32 with the master and gradient
         # widened beside them: 4 fp32 tensors of the shard
         largest_update = max(

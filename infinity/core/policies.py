@@ -10,10 +10,10 @@ it can afford without over-committing its buffers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
-from infinity.core.trace import Trace, TraceFollower
+from infinity.core.trace import Event, Trace, TraceFollower
 
 T = TypeVar("T")
 
@@ -91,41 +91,42 @@ class LookaheadPrefetch(PrefetchPolicy):
         self.depth = depth
         self.stream_inference = stream_inference
         self.entry_bytes = entry_bytes
-        #: (the trace it was computed for, the bytes an event must hold to count)
-        self._sizeable: tuple[Trace, int] | None = None
+        #: (the trace they were computed for, whether each of its events counts toward depth)
+        self._counted: tuple[Trace, list[bool]] | None = None
 
     def wanted(self, follower: TraceFollower) -> Iterable[int]:
         seen: set[int] = set()
         trace = follower.trace
-        streaming = self.stream_inference and follower.inference
+        upcoming: Iterable[Event]
         if trace is None or not self.depth:
             upcoming = follower.upcoming(self.depth)
-        elif streaming:
+        elif self.stream_inference and follower.inference:
             upcoming = follower.upcoming(len(trace), wrap=True)
+        elif self.entry_bytes is None:
+            upcoming = follower.upcoming(self.depth)
         else:
-            # every event up to the depth-th sizeable one (see the class docstring)
-            upcoming = follower.upcoming(len(trace) if self.entry_bytes else self.depth)
-        sizeable = self._sizeable_bytes(trace)
-        left = self.depth
+            upcoming = self._up_to_depth(trace, follower.position)
         for event in upcoming:
-            if left <= 0 and not streaming:
-                return
             for entry in event.entries:
                 if entry not in seen:
                     seen.add(entry)
                     yield entry
-            if self._event_bytes(event.entries) >= sizeable:
-                left -= 1
 
-    def _event_bytes(self, entries: Sequence[int]) -> int:
-        if self.entry_bytes is None:
-            return 0
-        return sum(self.entry_bytes(index) for index in entries)
+    def _up_to_depth(self, trace: Trace, position: int) -> Iterator[Event]:
+        """The events from ``position`` to the ``depth``-th that counts (see the class
+        docstring), read in place."""
+        counts = self._counts(trace)
+        left = self.depth
+        for index in range(position, len(trace)):
+            if left <= 0:
+                return
+            yield trace.events[index]
+            left -= counts[index]
 
-    def _sizeable_bytes(self, trace: Trace | None) -> int:
-        if self.entry_bytes is None or trace is None:
-            return 0
-        if self._sizeable is None or self._sizeable[0] is not trace:
-            total = sum(self._event_bytes(e.entries) for e in trace.events)
-            self._sizeable = (trace, int(total / max(1, len(trace)) * self.SIZEABLE))
-        return self._sizeable[1]
+    def _counts(self, trace: Trace) -> list[bool]:
+        if self._counted is None or self._counted[0] is not trace:
+            assert self.entry_bytes is not None
+            sizes = [sum(map(self.entry_bytes, e.entries)) for e in trace.events]
+            sizeable = int(sum(sizes) / max(1, len(sizes)) * self.SIZEABLE)
+            self._counted = (trace, [size >= sizeable for size in sizes])
+        return self._counted[1]

@@ -438,7 +438,8 @@ def train(
 
         class PerStep(transformers.TrainerCallback):
             def on_step_begin(self, *_: Any, **__: Any) -> None:
-                marks.pop("optimizer_stats", None), marks.pop("optimizer_t", None)
+                for key in ("optimizer_stats", "optimizer_t"):  # the last step's
+                    marks.pop(key, None)
                 marks["stats"], marks["t"] = store.stats(), time.perf_counter()
 
             def on_pre_optimizer_step(self, *_: Any, **__: Any) -> None:
