@@ -290,6 +290,8 @@ def test_state_decoded_into_reused_buffers_trains_as_fresh_tensors_do(dtype, tmp
         store.close(restore_params=False)
         return losses, params
 
+    # the torch operations' path: the fused kernel (test_fused_adam.py) decodes into no scratch
+    monkeypatch.setenv("INFINITY_FUSED_KERNELS", "0")
     held: list[int] = []
     release = DecodeScratch.release
 

@@ -96,6 +96,8 @@ def test_the_wheel_has_no_generic_top_level_package(installed):
     assert top - info == {"infinity", "swap"}
     # the command-line package is in it (the console scripts' modules), the benchmarks are not
     assert "infinity/cli/demo.py" in names and "infinity/cli/disk/fio.py" in names
+    # the fused optimizer kernel's source, built where the wheel is used
+    assert "infinity/training/fused_adam.c" in names
     assert not any(name.startswith("tools/") for name in names)
     # the license text ships, and the metadata names it by its SPDX expression
     (info_dir,) = info

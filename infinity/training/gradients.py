@@ -342,17 +342,22 @@ class Gradients:
     def apply_grad_multiplier(self, shard: Shard, grad: torch.Tensor, multiplier: float) -> None:
         """Multiplies the host gradient ``grad`` of ``shard`` in place by ``multiplier`` times
         the factor the loop recorded, which is then done."""
-        factor = multiplier * shard.grad_scale
-        shard.grad_scale = 1.0
-        if factor == 1.0:
-            return
+        factor = self.take_grad_factor(shard, multiplier)
         if factor == 0.0:
             grad.zero_()  # as p.grad.zero_() would: NaN and inf included
+        elif factor != 1.0:
+            grad.mul_(factor)
+
+    def take_grad_factor(self, shard: Shard, multiplier: float) -> float:
+        """``multiplier`` times the factor the loop recorded on ``shard``'s gradient, which the
+        caller applies (0: zeroes it, NaN and inf included): the factor is then done."""
+        factor = multiplier * shard.grad_scale
+        shard.grad_scale = 1.0
+        if factor == 0.0:
             shard.grad_sq_norm = 0.0
-            return
-        grad.mul_(factor)
-        if shard.grad_sq_norm is not None:
+        elif factor != 1.0 and shard.grad_sq_norm is not None:
             shard.grad_sq_norm *= factor * factor
+        return factor
 
     def _grad_for_read(self, shard: Shard) -> torch.Tensor:
         """The shard's host gradient (its companion read back when it is on NVMe)."""

@@ -52,6 +52,7 @@ class StochasticMasters:
         self.capacity = capacity
         self.device = device
         self._table: torch.Tensor | None = None
+        self._permutation: torch.Tensor | None = None
         self._scratch = DecodeScratch(capacity, device)
 
     @staticmethod
@@ -72,7 +73,7 @@ class StochasticMasters:
         if self.device == "meta":
             return
         numel = updated.numel()
-        offset = random.Random(seed).randrange(_LOW_HALF)
+        offset = self.offset(seed)
         carry = self._take("carry", numel).view(torch.int32)
         torch.add(updated.reshape(-1).view(torch.int32), self._noise(offset, numel), out=carry)
         carry.bitwise_right_shift_(16)  # the upper half: a bf16's bits
@@ -85,12 +86,22 @@ class StochasticMasters:
             generator = torch.Generator().manual_seed(offset)
             return torch.randint(0, _LOW_HALF, (numel,), dtype=torch.int32, generator=generator)
         if self._table is None:
-            generator = torch.Generator().manual_seed(_TABLE_SEED)
-            # int16 holds [0, 65536) shifted down; added back as the int32 table's values
-            permutation = torch.randperm(_LOW_HALF, generator=generator).to(torch.int32)
             repeats = -(-(self.capacity + _LOW_HALF) // _LOW_HALF)
-            self._table = permutation.repeat(repeats)
+            self._table = self.permutation().repeat(repeats)
         return self._table[offset : offset + numel]
+
+    def permutation(self) -> torch.Tensor:
+        """The 65536 noise values (int32) in the table's order: element ``i`` of an update
+        at ``offset`` gets value ``(offset + i) % 65536``."""
+        if self._permutation is None:
+            generator = torch.Generator().manual_seed(_TABLE_SEED)
+            self._permutation = torch.randperm(_LOW_HALF, generator=generator).to(torch.int32)
+        return self._permutation
+
+    @staticmethod
+    def offset(seed: int) -> int:
+        """Where in the noise an update with ``seed`` starts."""
+        return random.Random(seed).randrange(_LOW_HALF)
 
     def reset(self) -> None:
         """The group's scratch is no longer used: the next group reuses it."""
@@ -100,6 +111,7 @@ class StochasticMasters:
         """Frees the scratch and the table (the end of a step: forward does not hold them)."""
         self._scratch.release()
         self._table = None
+        self._permutation = None
 
     @property
     def nbytes(self) -> int:

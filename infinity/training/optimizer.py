@@ -27,9 +27,11 @@ from torch.optim import Optimizer
 from infinity.core.residency import Residency as R
 from infinity.core.shards import OPTIM_PREFIX, ParamEntry, Shard, ShardRegistry, state_companions
 from infinity.errors import AttachError
+from infinity.training import fused_adam
+from infinity.training.fused_adam import AdamSettings, FusedAdam, KernelShard
 from infinity.training.master_rounding import UPDATE_DTYPE, StochasticMasters, rounding_seed
 from infinity.training.scratch import DecodeScratch
-from infinity.training.state_codecs import StateCodec, codec_for
+from infinity.training.state_codecs import Int8Codec, StateCodec, codec_for
 from infinity.training.step_params import StepParams
 
 if TYPE_CHECKING:
@@ -95,6 +97,9 @@ class OffloadedOptimizer(Optimizer):
             if _rounds_masters(store)
             else None
         )
+        #: the whole update chain (decode, widen, Adam, round, encode) in one pass, where it
+        #: applies (infinity.training.fused_adam); None: torch operations
+        self.fused = self._fused_kernel()
         #: the inner optimizer's own time and the elements it updated; the steps' time less
         #: their waits and copies per element updated; the last iteration's device copies
         #: (bytes, seconds): what the planner replays (infinity.planning.planner)
@@ -242,7 +247,104 @@ class OffloadedOptimizer(Optimizer):
             numel += shard.numel
         return groups
 
+    def _fused_kernel(self) -> FusedAdam | None:
+        if not self.swap_state or self._host_device != "cpu":
+            return None
+        if self.codec is None and self.rounding is None:
+            return None  # torch's fused Adam is already one pass
+        if type(self.inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            return None
+        library = fused_adam.library()
+        if library is None:
+            return None
+        return FusedAdam(library, self.codec.name if self.codec is not None else "fp32")
+
+    def _fused_plan(self, tile: list[Shard]) -> list[tuple[Shard, AdamSettings]] | None:
+        """The tile's shards with a gradient and their settings, where the fused kernel updates
+        every one of them as the inner optimizer would; None where it does not (the first step
+        creates the state; other settings, layouts or keys)."""
+        groups = {id(p): g for g in self.inner.param_groups for p in g["params"]}
+        encoding = self.codec.name if self.codec is not None else None
+        planned = []
+        for shard in tile:
+            param = step_param_of(shard)
+            group = groups.get(id(param))
+            settings = AdamSettings.of(self.inner, group) if group is not None else None
+            state = self.inner.state.get(param)
+            companions = state_companions(shard)
+            if settings is None or not state or not isinstance(state.get("step"), torch.Tensor):
+                return None
+            if sorted(companions) != sorted(_ADAM_KEYS):
+                return None
+            if any(c.encoding != encoding for c in companions.values()):
+                return None
+            rounds = self.rounding is not None and self.rounding.applies(shard.dtype)
+            if not rounds and shard.dtype != torch.float32:
+                return None
+            if rounds and shard.numel > self._group_numel:
+                return None  # beyond the noise table the torch path draws its own
+            grad = self.placement.gradients.grad_view(shard)
+            if grad is None:
+                continue  # the optimizer skips it
+            if not grad.is_contiguous() or grad.dtype not in (torch.bfloat16, torch.float32):
+                return None
+            planned.append((shard, settings))
+        return planned
+
+    def _update_fused(
+        self, tile: list[Shard], planned: list[tuple[Shard, AdamSettings]], grad_multiplier: float
+    ) -> list[Shard]:
+        fused, codec, rounding = self.fused, self.codec, self.rounding
+        assert fused is not None
+        placement = self.placement
+        steps = self.store.stepping.steps
+        started = time.perf_counter()
+        changed: list[Shard] = []
+        for shard, settings in planned:
+            companions = state_companions(shard)
+            pair = [companions[key] for key in _ADAM_KEYS]
+            stored = [c.host_copy() for c in pair]
+            scales = None
+            state_noise = None
+            if codec is not None:
+                seeds = [rounding_seed(f"{shard.id}/{key}", steps) for key in _ADAM_KEYS]
+                noises = [codec.kernel_noise(seed, shard.numel) for seed in seeds]
+                state_noise = (noises[0][0], (noises[0][1], noises[1][1]))
+                if isinstance(codec, Int8Codec):
+                    parts = [codec.parts(s, shard.numel) for s in stored]
+                    scales = (parts[0][0], parts[1][0])
+                    stored = [parts[0][1], parts[1][1]]
+            master_noise = None
+            if rounding is not None and rounding.applies(shard.dtype):
+                seed = rounding_seed(shard.id, steps)
+                master_noise = (rounding.permutation(), rounding.offset(seed))
+            grad = placement.gradients.grad_view(shard)
+            assert grad is not None  # planned
+            step = self.inner.state[step_param_of(shard)]["step"]
+            step.add_(1)  # as torch's fused Adam counts, before its update
+            kernel_shard = KernelShard(
+                master=shard.host_copy().reshape(-1),
+                grad=grad.reshape(-1),
+                grad_factor=placement.gradients.take_grad_factor(shard, grad_multiplier),
+                states=(stored[0][: shard.numel], stored[1][: shard.numel]),
+                scales=scales,
+                master_noise=master_noise,
+                state_noise=state_noise,
+            )
+            fused.update(kernel_shard, settings, float(step))
+            for companion in pair:
+                if companion.state is not R.HOST:
+                    self.store.registry.set_state(companion, R.HOST)
+                changed.append(companion)
+        self.update_seconds += time.perf_counter() - started
+        self.updated_elements += sum(shard.numel for shard in tile)
+        return changed
+
     def _update(self, tile: list[Shard], grad_multiplier: float) -> list[Shard]:
+        if self.fused is not None:
+            planned = self._fused_plan(tile)
+            if planned is not None:
+                return self._update_fused(tile, planned, grad_multiplier)
         placement = self.placement
         rounding = self.rounding
         bound: list[tuple[Shard, dict[str, Shard]]] = []
@@ -559,6 +661,8 @@ def _default_kernel(defaults: dict[str, Any], groups: list[dict[str, Any]]) -> b
     return True
 
 
+#: Adam's per-element state, in the fused kernel's order
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 #: param-group keys that choose an update kernel, not the optimisation
 KERNEL_KEYS = ("fused", "foreach")
 

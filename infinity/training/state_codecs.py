@@ -87,6 +87,11 @@ class StateCodec(Protocol):
         (fp32, flat, ``numel`` elements) and returned, or without it into a new tensor."""
         ...
 
+    def kernel_noise(self, seed: int, numel: int) -> tuple[torch.Tensor, list[int]]:
+        """What ``encode`` with ``seed`` adds to ``numel`` elements, for the fused kernel
+        (infinity.training.fused_adam): the noise table and the offset of each chunk."""
+        ...
+
 
 class _Noise:
     """Integers uniform in [low, high), read at offsets drawn from each encode's seed (see the
@@ -111,6 +116,11 @@ class _Noise:
             return [None] * chunks
         generator = torch.Generator().manual_seed(seed)
         return torch.randint(_NOISE_SPAN, (chunks,), generator=generator).tolist()
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The table itself (the fused kernel reads it at each chunk's offset)."""
+        return self._table
 
     def take(self, n: int, offset: int | None) -> torch.Tensor | int:
         """What an encode adds to ``n`` elements' bits: the noise at ``offset``, or without
@@ -139,6 +149,11 @@ class Bf16Codec:
 
     def stored(self, numel: int) -> tuple[int, torch.dtype]:
         return numel, torch.bfloat16
+
+    def kernel_noise(self, seed: int, numel: int) -> tuple[torch.Tensor, list[int]]:
+        """What ``encode`` with ``seed`` adds to ``numel`` elements, for the fused kernel: the
+        noise table and the offset into it of each chunk."""
+        return self._noise.table, [o for o in self._noise.offsets(seed, numel) if o is not None]
 
     def encode(self, values: torch.Tensor, out: torch.Tensor, key: str, seed: int | None) -> None:
         if values.device.type == "meta":
@@ -181,6 +196,11 @@ class Int8Codec:
 
     def stored(self, numel: int) -> tuple[int, torch.dtype]:
         return 4 * self.blocks(numel) + numel, torch.uint8
+
+    def kernel_noise(self, seed: int, numel: int) -> tuple[torch.Tensor, list[int]]:
+        """What ``encode`` with ``seed`` adds to ``numel`` elements, for the fused kernel: the
+        noise table and the offset into it of each chunk."""
+        return self._noise.table, [o for o in self._noise.offsets(seed, numel) if o is not None]
 
     def parts(self, stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales (fp32, one per block) and the codes (uint8) in a companion's bytes."""
