@@ -50,6 +50,14 @@ def test_both_shapes_train_three_steps_and_report_against_their_floors(tmp_path)
             assert step["peak_rss"] > 0 and step["peak_disk"] > 0
             floor = max(step["io_floor_s"], step["compute_floor_s"])
             assert step["vs_max_floor"] == pytest.approx(step["step_s"] / floor)
+        # the swap files never took more than the store's preflight counted, nor much less
+        # (test_disk_accounting.py checks them exactly; here the files' rounding counts more)
+        accounting = result["disk_accounting"]
+        assert (
+            0.9 * accounting["preflight_bytes"]
+            <= accounting["peak_allocated_bytes"]
+            <= accounting["preflight_bytes"]
+        )
         # the trained state does not fit the budget's arena: every step reads from the disk
         assert all(step["bytes_read"] > 0 for step in result["steps"][1:])
     # the full fine-tune writes its updated state back each step; the frozen base is only read

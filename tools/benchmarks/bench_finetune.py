@@ -513,6 +513,12 @@ def train(
         }
         # the store's bound on the peak RSS and its terms, beside the process's own peak
         result["rss_bound"] = store.rss_bound()
+        # the disk the store's preflight counted beside what its swap files took (du's figure)
+        accounting = store.stats()["disk"]
+        result["disk_accounting"] = {
+            k: accounting[k] for k in ("preflight_bytes", "allocated_bytes", "peak_allocated_bytes")
+        }
+        report_disk_accounting(result["disk_accounting"])
     finally:
         store.close(restore_params=False)
         disk.stop()
@@ -521,6 +527,15 @@ def train(
     result["compute_floor"] = compute_floor(shape, args, layers)
     report_floors(result, args)
     return result
+
+
+def report_disk_accounting(accounting: dict[str, int]) -> None:
+    preflight, peak = accounting["preflight_bytes"], accounting["peak_allocated_bytes"]
+    print(
+        f"disk: the store's preflight {preflight / 1e9:.2f} GB, its swap files allocated "
+        f"{accounting['allocated_bytes'] / 1e9:.2f} GB now and {peak / 1e9:.2f} GB at most "
+        f"({peak / preflight if preflight else 0:.3f}x the preflight)"
+    )
 
 
 def report_floors(result: dict[str, Any], args: argparse.Namespace) -> None:
