@@ -50,6 +50,30 @@ def test_passing_the_line_turns_reuse_off_for_good():
     assert watch.started
 
 
+def test_without_reuse_a_process_past_the_line_hands_back_its_free_heap():
+    import torch
+
+    # 16 KiB blocks come from the heap (under the pinned mmap threshold); every other one freed
+    # leaves holes that the trim threshold, which returns only the heap's top, never gives back
+    blocks = [torch.ones(4096) for _ in range(8000)]
+    del blocks[::2]
+    before = resident_bytes()
+    watch = HeapWatch(1)  # past the line; reuse never started
+    watch.check()
+    assert watch.trims == 1 and not watch.active
+    assert watch.trimmed_at < before - (32 << 20)  # about 64 MB of holes, less their headers
+    watch.check()  # no growth since: no second trim
+    assert watch.trims == 1
+    watch.decided = True  # bounded for good after the first step: it still trims
+    blocks += [torch.ones(4096) for _ in range(8000)]
+    del blocks[::2]
+    watch.check()
+    assert watch.trims == 2
+    under = HeapWatch(resident_bytes() + (1 << 30))
+    under.check()
+    assert under.trims == 0  # under the line: nothing to hand back
+
+
 def _attached(tmp_path, offload_optimizer: str):
     """A small MLP attached with parameters on NVMe under a 4 MiB host budget."""
     import torch
