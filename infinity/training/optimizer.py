@@ -259,10 +259,12 @@ class OffloadedOptimizer(Optimizer):
             return None
         return FusedAdam(library, self.codec.name if self.codec is not None else "fp32")
 
-    def _fused_plan(self, tile: list[Shard]) -> list[tuple[Shard, AdamSettings]] | None:
-        """The tile's shards with a gradient and their settings, where the fused kernel updates
-        every one of them as the inner optimizer would; None where it does not (the first step
-        creates the state; other settings, layouts or keys)."""
+    def _fused_plan(
+        self, tile: list[Shard]
+    ) -> list[tuple[Shard, AdamSettings, torch.Tensor]] | None:
+        """The tile's shards with a gradient, their settings and gradients, where the fused
+        kernel updates every one of them as the inner optimizer would; None where it does not
+        (the first step creates the state; other settings, layouts or keys)."""
         groups = {id(p): g for g in self.inner.param_groups for p in g["params"]}
         encoding = self.codec.name if self.codec is not None else None
         planned = []
@@ -288,11 +290,14 @@ class OffloadedOptimizer(Optimizer):
                 continue  # the optimizer skips it
             if not grad.is_contiguous() or grad.dtype not in (torch.bfloat16, torch.float32):
                 return None
-            planned.append((shard, settings))
+            planned.append((shard, settings, grad))
         return planned
 
     def _update_fused(
-        self, tile: list[Shard], planned: list[tuple[Shard, AdamSettings]], grad_multiplier: float
+        self,
+        tile: list[Shard],
+        planned: list[tuple[Shard, AdamSettings, torch.Tensor]],
+        grad_multiplier: float,
     ) -> list[Shard]:
         fused, codec, rounding = self.fused, self.codec, self.rounding
         assert fused is not None
@@ -300,7 +305,7 @@ class OffloadedOptimizer(Optimizer):
         steps = self.store.stepping.steps
         started = time.perf_counter()
         changed: list[Shard] = []
-        for shard, settings in planned:
+        for shard, settings, grad in planned:
             companions = state_companions(shard)
             pair = [companions[key] for key in _ADAM_KEYS]
             stored = [c.host_copy() for c in pair]
@@ -318,8 +323,6 @@ class OffloadedOptimizer(Optimizer):
             if rounding is not None and rounding.applies(shard.dtype):
                 seed = rounding_seed(shard.id, steps)
                 master_noise = (rounding.permutation(), rounding.offset(seed))
-            grad = placement.gradients.grad_view(shard)
-            assert grad is not None  # planned
             step = self.inner.state[step_param_of(shard)]["step"]
             step.add_(1)  # as torch's fused Adam counts, before its update
             kernel_shard = KernelShard(

@@ -117,10 +117,10 @@ class _Noise:
         generator = torch.Generator().manual_seed(seed)
         return torch.randint(_NOISE_SPAN, (chunks,), generator=generator).tolist()
 
-    @property
-    def table(self) -> torch.Tensor:
-        """The table itself (the fused kernel reads it at each chunk's offset)."""
-        return self._table
+    def kernel_noise(self, seed: int, numel: int) -> tuple[torch.Tensor, list[int]]:
+        """The table and the offsets of ``seed``'s chunks of ``numel`` elements: what an encode
+        with ``seed`` adds, as the fused kernel reads it."""
+        return self._table, [o for o in self.offsets(seed, numel) if o is not None]
 
     def take(self, n: int, offset: int | None) -> torch.Tensor | int:
         """What an encode adds to ``n`` elements' bits: the noise at ``offset``, or without
@@ -151,9 +151,7 @@ class Bf16Codec:
         return numel, torch.bfloat16
 
     def kernel_noise(self, seed: int, numel: int) -> tuple[torch.Tensor, list[int]]:
-        """What ``encode`` with ``seed`` adds to ``numel`` elements, for the fused kernel: the
-        noise table and the offset into it of each chunk."""
-        return self._noise.table, [o for o in self._noise.offsets(seed, numel) if o is not None]
+        return self._noise.kernel_noise(seed, numel)
 
     def encode(self, values: torch.Tensor, out: torch.Tensor, key: str, seed: int | None) -> None:
         if values.device.type == "meta":
@@ -198,9 +196,7 @@ class Int8Codec:
         return 4 * self.blocks(numel) + numel, torch.uint8
 
     def kernel_noise(self, seed: int, numel: int) -> tuple[torch.Tensor, list[int]]:
-        """What ``encode`` with ``seed`` adds to ``numel`` elements, for the fused kernel: the
-        noise table and the offset into it of each chunk."""
-        return self._noise.table, [o for o in self._noise.offsets(seed, numel) if o is not None]
+        return self._noise.kernel_noise(seed, numel)
 
     def parts(self, stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales (fp32, one per block) and the codes (uint8) in a companion's bytes."""
